@@ -1,0 +1,92 @@
+// CPU Adam/AdamW over fp32 master weights and fp32 moments, with fp32/fp16/bf16 gradients and an optional
+// fp16/bf16 copy of the updated weights written in the same pass. Numerics follow torch.optim.Adam/AdamW
+// (bias correction, eps added after the square root, decoupled weight decay: Loshchilov & Hutter,
+// arXiv 1711.05101).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "zoe/dtype.h"
+#include "zoe/status.h"
+
+namespace zoe {
+
+struct AdamHyper {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  bool adamw = true;            // decoupled weight decay (AdamW); false: L2 added to the gradient (Adam)
+  bool bias_correction = true;
+};
+
+// One tensor's state. Gradients may be any DType; `out`, when not null, receives the updated weights in
+// `out_dtype` (f16 or bf16). Outputs (param, exp_avg, exp_avg_sq, out) must not overlap each other or grad.
+struct AdamTensor {
+  float* param = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  const void* grad = nullptr;
+  DType grad_dtype = DType::f32;
+  void* out = nullptr;
+  DType out_dtype = DType::bf16;
+  std::size_t n = 0;
+};
+
+struct StepOptions {
+  std::int64_t step = 1;     // 1-based, as torch's state["step"] after its increment
+  float grad_scale = 1.0f;   // applied to each gradient on load: 1/loss_scale times the clip coefficient
+  bool check_finite = false; // true: refuse the step if any gradient is NaN/Inf, changing nothing
+};
+
+// Instruction sets with an Adam kernel, in priority order (best first).
+enum class Isa { avx512, avx2, scalar };
+std::string_view isa_name(Isa isa);
+std::vector<Isa> supported_isas();  // what this CPU and OS can run, best first
+
+struct CpuAdamOptions {
+  std::string isa = "auto";    // auto | scalar | avx2 | avx512; the ZOE_ISA environment variable overrides
+  int threads = 0;             // 0: every CPU this process may run on; ZOE_THREADS caps it
+  std::size_t tile = 1 << 16;  // elements per unit of parallel work
+  bool pin_threads = true;     // bind worker threads to cores (hwloc)
+};
+
+// Steps any number of tensors of any size on a persistent, pinned TBB arena. Results are bit-identical for
+// any thread count and tile size. Move-only; one instance may be shared by callers that do not step
+// concurrently.
+class CpuAdam {
+ public:
+  static Result<CpuAdam> create(const CpuAdamOptions& options = {});
+  CpuAdam(CpuAdam&&) noexcept;
+  CpuAdam& operator=(CpuAdam&&) noexcept;
+  ~CpuAdam();
+
+  Status step(const AdamHyper& hyper, const StepOptions& options, std::span<const AdamTensor> tensors);
+  Status step(const AdamHyper& hyper, const StepOptions& options, const AdamTensor& tensor) {
+    return step(hyper, options, std::span<const AdamTensor>(&tensor, 1));
+  }
+
+  // The bandwidth ceiling of `step`: the same loads and stores per element over the same tensors, threads
+  // and tiles, with trivial arithmetic. It overwrites the tensors' state; benchmarks compare against it.
+  Status streams_pass(std::span<const AdamTensor> tensors);
+
+  Isa isa() const;
+  // The name recorded in the kernel table this engine calls: proof of which ISA's code runs.
+  std::string_view kernel() const;
+  int threads() const;
+  std::size_t tile() const;
+
+ private:
+  struct Impl;
+  explicit CpuAdam(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace zoe

@@ -1,0 +1,179 @@
+// The Adam kernels, written once over a vector-ops struct `V` that each ISA translation unit defines before
+// including this file inside its own namespace (zoe::simd::<isa>), so template instances never mix ISAs.
+//
+// V provides: type F; constexpr std::size_t lanes; F set(float); F load(const float*); void store(float*, F);
+// F load_f16(const std::uint16_t*); F load_bf16(const std::uint16_t*); void store_f16(std::uint16_t*, F);
+// void store_bf16(std::uint16_t*, F); F add(F, F); F sub(F, F); F mul(F, F); F div(F, F); F sqrt(F);
+// F fma(F a, F b, F c) = a * b + c.
+//
+// Every element goes through the same vector code, the tail included (it is staged through a lane-sized
+// buffer), so results are bit-identical whatever the split of a tensor into calls.
+
+template <int G>
+inline V::F load_grad(const void* g, std::size_t i) {
+  if constexpr (G == kF32) return V::load(static_cast<const float*>(g) + i);
+  if constexpr (G == kF16) return V::load_f16(static_cast<const std::uint16_t*>(g) + i);
+  if constexpr (G == kBF16) return V::load_bf16(static_cast<const std::uint16_t*>(g) + i);
+}
+
+template <int O>
+inline void store_out(void* out, std::size_t i, V::F x) {
+  if constexpr (O == kOutF16) V::store_f16(static_cast<std::uint16_t*>(out) + i, x);
+  if constexpr (O == kOutBF16) V::store_bf16(static_cast<std::uint16_t*>(out) + i, x);
+}
+
+constexpr std::size_t elem_bytes(int elem) { return elem == kF32 ? 4 : 2; }
+constexpr std::size_t out_bytes(int out) { return out == kOutNone ? 0 : 2; }
+
+struct Broadcast {
+  V::F one_minus_beta1, beta2, one_minus_beta2, neg_step_size, inv_bc2_sqrt, eps, decay, l2, grad_scale;
+  explicit Broadcast(const AdamConstants& c)
+      : one_minus_beta1(V::set(c.one_minus_beta1)),
+        beta2(V::set(c.beta2)),
+        one_minus_beta2(V::set(c.one_minus_beta2)),
+        neg_step_size(V::set(c.neg_step_size)),
+        inv_bc2_sqrt(V::set(c.inv_bc2_sqrt)),
+        eps(V::set(c.eps)),
+        decay(V::set(c.decay)),
+        l2(V::set(c.l2)),
+        grad_scale(V::set(c.grad_scale)) {}
+};
+
+// One vector of elements starting at i. The operation order mirrors torch's single-tensor Adam:
+//   g = g * scale (+ wd * p for Adam);  m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g;
+//   p = p * (1 - lr * wd) for AdamW;  p = p - step_size * m / (sqrt(v) / sqrt(bc2) + eps).
+template <int G, int O, bool L2>
+inline void adam_lanes(const Broadcast& b, float* p, float* m, float* v, const void* g, void* out,
+                       std::size_t i) {
+  V::F gv = V::mul(load_grad<G>(g, i), b.grad_scale);
+  V::F pv = V::load(p + i);
+  if constexpr (L2) gv = V::fma(b.l2, pv, gv);
+  V::F mv = V::load(m + i);
+  mv = V::fma(b.one_minus_beta1, V::sub(gv, mv), mv);
+  V::F vv = V::mul(V::load(v + i), b.beta2);
+  vv = V::fma(V::mul(b.one_minus_beta2, gv), gv, vv);
+  const V::F denom = V::fma(V::sqrt(vv), b.inv_bc2_sqrt, b.eps);
+  pv = V::mul(pv, b.decay);
+  pv = V::fma(b.neg_step_size, V::div(mv, denom), pv);
+  V::store(p + i, pv);
+  V::store(m + i, mv);
+  V::store(v + i, vv);
+  store_out<O>(out, i, pv);
+}
+
+// The bandwidth ceiling: the loads and stores of adam_lanes, one add each.
+template <int G, int O, bool>
+inline void streams_lanes(const Broadcast&, float* p, float* m, float* v, const void* g, void* out,
+                          std::size_t i) {
+  const V::F gv = load_grad<G>(g, i);
+  const V::F pv = V::add(V::load(p + i), gv);
+  V::store(p + i, pv);
+  V::store(m + i, V::add(V::load(m + i), gv));
+  V::store(v + i, V::add(V::load(v + i), gv));
+  store_out<O>(out, i, pv);
+}
+
+inline void copy_bytes(void* dst, const void* src, std::size_t bytes) { __builtin_memcpy(dst, src, bytes); }
+
+// Runs `Lanes` over whole vectors, then the tail through lane-sized buffers (zero-padded).
+template <int G, int O, bool L2, template <int, int, bool> class Lanes>
+inline void run(const AdamConstants& c, float* p, float* m, float* v, const void* g, void* out,
+                std::size_t n) {
+  const Broadcast b(c);
+  std::size_t i = 0;
+  for (; i + V::lanes <= n; i += V::lanes) Lanes<G, O, L2>::apply(b, p, m, v, g, out, i);
+  const std::size_t tail = n - i;
+  if (tail == 0) return;
+  alignas(64) float tp[V::lanes] = {}, tm[V::lanes] = {}, tv[V::lanes] = {}, tg[V::lanes] = {};
+  alignas(64) std::uint16_t to[V::lanes] = {};
+  copy_bytes(tp, p + i, tail * 4);
+  copy_bytes(tm, m + i, tail * 4);
+  copy_bytes(tv, v + i, tail * 4);
+  copy_bytes(tg, static_cast<const unsigned char*>(g) + i * elem_bytes(G), tail * elem_bytes(G));
+  Lanes<G, O, L2>::apply(b, tp, tm, tv, tg, to, 0);
+  copy_bytes(p + i, tp, tail * 4);
+  copy_bytes(m + i, tm, tail * 4);
+  copy_bytes(v + i, tv, tail * 4);
+  if constexpr (O != kOutNone) copy_bytes(static_cast<unsigned char*>(out) + i * out_bytes(O), to, tail * out_bytes(O));
+}
+
+template <int G, int O, bool L2>
+struct AdamLanes {
+  static void apply(const Broadcast& b, float* p, float* m, float* v, const void* g, void* out, std::size_t i) {
+    adam_lanes<G, O, L2>(b, p, m, v, g, out, i);
+  }
+};
+
+template <int G, int O, bool L2>
+struct StreamsLanes {
+  static void apply(const Broadcast& b, float* p, float* m, float* v, const void* g, void* out, std::size_t i) {
+    streams_lanes<G, O, L2>(b, p, m, v, g, out, i);
+  }
+};
+
+template <int G, int O>
+void adam(const AdamConstants& c, float* p, float* m, float* v, const void* g, void* out, std::size_t n) {
+  // Adam's L2 term is a separate instantiation so that AdamW and weight_decay = 0 never compute 0 * p
+  // (which would turn an infinite weight into NaN where torch leaves it infinite).
+  if (c.l2 != 0.0f) {
+    run<G, O, true, AdamLanes>(c, p, m, v, g, out, n);
+  } else {
+    run<G, O, false, AdamLanes>(c, p, m, v, g, out, n);
+  }
+}
+
+template <int G, int O>
+void streams(const AdamConstants& c, float* p, float* m, float* v, const void* g, void* out, std::size_t n) {
+  run<G, O, false, StreamsLanes>(c, p, m, v, g, out, n);
+}
+
+// NaN/Inf test on the raw bits: an all-ones exponent. Counted in blocks (a loop the compiler vectorises);
+// only a block that has one is searched for the first index.
+template <int G>
+struct GradBits {
+  using T = std::uint16_t;
+};
+template <>
+struct GradBits<kF32> {
+  using T = std::uint32_t;
+};
+
+template <int G>
+std::size_t count_non_finite(const void* g, std::size_t n, std::size_t* first) {
+  using Bits = typename GradBits<G>::T;
+  constexpr Bits kExp = G == kF32 ? Bits(0x7f800000u) : G == kF16 ? Bits(0x7c00u) : Bits(0x7f80u);
+  const Bits* bits = static_cast<const Bits*>(g);
+  constexpr std::size_t kBlock = 1024;
+  std::size_t count = 0;
+  *first = n;
+  for (std::size_t start = 0; start < n; start += kBlock) {
+    const std::size_t end = start + kBlock < n ? start + kBlock : n;
+    std::size_t block_count = 0;
+    for (std::size_t i = start; i < end; ++i) block_count += (bits[i] & kExp) == kExp;
+    if (block_count != 0 && *first == n) {
+      for (std::size_t i = start; i < end; ++i) {
+        if ((bits[i] & kExp) == kExp) {
+          *first = i;
+          break;
+        }
+      }
+    }
+    count += block_count;
+  }
+  return count;
+}
+
+constexpr KernelTable make_table(const char* name, bool native_bf16) {
+  return KernelTable{
+      name,
+      V::lanes,
+      native_bf16,
+      {{adam<kF32, kOutNone>, adam<kF32, kOutF16>, adam<kF32, kOutBF16>},
+       {adam<kF16, kOutNone>, adam<kF16, kOutF16>, adam<kF16, kOutBF16>},
+       {adam<kBF16, kOutNone>, adam<kBF16, kOutF16>, adam<kBF16, kOutBF16>}},
+      {{streams<kF32, kOutNone>, streams<kF32, kOutF16>, streams<kF32, kOutBF16>},
+       {streams<kF16, kOutNone>, streams<kF16, kOutF16>, streams<kF16, kOutBF16>},
+       {streams<kBF16, kOutNone>, streams<kBF16, kOutF16>, streams<kBF16, kOutBF16>}},
+      {count_non_finite<kF32>, count_non_finite<kF16>, count_non_finite<kBF16>},
+  };
+}

@@ -1,0 +1,140 @@
+#include "simd/dispatch.h"
+
+#include <cpuid.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+namespace zoe::simd {
+namespace {
+
+std::uint64_t read_xcr0() {
+  std::uint32_t eax = 0, edx = 0;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (static_cast<std::uint64_t>(edx) << 32) | eax;
+}
+
+CpuFeatures detect() {
+  CpuFeatures f;
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid_max(0, nullptr) < 7) return f;
+  __cpuid(1, eax, ebx, ecx, edx);
+  const bool osxsave = (ecx >> 27) & 1;
+  if (!osxsave) return f;
+  const bool fma = (ecx >> 12) & 1;
+  const bool f16c = (ecx >> 29) & 1;
+  const std::uint64_t xcr0 = read_xcr0();
+  const bool os_ymm = (xcr0 & 0x6) == 0x6;             // SSE and AVX state
+  const bool os_zmm = os_ymm && (xcr0 & 0xe0) == 0xe0;  // opmask, ZMM_Hi256, Hi16_ZMM state
+  __cpuid_count(7, 0, eax, ebx, ecx, edx);
+  const unsigned leaf7_ebx = ebx;
+  if (os_ymm) {
+    f.avx2 = (leaf7_ebx >> 5) & 1;
+    f.fma = fma;
+    f.f16c = f16c;
+  }
+  if (os_zmm) {
+    f.avx512f = (leaf7_ebx >> 16) & 1;
+    f.avx512dq = (leaf7_ebx >> 17) & 1;
+    f.avx512bw = (leaf7_ebx >> 30) & 1;
+    f.avx512vl = (leaf7_ebx >> 31) & 1;
+    __cpuid_count(7, 1, eax, ebx, ecx, edx);
+    f.avx512bf16 = (eax >> 5) & 1;
+  }
+  return f;
+}
+
+std::string supported_list() {
+  std::string s;
+  for (Isa isa : supported_isas()) {
+    if (!s.empty()) s += ", ";
+    s += isa_name(isa);
+  }
+  return s;
+}
+
+}  // namespace
+
+const CpuFeatures& cpu_features() {
+  static const CpuFeatures features = detect();
+  return features;
+}
+
+bool isa_supported(Isa isa) {
+  const CpuFeatures& f = cpu_features();
+  switch (isa) {
+    case Isa::scalar:
+      return true;
+    case Isa::avx2:
+      return f.avx2 && f.fma && f.f16c;
+    case Isa::avx512:
+      return f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.f16c;
+  }
+  return false;
+}
+
+std::optional<Isa> parse_isa(std::string_view name) {
+  for (Isa isa : {Isa::avx512, Isa::avx2, Isa::scalar}) {
+    if (name == isa_name(isa)) return isa;
+  }
+  return std::nullopt;
+}
+
+Result<Isa> choose_isa(std::string_view requested) {
+  std::string_view source = "requested ISA";
+  if (const char* env = std::getenv("ZOE_ISA"); env != nullptr && *env != '\0') {
+    requested = env;
+    source = "ZOE_ISA";
+  }
+  if (requested == "auto" || requested.empty()) return supported_isas().front();
+  const std::optional<Isa> isa = parse_isa(requested);
+  if (!isa) {
+    return invalid_argument(std::string(source) + "=" + std::string(requested) +
+                            " is not an ISA zoe knows; use auto, scalar, avx2 or avx512 (this CPU supports " +
+                            supported_list() + ")");
+  }
+  if (!isa_supported(*isa)) {
+    return Status(StatusCode::unsupported, std::string(source) + "=" + std::string(requested) +
+                                               " is not supported by this CPU; it supports " + supported_list());
+  }
+  return *isa;
+}
+
+const KernelTable& kernel_table(Isa isa) {
+  switch (isa) {
+    case Isa::avx512:
+      return cpu_features().avx512bf16 ? avx512bf16::table() : avx512::table();
+    case Isa::avx2:
+      return avx2::table();
+    case Isa::scalar:
+      break;
+  }
+  return scalar::table();
+}
+
+}  // namespace zoe::simd
+
+namespace zoe {
+
+std::string_view isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::avx512:
+      return "avx512";
+    case Isa::avx2:
+      return "avx2";
+    case Isa::scalar:
+      return "scalar";
+  }
+  return "invalid";
+}
+
+std::vector<Isa> supported_isas() {
+  std::vector<Isa> isas;
+  for (Isa isa : {Isa::avx512, Isa::avx2, Isa::scalar}) {
+    if (simd::isa_supported(isa)) isas.push_back(isa);
+  }
+  return isas;
+}
+
+}  // namespace zoe

@@ -1,0 +1,29 @@
+// Picks the kernel table once at run time from CPUID + XCR0, honouring ZOE_ISA.
+#pragma once
+
+#include <string_view>
+
+#include "simd/kernels.h"
+#include "zoe/adam.h"
+#include "zoe/status.h"
+
+namespace zoe::simd {
+
+struct CpuFeatures {
+  bool avx2 = false, fma = false, f16c = false;                   // with the OS saving YMM state
+  bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;  // with the OS saving ZMM state
+  bool avx512bf16 = false;
+};
+
+const CpuFeatures& cpu_features();
+bool isa_supported(Isa isa);
+std::optional<Isa> parse_isa(std::string_view name);
+
+// `requested` is "auto" or an ISA token; the ZOE_ISA environment variable, when set and not empty, overrides
+// it. An unknown name or one this CPU cannot run is an error naming what this CPU supports.
+Result<Isa> choose_isa(std::string_view requested);
+
+// The table for `isa`, which must be supported; avx512 uses native bf16 rounding when the CPU has it.
+const KernelTable& kernel_table(Isa isa);
+
+}  // namespace zoe::simd

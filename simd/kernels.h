@@ -1,0 +1,49 @@
+// Private interface between the generic engine and the per-ISA kernels. Plain C types only: this header is
+// included by translation units compiled with wide-ISA flags.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace zoe::simd {
+
+// Element types by index; the values equal zoe::DType's. Output index 0 means "no output".
+enum Elem : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+enum OutElem : int { kOutNone = 0, kOutF16 = 1, kOutBF16 = 2 };
+constexpr int kElems = 3;
+
+// Per-step scalars, derived once per call from the hyper-parameters (see cpu_adam.cpp for the formulas).
+struct AdamConstants {
+  float beta1;
+  float one_minus_beta1;
+  float beta2;
+  float one_minus_beta2;
+  float neg_step_size;   // -lr / (1 - beta1^t)
+  float inv_bc2_sqrt;    // 1 / sqrt(1 - beta2^t)
+  float eps;
+  float decay;           // AdamW: 1 - lr * weight_decay; else 1
+  float l2;              // Adam: weight_decay (added to the gradient); else 0
+  float grad_scale;
+};
+
+// p, m, v: fp32 state updated in place; g: gradients of the table's grad type; out: copy of the new p.
+using AdamFn = void (*)(const AdamConstants& c, float* p, float* m, float* v, const void* g, void* out,
+                        std::size_t n);
+// Counts the NaN/Inf gradients in g[0, n); *first receives the index of the first one (n when none).
+using CountNonFiniteFn = std::size_t (*)(const void* g, std::size_t n, std::size_t* first);
+
+struct KernelTable {
+  const char* name;         // the ISA token: "scalar", "avx2", "avx512"
+  std::size_t lanes;        // fp32 lanes per vector
+  bool native_bf16;         // bf16 rounding done by a hardware instruction
+  AdamFn adam[kElems][kElems];     // [grad Elem][OutElem]
+  AdamFn streams[kElems][kElems];  // the bandwidth ceiling: same loads/stores, trivial arithmetic
+  CountNonFiniteFn count_non_finite[kElems];
+};
+
+namespace scalar { const KernelTable& table(); }
+namespace avx2 { const KernelTable& table(); }
+namespace avx512 { const KernelTable& table(); }
+namespace avx512bf16 { const KernelTable& table(); }  // avx512 with AVX512_BF16 rounding instructions
+
+}  // namespace zoe::simd

@@ -1,0 +1,49 @@
+// Small command-line helpers shared by the zoe subcommands: --name value / --name=value options, counts with
+// K/M/G suffixes, comma lists, and one-line JSON objects.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "zoe/status.h"
+
+namespace zoe::cli {
+
+struct Option {
+  std::string_view name;   // without the leading "--"
+  std::string* value;      // set for options that take a value
+  bool* flag;              // set for options that take none
+  std::string_view help;
+};
+
+// Fills the options from args; an unknown option, a missing value or a stray word is an error.
+Status parse_options(std::span<char* const> args, std::span<const Option> options);
+std::string options_help(std::span<const Option> options);
+
+// "64M" -> 67108864: suffixes K, M, G, T are powers of 1024; plain digits are taken as they are.
+Result<std::uint64_t> parse_count(std::string_view text, std::string_view what);
+std::vector<std::string> split_list(std::string_view text);
+
+// One JSON object on one line, fields in the order they are added.
+class JsonLine {
+ public:
+  JsonLine& add(std::string_view key, std::string_view value);
+  JsonLine& add(std::string_view key, const char* value) { return add(key, std::string_view(value)); }
+  JsonLine& add(std::string_view key, double value);
+  JsonLine& add(std::string_view key, std::uint64_t value);
+  JsonLine& add(std::string_view key, std::int64_t value);
+  JsonLine& add(std::string_view key, int value) { return add(key, static_cast<std::int64_t>(value)); }
+  JsonLine& add(std::string_view key, bool value);
+  std::string str() const { return "{" + body_ + "}"; }
+
+ private:
+  void key(std::string_view k);
+  std::string body_;
+};
+
+std::string json_escape(std::string_view s);
+
+}  // namespace zoe::cli

@@ -1,0 +1,13 @@
+// The zoe subcommands. Each takes the arguments after its name and returns the process exit status.
+#pragma once
+
+#include <span>
+
+namespace zoe::cli {
+
+int bench_adam(std::span<char* const> args);
+int bench_nvme(std::span<char* const> args);
+int bench_step(std::span<char* const> args);
+int probe(std::span<char* const> args);
+
+}  // namespace zoe::cli

@@ -1,0 +1,68 @@
+// zoe — the ZeRO Offload Engine command line.
+#include <cstdio>
+#include <cstring>
+#include <span>
+#include <string_view>
+
+#include "simd/dispatch.h"
+#include "src/cli/commands.h"
+#include "zoe/adam.h"
+
+namespace {
+
+using Handler = int (*)(std::span<char* const>);
+
+struct Command {
+  std::string_view group, name;
+  Handler run;
+  std::string_view summary;
+};
+
+int info(std::span<char* const>) {
+  const auto& f = zoe::simd::cpu_features();
+  std::printf("zoe %s\nISAs this CPU runs (best first):", ZOE_VERSION);
+  for (zoe::Isa isa : zoe::supported_isas()) std::printf(" %s", std::string(zoe::isa_name(isa)).c_str());
+  std::printf("\nCPU features: avx2=%d fma=%d f16c=%d avx512f=%d avx512bw=%d avx512vl=%d avx512dq=%d avx512bf16=%d\n",
+              f.avx2, f.fma, f.f16c, f.avx512f, f.avx512bw, f.avx512vl, f.avx512dq, f.avx512bf16);
+  return 0;
+}
+
+const Command kCommands[] = {
+    {"bench", "adam", zoe::cli::bench_adam, "CPU Adam step throughput against its streams ceiling"},
+#ifdef ZOE_HAVE_AIO
+    {"bench", "nvme", zoe::cli::bench_nvme, "one optimizer step streamed from NVMe against raw O_DIRECT I/O"},
+    {"", "probe", zoe::cli::probe, "check swap paths: filesystem, O_DIRECT, block size, space, bandwidth"},
+#endif
+    {"", "info", info, "the ISAs and CPU features zoe sees"},
+};
+
+void usage(std::FILE* out) {
+  std::fprintf(out, "usage: zoe COMMAND [options]   (zoe COMMAND --help for its options)\n\ncommands:\n");
+  for (const Command& c : kCommands) {
+    char name[32];
+    std::snprintf(name, sizeof name, "%s%s%s", std::string(c.group).c_str(), c.group.empty() ? "" : " ",
+                  std::string(c.name).c_str());
+    std::fprintf(out, "  %-14s %s\n", name, std::string(c.summary).c_str());
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::span<char* const> args(argv + 1, argc - 1);
+  if (args.empty() || std::strcmp(args[0], "--help") == 0 || std::strcmp(args[0], "-h") == 0) {
+    usage(args.empty() ? stderr : stdout);
+    return args.empty() ? 2 : 0;
+  }
+  if (std::strcmp(args[0], "--version") == 0) {
+    std::printf("zoe %s\n", ZOE_VERSION);
+    return 0;
+  }
+  for (const Command& c : kCommands) {
+    if (c.group.empty() && c.name == args[0]) return c.run(args.subspan(1));
+    if (!c.group.empty() && c.group == args[0] && args.size() > 1 && c.name == args[1]) return c.run(args.subspan(2));
+  }
+  std::fprintf(stderr, "zoe: unknown command '%s'\n", args[0]);
+  usage(stderr);
+  return 2;
+}

@@ -1,0 +1,233 @@
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/partitioner.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "simd/dispatch.h"
+#include "src/arena.h"
+#include "zoe/adam.h"
+
+namespace zoe {
+namespace {
+
+using simd::AdamFn;
+using simd::KernelTable;
+
+std::string tensor_name(std::size_t index, std::size_t count) {
+  return count == 1 ? std::string("tensor") : "tensor " + std::to_string(index);
+}
+
+struct ByteRange {
+  std::uintptr_t begin, end;
+  std::size_t tensor;
+  const char* what;
+  bool output;
+};
+
+Status check_hyper(const AdamHyper& h, const StepOptions& o) {
+  auto bad = [](const char* name, double value, const char* want) {
+    return invalid_argument(std::string(name) + " = " + std::to_string(value) + " is invalid: " + want);
+  };
+  if (o.step < 1) return invalid_argument("step = " + std::to_string(o.step) + " is invalid: steps count from 1");
+  if (!(h.lr >= 0.0f) || !std::isfinite(h.lr)) return bad("lr", h.lr, "need a finite value >= 0");
+  if (!(h.eps >= 0.0f) || !std::isfinite(h.eps)) return bad("eps", h.eps, "need a finite value >= 0");
+  if (!(h.beta1 >= 0.0f && h.beta1 < 1.0f)) return bad("beta1", h.beta1, "need 0 <= beta1 < 1");
+  if (!(h.beta2 >= 0.0f && h.beta2 < 1.0f)) return bad("beta2", h.beta2, "need 0 <= beta2 < 1");
+  if (!(h.weight_decay >= 0.0f) || !std::isfinite(h.weight_decay)) {
+    return bad("weight_decay", h.weight_decay, "need a finite value >= 0");
+  }
+  if (!std::isfinite(o.grad_scale)) return bad("grad_scale", o.grad_scale, "need a finite value");
+  return Status::success();
+}
+
+// Null pointers, invalid dtypes, and overlaps between an output (p, m, v, out) and anything else, across
+// all tensors: ranges sorted by start, each compared with the furthest-reaching range before it.
+Status check_tensors(std::span<const AdamTensor> tensors) {
+  std::vector<ByteRange> ranges;
+  ranges.reserve(tensors.size() * 5);
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const AdamTensor& t = tensors[i];
+    const std::string name = [&] { return tensor_name(i, tensors.size()); }();
+    if (!dtype_valid(t.grad_dtype)) {
+      return invalid_argument(name + ": grad dtype " + std::to_string(int(t.grad_dtype)) + " is not f32, f16 or bf16");
+    }
+    if (t.out != nullptr && t.out_dtype != DType::f16 && t.out_dtype != DType::bf16) {
+      return invalid_argument(name + ": out dtype " + std::string(dtype_name(t.out_dtype)) +
+                              " is invalid: the weight copy is f16 or bf16 (or no copy: out = nullptr)");
+    }
+    if (t.n == 0) continue;
+    const struct {
+      const void* ptr;
+      std::size_t bytes;
+      const char* what;
+      bool output;
+    } arrays[] = {{t.param, 4, "param", true},
+                  {t.exp_avg, 4, "exp_avg", true},
+                  {t.exp_avg_sq, 4, "exp_avg_sq", true},
+                  {t.grad, dtype_size(t.grad_dtype), "grad", false},
+                  {t.out, dtype_size(t.out_dtype), "out", true}};
+    for (const auto& a : arrays) {
+      if (a.ptr == nullptr) {
+        if (a.what == std::string_view("out")) continue;
+        return invalid_argument(name + ": " + a.what + " is null with n = " + std::to_string(t.n));
+      }
+      const auto begin = reinterpret_cast<std::uintptr_t>(a.ptr);
+      ranges.push_back({begin, begin + a.bytes * t.n, i, a.what, a.output});
+    }
+  }
+  std::sort(ranges.begin(), ranges.end(), [](const ByteRange& a, const ByteRange& b) { return a.begin < b.begin; });
+  // Among the ranges seen so far, the one reaching furthest, and the furthest-reaching output.
+  const ByteRange* reach = nullptr;
+  const ByteRange* reach_output = nullptr;
+  for (const ByteRange& r : ranges) {
+    const ByteRange* other = r.output ? reach : reach_output;
+    if (other != nullptr && other->end > r.begin) {
+      return invalid_argument(tensor_name(other->tensor, tensors.size()) + " " + other->what + " overlaps " +
+                              tensor_name(r.tensor, tensors.size()) + " " + r.what +
+                              ": outputs must not share memory with any other array");
+    }
+    if (reach == nullptr || r.end > reach->end) reach = &r;
+    if (r.output && (reach_output == nullptr || r.end > reach_output->end)) reach_output = &r;
+  }
+  return Status::success();
+}
+
+simd::AdamConstants constants(const AdamHyper& h, const StepOptions& o) {
+  const double t = static_cast<double>(o.step);
+  const double bc1 = h.bias_correction ? 1.0 - std::pow(static_cast<double>(h.beta1), t) : 1.0;
+  const double bc2 = h.bias_correction ? 1.0 - std::pow(static_cast<double>(h.beta2), t) : 1.0;
+  simd::AdamConstants c{};
+  c.beta1 = h.beta1;
+  c.one_minus_beta1 = 1.0f - h.beta1;
+  c.beta2 = h.beta2;
+  c.one_minus_beta2 = 1.0f - h.beta2;
+  c.neg_step_size = static_cast<float>(-static_cast<double>(h.lr) / bc1);
+  c.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
+  c.eps = h.eps;
+  c.decay = h.adamw ? static_cast<float>(1.0 - static_cast<double>(h.lr) * h.weight_decay) : 1.0f;
+  c.l2 = h.adamw ? 0.0f : h.weight_decay;
+  c.grad_scale = o.grad_scale;
+  return c;
+}
+
+int out_index(const AdamTensor& t) {
+  if (t.out == nullptr) return simd::kOutNone;
+  return t.out_dtype == DType::f16 ? simd::kOutF16 : simd::kOutBF16;
+}
+
+}  // namespace
+
+struct CpuAdam::Impl {
+  Isa isa;
+  const KernelTable* table;
+  std::size_t tile;
+  PinnedArena arena;
+
+  // Applies kernel(table, tensor) to every element of every tensor: the elements are numbered across the
+  // tensors in order and cut into tiles of `tile` elements, so many small tensors share a tile and a large
+  // one is split. Elements are independent, which makes the result independent of the cut.
+  template <typename KernelOf>
+  void for_each_tile(std::span<const AdamTensor> tensors, const simd::AdamConstants& c, KernelOf kernel_of) {
+    std::vector<std::size_t> starts(tensors.size() + 1, 0);
+    for (std::size_t i = 0; i < tensors.size(); ++i) starts[i + 1] = starts[i] + tensors[i].n;
+    const std::size_t total = starts.back();
+    if (total == 0) return;
+    const std::size_t tiles = (total + tile - 1) / tile;
+    auto body = [&](const tbb::blocked_range<std::size_t>& r) {
+      for (std::size_t k = r.begin(); k != r.end(); ++k) {
+        std::size_t begin = k * tile;
+        const std::size_t end = std::min(total, begin + tile);
+        std::size_t i = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
+        while (begin < end) {
+          const AdamTensor& t = tensors[i];
+          const std::size_t offset = begin - starts[i];
+          const std::size_t count = std::min(end, starts[i + 1]) - begin;
+          if (count != 0) {
+            const std::size_t gsize = dtype_size(t.grad_dtype);
+            const std::size_t osize = t.out == nullptr ? 0 : dtype_size(t.out_dtype);
+            kernel_of(t)(c, t.param + offset, t.exp_avg + offset, t.exp_avg_sq + offset,
+                         static_cast<const unsigned char*>(t.grad) + offset * gsize,
+                         t.out == nullptr ? nullptr : static_cast<unsigned char*>(t.out) + offset * osize, count);
+          }
+          begin += count;
+          ++i;
+        }
+      }
+    };
+    arena.execute([&] { tbb::parallel_for(tbb::blocked_range<std::size_t>(0, tiles, 1), body, tbb::simple_partitioner()); });
+  }
+
+  // Counts NaN/Inf gradients over all tensors in parallel; returns an error naming the first one found.
+  Status check_finite(std::span<const AdamTensor> tensors) {
+    std::atomic<std::size_t> bad_tensor{tensors.size()};
+    std::atomic<std::size_t> bad_count{0};
+    std::vector<std::size_t> first(tensors.size(), 0);
+    arena.execute([&] {
+      tbb::parallel_for(std::size_t(0), tensors.size(), [&](std::size_t i) {
+        const AdamTensor& t = tensors[i];
+        if (t.n == 0) return;
+        const std::size_t count = table->count_non_finite[int(t.grad_dtype)](t.grad, t.n, &first[i]);
+        if (count == 0) return;
+        bad_count += count;
+        std::size_t seen = bad_tensor.load();
+        while (i < seen && !bad_tensor.compare_exchange_weak(seen, i)) {
+        }
+      });
+    });
+    if (bad_count == 0) return Status::success();
+    const std::size_t i = bad_tensor.load();
+    return Status(StatusCode::non_finite,
+                  std::to_string(bad_count.load()) + " NaN/Inf gradient value(s); the first in " +
+                      tensor_name(i, tensors.size()) + " at element " + std::to_string(first[i]) +
+                      "; nothing was changed");
+  }
+};
+
+Result<CpuAdam> CpuAdam::create(const CpuAdamOptions& options) {
+  Result<Isa> isa = simd::choose_isa(options.isa);
+  if (!isa.ok()) return isa.status();
+  if (options.tile == 0) return invalid_argument("tile = 0 is invalid: tiles hold at least one element");
+  Result<PinnedArena> arena = PinnedArena::create(options.threads, options.pin_threads);
+  if (!arena.ok()) return arena.status();
+  auto impl = std::unique_ptr<Impl>(
+      new Impl{isa.value(), &simd::kernel_table(isa.value()), options.tile, std::move(arena).value()});
+  return CpuAdam(std::move(impl));
+}
+
+CpuAdam::CpuAdam(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CpuAdam::CpuAdam(CpuAdam&&) noexcept = default;
+CpuAdam& CpuAdam::operator=(CpuAdam&&) noexcept = default;
+CpuAdam::~CpuAdam() = default;
+
+Isa CpuAdam::isa() const { return impl_->isa; }
+std::string_view CpuAdam::kernel() const { return impl_->table->name; }
+int CpuAdam::threads() const { return impl_->arena.threads(); }
+std::size_t CpuAdam::tile() const { return impl_->tile; }
+
+Status CpuAdam::step(const AdamHyper& hyper, const StepOptions& options, std::span<const AdamTensor> tensors) {
+  if (Status s = check_hyper(hyper, options); !s.ok()) return s;
+  if (Status s = check_tensors(tensors); !s.ok()) return s;
+  if (options.check_finite) {
+    if (Status s = impl_->check_finite(tensors); !s.ok()) return s;
+  }
+  const KernelTable& table = *impl_->table;
+  impl_->for_each_tile(tensors, constants(hyper, options),
+                       [&](const AdamTensor& t) { return table.adam[int(t.grad_dtype)][out_index(t)]; });
+  return Status::success();
+}
+
+Status CpuAdam::streams_pass(std::span<const AdamTensor> tensors) {
+  if (Status s = check_tensors(tensors); !s.ok()) return s;
+  const KernelTable& table = *impl_->table;
+  impl_->for_each_tile(tensors, simd::AdamConstants{},
+                       [&](const AdamTensor& t) { return table.streams[int(t.grad_dtype)][out_index(t)]; });
+  return Status::success();
+}
+
+}  // namespace zoe

@@ -1,0 +1,307 @@
+// The CpuAdam engine: tiling and threads never change a bit, the multi-tensor form equals separate calls,
+// the forced ISA is the one that runs, and bad input changes nothing.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "simd/dispatch.h"
+#include "tests/reference.h"
+#include "zoe/adam.h"
+
+namespace zoe {
+namespace {
+
+using test::Random;
+
+// Owns the state of a set of tensors of the given sizes.
+struct Model {
+  std::vector<std::vector<float>> p, m, v;
+  std::vector<std::vector<unsigned char>> g;
+  std::vector<std::vector<std::uint16_t>> out;
+  std::vector<AdamTensor> tensors;
+
+  Model(const std::vector<std::size_t>& sizes, DType grad, bool with_out, std::uint64_t seed) {
+    Random rng(seed);
+    for (std::size_t n : sizes) {
+      p.emplace_back(n);
+      m.emplace_back(n, 0.0f);
+      v.emplace_back(n, 0.0f);
+      out.emplace_back(n, 0);
+      for (float& x : p.back()) x = static_cast<float>(rng.uniform(-1, 1));
+      g.push_back(test::make_grad(grad, n, rng, 1e-2).bytes);
+    }
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      AdamTensor t;
+      t.param = p[i].data();
+      t.exp_avg = m[i].data();
+      t.exp_avg_sq = v[i].data();
+      t.grad = g[i].data();
+      t.grad_dtype = grad;
+      t.out = with_out ? out[i].data() : nullptr;
+      t.out_dtype = DType::bf16;
+      t.n = sizes[i];
+      tensors.push_back(t);
+    }
+  }
+  // All state, concatenated, as bytes.
+  std::vector<unsigned char> bytes() const {
+    std::vector<unsigned char> b;
+    auto append = [&b](const void* data, std::size_t size) {
+      const auto* c = static_cast<const unsigned char*>(data);
+      b.insert(b.end(), c, c + size);
+    };
+    for (std::size_t i = 0; i < p.size(); ++i) {
+      append(p[i].data(), p[i].size() * 4);
+      append(m[i].data(), m[i].size() * 4);
+      append(v[i].data(), v[i].size() * 4);
+      append(out[i].data(), out[i].size() * 2);
+    }
+    return b;
+  }
+};
+
+CpuAdam make_engine(const std::string& isa, int threads, std::size_t tile) {
+  CpuAdamOptions o;
+  o.isa = isa;
+  o.threads = threads;
+  o.tile = tile;
+  Result<CpuAdam> e = CpuAdam::create(o);
+  EXPECT_TRUE(e.ok()) << e.status().to_string();
+  return std::move(e).value();
+}
+
+std::vector<unsigned char> run_steps(CpuAdam& engine, Model& model, int steps) {
+  AdamHyper h;
+  h.weight_decay = 0.01f;
+  for (int s = 1; s <= steps; ++s) {
+    StepOptions o;
+    o.step = s;
+    o.grad_scale = 0.5f;
+    EXPECT_TRUE(engine.step(h, o, model.tensors).ok());
+  }
+  return model.bytes();
+}
+
+class EngineIsa : public ::testing::TestWithParam<Isa> {
+ protected:
+  void SetUp() override {
+    if (!simd::isa_supported(GetParam())) {
+      GTEST_SKIP() << "this CPU cannot run " << isa_name(GetParam()) << " code";
+    }
+  }
+  std::string isa() const { return std::string(isa_name(GetParam())); }
+};
+
+TEST_P(EngineIsa, BitIdenticalForAnyThreadCountAndTile) {
+  const std::vector<std::size_t> sizes = {100'003};
+  CpuAdam one = make_engine(isa(), 1, 1 << 20);
+  Model base(sizes, DType::bf16, true, 1);
+  const auto want = run_steps(one, base, 5);
+  for (int threads : {1, 2, 3}) {
+    for (std::size_t tile : {std::size_t(1), std::size_t(7), std::size_t(1000), std::size_t(4096), std::size_t(65536)}) {
+      CpuAdam engine = make_engine(isa(), threads, tile);
+      Model model(sizes, DType::bf16, true, 1);
+      EXPECT_EQ(run_steps(engine, model, 5), want) << threads << " threads, tile " << tile;
+    }
+  }
+}
+
+TEST_P(EngineIsa, ManyTensorsEqualOneCallPerTensor) {
+  std::vector<std::size_t> sizes;
+  for (std::size_t i = 0; i < 300; ++i) sizes.push_back(1 + (i * 37) % 200);
+  sizes.push_back(0);
+  sizes.push_back(70'001);
+  CpuAdam engine = make_engine(isa(), 2, 1000);
+  Model together(sizes, DType::f16, true, 2);
+  const auto got = run_steps(engine, together, 3);
+
+  Model separate(sizes, DType::f16, true, 2);
+  AdamHyper h;
+  h.weight_decay = 0.01f;
+  for (int s = 1; s <= 3; ++s) {
+    for (const AdamTensor& t : separate.tensors) {
+      StepOptions o;
+      o.step = s;
+      o.grad_scale = 0.5f;
+      ASSERT_TRUE(engine.step(h, o, t).ok());
+    }
+  }
+  EXPECT_EQ(got, separate.bytes());
+}
+
+TEST_P(EngineIsa, ForcedIsaIsTheKernelThatRuns) {
+  CpuAdam engine = make_engine(isa(), 1, 1024);
+  EXPECT_EQ(engine.isa(), GetParam());
+  EXPECT_EQ(engine.kernel(), isa());  // the name stored in the kernel table the engine calls
+}
+
+TEST_P(EngineIsa, ZoeIsaEnvironmentOverridesTheRequest) {
+  setenv("ZOE_ISA", isa().c_str(), 1);
+  Result<CpuAdam> e = CpuAdam::create({});  // asks for "auto"
+  unsetenv("ZOE_ISA");
+  ASSERT_TRUE(e.ok()) << e.status().to_string();
+  EXPECT_EQ(e->isa(), GetParam());
+  EXPECT_EQ(e->kernel(), isa());
+}
+
+INSTANTIATE_TEST_SUITE_P(Isas, EngineIsa, ::testing::Values(Isa::scalar, Isa::avx2, Isa::avx512),
+                         [](const ::testing::TestParamInfo<Isa>& i) { return std::string(isa_name(i.param)); });
+
+TEST(Engine, AutoPicksTheBestSupportedIsa) {
+  unsetenv("ZOE_ISA");
+  CpuAdam engine = make_engine("auto", 1, 1024);
+  EXPECT_EQ(engine.isa(), supported_isas().front());
+}
+
+TEST(Engine, UnknownIsaIsAnErrorNamingWhatTheCpuSupports) {
+  setenv("ZOE_ISA", "sse9", 1);
+  Result<CpuAdam> e = CpuAdam::create({});
+  unsetenv("ZOE_ISA");
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::invalid_argument);
+  EXPECT_NE(e.status().message().find("ZOE_ISA=sse9"), std::string::npos) << e.status().message();
+  EXPECT_NE(e.status().message().find("scalar"), std::string::npos) << e.status().message();
+}
+
+TEST(Engine, UnsupportedIsaIsAnError) {
+  for (Isa isa : {Isa::avx512, Isa::avx2}) {
+    if (simd::isa_supported(isa)) continue;
+    CpuAdamOptions o;
+    o.isa = std::string(isa_name(isa));
+    Result<CpuAdam> e = CpuAdam::create(o);
+    ASSERT_FALSE(e.ok());
+    EXPECT_EQ(e.status().code(), StatusCode::unsupported);
+    EXPECT_NE(e.status().message().find("not supported by this CPU"), std::string::npos);
+  }
+}
+
+TEST(Engine, ZoeThreadsCapsAndRejectsGarbage) {
+  setenv("ZOE_THREADS", "1", 1);
+  Result<CpuAdam> capped = CpuAdam::create({});
+  setenv("ZOE_THREADS", "two", 1);
+  Result<CpuAdam> bad = CpuAdam::create({});
+  setenv("ZOE_THREADS", "0", 1);
+  Result<CpuAdam> zero = CpuAdam::create({});
+  unsetenv("ZOE_THREADS");
+  ASSERT_TRUE(capped.ok());
+  EXPECT_EQ(capped->threads(), 1);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("ZOE_THREADS=two"), std::string::npos);
+  EXPECT_FALSE(zero.ok());
+}
+
+// Bad arguments: an invalid_argument naming the fault, and not one byte of state changed.
+class EngineErrors : public ::testing::Test {
+ protected:
+  Model model{{1000, 500}, DType::f32, true, 3};
+  CpuAdam engine = make_engine("auto", 2, 128);
+  AdamHyper hyper;
+  StepOptions options;
+
+  void expect_refused(const std::string& fragment, StatusCode code = StatusCode::invalid_argument) {
+    const auto before = model.bytes();
+    const Status s = engine.step(hyper, options, model.tensors);
+    EXPECT_EQ(s.code(), code) << s.to_string();
+    EXPECT_NE(s.message().find(fragment), std::string::npos) << "message: " << s.message();
+    EXPECT_EQ(model.bytes(), before) << "state changed by a refused step";
+  }
+};
+
+TEST_F(EngineErrors, NullPointerWithElements) {
+  model.tensors[1].exp_avg = nullptr;
+  expect_refused("tensor 1: exp_avg is null");
+}
+
+TEST_F(EngineErrors, NullIsFineWithZeroElements) {
+  model.tensors[1] = AdamTensor{};
+  EXPECT_TRUE(engine.step(hyper, options, model.tensors).ok());
+}
+
+TEST_F(EngineErrors, OverlappingOutputsInOneTensor) {
+  model.tensors[0].exp_avg = model.tensors[0].param + 10;
+  expect_refused("overlaps");
+}
+
+TEST_F(EngineErrors, OutputOverlapsAnotherTensorsGradient) {
+  model.tensors[1].grad = model.tensors[0].param;
+  expect_refused("overlaps");
+}
+
+TEST_F(EngineErrors, UnknownDtype) {
+  model.tensors[0].grad_dtype = static_cast<DType>(7);
+  expect_refused("grad dtype 7");
+}
+
+TEST_F(EngineErrors, OutDtypeMustBeSixteenBit) {
+  model.tensors[0].out_dtype = DType::f32;
+  expect_refused("out dtype f32");
+}
+
+TEST_F(EngineErrors, StepBelowOne) {
+  options.step = 0;
+  expect_refused("step = 0");
+}
+
+TEST_F(EngineErrors, NegativeLearningRate) {
+  hyper.lr = -1e-3f;
+  expect_refused("lr = ");
+}
+
+TEST_F(EngineErrors, NegativeEps) {
+  hyper.eps = -1e-8f;
+  expect_refused("eps = ");
+}
+
+TEST_F(EngineErrors, NanLearningRateAndBadBetas) {
+  hyper.lr = NAN;
+  expect_refused("lr = ");
+  hyper.lr = 1e-3f;
+  hyper.beta2 = 1.0f;
+  expect_refused("beta2");
+}
+
+TEST_F(EngineErrors, FiniteCheckRefusesNaNAndChangesNothing) {
+  reinterpret_cast<float*>(model.g[1].data())[321] = NAN;
+  reinterpret_cast<float*>(model.g[1].data())[400] = INFINITY;
+  options.check_finite = true;
+  expect_refused("tensor 1 at element 321", StatusCode::non_finite);
+  expect_refused("2 NaN/Inf", StatusCode::non_finite);
+}
+
+TEST_F(EngineErrors, WithoutFiniteCheckNaNPropagatesAsInTorch) {
+  reinterpret_cast<float*>(model.g[1].data())[321] = NAN;
+  ASSERT_TRUE(engine.step(hyper, options, model.tensors).ok());
+  EXPECT_TRUE(std::isnan(model.p[1][321]));
+  EXPECT_FALSE(std::isnan(model.p[1][320]));
+  EXPECT_FALSE(std::isnan(model.p[0][321]));
+}
+
+TEST(Engine, MatchesReferenceThroughThePublicApi) {
+  Model model({4097}, DType::bf16, false, 9);
+  test::RefState ref{std::vector<double>(model.p[0].begin(), model.p[0].end()), std::vector<double>(4097, 0.0),
+                     std::vector<double>(4097, 0.0)};
+  CpuAdam engine = make_engine("auto", 2, 256);
+  AdamHyper h;
+  h.weight_decay = 0.05f;
+  Random rng(77);
+  for (int s = 1; s <= 20; ++s) {
+    test::GradData g = test::make_grad(DType::bf16, 4097, rng, 1e-2);
+    model.tensors[0].grad = g.bytes.data();
+    StepOptions o;
+    o.step = s;
+    ASSERT_TRUE(engine.step(h, o, model.tensors).ok());
+    test::reference_step(h, o, ref, g.values);
+  }
+  for (std::size_t i = 0; i < 4097; ++i) {
+    ASSERT_TRUE(test::kParamTol.accepts(model.p[0][i], ref.p[i])) << i;
+    ASSERT_TRUE(test::kExpAvgTol.accepts(model.m[0][i], ref.m[i])) << i;
+    ASSERT_TRUE(test::kExpAvgSqTol.accepts(model.v[0][i], ref.v[i])) << i;
+  }
+}
+
+}  // namespace
+}  // namespace zoe
