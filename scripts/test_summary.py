@@ -1,22 +1,22 @@
-"""Sums the GoogleTest JSON reports under a folder; prints skip reasons and one closing count line."""
+"""Sums the GoogleTest XML reports under a folder; prints skip reasons and one closing count line."""
 import collections
-import json
 import pathlib
 import sys
+import xml.etree.ElementTree as ET
 
 passed = failed = skipped = 0
 reasons = collections.Counter()
-for report in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
-    for suite in json.loads(report.read_text())["testsuites"]:
-        for case in suite["testsuite"]:
-            if case.get("result") == "SKIPPED":
-                skipped += 1
-                messages = [s.get("message", "") for s in case.get("skipped", [])] or ["(no reason given)"]
-                reasons[messages[0].strip().splitlines()[-1]] += 1
-            elif case.get("failures"):
-                failed += 1
-            elif case.get("status") == "RUN":
-                passed += 1
+for report in sorted(pathlib.Path(sys.argv[1]).glob("*.xml")):
+    for case in ET.parse(report).getroot().iter("testcase"):
+        skip = case.find("skipped")
+        if case.find("failure") is not None:
+            failed += 1
+        elif skip is not None or case.get("result") == "skipped":
+            skipped += 1
+            message = (skip.get("message", "") if skip is not None else "").strip()
+            reasons[f"{report.stem}: {message.splitlines()[-1] if message else '(no reason given)'}"] += 1
+        elif case.get("status") == "run":
+            passed += 1
 if reasons:
     print("skipped, by reason:")
     for reason, count in reasons.most_common():

@@ -143,48 +143,6 @@ TEST_P(AdamKernel, NoBiasCorrectionMatchesReference) {
   check(777, 0, h, 1.0f);
 }
 
-TEST_P(AdamKernel, NonFiniteGradientsPropagateAsInTorch) {
-  const KernelTable& table = variant().table();
-  const std::size_t n = 3 * table.lanes + 1;
-  std::vector<float> p(n, 0.5f), m(n, 0.0f), v(n, 0.0f), g(n, 0.01f);
-  g[1] = NAN;
-  g[n - 1] = INFINITY;
-  if (grad_dtype() != DType::f32) GTEST_SKIP() << "covered with f32 gradients";
-  AdamConstants c{0.9f, 0.1f, 0.999f, 0.001f, -0.01f, 1.0f, 1e-8f, 1.0f, 0.0f, 1.0f};
-  table.adam[kF32][kOutNone](c, p.data(), m.data(), v.data(), g.data(), nullptr, n);
-  EXPECT_TRUE(std::isnan(p[1]));
-  EXPECT_TRUE(std::isnan(m[1]));
-  EXPECT_TRUE(std::isnan(p[n - 1]));  // inf / inf in the update, as torch computes it
-  EXPECT_TRUE(std::isinf(v[n - 1]));
-  EXPECT_TRUE(std::isfinite(p[0]));
-  EXPECT_TRUE(std::isfinite(p[n - 2]));
-}
-
-TEST_P(AdamKernel, CountsNonFiniteGradients) {
-  const KernelTable& table = variant().table();
-  if (out_elem() != kOutNone) GTEST_SKIP() << "counting does not depend on the copy-out";
-  Random rng(5);
-  const std::size_t n = 5000;
-  GradData g = test::make_grad(grad_dtype(), n, rng, 1.0);
-  std::size_t first = 0;
-  EXPECT_EQ(table.count_non_finite[int(grad_dtype())](g.bytes.data(), n, &first), 0u);
-  EXPECT_EQ(first, n);
-  const std::size_t size = dtype_size(grad_dtype());
-  auto poke = [&](std::size_t i, float x) {
-    if (grad_dtype() == DType::f32) {
-      std::memcpy(g.bytes.data() + i * size, &x, 4);
-    } else {
-      const std::uint16_t h = grad_dtype() == DType::f16 ? float_to_f16(x) : float_to_bf16(x);
-      std::memcpy(g.bytes.data() + i * size, &h, 2);
-    }
-  };
-  poke(4093, INFINITY);
-  poke(1030, NAN);
-  poke(4999, -INFINITY);
-  EXPECT_EQ(table.count_non_finite[int(grad_dtype())](g.bytes.data(), n, &first), 3u);
-  EXPECT_EQ(first, 1030u);
-}
-
 TEST_P(AdamKernel, AgreesWithScalarKernel) {
   // Same inputs through this ISA and the scalar kernel: after one step, within a few ulps of each input's
   // scale (p ~ 1, m ~ 1e-2, v ~ 1e-4): FMA contraction and cancellation in the moment updates differ.
@@ -223,6 +181,61 @@ INSTANTIATE_TEST_SUITE_P(AllIsas, AdamKernel,
                                             ::testing::Values(DType::f32, DType::f16, DType::bf16),
                                             ::testing::Values(int(kOutNone), int(kOutF16), int(kOutBF16))),
                          param_name);
+
+// Tests that do not depend on the dtype combination, once per kernel table.
+class KernelTableTest : public ::testing::TestWithParam<int> {
+ protected:
+  const Variant& variant() const { return kVariants[GetParam()]; }
+  void SetUp() override {
+    if (const std::string why = skip_reason(variant()); !why.empty()) GTEST_SKIP() << why;
+  }
+};
+
+TEST_P(KernelTableTest, NonFiniteGradientsPropagateAsInTorch) {
+  const KernelTable& table = variant().table();
+  const std::size_t n = 3 * table.lanes + 1;
+  std::vector<float> p(n, 0.5f), m(n, 0.0f), v(n, 0.0f), g(n, 0.01f);
+  g[1] = NAN;
+  g[n - 1] = INFINITY;
+  AdamConstants c{0.9f, 0.1f, 0.999f, 0.001f, -0.01f, 1.0f, 1e-8f, 1.0f, 0.0f, 1.0f};
+  table.adam[kF32][kOutNone](c, p.data(), m.data(), v.data(), g.data(), nullptr, n);
+  EXPECT_TRUE(std::isnan(p[1]));
+  EXPECT_TRUE(std::isnan(m[1]));
+  EXPECT_TRUE(std::isnan(p[n - 1]));  // inf / inf in the update, as torch computes it
+  EXPECT_TRUE(std::isinf(v[n - 1]));
+  EXPECT_TRUE(std::isfinite(p[0]));
+  EXPECT_TRUE(std::isfinite(p[n - 2]));
+}
+
+TEST_P(KernelTableTest, CountsNonFiniteGradients) {
+  const KernelTable& table = variant().table();
+  for (DType dtype : {DType::f32, DType::f16, DType::bf16}) {
+    SCOPED_TRACE(std::string(dtype_name(dtype)));
+    Random rng(5);
+    const std::size_t n = 5000;
+    GradData g = test::make_grad(dtype, n, rng, 1.0);
+    std::size_t first = 0;
+    EXPECT_EQ(table.count_non_finite[int(dtype)](g.bytes.data(), n, &first), 0u);
+    EXPECT_EQ(first, n);
+    const std::size_t size = dtype_size(dtype);
+    auto poke = [&](std::size_t i, float x) {
+      if (dtype == DType::f32) {
+        std::memcpy(g.bytes.data() + i * size, &x, 4);
+      } else {
+        const std::uint16_t h = dtype == DType::f16 ? float_to_f16(x) : float_to_bf16(x);
+        std::memcpy(g.bytes.data() + i * size, &h, 2);
+      }
+    };
+    poke(4093, INFINITY);
+    poke(1030, NAN);
+    poke(4999, -INFINITY);
+    EXPECT_EQ(table.count_non_finite[int(dtype)](g.bytes.data(), n, &first), 3u);
+    EXPECT_EQ(first, 1030u);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllIsas, KernelTableTest, ::testing::Range(0, 4),
+                         [](const ::testing::TestParamInfo<int>& i) { return std::string(kVariants[i.param].token); });
 
 }  // namespace
 }  // namespace zoe::simd
