@@ -1,0 +1,418 @@
+// Checkpoint file format, version 1.0. All integers little-endian.
+//
+//   header   64 bytes: "ZOECKPT\0", u32 major, u32 minor, zeros. The first 16 bytes keep this layout in every
+//            version, so that any reader can say which version a file has before refusing it.
+//   blobs    back to back, each starting at a multiple of 64 bytes (zero padding between them).
+//   index    at a multiple of 8: u32 count, count x {u32 name_len, name, u64 offset, u64 size, u32 crc32c},
+//            u64 manifest_len, manifest (the caller's JSON text, stored as given).
+//   trailer  the last 40 bytes: u64 index_offset, u64 index_size, u32 index_crc32c, u32 major, u32 minor,
+//            u32 crc32c of the 28 bytes before it, "ZOEINDX\0".
+//
+// The trailer is written last, so a file cut short anywhere lacks it; the index checksum covers names,
+// offsets and sizes, and each blob carries its own checksum so one damaged blob does not hide the others.
+#include "src/offload/checkpoint.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "src/offload/crc32c.h"
+
+namespace zoe {
+namespace {
+
+constexpr char kMagic[8] = {'Z', 'O', 'E', 'C', 'K', 'P', 'T', '\0'};
+constexpr char kTrailerMagic[8] = {'Z', 'O', 'E', 'I', 'N', 'D', 'X', '\0'};
+constexpr std::uint64_t kHeaderBytes = 64;
+constexpr std::uint64_t kTrailerBytes = 40;
+constexpr std::uint64_t kBlobAlignment = 64;  // a cache line: blobs can be read into place by aligned loads
+constexpr std::size_t kMaxName = 4096;
+constexpr std::size_t kMaxIo = std::size_t(1) << 30;  // Linux transfers at most ~2 GiB per call
+
+void put_u32(std::string& s, std::uint32_t v) {
+  for (int i = 0; i < 4; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xFF));
+}
+void put_u64(std::string& s, std::uint64_t v) {
+  for (int i = 0; i < 8; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xFF));
+}
+std::uint64_t get_le(const char* p, int bytes) {
+  std::uint64_t v = 0;
+  for (int i = bytes - 1; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(p[i]);
+  return v;
+}
+
+std::string hex32(std::uint32_t v) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "0x%08X", v);
+  return buf;
+}
+
+Status io_error(std::string message, int err) { return {StatusCode::io_error, std::move(message), err}; }
+Status corrupt(const std::string& path, const std::string& what) {
+  return {StatusCode::corrupt, "checkpoint " + path + ": " + what};
+}
+
+// Reads exactly `bytes` at `offset`; the file ending first is corruption (it was shorter than its index said).
+Status pread_all(int fd, void* dst, std::size_t bytes, std::uint64_t offset, const std::string& path) {
+  auto* p = static_cast<char*>(dst);
+  while (bytes > 0) {
+    const ssize_t r = ::pread(fd, p, std::min(bytes, kMaxIo), static_cast<off_t>(offset));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return io_error("reading checkpoint " + path + " at offset " + std::to_string(offset) + " failed", errno);
+    }
+    if (r == 0) return corrupt(path, "unexpected end of file at offset " + std::to_string(offset) + " (truncated?)");
+    p += r;
+    bytes -= static_cast<std::size_t>(r);
+    offset += static_cast<std::uint64_t>(r);
+  }
+  return Status::success();
+}
+
+std::string parent_dir(const std::string& path) {
+  const std::size_t slash = path.rfind('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+std::atomic<unsigned> temp_sequence{0};
+
+}  // namespace
+
+void UniqueFd::reset(int fd) {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+}
+
+Status UniqueFd::close(const std::string& path) {
+  const int fd = std::exchange(fd_, -1);
+  // Linux releases the descriptor even when close fails; retrying could close another thread's new fd.
+  if (fd >= 0 && ::close(fd) != 0) return io_error("closing " + path + " failed", errno);
+  return Status::success();
+}
+
+// ---- writer ----
+
+CheckpointWriter::CheckpointWriter(std::string path, std::string temp_path, UniqueFd fd)
+    : path_(std::move(path)), temp_path_(std::move(temp_path)), fd_(std::move(fd)) {}
+
+CheckpointWriter::CheckpointWriter(CheckpointWriter&& o) noexcept
+    : path_(std::move(o.path_)),
+      temp_path_(std::exchange(o.temp_path_, std::string())),
+      fd_(std::move(o.fd_)),
+      offset_(o.offset_),
+      entries_(std::move(o.entries_)),
+      names_(std::move(o.names_)),
+      committed_(o.committed_),
+      failed_(o.failed_) {}
+
+CheckpointWriter& CheckpointWriter::operator=(CheckpointWriter&& o) noexcept {
+  if (this != &o) {
+    discard();
+    path_ = std::move(o.path_);
+    temp_path_ = std::exchange(o.temp_path_, std::string());
+    fd_ = std::move(o.fd_);
+    offset_ = o.offset_;
+    entries_ = std::move(o.entries_);
+    names_ = std::move(o.names_);
+    committed_ = o.committed_;
+    failed_ = o.failed_;
+  }
+  return *this;
+}
+
+CheckpointWriter::~CheckpointWriter() { discard(); }
+
+void CheckpointWriter::discard() {
+  fd_.reset();
+  if (!committed_ && !temp_path_.empty()) ::unlink(temp_path_.c_str());
+  temp_path_.clear();
+}
+
+Result<CheckpointWriter> CheckpointWriter::create(const std::string& path) {
+  if (path.empty() || path.back() == '/') {
+    return invalid_argument("checkpoint path '" + path + "' is invalid: need a file name");
+  }
+  // A name of our own per writer (pid and a sequence number), created exclusively: two writers never share a
+  // temporary file, and a stale one left by a crashed process with the same pid is stepped over.
+  const std::string prefix = path + ".tmp-" + std::to_string(::getpid()) + "-";
+  for (int attempt = 0; attempt < 64; ++attempt) {
+    std::string temp = prefix + std::to_string(temp_sequence.fetch_add(1));
+    UniqueFd fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+    if (!fd.valid()) {
+      if (errno == EEXIST) continue;
+      return io_error("cannot create " + temp + " to write checkpoint " + path +
+                          ": check that directory " + parent_dir(path) + " exists and is writable",
+                      errno);
+    }
+    CheckpointWriter w(path, std::move(temp), std::move(fd));
+    std::string header(kMagic, sizeof kMagic);
+    put_u32(header, kCheckpointMajor);
+    put_u32(header, kCheckpointMinor);
+    header.resize(kHeaderBytes, '\0');
+    if (Status s = w.write_all(header.data(), header.size()); !s.ok()) return s;
+    return w;
+  }
+  return io_error("cannot create a temporary file " + prefix + "N for checkpoint " + path +
+                      ": 64 names are taken (stale files from crashed writers? remove them)",
+                  EEXIST);
+}
+
+Status CheckpointWriter::fail(Status s) {
+  failed_ = true;
+  return s;
+}
+
+Status CheckpointWriter::write_all(const void* data, std::size_t bytes) {
+  const auto* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t w = ::write(fd_.get(), p, std::min(bytes, kMaxIo));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return fail(io_error("writing " + temp_path_ + " (checkpoint " + path_ + ") at offset " +
+                               std::to_string(offset_) + " failed",
+                           errno));
+    }
+    if (w == 0) {
+      return fail(io_error("writing " + temp_path_ + " at offset " + std::to_string(offset_) + " made no progress",
+                           ENOSPC));
+    }
+    p += w;
+    bytes -= static_cast<std::size_t>(w);
+    offset_ += static_cast<std::uint64_t>(w);
+  }
+  return Status::success();
+}
+
+Status CheckpointWriter::pad_to(std::uint64_t alignment) {
+  static constexpr std::array<char, kBlobAlignment> kZeros{};
+  const std::uint64_t pad = (alignment - offset_ % alignment) % alignment;
+  return write_all(kZeros.data(), static_cast<std::size_t>(pad));
+}
+
+Status CheckpointWriter::add(std::string name, const void* data, std::size_t bytes) {
+  if (committed_) return invalid_argument("checkpoint " + path_ + " is already committed: cannot add '" + name + "'");
+  if (failed_ || !fd_.valid()) {
+    return invalid_argument("checkpoint " + path_ + ": an earlier step failed; start again with a new writer");
+  }
+  if (name.empty() || name.size() > kMaxName) {
+    return invalid_argument("checkpoint " + path_ + ": blob names must have 1 to " + std::to_string(kMaxName) +
+                            " bytes (got " + std::to_string(name.size()) + ")");
+  }
+  if (data == nullptr && bytes != 0) {
+    return invalid_argument("checkpoint " + path_ + ": blob '" + name + "' has null data and " +
+                            std::to_string(bytes) + " bytes");
+  }
+  if (names_.count(name) != 0) {
+    return invalid_argument("checkpoint " + path_ + ": blob '" + name + "' was already added");
+  }
+  if (Status s = pad_to(kBlobAlignment); !s.ok()) return s;
+  Entry e{name, offset_, bytes, 0};
+  // In slices, so each is checksummed while it is still in cache and then written.
+  constexpr std::size_t kSlice = std::size_t(8) << 20;
+  const auto* p = static_cast<const char*>(data);
+  for (std::size_t done = 0; done < bytes;) {
+    const std::size_t n = std::min(kSlice, bytes - done);
+    e.crc = crc32c(p + done, n, e.crc);
+    if (Status s = write_all(p + done, n); !s.ok()) return s;
+    done += n;
+  }
+  names_.insert(name);
+  entries_.push_back(std::move(e));
+  return Status::success();
+}
+
+Status CheckpointWriter::commit(const std::string& manifest_json) {
+  if (committed_) return invalid_argument("checkpoint " + path_ + " is already committed");
+  if (failed_ || !fd_.valid()) {
+    return invalid_argument("checkpoint " + path_ + ": an earlier step failed; start again with a new writer");
+  }
+  if (Status s = pad_to(8); !s.ok()) return s;
+  const std::uint64_t index_offset = offset_;
+  std::string index;
+  put_u32(index, static_cast<std::uint32_t>(entries_.size()));
+  for (const Entry& e : entries_) {
+    put_u32(index, static_cast<std::uint32_t>(e.name.size()));
+    index += e.name;
+    put_u64(index, e.offset);
+    put_u64(index, e.size);
+    put_u32(index, e.crc);
+  }
+  put_u64(index, manifest_json.size());
+  index += manifest_json;
+  std::string trailer;
+  put_u64(trailer, index_offset);
+  put_u64(trailer, index.size());
+  put_u32(trailer, crc32c(index.data(), index.size()));
+  put_u32(trailer, kCheckpointMajor);
+  put_u32(trailer, kCheckpointMinor);
+  put_u32(trailer, crc32c(trailer.data(), trailer.size()));
+  trailer.append(kTrailerMagic, sizeof kTrailerMagic);
+  if (Status s = write_all(index.data(), index.size()); !s.ok()) return s;
+  if (Status s = write_all(trailer.data(), trailer.size()); !s.ok()) return s;
+
+  // Data reaches the disk before the rename does, else a crash could leave `path` naming a partial file.
+  if (::fsync(fd_.get()) != 0) return fail(io_error("fsync of " + temp_path_ + " failed", errno));
+  if (Status s = fd_.close(temp_path_); !s.ok()) return fail(std::move(s));
+  if (::rename(temp_path_.c_str(), path_.c_str()) != 0) {
+    return fail(io_error("renaming " + temp_path_ + " to " + path_ + " failed", errno));
+  }
+  committed_ = true;
+  const std::string dir = parent_dir(path_);
+  UniqueFd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!dfd.valid() || ::fsync(dfd.get()) != 0) {
+    return io_error("checkpoint " + path_ + " is in place but syncing directory " + dir +
+                        " failed: the rename may not survive a crash",
+                    errno);
+  }
+  return Status::success();
+}
+
+// ---- reader ----
+
+Result<CheckpointReader> CheckpointReader::open(const std::string& path) {
+  CheckpointReader r;
+  if (Status s = r.load(path); !s.ok()) return s;
+  return r;
+}
+
+Status CheckpointReader::load(const std::string& path) {
+  path_ = path;
+  fd_.reset(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd_.valid()) return io_error("cannot open checkpoint " + path, errno);
+  struct stat st {};
+  if (::fstat(fd_.get(), &st) != 0) return io_error("cannot stat checkpoint " + path, errno);
+  if (!S_ISREG(st.st_mode)) return io_error("checkpoint " + path + " is not a regular file", EISDIR);
+  const auto file_size = static_cast<std::uint64_t>(st.st_size);
+  if (file_size < 16) {
+    return corrupt(path, std::to_string(file_size) + " bytes is too short for a zoe checkpoint (truncated, or not a checkpoint)");
+  }
+  char header[16];
+  if (Status s = pread_all(fd_.get(), header, sizeof header, 0, path); !s.ok()) return s;
+  if (std::memcmp(header, kMagic, sizeof kMagic) != 0) {
+    return corrupt(path, "not a zoe checkpoint (its first bytes are not \"ZOECKPT\")");
+  }
+  major_ = static_cast<std::uint32_t>(get_le(header + 8, 4));
+  minor_ = static_cast<std::uint32_t>(get_le(header + 12, 4));
+  if (major_ > kCheckpointMajor) {
+    return Status(StatusCode::unsupported,
+                  "checkpoint " + path + " has format version " + std::to_string(major_) + "." +
+                      std::to_string(minor_) + "; this build of zoe reads versions up to " +
+                      std::to_string(kCheckpointMajor) + ".x: read it with a newer zoe");
+  }
+  if (major_ == 0) return corrupt(path, "format version 0." + std::to_string(minor_) + " does not exist");
+  if (file_size < kHeaderBytes + kTrailerBytes) {
+    return corrupt(path, std::to_string(file_size) + " bytes is too short to hold a trailer (truncated)");
+  }
+  char trailer[kTrailerBytes];
+  if (Status s = pread_all(fd_.get(), trailer, sizeof trailer, file_size - kTrailerBytes, path); !s.ok()) return s;
+  if (std::memcmp(trailer + 32, kTrailerMagic, sizeof kTrailerMagic) != 0) {
+    return corrupt(path, "no trailer at the end of the file: it was truncated or not completely written");
+  }
+  const auto trailer_crc = static_cast<std::uint32_t>(get_le(trailer + 28, 4));
+  if (crc32c(trailer, 28) != trailer_crc) {
+    return corrupt(path, "trailer checksum mismatch (stored " + hex32(trailer_crc) + ", computed " +
+                             hex32(crc32c(trailer, 28)) + ")");
+  }
+  const std::uint64_t index_offset = get_le(trailer, 8);
+  const std::uint64_t index_size = get_le(trailer + 8, 8);
+  const auto index_crc = static_cast<std::uint32_t>(get_le(trailer + 16, 4));
+  if (index_offset < kHeaderBytes || index_size > file_size ||
+      index_offset != file_size - kTrailerBytes - index_size) {
+    return corrupt(path, "the trailer places the index at offset " + std::to_string(index_offset) + " with " +
+                             std::to_string(index_size) + " bytes, which does not fit a file of " +
+                             std::to_string(file_size) + " bytes (truncated or extended?)");
+  }
+  std::string index(static_cast<std::size_t>(index_size), '\0');
+  if (Status s = pread_all(fd_.get(), index.data(), index.size(), index_offset, path); !s.ok()) return s;
+  const std::uint32_t computed = crc32c(index.data(), index.size());
+  if (computed != index_crc) {
+    return corrupt(path, "index checksum mismatch (stored " + hex32(index_crc) + ", computed " + hex32(computed) +
+                             "): the blob table or manifest is damaged");
+  }
+  return parse_index(index, index_offset);
+}
+
+// The index passed its checksum, so a failure here means a writer bug or a crafted file; every length is
+// still checked against what remains so that nothing reads out of bounds.
+Status CheckpointReader::parse_index(const std::string& index, std::uint64_t data_end) {
+  std::size_t at = 0;
+  auto take = [&](std::size_t n) -> const char* {
+    if (index.size() - at < n) return nullptr;
+    const char* p = index.data() + at;
+    at += n;
+    return p;
+  };
+  const char* p = take(4);
+  if (p == nullptr) return corrupt(path_, "index too short");
+  const std::uint64_t count = get_le(p, 4);
+  for (std::uint64_t i = 0; i < count; ++i) {
+    const char* len = take(4);
+    if (len == nullptr) return corrupt(path_, "index entry " + std::to_string(i) + " is cut short");
+    const auto name_len = static_cast<std::size_t>(get_le(len, 4));
+    const char* name = take(name_len);
+    const char* fields = name == nullptr ? nullptr : take(20);
+    if (fields == nullptr) return corrupt(path_, "index entry " + std::to_string(i) + " is cut short");
+    Blob b{get_le(fields, 8), get_le(fields + 8, 8), static_cast<std::uint32_t>(get_le(fields + 16, 4))};
+    std::string key(name, name_len);
+    if (b.offset < kHeaderBytes || b.offset > data_end || b.size > data_end - b.offset) {
+      return corrupt(path_, "blob '" + key + "' at offset " + std::to_string(b.offset) + " with " +
+                                std::to_string(b.size) + " bytes lies outside the data area");
+    }
+    if (!blobs_.emplace(std::move(key), b).second) {
+      return corrupt(path_, "blob name '" + std::string(name, name_len) + "' appears twice in the index");
+    }
+  }
+  const char* mlen = take(8);
+  if (mlen == nullptr) return corrupt(path_, "index has no manifest length");
+  const std::uint64_t manifest_size = get_le(mlen, 8);
+  if (manifest_size != index.size() - at) {
+    return corrupt(path_, "manifest length " + std::to_string(manifest_size) + " does not match the " +
+                              std::to_string(index.size() - at) + " bytes left in the index");
+  }
+  manifest_.assign(index, at, std::string::npos);
+  return Status::success();
+}
+
+std::vector<std::string> CheckpointReader::names() const {
+  std::vector<std::string> out;
+  out.reserve(blobs_.size());
+  for (const auto& [name, blob] : blobs_) out.push_back(name);
+  return out;
+}
+
+Result<std::size_t> CheckpointReader::size(const std::string& name) const {
+  const auto it = blobs_.find(name);
+  if (it == blobs_.end()) return invalid_argument("checkpoint " + path_ + " has no blob '" + name + "'");
+  return static_cast<std::size_t>(it->second.size);
+}
+
+Status CheckpointReader::read(const std::string& name, void* dst, std::size_t bytes) const {
+  const auto it = blobs_.find(name);
+  if (it == blobs_.end()) return invalid_argument("checkpoint " + path_ + " has no blob '" + name + "'");
+  const Blob& b = it->second;
+  if (bytes != b.size) {
+    return Status(StatusCode::corrupt, "checkpoint " + path_ + ": blob '" + name + "' holds " +
+                                           std::to_string(b.size) + " bytes, the caller expects " +
+                                           std::to_string(bytes) + " (a checkpoint of a different model?)");
+  }
+  if (bytes == 0) return Status::success();
+  if (dst == nullptr) return invalid_argument("checkpoint " + path_ + ": null destination for blob '" + name + "'");
+  if (Status s = pread_all(fd_.get(), dst, bytes, b.offset, path_); !s.ok()) return s;
+  const std::uint32_t computed = crc32c(dst, bytes);
+  if (computed != b.crc) {
+    return corrupt(path_, "blob '" + name + "' (" + std::to_string(bytes) + " bytes at offset " +
+                              std::to_string(b.offset) + ") fails its checksum: stored CRC-32C " + hex32(b.crc) +
+                              ", computed " + hex32(computed) + "; the data is damaged");
+  }
+  return Status::success();
+}
+
+}  // namespace zoe

@@ -1,0 +1,124 @@
+// The checkpoint container: named binary blobs plus the caller's manifest (JSON text) in one file, written
+// atomically (a temporary file renamed over the target after fsync) and checked on read (CRC-32C of every
+// blob and of the index). The format is described at the top of checkpoint.cpp.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "zoe/status.h"
+
+namespace zoe {
+
+// The one owner of a POSIX file descriptor: closes it on destruction. Move-only.
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  UniqueFd(UniqueFd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  UniqueFd& operator=(UniqueFd&& o) noexcept {
+    if (this != &o) reset(std::exchange(o.fd_, -1));
+    return *this;
+  }
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+  ~UniqueFd() { reset(); }
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  // Closes the descriptor held (an error from close is lost: use close() where it matters) and takes `fd`.
+  void reset(int fd = -1);
+  // Closes and reports close's error (on NFS, the first report of a failed write may come only here).
+  Status close(const std::string& path);
+
+ private:
+  int fd_ = -1;
+};
+
+// Checkpoint format version. A reader accepts any file with its major version or older; a minor version
+// only adds what older readers may ignore.
+constexpr std::uint32_t kCheckpointMajor = 1;
+constexpr std::uint32_t kCheckpointMinor = 0;
+
+// Streams blobs to `<path>.tmp-<pid>-<n>` as they are added (nothing is held in memory but the index);
+// commit() makes the file appear at `path` whole, or not at all. Destroying a writer without a successful
+// commit removes the temporary file and leaves whatever was at `path` untouched.
+class CheckpointWriter {
+ public:
+  static Result<CheckpointWriter> create(const std::string& path);
+  CheckpointWriter(CheckpointWriter&& o) noexcept;
+  CheckpointWriter& operator=(CheckpointWriter&& o) noexcept;
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+  ~CheckpointWriter();
+
+  // `name` must be non-empty and not yet added; `data` may be null when `bytes` is 0. After any failure the
+  // writer refuses further calls (the temporary file is incomplete).
+  Status add(std::string name, const void* data, std::size_t bytes);
+  // Writes the index and `manifest_json` (stored as given: the container does not parse it), fsyncs the
+  // file, renames it over `path` and fsyncs the directory so the rename survives a crash.
+  Status commit(const std::string& manifest_json);
+
+  const std::string& path() const { return path_; }
+  const std::string& temp_path() const { return temp_path_; }
+
+ private:
+  struct Entry {
+    std::string name;
+    std::uint64_t offset, size;
+    std::uint32_t crc;
+  };
+  CheckpointWriter(std::string path, std::string temp_path, UniqueFd fd);
+  Status write_all(const void* data, std::size_t bytes);
+  Status pad_to(std::uint64_t alignment);
+  Status fail(Status s);
+  void discard();
+
+  std::string path_, temp_path_;
+  UniqueFd fd_;
+  std::uint64_t offset_ = 0;
+  std::vector<Entry> entries_;
+  std::unordered_set<std::string> names_;
+  bool committed_ = false;
+  bool failed_ = false;
+};
+
+// Opens a checkpoint and checks its header, trailer and index; each blob's CRC-32C is checked when it is
+// read. Move-only; holds the file open.
+class CheckpointReader {
+ public:
+  static Result<CheckpointReader> open(const std::string& path);
+
+  const std::string& path() const { return path_; }
+  const std::string& manifest() const { return manifest_; }
+  std::uint32_t major_version() const { return major_; }
+  std::uint32_t minor_version() const { return minor_; }
+  bool has(const std::string& name) const { return blobs_.count(name) != 0; }
+  std::vector<std::string> names() const;  // sorted
+  Result<std::size_t> size(const std::string& name) const;
+  // Reads the whole blob into `dst`, which must hold exactly `bytes` = the blob's size. On a CRC mismatch
+  // the contents of `dst` are unspecified and the error names the blob, the file and both checksums.
+  Status read(const std::string& name, void* dst, std::size_t bytes) const;
+
+ private:
+  struct Blob {
+    std::uint64_t offset, size;
+    std::uint32_t crc;
+  };
+  CheckpointReader() = default;
+  Status load(const std::string& path);
+  Status parse_index(const std::string& index, std::uint64_t data_end);
+
+  std::string path_;
+  UniqueFd fd_;
+  std::uint32_t major_ = 0, minor_ = 0;
+  std::map<std::string, Blob> blobs_;
+  std::string manifest_;
+};
+
+}  // namespace zoe

@@ -1,0 +1,286 @@
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "src/offload/config.h"
+
+namespace zoe {
+namespace {
+
+// The example of /work/shared/reference/deepspeed-config.md, verbatim.
+constexpr const char* kDeepSpeedExample = R"({
+  "train_batch_size": 16,
+  "gradient_accumulation_steps": 1,
+  "gradient_clipping": 1.0,
+  "optimizer": { "type": "AdamW",
+                 "params": { "lr": 3e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 3e-7 } },
+  "fp16": { "enabled": true, "loss_scale": 0, "initial_scale_power": 32, "loss_scale_window": 1000,
+            "hysteresis": 2, "consecutive_hysteresis": false, "min_loss_scale": 1 },
+  "bf16": { "enabled": false },
+  "zero_optimization": {
+    "stage": 2,
+    "sub_group_size": 1e9,
+    "offload_optimizer": { "device": "nvme", "nvme_path": "/local_nvme", "pin_memory": true,
+                           "buffer_count": 4, "pipeline_read": false, "pipeline_write": false,
+                           "fast_init": false, "ratio": 1.0 }
+  },
+  "aio": { "block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1,
+           "single_submit": false, "overlap_events": true, "use_gds": false }
+})";
+
+// The one note that mentions `needle`; fails the test when there is none or more than one.
+std::string note_about(const LoadedConfig& c, const std::string& needle) {
+  std::string found;
+  int count = 0;
+  for (const std::string& n : c.notes) {
+    if (n.find(needle) != std::string::npos) {
+      found = n;
+      ++count;
+    }
+  }
+  EXPECT_EQ(count, 1) << "notes mentioning " << needle;
+  return found;
+}
+
+std::string all_notes(const LoadedConfig& c) {
+  std::string s;
+  for (const std::string& n : c.notes) s += n + "\n";
+  return s;
+}
+
+LoadedConfig parse_ok(const std::string& json) {
+  Result<LoadedConfig> r = parse_config(json, "test.json");
+  EXPECT_TRUE(r.ok()) << r.status().to_string();
+  return r.ok() ? r.value() : LoadedConfig{};
+}
+
+// Expects invalid_argument (or `code`) with a message naming the file and every one of `words`.
+void expect_error(const std::string& json, const std::vector<std::string>& words,
+                  StatusCode code = StatusCode::invalid_argument) {
+  Result<LoadedConfig> r = parse_config(json, "test.json");
+  ASSERT_FALSE(r.ok()) << json;
+  EXPECT_EQ(r.status().code(), code) << r.status().to_string();
+  EXPECT_NE(r.status().message().find("test.json"), std::string::npos) << r.status().message();
+  for (const std::string& w : words) {
+    EXPECT_NE(r.status().message().find(w), std::string::npos) << "'" << w << "' not in: " << r.status().message();
+  }
+}
+
+TEST(Config, DeepSpeedExampleValues) {
+  const LoadedConfig c = parse_ok(kDeepSpeedExample);
+  EXPECT_FLOAT_EQ(c.hyper.lr, 3e-5f);
+  EXPECT_FLOAT_EQ(c.hyper.beta1, 0.9f);
+  EXPECT_FLOAT_EQ(c.hyper.beta2, 0.999f);
+  EXPECT_FLOAT_EQ(c.hyper.eps, 1e-8f);
+  EXPECT_FLOAT_EQ(c.hyper.weight_decay, 3e-7f);
+  EXPECT_TRUE(c.hyper.adamw);
+  EXPECT_TRUE(c.hyper.bias_correction);
+  const OffloadOptions& o = c.options;
+  EXPECT_FLOAT_EQ(o.max_grad_norm, 1.0f);
+  EXPECT_TRUE(o.loss_scale.enabled);
+  EXPECT_TRUE(o.loss_scale.dynamic);
+  EXPECT_EQ(o.loss_scale.initial_scale, 4294967296.0f);  // 2^32
+  EXPECT_EQ(o.loss_scale.growth_interval, 1000);
+  EXPECT_EQ(o.loss_scale.hysteresis, 2);
+  EXPECT_FALSE(o.loss_scale.consecutive_hysteresis);
+  EXPECT_EQ(o.loss_scale.min_scale, 1.0f);
+  EXPECT_EQ(o.tier, Tier::nvme);
+  EXPECT_EQ(o.nvme.paths, std::vector<std::string>{"/local_nvme"});
+  EXPECT_EQ(o.nvme.buffer_count, 4);
+  EXPECT_EQ(o.nvme.block_size, std::size_t(1048576));
+  EXPECT_EQ(o.nvme.queue_depth, 8);
+  EXPECT_EQ(o.tile, OffloadOptions{}.tile) << "sub_group_size must not become the tile";
+  EXPECT_EQ(o.schedule, Schedule::sync);
+}
+
+TEST(Config, DeepSpeedExampleNotes) {
+  const LoadedConfig c = parse_ok(kDeepSpeedExample);
+  for (const char* key : {"'train_batch_size'", "'gradient_accumulation_steps'", "'zero_optimization.sub_group_size'",
+                          "'zero_optimization.offload_optimizer.pipeline_read'",
+                          "'zero_optimization.offload_optimizer.pipeline_write'",
+                          "'zero_optimization.offload_optimizer.fast_init'",
+                          "'zero_optimization.offload_optimizer.ratio'", "'aio.intra_op_parallelism'",
+                          "'aio.single_submit'", "'aio.overlap_events'", "'aio.use_gds'"}) {
+    const std::string n = note_about(c, key);
+    EXPECT_NE(n.find("test.json"), std::string::npos) << n;
+  }
+  EXPECT_EQ(c.notes.size(), 11u) << all_notes(c);  // stage 2, pin_memory true, matching values: nothing to say
+  EXPECT_EQ(all_notes(c).find("unknown key"), std::string::npos) << all_notes(c);
+}
+
+TEST(Config, EmptyObjectGivesZoeDefaults) {
+  const LoadedConfig c = parse_ok("{}");
+  EXPECT_TRUE(c.notes.empty());
+  EXPECT_EQ(c.options.tier, Tier::ram);
+  EXPECT_FALSE(c.options.loss_scale.enabled);
+  EXPECT_FLOAT_EQ(c.hyper.lr, AdamHyper{}.lr);
+}
+
+TEST(Config, UnknownKeysAreReported) {
+  const LoadedConfig c = parse_ok(R"({"foo": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "momentum": 0.9}},
+      "zero_optimization": {"offload_optimizer": {"device": "cpu", "speed": "fast"}},
+      "zoe": {"schedul": "sync"}, "bf16": {"enabled": true, "x": 1}})");
+  for (const char* key : {"'foo'", "'optimizer.params.momentum'", "'zero_optimization.offload_optimizer.speed'",
+                          "'zoe.schedul'", "'bf16.x'"}) {
+    const std::string n = note_about(c, std::string("unknown key ") + key);
+    EXPECT_NE(n.find("test.json: ignored"), std::string::npos) << n;
+  }
+  EXPECT_EQ(c.notes.size(), 5u) << all_notes(c);
+}
+
+TEST(Config, DuplicateKeysAreReported) {
+  const LoadedConfig c = parse_ok(R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.1, "lr": 0.2}}})");
+  EXPECT_FLOAT_EQ(c.hyper.lr, 0.2f);
+  note_about(c, "duplicate key 'optimizer.params.lr'");
+}
+
+TEST(Config, NvmePathStringOrList) {
+  const std::string head = R"({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": )";
+  EXPECT_EQ(parse_ok(head + R"("/a"}}})").options.nvme.paths, (std::vector<std::string>{"/a"}));
+  EXPECT_EQ(parse_ok(head + R"(["/a", "/b"]}}})").options.nvme.paths, (std::vector<std::string>{"/a", "/b"}));
+  expect_error(head + R"([]}}})", {"zero_optimization.offload_optimizer.nvme_path"});
+  expect_error(head + R"(["/a", 3]}}})", {"zero_optimization.offload_optimizer.nvme_path"});
+  expect_error(head + R"(["/a", "/a"]}}})", {"nvme_path", "twice"});
+  expect_error(head + R"(""}}})", {"nvme_path"});
+  expect_error(head + R"(7}}})", {"nvme_path"});
+}
+
+TEST(Config, NvmeWithoutPathIsAnError) {
+  expect_error(R"({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}})",
+               {"zero_optimization.offload_optimizer.nvme_path", "missing"});
+}
+
+TEST(Config, OffloadDevices) {
+  const std::string head = R"({"zero_optimization": {"offload_optimizer": {"device": )";
+  EXPECT_EQ(parse_ok(head + R"("cpu"}}})").options.tier, Tier::ram);
+  const LoadedConfig none = parse_ok(head + R"("none"}}})");
+  EXPECT_EQ(none.options.tier, Tier::ram);
+  note_about(none, "always offloads");
+  const LoadedConfig unused = parse_ok(head + R"("cpu", "nvme_path": "/x", "pin_memory": false}}})");
+  note_about(unused, "nvme_path' in test.json: unused");
+  note_about(unused, "page-locks");
+  expect_error(head + R"("gpu"}}})", {"zero_optimization.offload_optimizer.device", "\"gpu\""});
+}
+
+TEST(Config, StaticAndDynamicLossScale) {
+  const LoadedConfig dynamic = parse_ok(R"({"fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 16}})");
+  EXPECT_TRUE(dynamic.options.loss_scale.enabled);
+  EXPECT_TRUE(dynamic.options.loss_scale.dynamic);
+  EXPECT_EQ(dynamic.options.loss_scale.initial_scale, 65536.0f);
+  const LoadedConfig fixed = parse_ok(R"({"fp16": {"enabled": true, "loss_scale": 128}})");
+  EXPECT_TRUE(fixed.options.loss_scale.enabled);
+  EXPECT_FALSE(fixed.options.loss_scale.dynamic);
+  EXPECT_EQ(fixed.options.loss_scale.static_scale, 128.0f);
+  const LoadedConfig bf16 = parse_ok(R"({"fp16": {"enabled": false}, "bf16": {"enabled": true}})");
+  EXPECT_FALSE(bf16.options.loss_scale.enabled);
+  expect_error(R"({"fp16": {"loss_scale": -1}})", {"fp16.loss_scale"});
+  expect_error(R"({"fp16": {"initial_scale_power": 200}})", {"fp16.initial_scale_power", "0 to 127"});
+  expect_error(R"({"fp16": {"loss_scale_window": 0}})", {"fp16.loss_scale_window"});
+  expect_error(R"({"fp16": {"min_loss_scale": 0}})", {"fp16.min_loss_scale"});
+  expect_error(R"({"fp16": {"hysteresis": 1.5}})", {"fp16.hysteresis"});
+}
+
+TEST(Config, Fp16AndBf16TogetherIsAnError) {
+  expect_error(R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}})", {"fp16.enabled", "bf16.enabled"});
+}
+
+TEST(Config, AdamVersusAdamW) {
+  const LoadedConfig adam = parse_ok(R"({"optimizer": {"type": "Adam", "params": {"weight_decay": 0.01}}})");
+  EXPECT_FALSE(adam.hyper.adamw);
+  EXPECT_EQ(note_about(adam, "'optimizer.type'").find("no effect"), std::string::npos);
+  const LoadedConfig no_decay = parse_ok(R"({"optimizer": {"type": "adam"}})");
+  EXPECT_FALSE(no_decay.hyper.adamw);
+  EXPECT_NE(note_about(no_decay, "'optimizer.type'").find("no effect"), std::string::npos);
+  const LoadedConfig w_mode = parse_ok(R"({"optimizer": {"type": "Adam", "params": {"adam_w_mode": true}}})");
+  EXPECT_TRUE(w_mode.hyper.adamw);
+  EXPECT_TRUE(w_mode.notes.empty()) << all_notes(w_mode);
+  const LoadedConfig l2 = parse_ok(R"({"optimizer": {"type": "Adam", "params": {"adam_w_mode": false, "bias_correction": false}}})");
+  EXPECT_FALSE(l2.hyper.adamw);
+  EXPECT_FALSE(l2.hyper.bias_correction);
+  EXPECT_TRUE(parse_ok(R"({"optimizer": {"type": "AdamW"}})").hyper.adamw);
+  expect_error(R"({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": false}}})", {"adam_w_mode", "AdamW"});
+  expect_error(R"({"optimizer": {"type": "Lamb"}})", {"optimizer.type", "Lamb"}, StatusCode::unsupported);
+  expect_error(R"({"optimizer": {"params": {}}})", {"optimizer.type", "missing"});
+  expect_error(R"({"optimizer": {"type": "Adam", "params": {"amsgrad": true}}})", {"amsgrad"}, StatusCode::unsupported);
+}
+
+TEST(Config, InvalidOptimizerValues) {
+  expect_error(R"({"optimizer": {"type": "AdamW", "params": {"lr": -0.1}}})", {"optimizer.params.lr", "-0.1"});
+  expect_error(R"({"optimizer": {"type": "AdamW", "params": {"lr": "0.1"}}})", {"optimizer.params.lr", "number"});
+  expect_error(R"({"optimizer": {"type": "AdamW", "params": {"eps": -1}}})", {"optimizer.params.eps"});
+  expect_error(R"({"optimizer": {"type": "AdamW", "params": {"weight_decay": -1}}})", {"weight_decay"});
+  expect_error(R"({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.0]}}})", {"optimizer.params.betas"});
+  expect_error(R"({"optimizer": {"type": "AdamW", "params": {"betas": [-0.1, 0.9]}}})", {"optimizer.params.betas"});
+  expect_error(R"({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}})", {"optimizer.params.betas"});
+  expect_error(R"({"optimizer": {"type": "AdamW", "params": {"bias_correction": 1}}})", {"bias_correction", "true or false"});
+  expect_error(R"({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})", {"optimizer.params.lr", "Hugging Face"});
+  expect_error(R"({"optimizer": "AdamW"})", {"optimizer", "object"});
+  expect_error(R"({"gradient_clipping": -1})", {"gradient_clipping"});
+}
+
+TEST(Config, ZeroStageAndAio) {
+  const LoadedConfig stage3 = parse_ok(R"({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9}})");
+  EXPECT_NE(note_about(stage3, "'zero_optimization.stage'").find("stage 3"), std::string::npos);
+  EXPECT_NE(note_about(stage3, "'zero_optimization.stage3_max_live_parameters'").find("not supported"), std::string::npos);
+  EXPECT_TRUE(parse_ok(R"({"zero_optimization": {"stage": 1}})").notes.empty());
+  expect_error(R"({"zero_optimization": {"stage": 4}})", {"zero_optimization.stage"});
+  expect_error(R"({"zero_optimization": {"sub_group_size": -5}})", {"zero_optimization.sub_group_size"});
+  expect_error(R"({"aio": {"block_size": 1000}})", {"aio.block_size", "4096"});
+  expect_error(R"({"aio": {"queue_depth": 0}})", {"aio.queue_depth"});
+  const LoadedConfig c = parse_ok(R"({"aio": {"thread_count": 2, "block_size": 8192}})");
+  EXPECT_EQ(c.options.nvme.block_size, 8192u);
+  note_about(c, "'aio.thread_count'");
+}
+
+TEST(Config, ZoeSection) {
+  const LoadedConfig c = parse_ok(
+      R"({"zoe": {"schedule": "delayed", "delayed_warmup_steps": 5, "tile": 4096, "threads": 3, "isa": "scalar",
+                  "pin_threads": false, "cpu_tile": 1024}})");
+  EXPECT_EQ(c.options.schedule, Schedule::delayed);
+  EXPECT_EQ(c.options.delayed_warmup_steps, 5);
+  EXPECT_EQ(c.options.tile, 4096u);
+  EXPECT_EQ(c.options.cpu.threads, 3);
+  EXPECT_EQ(c.options.cpu.isa, "scalar");
+  EXPECT_FALSE(c.options.cpu.pin_threads);
+  EXPECT_EQ(c.options.cpu.tile, 1024u);
+  EXPECT_EQ(parse_ok(R"({"zoe": {"schedule": "overlap"}})").options.schedule, Schedule::overlap);
+  expect_error(R"({"zoe": {"schedule": "async"}})", {"zoe.schedule", "async"});
+  expect_error(R"({"zoe": {"schedule": 1}})", {"zoe.schedule"});
+  expect_error(R"({"zoe": {"isa": "sse2"}})", {"zoe.isa"});
+  expect_error(R"({"zoe": {"tile": 0}})", {"zoe.tile"});
+  expect_error(R"({"zoe": {"delayed_warmup_steps": -1}})", {"zoe.delayed_warmup_steps"});
+}
+
+TEST(Config, MalformedJson) {
+  expect_error("{\"optimizer\": {", {"not valid JSON", "line"});
+  expect_error("", {"not valid JSON"});
+  expect_error("[1, 2]", {"top level"});
+}
+
+TEST(Config, LoadFile) {
+  char dir_template[] = "/tmp/zoe_config_test_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string path = std::string(dir_template) + "/ds_config.json";
+  std::ofstream(path) << kDeepSpeedExample;
+  Result<LoadedConfig> r = load_config_file(path);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->options.tier, Tier::nvme);
+  EXPECT_NE(r->notes.at(0).find(path), std::string::npos) << "notes name the file";
+
+  Result<LoadedConfig> missing = load_config_file(std::string(dir_template) + "/absent.json");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), StatusCode::io_error);
+  EXPECT_EQ(missing.status().sys_errno(), ENOENT);
+  EXPECT_NE(missing.status().message().find("absent.json"), std::string::npos);
+  std::remove(path.c_str());
+  ::rmdir(dir_template);
+}
+
+}  // namespace
+}  // namespace zoe
