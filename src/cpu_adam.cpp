@@ -205,6 +205,8 @@ CpuAdam::CpuAdam(CpuAdam&&) noexcept = default;
 CpuAdam& CpuAdam::operator=(CpuAdam&&) noexcept = default;
 CpuAdam::~CpuAdam() = default;
 
+Status CpuAdam::validate(const AdamHyper& hyper) { return check_hyper(hyper, StepOptions{}); }
+
 Isa CpuAdam::isa() const { return impl_->isa; }
 std::string_view CpuAdam::kernel() const { return impl_->table->name; }
 int CpuAdam::threads() const { return impl_->arena.threads(); }

@@ -77,6 +77,9 @@ class CpuAdam {
   // and tiles, with trivial arithmetic. It overwrites the tensors' state; benchmarks compare against it.
   Status streams_pass(std::span<const AdamTensor> tensors);
 
+  // The checks step() applies to hyper-parameters, for callers that validate up front.
+  static Status validate(const AdamHyper& hyper);
+
   Isa isa() const;
   // The name recorded in the kernel table this engine calls: proof of which ISA's code runs.
   std::string_view kernel() const;

@@ -29,6 +29,7 @@ int info(std::span<char* const>) {
 
 const Command kCommands[] = {
     {"bench", "adam", zoe::cli::bench_adam, "CPU Adam step throughput against its streams ceiling"},
+    {"bench", "step", zoe::cli::bench_step, "whole offloaded training iterations against the device's compute"},
 #ifdef ZOE_HAVE_AIO
     {"bench", "nvme", zoe::cli::bench_nvme, "one optimizer step streamed from NVMe against raw O_DIRECT I/O"},
     {"", "probe", zoe::cli::probe, "check swap paths: filesystem, O_DIRECT, block size, space, bandwidth"},

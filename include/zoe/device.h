@@ -1,0 +1,62 @@
+// The device the optimizer exchanges gradients and weights with. Two implementations: CUDA (cuda/), and a
+// host stand-in (src/offload/host_device.cpp) that behaves like a device — its own memory, asynchronous
+// in-order streams, events, a settable compute time — so that every schedule runs on machines without a GPU.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "zoe/dtype.h"
+#include "zoe/status.h"
+
+namespace zoe {
+
+// Work on one stream runs in the order it was enqueued; different streams run concurrently.
+enum class Stream : int { compute = 0, d2h = 1, h2d = 2 };
+constexpr int kStreams = 3;
+
+// Recorded on a stream: complete once everything enqueued on that stream before it has run. Each event is
+// consumed by exactly one wait() or synchronize(); after that its id is unknown to the device.
+using EventId = std::uint64_t;
+
+struct GradStats {
+  double sum_sq = 0;            // sum of squares of the gradient values as stored (before any unscale)
+  std::uint64_t non_finite = 0; // NaN/Inf values
+};
+
+// Implementations are thread-safe: a trainer thread and the optimizer's worker call them concurrently.
+class Device {
+ public:
+  virtual ~Device() = default;
+  virtual std::string name() const = 0;
+
+  // Device memory and host memory the device copies from/to asynchronously (page-locked on CUDA).
+  virtual Result<void*> allocate(std::size_t bytes) = 0;
+  virtual void free(void* device_ptr) = 0;
+  virtual Result<void*> allocate_host(std::size_t bytes) = 0;
+  virtual void free_host(void* host_ptr) = 0;
+
+  // Asynchronous, in order on `stream`. Buffers must stay valid until an event recorded after them completes.
+  virtual Status copy_to_host(void* host, const void* device, std::size_t bytes, Stream stream) = 0;
+  virtual Status copy_to_device(void* device, const void* host, std::size_t bytes, Stream stream) = 0;
+  // Fills *out (host memory) with the sum of squares and NaN/Inf count of n gradients in device memory.
+  virtual Status grad_stats(const void* device, DType dtype, std::size_t n, GradStats* out, Stream stream) = 0;
+  // Keeps `stream` busy for `seconds`: the forward/backward of benchmarks and tests.
+  virtual Status simulate_compute(double seconds, Stream stream) = 0;
+
+  virtual Result<EventId> record(Stream stream) = 0;
+  virtual Status wait(Stream stream, EventId event) = 0;  // later work on `stream` starts after `event`
+  virtual Status synchronize(EventId event) = 0;           // the host waits for `event`
+  virtual Status synchronize() = 0;                        // the host waits for every stream
+};
+
+// The host stand-in: `device` memory is ordinary host memory that the optimizer must only touch through
+// this interface; each stream is a thread.
+std::unique_ptr<Device> make_host_device();
+
+// The GPU `ordinal` through CUDA; unsupported when zoe was built without CUDA or no GPU is usable.
+Result<std::unique_ptr<Device>> make_cuda_device(int ordinal);
+
+}  // namespace zoe

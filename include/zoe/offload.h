@@ -1,0 +1,121 @@
+// OffloadOptimizer: the offloaded training step. fp32 master weights and Adam moments live on the host
+// (pinned RAM, or NVMe swap files); the device keeps 16-bit weights and gradients. Schedules (DESIGN.md):
+// sync, overlap (gradients stream in during backward; exact, by speculation with undo/redo when clipping
+// or an fp16 overflow changes the step), delayed (ZeRO-Offload's delayed parameter update).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "zoe/adam.h"
+#include "zoe/device.h"
+#include "zoe/dtype.h"
+#include "zoe/status.h"
+
+namespace zoe {
+
+enum class Tier { ram, nvme };
+enum class Schedule { sync, overlap, delayed };
+
+std::string_view tier_name(Tier tier);
+std::string_view schedule_name(Schedule schedule);
+
+// fp16 loss scaling, with the knobs of DeepSpeed's fp16 section and torch's GradScaler. Dynamic: start at
+// initial_scale; an overflow skips the step and, once `hysteresis` overflows have been seen, multiplies the
+// scale by backoff_factor (never below min_scale); growth_interval steps without overflow multiply it by
+// growth_factor.
+struct LossScaleOptions {
+  bool enabled = false;          // fp16 training; bf16 and fp32 need no scaling
+  bool dynamic = true;           // false: static_scale forever (an overflow still skips the step)
+  float static_scale = 1.0f;
+  float initial_scale = 65536.0f;
+  float growth_factor = 2.0f;
+  float backoff_factor = 0.5f;
+  int growth_interval = 1000;
+  int hysteresis = 2;
+  bool consecutive_hysteresis = false;  // refill the hysteresis budget after each step without overflow
+  float min_scale = 1.0f;
+};
+
+struct NvmeOptions {
+  std::vector<std::string> paths;      // DeepSpeed: offload_optimizer.nvme_path (one or a list)
+  int buffer_count = 4;                // DeepSpeed: offload_optimizer.buffer_count
+  std::size_t block_size = 1 << 20;    // DeepSpeed: aio.block_size
+  int queue_depth = 8;                 // DeepSpeed: aio.queue_depth
+};
+
+struct OffloadOptions {
+  Tier tier = Tier::ram;
+  NvmeOptions nvme;
+  Schedule schedule = Schedule::sync;
+  int delayed_warmup_steps = 10;       // sync steps before the delayed schedule starts
+  float max_grad_norm = 0.0f;          // 0: no clipping. DeepSpeed: gradient_clipping
+  LossScaleOptions loss_scale;
+  std::size_t tile = 1 << 20;          // elements per unit of pipelined work. DeepSpeed's sub_group_size is larger
+  CpuAdamOptions cpu;
+};
+
+// A param group: parameters sharing hyper-parameters (as in torch.optim).
+struct ParamGroup {
+  AdamHyper hyper;
+};
+
+// One parameter as the device holds it.
+struct ParamSpec {
+  std::size_t n = 0;
+  DType dtype = DType::bf16;       // of the device weights and gradients: f16, bf16 or f32
+  void* device_weights = nullptr;  // updated by the optimizer (H2D) after each step
+  const void* device_grads = nullptr;
+  int group = 0;
+};
+
+struct StepStats {
+  std::int64_t steps = 0;          // optimizer steps applied
+  std::int64_t skipped = 0;        // steps skipped for an fp16 overflow
+  std::int64_t redone = 0;         // overlap: speculative steps undone and redone (clipping or overflow)
+  double last_grad_norm = 0;       // of the unscaled gradients, before clipping (NaN if any is not finite)
+  double adam_s = 0;               // CPU Adam, summed (seconds)
+  double step_call_s = 0;          // time the trainer spent inside step(), summed
+  std::uint64_t d2h_bytes = 0, h2d_bytes = 0;
+};
+
+class OffloadOptimizer {
+ public:
+  // The master weights start as the device weights converted to fp32 (read once through the device).
+  static Result<OffloadOptimizer> create(Device& device, std::vector<ParamGroup> groups,
+                                         std::vector<ParamSpec> params, const OffloadOptions& options);
+  OffloadOptimizer(OffloadOptimizer&&) noexcept;
+  OffloadOptimizer& operator=(OffloadOptimizer&&) noexcept;
+  ~OffloadOptimizer();
+
+  // The trainer calls this (overlap schedule) once a parameter's gradient is final for this iteration,
+  // after enqueueing the work that produces it on the device's compute stream. Other schedules ignore it.
+  Status grad_ready(std::size_t param);
+  // Ends the iteration: every gradient is final. Applies the step (or, delayed, starts it) and leaves the
+  // updated weights on the device — after wait() for the delayed schedule's previous step.
+  Status step();
+  // Waits for all work in flight (the delayed schedule's background step included).
+  Status wait();
+
+  Status save(const std::string& path);
+  Status load(const std::string& path);
+
+  // Hyper-parameters may change between steps (learning-rate schedules).
+  AdamHyper& group_hyper(std::size_t group);
+  float loss_scale() const;
+  std::int64_t step_count() const;  // steps applied, as torch's state["step"]
+  bool last_step_skipped() const;
+  const StepStats& stats() const;  // exact after wait(); the delayed schedule updates it in the background
+  // The fp32 master weights / moments of a parameter (after wait()).
+  Status read_state(std::size_t param, float* master, float* exp_avg, float* exp_avg_sq) const;
+
+ private:
+  struct Impl;
+  explicit OffloadOptimizer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace zoe

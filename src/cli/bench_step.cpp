@@ -1,0 +1,208 @@
+// zoe bench step: whole offloaded training iterations against a device whose forward/backward takes a set
+// time. The ceiling is the device's compute alone: device_idle_fraction = 1 - compute / iteration.
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "src/cli/args.h"
+#include "src/cli/bench_stats.h"
+#include "src/cli/commands.h"
+#include "zoe/offload.h"
+
+namespace zoe::cli {
+namespace {
+
+// bf16 weights and gradients in device memory, cut into `buckets` parameters.
+class DeviceModel {
+ public:
+  DeviceModel(Device& device, std::uint64_t n, std::uint64_t buckets) : device_(device) {
+    for (std::uint64_t b = 0; b < buckets; ++b) {
+      ParamSpec p;
+      p.n = n / buckets + (b < n % buckets ? 1 : 0);
+      p.dtype = DType::bf16;
+      specs_.push_back(p);
+    }
+  }
+  ~DeviceModel() {
+    for (void* p : owned_) device_.free(p);
+  }
+  DeviceModel(const DeviceModel&) = delete;
+  DeviceModel& operator=(const DeviceModel&) = delete;
+
+  Status allocate() {
+    std::uint32_t seed = 7;
+    for (ParamSpec& p : specs_) {
+      const std::size_t bytes = p.n * 2;
+      Result<void*> w = device_.allocate(bytes);
+      if (!w.ok()) return w.status();
+      owned_.push_back(w.value());
+      Result<void*> g = device_.allocate(bytes);
+      if (!g.ok()) return g.status();
+      owned_.push_back(g.value());
+      Result<void*> host = device_.allocate_host(bytes);
+      if (!host.ok()) return host.status();
+      auto* h = static_cast<std::uint16_t*>(host.value());
+      for (int which = 0; which < 2; ++which) {
+        for (std::size_t i = 0; i < p.n; ++i) {
+          seed = seed * 1664525u + 1013904223u;
+          const float u = static_cast<float>(seed >> 8) / 16777216.0f - 0.5f;
+          h[i] = float_to_bf16(which == 0 ? u : 1e-3f * u);
+        }
+        if (Status s = device_.copy_to_device(which == 0 ? w.value() : g.value(), h, bytes, Stream::h2d); !s.ok()) return s;
+        if (Status s = device_.synchronize(); !s.ok()) return s;
+      }
+      device_.free_host(host.value());
+      p.device_weights = w.value();
+      p.device_grads = g.value();
+    }
+    return Status::success();
+  }
+  const std::vector<ParamSpec>& specs() const { return specs_; }
+
+ private:
+  Device& device_;
+  std::vector<ParamSpec> specs_;
+  std::vector<void*> owned_;
+};
+
+// One training iteration as a trainer issues it: forward (a third of the compute), then backward bucket
+// by bucket from the last, each bucket reported as its gradient is enqueued, then step().
+Status iteration(Device& device, OffloadOptimizer& opt, std::size_t buckets, double compute_s) {
+  if (compute_s > 0) {
+    if (Status s = device.simulate_compute(compute_s / 3, Stream::compute); !s.ok()) return s;
+  }
+  for (std::size_t b = buckets; b-- > 0;) {
+    if (compute_s > 0) {
+      if (Status s = device.simulate_compute(compute_s * 2 / 3 / buckets, Stream::compute); !s.ok()) return s;
+    }
+    if (Status s = opt.grad_ready(b); !s.ok()) return s;
+  }
+  return opt.step();
+}
+
+}  // namespace
+
+int bench_step(std::span<char* const> args) {
+  std::string device_name = "host", schedule_text = "sync", n_text = "64M", buckets_text = "16", compute_text,
+              iters_text = "10";
+  bool json = false, help = false;
+  const Option options[] = {
+      {"device", &device_name, nullptr, "host (the stand-in) or cuda"},
+      {"schedule", &schedule_text, nullptr, "sync, overlap or delayed"},
+      {"n", &n_text, nullptr, "parameters (K, M, G suffixes are powers of 1024)"},
+      {"buckets", &buckets_text, nullptr, "gradient buckets reported during backward"},
+      {"compute-ms", &compute_text, nullptr, "device forward+backward time (default: 1.5x the CPU step measured at start)"},
+      {"iters", &iters_text, nullptr, "timed iterations"},
+      {"json", nullptr, &json, "one JSON object on stdout, nothing else"},
+      {"help", nullptr, &help, "this help"},
+  };
+  auto fail = [](const Status& s) {
+    std::fprintf(stderr, "zoe bench step: %s\n", s.to_string().c_str());
+    return s.code() == StatusCode::invalid_argument ? 2 : 1;
+  };
+  if (Status s = parse_options(args, options); !s.ok()) return fail(s);
+  if (help) {
+    std::printf("usage: zoe bench step [options]\n\n%s", options_help(options).c_str());
+    std::printf("\nstep_s is the wall time per training iteration; device_idle_fraction = 1 - compute / step_s.\n"
+                "cpu_step_s is one iteration with no device compute (copies and CPU Adam alone).\n");
+    return 0;
+  }
+  Schedule schedule;
+  if (schedule_text == "sync") {
+    schedule = Schedule::sync;
+  } else if (schedule_text == "overlap") {
+    schedule = Schedule::overlap;
+  } else if (schedule_text == "delayed") {
+    schedule = Schedule::delayed;
+  } else {
+    return fail(invalid_argument("--schedule " + schedule_text + " is not sync, overlap or delayed"));
+  }
+  Result<std::uint64_t> n = parse_count(n_text, "--n");
+  Result<std::uint64_t> buckets = parse_count(buckets_text, "--buckets");
+  Result<std::uint64_t> iters = parse_count(iters_text, "--iters");
+  for (const Status& s : {n.status(), buckets.status(), iters.status()}) {
+    if (!s.ok()) return fail(s);
+  }
+  if (buckets.value() == 0 || buckets.value() > n.value()) return fail(invalid_argument("--buckets must be between 1 and --n"));
+  if (iters.value() == 0) return fail(invalid_argument("--iters must be at least 1"));
+
+  std::unique_ptr<Device> device;
+  if (device_name == "host") {
+    device = make_host_device();
+  } else if (device_name == "cuda") {
+    Result<std::unique_ptr<Device>> d = make_cuda_device(0);
+    if (!d.ok()) return fail(d.status());
+    device = std::move(d).value();
+  } else {
+    return fail(invalid_argument("--device " + device_name + " is not host or cuda"));
+  }
+  DeviceModel model(*device, n.value(), buckets.value());
+  if (Status s = model.allocate(); !s.ok()) return fail(s);
+
+  constexpr int kCpuProbes = 3;  // iterations without compute that time the CPU step; sync for delayed
+  OffloadOptions o;
+  o.schedule = schedule;
+  o.delayed_warmup_steps = kCpuProbes;
+  Result<OffloadOptimizer> opt = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs(), o);
+  if (!opt.ok()) return fail(opt.status());
+
+  std::vector<double> probes;
+  for (int i = 0; i < kCpuProbes; ++i) {
+    Status s;
+    probes.push_back(time_seconds([&] {
+      s = iteration(*device, *opt, buckets.value(), 0);
+      if (s.ok()) s = opt->wait();
+    }));
+    if (!s.ok()) return fail(s);
+  }
+  const double cpu_step_s = summarize(probes).median;
+  double compute_s = 1.5 * cpu_step_s;
+  if (!compute_text.empty()) {
+    char* end = nullptr;
+    const double ms = std::strtod(compute_text.c_str(), &end);
+    if (end == compute_text.c_str() || *end != '\0' || !(ms >= 0)) {
+      return fail(invalid_argument("--compute-ms " + compute_text + " is not a time in milliseconds"));
+    }
+    compute_s = ms / 1e3;
+  }
+  if (!json) {
+    std::fprintf(stderr, "zoe bench step: %s device, %s schedule, n = %llu in %llu buckets; CPU step %.1f ms, "
+                 "device compute %.1f ms per iteration\n", device->name().c_str(), schedule_text.c_str(),
+                 static_cast<unsigned long long>(n.value()), static_cast<unsigned long long>(buckets.value()),
+                 cpu_step_s * 1e3, compute_s * 1e3);
+  }
+  for (int i = 0; i < 2; ++i) {  // reach the schedule's steady state (delayed: one step in flight)
+    if (Status s = iteration(*device, *opt, buckets.value(), compute_s); !s.ok()) return fail(s);
+  }
+  if (Status s = opt->wait(); !s.ok()) return fail(s);
+  const double adam_before = opt->stats().adam_s;
+  Status s;
+  const double total = time_seconds([&] {
+    for (std::uint64_t i = 0; i < iters.value() && s.ok(); ++i) s = iteration(*device, *opt, buckets.value(), compute_s);
+    if (s.ok()) s = opt->wait();
+  });
+  if (!s.ok()) return fail(s);
+  const double step_s = total / static_cast<double>(iters.value());
+  const double idle = 1.0 - compute_s / step_s;
+  const double adam_s = (opt->stats().adam_s - adam_before) / static_cast<double>(iters.value());
+  if (json) {
+    JsonLine line;
+    line.add("bench", "step").add("device", device_name).add("schedule", schedule_text).add("n", n.value())
+        .add("buckets", buckets.value()).add("device_compute_s", compute_s).add("step_s", step_s)
+        .add("device_idle_fraction", idle).add("cpu_step_s", cpu_step_s).add("cpu_adam_s", adam_s)
+        .add("iters", iters.value());
+    std::printf("%s\n", line.str().c_str());
+  } else {
+    std::printf("%-8s %-8s %12s %8s %12s %10s %8s %12s %10s\n", "device", "schedule", "n", "buckets", "compute ms",
+                "step ms", "idle", "cpu step ms", "adam ms");
+    std::printf("%-8s %-8s %12llu %8llu %12.1f %10.1f %8.3f %12.1f %10.1f\n", device_name.c_str(),
+                schedule_text.c_str(), static_cast<unsigned long long>(n.value()),
+                static_cast<unsigned long long>(buckets.value()), compute_s * 1e3, step_s * 1e3, idle,
+                cpu_step_s * 1e3, adam_s * 1e3);
+  }
+  return 0;
+}
+
+}  // namespace zoe::cli

@@ -1,0 +1,495 @@
+// OffloadOptimizer: the offloaded step and its three schedules (DESIGN.md "Schedules").
+//
+// Per parameter the host holds fp32 master weights and moments, and in device-copyable staging its
+// gradients (as the device stores them) and its 16-bit weights (what the device holds; for f32 parameters
+// the master itself is sent). Gradients come down (D2H) with their sum of squares and NaN/Inf count
+// computed on the device; the CPU Adam step runs with loss-scale unscale and clip coefficient fused;
+// weights go up (H2D).
+//
+// Exactness: every schedule steps each element with the same grad_scale = coef / loss_scale (coef from
+// the global norm summed in parameter order), and the kernels are element-wise, so overlap and delayed
+// give the bits sync would give for the same gradients.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <utility>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "src/aligned_buffer.h"
+#include "src/offload/loss_scaler.h"
+#include "src/offload/optimizer_impl.h"
+#include "simd/dispatch.h"
+
+namespace zoe {
+
+std::string_view tier_name(Tier tier) { return tier == Tier::ram ? "ram" : "nvme"; }
+
+std::string_view schedule_name(Schedule schedule) {
+  switch (schedule) {
+    case Schedule::sync: return "sync";
+    case Schedule::overlap: return "overlap";
+    case Schedule::delayed: return "delayed";
+  }
+  return "invalid";
+}
+
+namespace {
+
+std::size_t staging_bytes(const ParamSpec& p) { return p.n * dtype_size(p.dtype); }
+
+Status check_inputs(const std::vector<ParamGroup>& groups, const std::vector<ParamSpec>& params,
+                    const OffloadOptions& options) {
+  if (groups.empty()) return invalid_argument("no param groups: pass at least one");
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const ParamSpec& p = params[i];
+    const std::string where = "parameter " + std::to_string(i);
+    if (!dtype_valid(p.dtype)) return invalid_argument(where + ": dtype " + std::to_string(int(p.dtype)) + " is invalid");
+    if (p.group < 0 || static_cast<std::size_t>(p.group) >= groups.size()) {
+      return invalid_argument(where + ": group " + std::to_string(p.group) + " does not exist (" +
+                              std::to_string(groups.size()) + " groups)");
+    }
+    if (p.n > 0 && (p.device_weights == nullptr || p.device_grads == nullptr)) {
+      return invalid_argument(where + ": device weights or gradients are null with n = " + std::to_string(p.n));
+    }
+  }
+  if (!(options.max_grad_norm >= 0) || !std::isfinite(options.max_grad_norm)) {
+    return invalid_argument("max_grad_norm = " + std::to_string(options.max_grad_norm) + " is invalid: need >= 0");
+  }
+  const LossScaleOptions& ls = options.loss_scale;
+  if (ls.enabled && (!(ls.initial_scale > 0) || !(ls.static_scale > 0) || !(ls.min_scale > 0) ||
+                     !(ls.backoff_factor > 0 && ls.backoff_factor < 1) || !(ls.growth_factor >= 1) ||
+                     ls.growth_interval < 1)) {
+    return invalid_argument("loss scaling: scales must be > 0, 0 < backoff_factor < 1, growth_factor >= 1, "
+                            "growth_interval >= 1");
+  }
+  if (options.tier == Tier::nvme) {
+    return Status(StatusCode::unsupported,
+                  "tier nvme is not wired into OffloadOptimizer yet; use tier ram (zoe bench nvme streams a step "
+                  "from NVMe on its own)");
+  }
+  if (options.delayed_warmup_steps < 0) return invalid_argument("delayed_warmup_steps must be >= 0");
+  return Status::success();
+}
+
+}  // namespace
+
+OffloadOptimizer::Impl::Impl(Device& d, std::vector<ParamGroup> g, std::vector<ParamSpec> p, const OffloadOptions& o,
+                             CpuAdam a)
+    : device(d), options(o), groups(std::move(g)), params(std::move(p)), adam(std::move(a)), scaler(o.loss_scale) {}
+
+OffloadOptimizer::Impl::~Impl() {
+  background.reset();  // joins the delayed step before the buffers it uses go
+  (void)device.synchronize();
+  for (void* h : {grad_staging[0], grad_staging[1], weight_staging}) device.free_host(h);
+}
+
+Status OffloadOptimizer::Impl::allocate() {
+  offsets.resize(params.size() + 1, 0);
+  grad_offsets.resize(params.size() + 1, 0);
+  weight_offsets.resize(params.size() + 1, 0);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    offsets[i + 1] = offsets[i] + params[i].n;
+    grad_offsets[i + 1] = grad_offsets[i] + staging_bytes(params[i]);
+    weight_offsets[i + 1] = weight_offsets[i] + (params[i].dtype == DType::f32 ? 0 : params[i].n * 2);
+  }
+  const std::size_t total = offsets.back();
+  for (AlignedBuffer* b : {&master, &exp_avg, &exp_avg_sq}) {
+    Result<AlignedBuffer> r = AlignedBuffer::allocate(total * 4);
+    if (!r.ok()) return r.status();
+    *b = std::move(r).value();
+    if (total > 0) std::memset(b->data(), 0, total * 4);
+  }
+  // Speculation in the overlap schedule fails only when clipping or an fp16 overflow changes the step:
+  // only then is an undo copy kept.
+  speculation_can_fail = options.schedule == Schedule::overlap && (options.max_grad_norm > 0 || options.loss_scale.enabled);
+  if (speculation_can_fail) {
+    for (AlignedBuffer* b : {&undo_master, &undo_exp_avg, &undo_exp_avg_sq}) {
+      Result<AlignedBuffer> r = AlignedBuffer::allocate(total * 4);
+      if (!r.ok()) return r.status();
+      *b = std::move(r).value();
+    }
+    Result<AlignedBuffer> r = AlignedBuffer::allocate(weight_offsets.back());
+    if (!r.ok()) return r.status();
+    undo_weights = std::move(r).value();
+  }
+  const int grad_sets = options.schedule == Schedule::delayed ? 2 : 1;
+  for (int s = 0; s < grad_sets; ++s) {
+    Result<void*> r = device.allocate_host(std::max<std::size_t>(grad_offsets.back(), 1));
+    if (!r.ok()) return r.status();
+    grad_staging[s] = r.value();
+    stats[s].assign(params.size(), GradStats{});
+  }
+  Result<void*> w = device.allocate_host(std::max<std::size_t>(weight_offsets.back(), 1));
+  if (!w.ok()) return w.status();
+  weight_staging = w.value();
+  reported.assign(params.size(), 0);
+  stepped.assign(params.size(), 0);
+  d2h_events.assign(params.size(), 0);
+  return Status::success();
+}
+
+// The master weights start as the device weights: 16-bit values convert to fp32 exactly.
+Status OffloadOptimizer::Impl::load_initial_weights() {
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const ParamSpec& p = params[i];
+    if (p.n == 0) continue;
+    void* dst = p.dtype == DType::f32 ? static_cast<void*>(master_of(i)) : weights_of(i);
+    if (Status s = device.copy_to_host(dst, p.device_weights, staging_bytes(p), Stream::d2h); !s.ok()) return s;
+  }
+  Result<EventId> e = device.record(Stream::d2h);
+  if (!e.ok()) return e.status();
+  if (Status s = device.synchronize(e.value()); !s.ok()) return s;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const ParamSpec& p = params[i];
+    if (p.dtype == DType::f32) continue;
+    const auto* w = static_cast<const std::uint16_t*>(weights_of(i));
+    float* m = master_of(i);
+    for (std::size_t k = 0; k < p.n; ++k) m[k] = p.dtype == DType::f16 ? f16_to_float(w[k]) : bf16_to_float(w[k]);
+  }
+  visible_scale = scaler.scale();
+  return Status::success();
+}
+
+AdamTensor OffloadOptimizer::Impl::tensor(std::size_t i, int set) {
+  const ParamSpec& p = params[i];
+  AdamTensor t;
+  t.param = master_of(i);
+  t.exp_avg = exp_avg.as<float>() + offsets[i];
+  t.exp_avg_sq = exp_avg_sq.as<float>() + offsets[i];
+  t.grad = grad_of(i, set);
+  t.grad_dtype = p.dtype;
+  t.out = p.dtype == DType::f32 ? nullptr : weights_of(i);
+  t.out_dtype = p.dtype == DType::f32 ? DType::bf16 : p.dtype;
+  t.n = p.n;
+  return t;
+}
+
+Status OffloadOptimizer::Impl::enqueue_d2h(std::size_t i, int set) {
+  const ParamSpec& p = params[i];
+  // The copy starts only once the compute stream has produced the gradient.
+  Result<EventId> produced = device.record(Stream::compute);
+  if (!produced.ok()) return produced.status();
+  if (Status s = device.wait(Stream::d2h, produced.value()); !s.ok()) return s;
+  if (p.n > 0) {
+    if (Status s = device.copy_to_host(grad_of(i, set), p.device_grads, staging_bytes(p), Stream::d2h); !s.ok()) return s;
+    if (Status s = device.grad_stats(p.device_grads, p.dtype, p.n, &stats[set][i], Stream::d2h); !s.ok()) return s;
+  } else {
+    stats[set][i] = GradStats{};
+  }
+  stats_.d2h_bytes += staging_bytes(p);
+  return Status::success();
+}
+
+Status OffloadOptimizer::Impl::enqueue_h2d(std::size_t i) {
+  const ParamSpec& p = params[i];
+  if (p.n == 0) return Status::success();
+  const void* src = p.dtype == DType::f32 ? static_cast<const void*>(master_of(i)) : weights_of(i);
+  stats_.h2d_bytes += staging_bytes(p);
+  return device.copy_to_device(p.device_weights, src, staging_bytes(p), Stream::h2d);
+}
+
+Status OffloadOptimizer::Impl::finish_h2d() {
+  Result<EventId> sent = device.record(Stream::h2d);
+  if (!sent.ok()) return sent.status();
+  Result<EventId> sent_host = device.record(Stream::h2d);
+  if (!sent_host.ok()) return sent_host.status();
+  if (Status s = device.wait(Stream::compute, sent.value()); !s.ok()) return s;
+  // The host waits too: the weight staging is rewritten by the next step.
+  return device.synchronize(sent_host.value());
+}
+
+// One CpuAdam call per param group over the given parameters (a multi-tensor step).
+Status OffloadOptimizer::Impl::adam_params(const std::vector<std::size_t>& which, float grad_scale, int set,
+                                           const std::vector<ParamGroup>& hyper) {
+  const auto start = std::chrono::steady_clock::now();
+  StepOptions o;
+  o.step = step_count.load() + 1;
+  o.grad_scale = grad_scale;
+  for (std::size_t g = 0; g < hyper.size(); ++g) {
+    std::vector<AdamTensor> tensors;
+    for (std::size_t i : which) {
+      if (static_cast<std::size_t>(params[i].group) == g && params[i].n > 0) tensors.push_back(tensor(i, set));
+    }
+    if (tensors.empty()) continue;
+    if (Status s = adam.step(hyper[g].hyper, o, tensors); !s.ok()) return s;
+  }
+  stats_.adam_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return Status::success();
+}
+
+void OffloadOptimizer::Impl::save_undo(std::size_t i) {
+  const std::size_t n = params[i].n, off = offsets[i];
+  std::memcpy(undo_master.as<float>() + off, master.as<float>() + off, n * 4);
+  std::memcpy(undo_exp_avg.as<float>() + off, exp_avg.as<float>() + off, n * 4);
+  std::memcpy(undo_exp_avg_sq.as<float>() + off, exp_avg_sq.as<float>() + off, n * 4);
+  std::memcpy(undo_weights.as<unsigned char>() + weight_offsets[i], weights_of(i), weight_offsets[i + 1] - weight_offsets[i]);
+}
+
+void OffloadOptimizer::Impl::restore_undo(std::size_t i) {
+  const std::size_t n = params[i].n, off = offsets[i];
+  std::memcpy(master.as<float>() + off, undo_master.as<float>() + off, n * 4);
+  std::memcpy(exp_avg.as<float>() + off, undo_exp_avg.as<float>() + off, n * 4);
+  std::memcpy(exp_avg_sq.as<float>() + off, undo_exp_avg_sq.as<float>() + off, n * 4);
+  std::memcpy(weights_of(i), undo_weights.as<unsigned char>() + weight_offsets[i], weight_offsets[i + 1] - weight_offsets[i]);
+}
+
+// From the gradients' statistics, summed in parameter order: skip (fp16 overflow), and the grad_scale that
+// unscales and clips. Clipping follows torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6),
+// applied only when below 1.
+OffloadOptimizer::Impl::Decision OffloadOptimizer::Impl::decide(int set, float scale_used) const {
+  double sum_sq = 0;
+  std::uint64_t non_finite = 0;
+  for (const GradStats& s : stats[set]) {
+    sum_sq += s.sum_sq;
+    non_finite += s.non_finite;
+  }
+  Decision d{};
+  d.overflow = options.loss_scale.enabled && non_finite > 0;
+  d.grad_norm = non_finite > 0 ? NAN : std::sqrt(sum_sq) / scale_used;
+  double coef = 1.0;
+  if (options.max_grad_norm > 0 && non_finite == 0) {
+    coef = std::min(1.0, static_cast<double>(options.max_grad_norm) / (d.grad_norm + 1e-6));
+  }
+  d.grad_scale = static_cast<float>(coef / scale_used);
+  return d;
+}
+
+void OffloadOptimizer::Impl::record_outcome(const Decision& d) {
+  stats_.last_grad_norm = d.grad_norm;
+  last_skipped = d.overflow;
+  if (d.overflow) {
+    ++stats_.skipped;
+  } else {
+    ++step_count;
+    ++stats_.steps;
+  }
+  scaler.update(d.overflow);
+}
+
+// sync: every gradient down, then the decision, then the step, then every weight up.
+Status OffloadOptimizer::Impl::step_sync() {
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (Status s = enqueue_d2h(i, 0); !s.ok()) return s;
+  }
+  Result<EventId> copied = device.record(Stream::d2h);
+  if (!copied.ok()) return copied.status();
+  if (Status s = device.synchronize(copied.value()); !s.ok()) return s;
+  const Decision d = decide(0, visible_scale);
+  if (!d.overflow) {
+    std::vector<std::size_t> all(params.size());
+    for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
+    if (Status s = adam_params(all, d.grad_scale, 0, groups); !s.ok()) return s;
+    for (std::size_t i : all) {
+      if (Status s = enqueue_h2d(i); !s.ok()) return s;
+    }
+    if (Status s = finish_h2d(); !s.ok()) return s;
+  }
+  record_outcome(d);
+  visible_scale = scaler.scale();
+  return Status::success();
+}
+
+// overlap: each reported parameter comes down and is stepped speculatively — as if no clipping and no
+// overflow — and sent up, while backward goes on. step() validates: an overflow undoes every speculative
+// step and resends the old weights; a clip coefficient below 1 undoes and redoes them with it.
+Status OffloadOptimizer::Impl::grad_ready_overlap(std::size_t i) {
+  if (reported[i]) return invalid_argument("parameter " + std::to_string(i) + " was reported ready twice in one iteration");
+  reported[i] = 1;
+  if (Status s = enqueue_d2h(i, 0); !s.ok()) return s;
+  Result<EventId> copied = device.record(Stream::d2h);
+  if (!copied.ok()) return copied.status();
+  const float speculative_scale = static_cast<float>(1.0 / visible_scale);
+  worker->enqueue([this, i, event = copied.value(), speculative_scale] {
+    if (!worker_status.ok()) return;
+    if (Status s = device.synchronize(event); !s.ok()) {
+      worker_status = s;
+      return;
+    }
+    if (options.loss_scale.enabled && stats[0][i].non_finite > 0) overflow_seen = true;
+    if (overflow_seen) return;  // this step will be skipped: stepping more would only be undone
+    if (speculation_can_fail) save_undo(i);
+    if (Status s = adam_params({i}, speculative_scale, 0, groups); !s.ok()) {
+      worker_status = s;
+      return;
+    }
+    stepped[i] = 1;
+    if (Status s = enqueue_h2d(i); !s.ok()) worker_status = s;
+  });
+  return Status::success();
+}
+
+Status OffloadOptimizer::Impl::step_overlap() {
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (!reported[i]) {
+      if (Status s = grad_ready_overlap(i); !s.ok()) return s;
+    }
+  }
+  worker->drain();
+  if (!worker_status.ok()) return std::exchange(worker_status, Status::success());
+  const Decision d = decide(0, visible_scale);
+  const float speculative_scale = static_cast<float>(1.0 / visible_scale);
+  std::vector<std::size_t> redo;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const bool wrong = d.overflow || d.grad_scale != speculative_scale;
+    if (stepped[i] && wrong) {
+      restore_undo(i);
+      if (d.overflow) {
+        if (Status s = enqueue_h2d(i); !s.ok()) return s;  // the device gets its old weights back
+      }
+    }
+    if (!d.overflow && (!stepped[i] || wrong)) redo.push_back(i);
+  }
+  if (!redo.empty()) {
+    ++stats_.redone;
+    if (Status s = adam_params(redo, d.grad_scale, 0, groups); !s.ok()) return s;
+    for (std::size_t i : redo) {
+      if (Status s = enqueue_h2d(i); !s.ok()) return s;
+    }
+  }
+  if (Status s = finish_h2d(); !s.ok()) return s;
+  record_outcome(d);
+  visible_scale = scaler.scale();
+  std::fill(reported.begin(), reported.end(), 0);
+  std::fill(stepped.begin(), stepped.end(), 0);
+  overflow_seen = false;
+  return Status::success();
+}
+
+// delayed (ZeRO-Offload's delayed parameter update): step() sends up the weights of the previous step,
+// starts this step in the background and returns; the next iteration runs on the device with weights one
+// step old while the CPU steps.
+Status OffloadOptimizer::Impl::grad_ready_delayed(std::size_t i) {
+  if (reported[i]) return invalid_argument("parameter " + std::to_string(i) + " was reported ready twice in one iteration");
+  reported[i] = 1;
+  return enqueue_d2h(i, grad_set);
+}
+
+Status OffloadOptimizer::Impl::flush_delayed() {
+  background->drain();
+  if (!worker_status.ok()) return std::exchange(worker_status, Status::success());
+  if (pending_h2d) {
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      if (Status s = enqueue_h2d(i); !s.ok()) return s;
+    }
+    if (Status s = finish_h2d(); !s.ok()) return s;
+    pending_h2d = false;
+  }
+  visible_scale = scaler.scale();
+  return Status::success();
+}
+
+Status OffloadOptimizer::Impl::step_delayed() {
+  const int set = grad_set;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (!reported[i]) {
+      if (Status s = grad_ready_delayed(i); !s.ok()) return s;
+    }
+  }
+  std::fill(reported.begin(), reported.end(), 0);
+  const float scale_used = visible_scale;  // what this iteration's loss was scaled by
+  if (Status s = flush_delayed(); !s.ok()) return s;
+  Result<EventId> copied = device.record(Stream::d2h);
+  Result<EventId> copied_compute = device.record(Stream::d2h);
+  if (!copied.ok()) return copied.status();
+  if (!copied_compute.ok()) return copied_compute.status();
+  // The next backward must not overwrite the gradients before they are down.
+  if (Status s = device.wait(Stream::compute, copied_compute.value()); !s.ok()) return s;
+  grad_set ^= 1;
+  background->enqueue([this, set, scale_used, event = copied.value(), hyper = groups] {
+    if (Status s = device.synchronize(event); !s.ok()) {
+      worker_status = s;
+      return;
+    }
+    const Decision d = decide(set, scale_used);
+    if (!d.overflow) {
+      std::vector<std::size_t> all(params.size());
+      for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
+      if (Status s = adam_params(all, d.grad_scale, set, hyper); !s.ok()) {
+        worker_status = s;
+        return;
+      }
+      pending_h2d = true;
+    }
+    record_outcome(d);
+  });
+  return Status::success();
+}
+
+Result<OffloadOptimizer> OffloadOptimizer::create(Device& device, std::vector<ParamGroup> groups,
+                                                  std::vector<ParamSpec> params, const OffloadOptions& options) {
+  if (Status s = check_inputs(groups, params, options); !s.ok()) return s;
+  for (const ParamGroup& g : groups) {
+    // Validate each group's hyper-parameters once, as the kernel would.
+    if (Status s = CpuAdam::validate(g.hyper); !s.ok()) return s;
+  }
+  Result<CpuAdam> adam = CpuAdam::create(options.cpu);
+  if (!adam.ok()) return adam.status();
+  auto impl = std::make_unique<Impl>(device, std::move(groups), std::move(params), options, std::move(adam).value());
+  if (Status s = impl->allocate(); !s.ok()) return s;
+  if (Status s = impl->load_initial_weights(); !s.ok()) return s;
+  if (options.schedule == Schedule::overlap) impl->worker = std::make_unique<WorkQueue>();
+  if (options.schedule == Schedule::delayed) impl->background = std::make_unique<WorkQueue>();
+  return OffloadOptimizer(std::move(impl));
+}
+
+OffloadOptimizer::OffloadOptimizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+OffloadOptimizer::OffloadOptimizer(OffloadOptimizer&&) noexcept = default;
+OffloadOptimizer& OffloadOptimizer::operator=(OffloadOptimizer&&) noexcept = default;
+OffloadOptimizer::~OffloadOptimizer() = default;
+
+Status OffloadOptimizer::grad_ready(std::size_t param) {
+  Impl& m = *impl_;
+  if (param >= m.params.size()) {
+    return invalid_argument("grad_ready: parameter " + std::to_string(param) + " does not exist (" +
+                            std::to_string(m.params.size()) + " parameters)");
+  }
+  const bool warming_up = m.step_calls < m.options.delayed_warmup_steps;
+  if (m.options.schedule == Schedule::overlap) return m.grad_ready_overlap(param);
+  if (m.options.schedule == Schedule::delayed && !warming_up) return m.grad_ready_delayed(param);
+  return Status::success();  // sync takes every gradient at step()
+}
+
+Status OffloadOptimizer::step() {
+  Impl& m = *impl_;
+  const auto start = std::chrono::steady_clock::now();
+  Status s;
+  if (m.options.schedule == Schedule::overlap) {
+    s = m.step_overlap();
+  } else if (m.options.schedule == Schedule::delayed && m.step_calls >= m.options.delayed_warmup_steps) {
+    s = m.step_delayed();
+  } else {
+    s = m.step_sync();
+  }
+  ++m.step_calls;
+  m.stats_.step_call_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return s;
+}
+
+Status OffloadOptimizer::wait() {
+  Impl& m = *impl_;
+  if (m.background) {
+    if (Status s = m.flush_delayed(); !s.ok()) return s;
+  }
+  return m.device.synchronize();
+}
+
+AdamHyper& OffloadOptimizer::group_hyper(std::size_t group) { return impl_->groups.at(group).hyper; }
+float OffloadOptimizer::loss_scale() const { return impl_->visible_scale; }
+std::int64_t OffloadOptimizer::step_count() const { return impl_->step_count.load(); }
+bool OffloadOptimizer::last_step_skipped() const { return impl_->last_skipped.load(); }
+const StepStats& OffloadOptimizer::stats() const { return impl_->stats_; }
+
+Status OffloadOptimizer::read_state(std::size_t param, float* master, float* exp_avg, float* exp_avg_sq) const {
+  const Impl& m = *impl_;
+  if (param >= m.params.size()) return invalid_argument("read_state: parameter " + std::to_string(param) + " does not exist");
+  const std::size_t off = m.offsets[param], n = m.params[param].n;
+  if (master) std::memcpy(master, m.master.as<float>() + off, n * 4);
+  if (exp_avg) std::memcpy(exp_avg, m.exp_avg.as<float>() + off, n * 4);
+  if (exp_avg_sq) std::memcpy(exp_avg_sq, m.exp_avg_sq.as<float>() + off, n * 4);
+  return Status::success();
+}
+
+}  // namespace zoe

@@ -1,0 +1,450 @@
+// OffloadOptimizer on the host stand-in device: the schedules against each other and against a reference,
+// clipping, fp16 overflow, loss scaling, and refusals.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "src/offload/loss_scaler.h"
+#include "tests/reference.h"
+#include "zoe/offload.h"
+
+namespace zoe {
+namespace {
+
+using test::Random;
+
+// Parameters of assorted sizes living in a host stand-in device's memory.
+class DeviceParams {
+ public:
+  DeviceParams(Device& device, DType dtype, const std::vector<std::size_t>& sizes, std::uint64_t seed)
+      : device_(device), dtype_(dtype) {
+    Random rng(seed);
+    for (std::size_t n : sizes) {
+      ParamSpec p;
+      p.n = n;
+      p.dtype = dtype;
+      p.device_weights = device.allocate(n * dtype_size(dtype) + 1).value();
+      p.device_grads = device.allocate(n * dtype_size(dtype) + 1).value();
+      for (std::size_t i = 0; i < n; ++i) set(p.device_weights, i, static_cast<float>(rng.uniform(-1, 1)));
+      specs.push_back(p);
+    }
+  }
+  ~DeviceParams() {
+    for (const ParamSpec& p : specs) {
+      device_.free(p.device_weights);
+      device_.free(const_cast<void*>(p.device_grads));
+    }
+  }
+
+  void set(void* base, std::size_t i, float x) const {
+    if (dtype_ == DType::f32) {
+      static_cast<float*>(base)[i] = x;
+    } else {
+      static_cast<std::uint16_t*>(base)[i] = dtype_ == DType::f16 ? float_to_f16(x) : float_to_bf16(x);
+    }
+  }
+  float get(const void* base, std::size_t i) const {
+    if (dtype_ == DType::f32) return static_cast<const float*>(base)[i];
+    const std::uint16_t h = static_cast<const std::uint16_t*>(base)[i];
+    return dtype_ == DType::f16 ? f16_to_float(h) : bf16_to_float(h);
+  }
+  std::vector<unsigned char> weights() const {
+    std::vector<unsigned char> out;
+    for (const ParamSpec& p : specs) {
+      const auto* b = static_cast<const unsigned char*>(p.device_weights);
+      out.insert(out.end(), b, b + p.n * dtype_size(dtype_));
+    }
+    return out;
+  }
+
+  std::vector<ParamSpec> specs;
+
+ private:
+  Device& device_;
+  DType dtype_;
+};
+
+struct RunResult {
+  std::vector<float> state;  // master, m, v of every parameter
+  std::vector<unsigned char> device_weights;
+  StepStats stats;
+  std::vector<float> scales;  // loss scale seen by each iteration
+  std::int64_t steps = 0;
+};
+
+// Writes iteration t's gradients: deterministic, times the loss scale the trainer used; `poison` makes one
+// value infinite (an fp16 overflow).
+using GradFn = std::function<void(DeviceParams&, int t, float scale)>;
+
+GradFn random_grads(double magnitude, std::vector<int> overflow_at = {}) {
+  return [magnitude, overflow_at](DeviceParams& model, int t, float scale) {
+    Random rng(1000 + t);
+    for (const ParamSpec& p : model.specs) {
+      for (std::size_t i = 0; i < p.n; ++i) {
+        model.set(const_cast<void*>(p.device_grads), i, static_cast<float>(rng.uniform(-magnitude, magnitude) * scale));
+      }
+    }
+    for (int at : overflow_at) {
+      if (at == t) model.set(const_cast<void*>(model.specs[1].device_grads), 3, INFINITY);
+    }
+  };
+}
+
+// A trainer on its own host device: the model, the optimizer, and iterations as a trainer issues them.
+class Trainer {
+ public:
+  Trainer(Schedule schedule, DType dtype, const OffloadOptions& base, int warmup = 0,
+          std::vector<std::size_t> sizes = {1000, 37, 4096, 1})
+      : device_(make_host_device()), model_(*device_, dtype, sizes, 42) {
+    OffloadOptions o = base;
+    o.schedule = schedule;
+    o.delayed_warmup_steps = warmup;
+    o.cpu.threads = 2;
+    o.cpu.tile = 512;  // several tiles per parameter
+    std::vector<ParamGroup> groups(2);
+    groups[0].hyper.lr = 1e-2f;
+    groups[0].hyper.weight_decay = 0.01f;
+    groups[1].hyper.lr = 5e-3f;
+    groups[1].hyper.adamw = false;
+    groups[1].hyper.weight_decay = 0.1f;
+    if (model_.specs.size() > 2) model_.specs[2].group = 1;
+    Result<OffloadOptimizer> made = OffloadOptimizer::create(*device_, groups, model_.specs, o);
+    EXPECT_TRUE(made.ok()) << made.status().to_string();
+    if (made.ok()) opt_ = std::make_unique<OffloadOptimizer>(std::move(made).value());
+  }
+
+  OffloadOptimizer& opt() { return *opt_; }
+
+  void run(int first, int last, const GradFn& grads) {
+    for (int t = first; t <= last; ++t) {
+      ASSERT_TRUE(device_->synchronize().ok());  // the previous iteration is done: gradients may be written
+      result_.scales.push_back(opt_->loss_scale());
+      grads(model_, t, opt_->loss_scale());
+      for (std::size_t b = model_.specs.size(); b-- > 0;) {
+        ASSERT_TRUE(device_->simulate_compute(1e-4, Stream::compute).ok());
+        ASSERT_TRUE(opt_->grad_ready(b).ok());
+      }
+      const Status s = opt_->step();
+      ASSERT_TRUE(s.ok()) << s.to_string();
+    }
+  }
+
+  RunResult result() {
+    EXPECT_TRUE(opt_->wait().ok());
+    RunResult r = result_;
+    for (std::size_t i = 0; i < model_.specs.size(); ++i) {
+      const std::size_t n = model_.specs[i].n;
+      std::vector<float> p(n), m(n), v(n);
+      EXPECT_TRUE(opt_->read_state(i, p.data(), m.data(), v.data()).ok());
+      r.state.insert(r.state.end(), p.begin(), p.end());
+      r.state.insert(r.state.end(), m.begin(), m.end());
+      r.state.insert(r.state.end(), v.begin(), v.end());
+    }
+    r.device_weights = model_.weights();
+    r.stats = opt_->stats();
+    r.steps = opt_->step_count();
+    return r;
+  }
+
+ private:
+  std::unique_ptr<Device> device_;
+  DeviceParams model_;
+  std::unique_ptr<OffloadOptimizer> opt_;
+  RunResult result_;
+};
+
+RunResult train(Schedule schedule, DType dtype, const OffloadOptions& base, int steps, const GradFn& grads,
+                int warmup = 0) {
+  Trainer trainer(schedule, dtype, base, warmup);
+  trainer.run(1, steps, grads);
+  return trainer.result();
+}
+
+void expect_bitwise_equal(const RunResult& a, const RunResult& b) {
+  ASSERT_EQ(a.state.size(), b.state.size());
+  EXPECT_EQ(std::memcmp(a.state.data(), b.state.data(), a.state.size() * 4), 0) << "master/moments differ";
+  EXPECT_EQ(a.device_weights, b.device_weights) << "device weights differ";
+  EXPECT_EQ(a.steps, b.steps);
+  EXPECT_EQ(a.scales, b.scales);
+}
+
+TEST(OffloadOptimizer, OverlapEqualsSyncBitwise) {
+  const RunResult sync = train(Schedule::sync, DType::bf16, {}, 20, random_grads(1e-2));
+  const RunResult overlap = train(Schedule::overlap, DType::bf16, {}, 20, random_grads(1e-2));
+  expect_bitwise_equal(sync, overlap);
+  EXPECT_EQ(overlap.stats.redone, 0);
+  EXPECT_EQ(sync.steps, 20);
+}
+
+TEST(OffloadOptimizer, OverlapEqualsSyncWithClipping) {
+  OffloadOptions o;
+  o.max_grad_norm = 0.1f;  // the gradients' norm is about 0.3: clipping at most steps
+  const RunResult sync = train(Schedule::sync, DType::bf16, o, 20, random_grads(1e-2));
+  const RunResult overlap = train(Schedule::overlap, DType::bf16, o, 20, random_grads(1e-2));
+  expect_bitwise_equal(sync, overlap);
+  EXPECT_GT(overlap.stats.redone, 0) << "clipping never changed a speculative step: the test does not clip";
+  EXPECT_LT(overlap.stats.last_grad_norm, 1.0);
+  EXPECT_GT(overlap.stats.last_grad_norm, 0.1);
+}
+
+TEST(OffloadOptimizer, OverlapEqualsSyncWithFp16Overflow) {
+  OffloadOptions o;
+  o.loss_scale.enabled = true;
+  o.loss_scale.initial_scale = 1024;
+  o.loss_scale.hysteresis = 1;
+  o.loss_scale.growth_interval = 5;
+  o.max_grad_norm = 1.0f;
+  const GradFn grads = random_grads(1e-2, {7, 13});
+  const RunResult sync = train(Schedule::sync, DType::f16, o, 20, grads);
+  const RunResult overlap = train(Schedule::overlap, DType::f16, o, 20, grads);
+  expect_bitwise_equal(sync, overlap);
+  EXPECT_EQ(sync.stats.skipped, 2);
+  EXPECT_EQ(sync.steps, 18);
+  // Iterations 1-6 at 1024 (growth after 5 clean steps: 2048 from iteration 6), overflow at 7 halves it.
+  EXPECT_EQ(sync.scales[5], 2048.0f);
+  EXPECT_EQ(sync.scales[7], 1024.0f);
+}
+
+TEST(OffloadOptimizer, OverflowStepChangesNoState) {
+  for (Schedule schedule : {Schedule::sync, Schedule::overlap}) {
+    SCOPED_TRACE(std::string(schedule_name(schedule)));
+    OffloadOptions o;
+    o.loss_scale.enabled = true;
+    o.loss_scale.initial_scale = 256;
+    const RunResult before = train(schedule, DType::f16, o, 4, random_grads(1e-2));
+    const RunResult after = train(schedule, DType::f16, o, 5, random_grads(1e-2, {5}));
+    EXPECT_EQ(std::memcmp(before.state.data(), after.state.data(), before.state.size() * 4), 0);
+    EXPECT_EQ(before.device_weights, after.device_weights);
+    EXPECT_EQ(after.steps, 4);
+    EXPECT_EQ(after.stats.skipped, 1);
+  }
+}
+
+// Gradients that depend on the weights the device holds: g = w - 0.25, so a stale weight shows.
+GradFn weight_dependent_grads() {
+  return [](DeviceParams& model, int, float scale) {
+    for (const ParamSpec& p : model.specs) {
+      for (std::size_t i = 0; i < p.n; ++i) {
+        model.set(const_cast<void*>(p.device_grads), i, (model.get(p.device_weights, i) - 0.25f) * scale);
+      }
+    }
+  };
+}
+
+TEST(OffloadOptimizer, DelayedMatchesReferenceDelayedUpdate) {
+  constexpr int kWarmup = 3, kSteps = 12;
+  const RunResult delayed = train(Schedule::delayed, DType::bf16, {}, kSteps, weight_dependent_grads(), kWarmup);
+
+  // The reference: CpuAdam on the same data. Warm-up steps update the device at once; afterwards step t's
+  // weights reach the device only when step t+1 is taken (the device computes iteration t+1 on step t-1's).
+  std::unique_ptr<Device> device = make_host_device();
+  DeviceParams model(*device, DType::bf16, {1000, 37, 4096, 1}, 42);
+  CpuAdamOptions co;
+  co.threads = 1;
+  CpuAdam adam = CpuAdam::create(co).value();
+  const std::size_t count = model.specs.size();
+  std::vector<std::vector<float>> p(count), m(count), v(count);
+  std::vector<std::vector<std::uint16_t>> w(count), g(count), pending(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    const std::size_t n = model.specs[i].n;
+    w[i].assign(static_cast<const std::uint16_t*>(model.specs[i].device_weights),
+                static_cast<const std::uint16_t*>(model.specs[i].device_weights) + n);
+    for (std::uint16_t x : w[i]) p[i].push_back(bf16_to_float(x));
+    m[i].assign(n, 0.0f);
+    v[i].assign(n, 0.0f);
+    g[i].resize(n);
+    pending[i].resize(n);
+  }
+  AdamHyper h0, h1;
+  h0.lr = 1e-2f;
+  h0.weight_decay = 0.01f;
+  h1.lr = 5e-3f;
+  h1.adamw = false;
+  h1.weight_decay = 0.1f;
+  bool has_pending = false;
+  for (int t = 1; t <= kSteps; ++t) {
+    for (std::size_t i = 0; i < count; ++i) {
+      for (std::size_t k = 0; k < g[i].size(); ++k) g[i][k] = float_to_bf16(bf16_to_float(w[i][k]) - 0.25f);
+    }
+    if (t > kWarmup && has_pending) w = pending;
+    for (std::size_t i = 0; i < count; ++i) {
+      AdamTensor tensor{p[i].data(), m[i].data(), v[i].data(), g[i].data(), DType::bf16,
+                        t > kWarmup ? pending[i].data() : w[i].data(), DType::bf16, p[i].size()};
+      StepOptions so;
+      so.step = t;
+      ASSERT_TRUE(adam.step(i == 2 ? h1 : h0, so, tensor).ok());
+    }
+    has_pending = t > kWarmup;
+  }
+  if (has_pending) w = pending;
+  std::vector<float> state;
+  std::vector<unsigned char> weights;
+  for (std::size_t i = 0; i < count; ++i) {
+    state.insert(state.end(), p[i].begin(), p[i].end());
+    state.insert(state.end(), m[i].begin(), m[i].end());
+    state.insert(state.end(), v[i].begin(), v[i].end());
+    const auto* b = reinterpret_cast<const unsigned char*>(w[i].data());
+    weights.insert(weights.end(), b, b + w[i].size() * 2);
+  }
+  ASSERT_EQ(state.size(), delayed.state.size());
+  EXPECT_EQ(std::memcmp(state.data(), delayed.state.data(), state.size() * 4), 0);
+  EXPECT_EQ(weights, delayed.device_weights);
+  EXPECT_EQ(delayed.steps, kSteps);
+
+  // And the staleness is real: the sync schedule on the same gradients ends elsewhere.
+  const RunResult sync = train(Schedule::sync, DType::bf16, {}, kSteps, weight_dependent_grads());
+  EXPECT_NE(std::memcmp(sync.state.data(), delayed.state.data(), state.size() * 4), 0);
+}
+
+TEST(OffloadOptimizer, RefusesBadInput) {
+  std::unique_ptr<Device> device = make_host_device();
+  DeviceParams model(*device, DType::bf16, {10, 20}, 1);
+  auto specs = model.specs;
+  specs[1].group = 3;
+  Result<OffloadOptimizer> bad_group = OffloadOptimizer::create(*device, {ParamGroup{}}, specs, {});
+  ASSERT_FALSE(bad_group.ok());
+  EXPECT_NE(bad_group.status().message().find("parameter 1: group 3"), std::string::npos);
+
+  specs = model.specs;
+  specs[0].device_grads = nullptr;
+  EXPECT_FALSE(OffloadOptimizer::create(*device, {ParamGroup{}}, specs, {}).ok());
+
+  ParamGroup negative;
+  negative.hyper.lr = -1;
+  EXPECT_EQ(OffloadOptimizer::create(*device, {negative}, model.specs, {}).status().code(), StatusCode::invalid_argument);
+
+  OffloadOptions clip;
+  clip.max_grad_norm = -1;
+  EXPECT_FALSE(OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs, clip).ok());
+
+  OffloadOptions overlap;
+  overlap.schedule = Schedule::overlap;
+  Result<OffloadOptimizer> opt = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs, overlap);
+  ASSERT_TRUE(opt.ok());
+  EXPECT_FALSE(opt->grad_ready(2).ok());
+  EXPECT_TRUE(opt->grad_ready(1).ok());
+  const Status twice = opt->grad_ready(1);
+  EXPECT_NE(twice.message().find("reported ready twice"), std::string::npos) << twice.to_string();
+  EXPECT_TRUE(opt->step().ok());
+}
+
+std::string temp_path(const std::string& name) {
+  return ::testing::TempDir() + "zoe_" + name + "_" + std::to_string(::getpid()) + ".ckpt";
+}
+
+TEST(OffloadOptimizer, SaveLoadContinueEqualsUninterruptedRun) {
+  OffloadOptions o;
+  o.loss_scale.enabled = true;
+  o.loss_scale.initial_scale = 512;
+  o.loss_scale.growth_interval = 4;
+  o.max_grad_norm = 0.5f;
+  for (Schedule schedule : {Schedule::sync, Schedule::overlap, Schedule::delayed}) {
+    SCOPED_TRACE(std::string(schedule_name(schedule)));
+    const GradFn grads = random_grads(1e-2, {6});
+    const RunResult whole = train(schedule, DType::f16, o, 16, grads, 2);
+    const std::string path = temp_path("continue");
+    {
+      Trainer first(schedule, DType::f16, o, 2);
+      first.run(1, 8, grads);
+      const Status saved = first.opt().save(path);
+      ASSERT_TRUE(saved.ok()) << saved.to_string();
+    }
+    // A fresh trainer — its device starts from the initial weights — resumes from the checkpoint. It is
+    // already past the delayed warm-up: warmup 0.
+    Trainer second(schedule, DType::f16, o, schedule == Schedule::delayed ? 0 : 2);
+    const Status loaded = second.opt().load(path);
+    ASSERT_TRUE(loaded.ok()) << loaded.to_string();
+    EXPECT_EQ(second.opt().step_count(), 7);  // 8 iterations, one overflow skipped
+    second.run(9, 16, grads);
+    RunResult resumed = second.result();
+    EXPECT_EQ(std::memcmp(whole.state.data(), resumed.state.data(), whole.state.size() * 4), 0);
+    EXPECT_EQ(whole.device_weights, resumed.device_weights);
+    EXPECT_EQ(whole.steps, resumed.steps);
+    std::remove(path.c_str());
+  }
+}
+
+TEST(OffloadOptimizer, CorruptOrMismatchedCheckpointIsRefusedAndChangesNothing) {
+  const std::string path = temp_path("corrupt");
+  {
+    Trainer t(Schedule::sync, DType::bf16, {});
+    t.run(1, 3, random_grads(1e-2));
+    ASSERT_TRUE(t.opt().save(path).ok());
+  }
+  Trainer target(Schedule::sync, DType::bf16, {});
+  target.run(1, 1, random_grads(1e-2));
+  const RunResult before = target.result();
+
+  // A byte flipped inside the master weights.
+  std::FILE* f = std::fopen(path.c_str(), "r+b");
+  ASSERT_NE(f, nullptr);
+  std::fseek(f, 4096 + 100, SEEK_SET);
+  const int c = std::fgetc(f);
+  std::fseek(f, 4096 + 100, SEEK_SET);
+  std::fputc(c ^ 0x40, f);
+  std::fclose(f);
+  const Status corrupt = target.opt().load(path);
+  EXPECT_EQ(corrupt.code(), StatusCode::corrupt) << corrupt.to_string();
+  RunResult after = target.result();
+  EXPECT_EQ(std::memcmp(before.state.data(), after.state.data(), before.state.size() * 4), 0);
+  EXPECT_EQ(before.device_weights, after.device_weights);
+  EXPECT_EQ(target.opt().step_count(), 1);
+
+  // A checkpoint of another model.
+  {
+    Trainer other(Schedule::sync, DType::bf16, {}, 0, {1000, 38, 4096, 1});
+    ASSERT_TRUE(other.opt().save(path).ok());
+  }
+  const Status mismatch = target.opt().load(path);
+  EXPECT_EQ(mismatch.code(), StatusCode::invalid_argument);
+  EXPECT_NE(mismatch.message().find("parameter 1 is n=38 bf16"), std::string::npos) << mismatch.message();
+  {
+    Trainer other(Schedule::sync, DType::f16, {});
+    ASSERT_TRUE(other.opt().save(path).ok());
+  }
+  EXPECT_NE(target.opt().load(path).message().find("f16"), std::string::npos);
+  EXPECT_FALSE(target.opt().load(path + ".missing").ok());
+  std::remove(path.c_str());
+}
+
+TEST(LossScaler, FollowsDeepSpeedHysteresisAndGrowth) {
+  LossScaleOptions o;
+  o.enabled = true;
+  o.initial_scale = 1024;
+  o.hysteresis = 2;
+  o.growth_interval = 3;
+  o.min_scale = 256;
+  LossScaler s(o);
+  s.update(true);  // first overflow spends the hysteresis budget
+  EXPECT_EQ(s.scale(), 1024.0f);
+  s.update(true);
+  EXPECT_EQ(s.scale(), 512.0f);
+  s.update(true);  // budget stays spent until a growth
+  EXPECT_EQ(s.scale(), 256.0f);
+  s.update(true);  // never below min_scale
+  EXPECT_EQ(s.scale(), 256.0f);
+  for (int i = 0; i < 3; ++i) s.update(false);
+  EXPECT_EQ(s.scale(), 512.0f);
+  s.update(true);  // the growth refilled the budget
+  EXPECT_EQ(s.scale(), 512.0f);
+
+  LossScaleOptions fixed = o;
+  fixed.dynamic = false;
+  fixed.static_scale = 128;
+  LossScaler st(fixed);
+  st.update(true);
+  st.update(false);
+  EXPECT_EQ(st.scale(), 128.0f);
+  EXPECT_EQ(LossScaler(LossScaleOptions{}).scale(), 1.0f);
+}
+
+}  // namespace
+}  // namespace zoe
