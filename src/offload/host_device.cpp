@@ -1,6 +1,7 @@
 // The host stand-in for a GPU: "device" memory is host memory owned here, each stream is a thread that
 // runs its work in order, events are flags set when a stream reaches them. It lets every schedule run
 // (and be timed) on machines without a GPU; its copies cost CPU time that a GPU's copy engines would not.
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -9,8 +10,8 @@
 #include <mutex>
 #include <set>
 #include <thread>
+#include <type_traits>
 
-#include "simd/convert.h"
 #include "src/offload/work_queue.h"
 #include "zoe/device.h"
 
@@ -33,19 +34,55 @@ struct EventState {
   }
 };
 
-template <typename T>
-GradStats stats_of(const T* g, std::size_t n, float (*to_float)(T)) {
+// Sum of squares and NaN/Inf count, written so that the compiler vectorizes it at the baseline ISA: 16
+// independent accumulators per block of 4096 values, blocks summed in double. Non-finite values are counted
+// and left out of the sum. f32 and bf16 square in double (a float square overflows above 1.8e19 and vanishes
+// below 1e-23); every f16 square fits a float. f16 widens by shifting its bits into a float's and rescaling the exponent
+// by 2^112, which is exact for normals and subnormals alike; the sign does not matter to a square.
+template <DType kDtype>
+GradStats stats_of(const void* data, std::size_t n) {
+  using Stored = std::conditional_t<kDtype == DType::f32, std::uint32_t, std::uint16_t>;
+  const Stored* g = static_cast<const Stored*>(data);
+  constexpr std::size_t kLanes = 16, kBlock = 4096;
   GradStats s;
-  double sum = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    const float x = to_float(g[i]);
-    if (!(x - x == 0.0f)) {  // NaN or Inf
-      ++s.non_finite;
-      continue;
+  for (std::size_t begin = 0; begin < n; begin += kBlock) {
+    const std::size_t end = std::min(n, begin + kBlock);
+    using Acc = std::conditional_t<kDtype == DType::f16, float, double>;
+    Acc acc[kLanes] = {};
+    std::uint32_t bad[kLanes] = {};
+    std::size_t i = begin;
+    auto one = [](Stored bits, Acc& sum, std::uint32_t& non_finite) {
+      std::uint32_t wide;
+      bool nf;
+      float scale = 1.0f;
+      if constexpr (kDtype == DType::f32) {
+        wide = bits;
+        nf = (bits & 0x7f800000u) == 0x7f800000u;
+      } else if constexpr (kDtype == DType::bf16) {
+        wide = static_cast<std::uint32_t>(bits) << 16;
+        nf = (bits & 0x7f80u) == 0x7f80u;
+      } else {
+        wide = static_cast<std::uint32_t>(bits & 0x7fffu) << 13;
+        nf = (bits & 0x7c00u) == 0x7c00u;
+        scale = 0x1p112f;
+      }
+      float x;
+      std::memcpy(&x, &wide, 4);
+      const Acc y = nf ? 0.0f : x * scale;
+      sum += y * y;
+      non_finite += nf;
+    };
+    for (; i + kLanes <= end; i += kLanes) {
+      for (std::size_t j = 0; j < kLanes; ++j) one(g[i + j], acc[j], bad[j]);
     }
-    sum += static_cast<double>(x) * x;
+    for (std::size_t j = 0; i < end; ++i, ++j) one(g[i], acc[j], bad[j]);
+    double block = 0;
+    for (std::size_t j = 0; j < kLanes; ++j) {
+      block += acc[j];
+      s.non_finite += bad[j];
+    }
+    s.sum_sq += block;
   }
-  s.sum_sq = sum;
   return s;
 }
 
@@ -74,15 +111,9 @@ class HostDevice final : public Device {
     if (!dtype_valid(dtype)) return invalid_argument("grad_stats: invalid dtype");
     return enqueue(stream, [=] {
       switch (dtype) {
-        case DType::f32:
-          *out = stats_of<float>(static_cast<const float*>(device), n, [](float x) { return x; });
-          break;
-        case DType::f16:
-          *out = stats_of<std::uint16_t>(static_cast<const std::uint16_t*>(device), n, simd::f16_to_f32);
-          break;
-        case DType::bf16:
-          *out = stats_of<std::uint16_t>(static_cast<const std::uint16_t*>(device), n, simd::bf16_to_f32);
-          break;
+        case DType::f32: *out = stats_of<DType::f32>(device, n); break;
+        case DType::f16: *out = stats_of<DType::f16>(device, n); break;
+        case DType::bf16: *out = stats_of<DType::bf16>(device, n); break;
       }
     });
   }

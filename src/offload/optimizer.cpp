@@ -95,6 +95,13 @@ Status OffloadOptimizer::Impl::allocate() {
     grad_offsets[i + 1] = grad_offsets[i] + staging_bytes(params[i]);
     weight_offsets[i + 1] = weight_offsets[i] + (params[i].dtype == DType::f32 ? 0 : params[i].n * 2);
   }
+  const std::size_t piece = std::max<std::size_t>(options.tile, 1);
+  first_piece.assign(params.size() + 1, 0);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    first_piece[i] = pieces.size();
+    for (std::size_t b = 0; b < params[i].n; b += piece) pieces.push_back({i, b, std::min(piece, params[i].n - b)});
+  }
+  first_piece.back() = pieces.size();
   const std::size_t total = offsets.back();
   for (AlignedBuffer* b : {&master, &exp_avg, &exp_avg_sq}) {
     Result<AlignedBuffer> r = AlignedBuffer::allocate(total * 4);
@@ -120,14 +127,15 @@ Status OffloadOptimizer::Impl::allocate() {
     Result<void*> r = device.allocate_host(std::max<std::size_t>(grad_offsets.back(), 1));
     if (!r.ok()) return r.status();
     grad_staging[s] = r.value();
-    stats[s].assign(params.size(), GradStats{});
+    stats[s].assign(pieces.size(), GradStats{});
   }
   Result<void*> w = device.allocate_host(std::max<std::size_t>(weight_offsets.back(), 1));
   if (!w.ok()) return w.status();
   weight_staging = w.value();
   reported.assign(params.size(), 0);
-  stepped.assign(params.size(), 0);
-  d2h_events.assign(params.size(), 0);
+  h2d_sent.assign(params.size(), 0);
+  grad_done.assign(params.size(), 0);
+  stepped.assign(pieces.size(), 0);
   return Status::success();
 }
 
@@ -153,31 +161,39 @@ Status OffloadOptimizer::Impl::load_initial_weights() {
   return Status::success();
 }
 
-AdamTensor OffloadOptimizer::Impl::tensor(std::size_t i, int set) {
-  const ParamSpec& p = params[i];
+AdamTensor OffloadOptimizer::Impl::tensor(const Piece& k, int set) {
+  const ParamSpec& p = params[k.param];
+  const std::size_t elem = dtype_size(p.dtype);
   AdamTensor t;
-  t.param = master_of(i);
-  t.exp_avg = exp_avg.as<float>() + offsets[i];
-  t.exp_avg_sq = exp_avg_sq.as<float>() + offsets[i];
-  t.grad = grad_of(i, set);
+  t.param = master_of(k.param) + k.begin;
+  t.exp_avg = exp_avg.as<float>() + offsets[k.param] + k.begin;
+  t.exp_avg_sq = exp_avg_sq.as<float>() + offsets[k.param] + k.begin;
+  t.grad = static_cast<unsigned char*>(grad_of(k.param, set)) + k.begin * elem;
   t.grad_dtype = p.dtype;
-  t.out = p.dtype == DType::f32 ? nullptr : weights_of(i);
+  t.out = p.dtype == DType::f32 ? nullptr : static_cast<unsigned char*>(weights_of(k.param)) + k.begin * 2;
   t.out_dtype = p.dtype == DType::f32 ? DType::bf16 : p.dtype;
-  t.n = p.n;
+  t.n = k.n;
   return t;
 }
 
-Status OffloadOptimizer::Impl::enqueue_d2h(std::size_t i, int set) {
+Status OffloadOptimizer::Impl::enqueue_d2h(std::size_t i, int set, bool step_pieces) {
   const ParamSpec& p = params[i];
   // The copy starts only once the compute stream has produced the gradient.
   Result<EventId> produced = device.record(Stream::compute);
   if (!produced.ok()) return produced.status();
   if (Status s = device.wait(Stream::d2h, produced.value()); !s.ok()) return s;
-  if (p.n > 0) {
-    if (Status s = device.copy_to_host(grad_of(i, set), p.device_grads, staging_bytes(p), Stream::d2h); !s.ok()) return s;
-    if (Status s = device.grad_stats(p.device_grads, p.dtype, p.n, &stats[set][i], Stream::d2h); !s.ok()) return s;
-  } else {
-    stats[set][i] = GradStats{};
+  const std::size_t elem = dtype_size(p.dtype);
+  for (std::size_t k = first_piece[i]; k < first_piece[i + 1]; ++k) {
+    const std::size_t at = pieces[k].begin * elem, bytes = pieces[k].n * elem;
+    const void* from = static_cast<const unsigned char*>(p.device_grads) + at;
+    void* to = static_cast<unsigned char*>(grad_of(i, set)) + at;
+    if (Status s = device.copy_to_host(to, from, bytes, Stream::d2h); !s.ok()) return s;
+    if (Status s = device.grad_stats(from, p.dtype, pieces[k].n, &stats[set][k], Stream::d2h); !s.ok()) return s;
+    if (step_pieces) {
+      Result<EventId> copied = device.record(Stream::d2h);
+      if (!copied.ok()) return copied.status();
+      if (Status s = step_piece_when_down(k, copied.value()); !s.ok()) return s;
+    }
   }
   stats_.d2h_bytes += staging_bytes(p);
   return Status::success();
@@ -191,6 +207,15 @@ Status OffloadOptimizer::Impl::enqueue_h2d(std::size_t i) {
   return device.copy_to_device(p.device_weights, src, staging_bytes(p), Stream::h2d);
 }
 
+Status OffloadOptimizer::Impl::enqueue_h2d(const Piece& k) {
+  const ParamSpec& p = params[k.param];
+  const std::size_t elem = dtype_size(p.dtype), at = k.begin * elem, bytes = k.n * elem;
+  const void* src = p.dtype == DType::f32 ? static_cast<const void*>(master_of(k.param) + k.begin)
+                                          : static_cast<const unsigned char*>(weights_of(k.param)) + at;
+  stats_.h2d_bytes += bytes;
+  return device.copy_to_device(static_cast<unsigned char*>(p.device_weights) + at, src, bytes, Stream::h2d);
+}
+
 Status OffloadOptimizer::Impl::finish_h2d() {
   Result<EventId> sent = device.record(Stream::h2d);
   if (!sent.ok()) return sent.status();
@@ -201,8 +226,8 @@ Status OffloadOptimizer::Impl::finish_h2d() {
   return device.synchronize(sent_host.value());
 }
 
-// One CpuAdam call per param group over the given parameters (a multi-tensor step).
-Status OffloadOptimizer::Impl::adam_params(const std::vector<std::size_t>& which, float grad_scale, int set,
+// One CpuAdam call per param group over the given pieces (a multi-tensor step).
+Status OffloadOptimizer::Impl::adam_pieces(const std::vector<std::size_t>& which, float grad_scale, int set,
                                            const std::vector<ParamGroup>& hyper) {
   const auto start = std::chrono::steady_clock::now();
   StepOptions o;
@@ -210,8 +235,8 @@ Status OffloadOptimizer::Impl::adam_params(const std::vector<std::size_t>& which
   o.grad_scale = grad_scale;
   for (std::size_t g = 0; g < hyper.size(); ++g) {
     std::vector<AdamTensor> tensors;
-    for (std::size_t i : which) {
-      if (static_cast<std::size_t>(params[i].group) == g && params[i].n > 0) tensors.push_back(tensor(i, set));
+    for (std::size_t k : which) {
+      if (static_cast<std::size_t>(params[pieces[k].param].group) == g) tensors.push_back(tensor(pieces[k], set));
     }
     if (tensors.empty()) continue;
     if (Status s = adam.step(hyper[g].hyper, o, tensors); !s.ok()) return s;
@@ -220,20 +245,30 @@ Status OffloadOptimizer::Impl::adam_params(const std::vector<std::size_t>& which
   return Status::success();
 }
 
-void OffloadOptimizer::Impl::save_undo(std::size_t i) {
-  const std::size_t n = params[i].n, off = offsets[i];
-  std::memcpy(undo_master.as<float>() + off, master.as<float>() + off, n * 4);
-  std::memcpy(undo_exp_avg.as<float>() + off, exp_avg.as<float>() + off, n * 4);
-  std::memcpy(undo_exp_avg_sq.as<float>() + off, exp_avg_sq.as<float>() + off, n * 4);
-  std::memcpy(undo_weights.as<unsigned char>() + weight_offsets[i], weights_of(i), weight_offsets[i + 1] - weight_offsets[i]);
+Status OffloadOptimizer::Impl::adam_all(float grad_scale, int set, const std::vector<ParamGroup>& hyper) {
+  std::vector<std::size_t> all(pieces.size());
+  for (std::size_t k = 0; k < all.size(); ++k) all[k] = k;
+  return adam_pieces(all, grad_scale, set, hyper);
 }
 
-void OffloadOptimizer::Impl::restore_undo(std::size_t i) {
-  const std::size_t n = params[i].n, off = offsets[i];
-  std::memcpy(master.as<float>() + off, undo_master.as<float>() + off, n * 4);
-  std::memcpy(exp_avg.as<float>() + off, undo_exp_avg.as<float>() + off, n * 4);
-  std::memcpy(exp_avg_sq.as<float>() + off, undo_exp_avg_sq.as<float>() + off, n * 4);
-  std::memcpy(weights_of(i), undo_weights.as<unsigned char>() + weight_offsets[i], weight_offsets[i + 1] - weight_offsets[i]);
+void OffloadOptimizer::Impl::save_undo(const Piece& k) {
+  const std::size_t off = offsets[k.param] + k.begin, w = weight_offsets[k.param] + k.begin * 2;
+  std::memcpy(undo_master.as<float>() + off, master.as<float>() + off, k.n * 4);
+  std::memcpy(undo_exp_avg.as<float>() + off, exp_avg.as<float>() + off, k.n * 4);
+  std::memcpy(undo_exp_avg_sq.as<float>() + off, exp_avg_sq.as<float>() + off, k.n * 4);
+  if (params[k.param].dtype != DType::f32) {
+    std::memcpy(undo_weights.as<unsigned char>() + w, weight_staging_bytes() + w, k.n * 2);
+  }
+}
+
+void OffloadOptimizer::Impl::restore_undo(const Piece& k) {
+  const std::size_t off = offsets[k.param] + k.begin, w = weight_offsets[k.param] + k.begin * 2;
+  std::memcpy(master.as<float>() + off, undo_master.as<float>() + off, k.n * 4);
+  std::memcpy(exp_avg.as<float>() + off, undo_exp_avg.as<float>() + off, k.n * 4);
+  std::memcpy(exp_avg_sq.as<float>() + off, undo_exp_avg_sq.as<float>() + off, k.n * 4);
+  if (params[k.param].dtype != DType::f32) {
+    std::memcpy(weight_staging_bytes() + w, undo_weights.as<unsigned char>() + w, k.n * 2);
+  }
 }
 
 // From the gradients' statistics, summed in parameter order: skip (fp16 overflow), and the grad_scale that
@@ -272,17 +307,15 @@ void OffloadOptimizer::Impl::record_outcome(const Decision& d) {
 // sync: every gradient down, then the decision, then the step, then every weight up.
 Status OffloadOptimizer::Impl::step_sync() {
   for (std::size_t i = 0; i < params.size(); ++i) {
-    if (Status s = enqueue_d2h(i, 0); !s.ok()) return s;
+    if (Status s = enqueue_d2h(i, 0, false); !s.ok()) return s;
   }
   Result<EventId> copied = device.record(Stream::d2h);
   if (!copied.ok()) return copied.status();
   if (Status s = device.synchronize(copied.value()); !s.ok()) return s;
   const Decision d = decide(0, visible_scale);
   if (!d.overflow) {
-    std::vector<std::size_t> all(params.size());
-    for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
-    if (Status s = adam_params(all, d.grad_scale, 0, groups); !s.ok()) return s;
-    for (std::size_t i : all) {
+    if (Status s = adam_all(d.grad_scale, 0, groups); !s.ok()) return s;
+    for (std::size_t i = 0; i < params.size(); ++i) {
       if (Status s = enqueue_h2d(i); !s.ok()) return s;
     }
     if (Status s = finish_h2d(); !s.ok()) return s;
@@ -292,31 +325,33 @@ Status OffloadOptimizer::Impl::step_sync() {
   return Status::success();
 }
 
-// overlap: each reported parameter comes down and is stepped speculatively — as if no clipping and no
-// overflow — and sent up, while backward goes on. step() validates: an overflow undoes every speculative
-// step and resends the old weights; a clip coefficient below 1 undoes and redoes them with it.
+// overlap: each reported parameter comes down piece by piece, and each piece is stepped speculatively — as
+// if no clipping and no overflow — and sent up as soon as it is down, while backward goes on; pieces keep the
+// work left after the last gradient short. step() validates: an overflow undoes every speculative step and
+// resends the old weights; a clip coefficient below 1 undoes and redoes them with it.
 Status OffloadOptimizer::Impl::grad_ready_overlap(std::size_t i) {
   if (reported[i]) return invalid_argument("parameter " + std::to_string(i) + " was reported ready twice in one iteration");
   reported[i] = 1;
-  if (Status s = enqueue_d2h(i, 0); !s.ok()) return s;
-  Result<EventId> copied = device.record(Stream::d2h);
-  if (!copied.ok()) return copied.status();
+  return enqueue_d2h(i, 0, true);
+}
+
+Status OffloadOptimizer::Impl::step_piece_when_down(std::size_t k, EventId copied) {
   const float speculative_scale = static_cast<float>(1.0 / visible_scale);
-  worker->enqueue([this, i, event = copied.value(), speculative_scale] {
+  worker->enqueue([this, k, copied, speculative_scale] {
     if (!worker_status.ok()) return;
-    if (Status s = device.synchronize(event); !s.ok()) {
+    if (Status s = device.synchronize(copied); !s.ok()) {
       worker_status = s;
       return;
     }
-    if (options.loss_scale.enabled && stats[0][i].non_finite > 0) overflow_seen = true;
+    if (options.loss_scale.enabled && stats[0][k].non_finite > 0) overflow_seen = true;
     if (overflow_seen) return;  // this step will be skipped: stepping more would only be undone
-    if (speculation_can_fail) save_undo(i);
-    if (Status s = adam_params({i}, speculative_scale, 0, groups); !s.ok()) {
+    if (speculation_can_fail) save_undo(pieces[k]);
+    if (Status s = adam_pieces({k}, speculative_scale, 0, groups); !s.ok()) {
       worker_status = s;
       return;
     }
-    stepped[i] = 1;
-    if (Status s = enqueue_h2d(i); !s.ok()) worker_status = s;
+    stepped[k] = 1;
+    if (Status s = enqueue_h2d(pieces[k]); !s.ok()) worker_status = s;
   });
   return Status::success();
 }
@@ -331,22 +366,22 @@ Status OffloadOptimizer::Impl::step_overlap() {
   if (!worker_status.ok()) return std::exchange(worker_status, Status::success());
   const Decision d = decide(0, visible_scale);
   const float speculative_scale = static_cast<float>(1.0 / visible_scale);
+  const bool wrong = d.overflow || d.grad_scale != speculative_scale;
   std::vector<std::size_t> redo;
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    const bool wrong = d.overflow || d.grad_scale != speculative_scale;
-    if (stepped[i] && wrong) {
-      restore_undo(i);
+  for (std::size_t k = 0; k < pieces.size(); ++k) {
+    if (stepped[k] && wrong) {
+      restore_undo(pieces[k]);
       if (d.overflow) {
-        if (Status s = enqueue_h2d(i); !s.ok()) return s;  // the device gets its old weights back
+        if (Status s = enqueue_h2d(pieces[k]); !s.ok()) return s;  // the device gets its old weights back
       }
     }
-    if (!d.overflow && (!stepped[i] || wrong)) redo.push_back(i);
+    if (!d.overflow && (!stepped[k] || wrong)) redo.push_back(k);
   }
   if (!redo.empty()) {
     ++stats_.redone;
-    if (Status s = adam_params(redo, d.grad_scale, 0, groups); !s.ok()) return s;
-    for (std::size_t i : redo) {
-      if (Status s = enqueue_h2d(i); !s.ok()) return s;
+    if (Status s = adam_pieces(redo, d.grad_scale, 0, groups); !s.ok()) return s;
+    for (std::size_t k : redo) {
+      if (Status s = enqueue_h2d(pieces[k]); !s.ok()) return s;
     }
   }
   if (Status s = finish_h2d(); !s.ok()) return s;
@@ -358,27 +393,73 @@ Status OffloadOptimizer::Impl::step_overlap() {
   return Status::success();
 }
 
-// delayed (ZeRO-Offload's delayed parameter update): step() sends up the weights of the previous step,
-// starts this step in the background and returns; the next iteration runs on the device with weights one
-// step old while the CPU steps.
+// delayed (ZeRO-Offload's delayed parameter update): step() starts this step in the background and returns;
+// the next iteration runs on the device with weights one step old while the CPU steps. The new weights go up
+// parameter by parameter during that next iteration's backward: once a parameter's gradient is final, the
+// device reads its weights no more in that iteration, so its H2D may overwrite them while backward goes on.
+// The trainer usually runs ahead of the device, so whichever comes second — the gradient's report or the
+// end of the background step — sends the weights; step() sends what is left.
 Status OffloadOptimizer::Impl::grad_ready_delayed(std::size_t i) {
   if (reported[i]) return invalid_argument("parameter " + std::to_string(i) + " was reported ready twice in one iteration");
   reported[i] = 1;
-  return enqueue_d2h(i, grad_set);
+  if (Status s = enqueue_d2h(i, grad_set, false); !s.ok()) return s;
+  // Marks the work that produced gradient i: the last to read weights i in this iteration.
+  Result<EventId> produced = device.record(Stream::compute);
+  if (!produced.ok()) return produced.status();
+  std::lock_guard lock(h2d_mutex);
+  grad_done[i] = produced.value();
+  report_order.push_back(i);
+  if (!update_done) return Status::success();
+  return send_weights(i);
 }
 
-Status OffloadOptimizer::Impl::flush_delayed() {
+Status OffloadOptimizer::Impl::send_weights(std::size_t i) {
+  if (h2d_sent[i] || grad_done[i] == 0) return Status::success();
+  const EventId after = std::exchange(grad_done[i], 0);
+  if (Status s = device.wait(Stream::h2d, after); !s.ok()) return s;
+  h2d_sent[i] = 1;
+  return pending_h2d ? enqueue_h2d(i) : Status::success();
+}
+
+Status OffloadOptimizer::Impl::finish_background_step(const Status& status) {
+  std::lock_guard lock(h2d_mutex);
+  update_done = true;
+  Status result = status;
+  // In the order the gradients were reported: the device's stream runs in order, and a copy waiting for a
+  // late gradient must not hold up those whose gradients came earlier.
+  for (std::size_t k = 0; k < report_order.size() && result.ok(); ++k) result = send_weights(report_order[k]);
+  return result;
+}
+
+Result<EventId> OffloadOptimizer::Impl::flush_delayed() {
   background->drain();
-  if (!worker_status.ok()) return std::exchange(worker_status, Status::success());
-  if (pending_h2d) {
-    for (std::size_t i = 0; i < params.size(); ++i) {
+  std::lock_guard lock(h2d_mutex);
+  Status status = std::exchange(worker_status, Status::success());
+  // Every parameter not reported this iteration: after all the compute enqueued so far.
+  Result<EventId> computed = device.record(Stream::compute);
+  if (!computed.ok()) return computed.status();
+  if (Status s = device.wait(Stream::h2d, computed.value()); !s.ok()) return s;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (h2d_sent[i]) continue;
+    if (grad_done[i] != 0) {
+      if (Status s = device.wait(Stream::h2d, std::exchange(grad_done[i], 0)); !s.ok()) return s;
+    }
+    if (pending_h2d && status.ok()) {
       if (Status s = enqueue_h2d(i); !s.ok()) return s;
     }
-    if (Status s = finish_h2d(); !s.ok()) return s;
-    pending_h2d = false;
   }
+  if (!status.ok()) return status;
+  pending_h2d = false;
+  update_done = false;
+  std::fill(h2d_sent.begin(), h2d_sent.end(), 0);
+  report_order.clear();
   visible_scale = scaler.scale();
-  return Status::success();
+  // The next forward starts once every weight is up; the caller waits for the returned event before the
+  // weight staging is written again.
+  Result<EventId> sent_device = device.record(Stream::h2d);
+  if (!sent_device.ok()) return sent_device.status();
+  if (Status s = device.wait(Stream::compute, sent_device.value()); !s.ok()) return s;
+  return device.record(Stream::h2d);
 }
 
 Status OffloadOptimizer::Impl::step_delayed() {
@@ -390,7 +471,8 @@ Status OffloadOptimizer::Impl::step_delayed() {
   }
   std::fill(reported.begin(), reported.end(), 0);
   const float scale_used = visible_scale;  // what this iteration's loss was scaled by
-  if (Status s = flush_delayed(); !s.ok()) return s;
+  Result<EventId> sent = flush_delayed();
+  if (!sent.ok()) return sent.status();
   Result<EventId> copied = device.record(Stream::d2h);
   Result<EventId> copied_compute = device.record(Stream::d2h);
   if (!copied.ok()) return copied.status();
@@ -398,22 +480,20 @@ Status OffloadOptimizer::Impl::step_delayed() {
   // The next backward must not overwrite the gradients before they are down.
   if (Status s = device.wait(Stream::compute, copied_compute.value()); !s.ok()) return s;
   grad_set ^= 1;
-  background->enqueue([this, set, scale_used, event = copied.value(), hyper = groups] {
-    if (Status s = device.synchronize(event); !s.ok()) {
-      worker_status = s;
-      return;
-    }
-    const Decision d = decide(set, scale_used);
-    if (!d.overflow) {
-      std::vector<std::size_t> all(params.size());
-      for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
-      if (Status s = adam_params(all, d.grad_scale, set, hyper); !s.ok()) {
-        worker_status = s;
-        return;
+  background->enqueue([this, set, scale_used, copied = copied.value(), sent = sent.value(), hyper = groups] {
+    Status s = device.synchronize(copied);
+    // The weight staging is still being sent up until `sent` completes.
+    if (Status t = device.synchronize(sent); s.ok()) s = t;
+    if (s.ok()) {
+      const Decision d = decide(set, scale_used);
+      if (!d.overflow) {
+        s = adam_all(d.grad_scale, set, hyper);
+        if (s.ok()) pending_h2d = true;
       }
-      pending_h2d = true;
+      if (s.ok()) record_outcome(d);
     }
-    record_outcome(d);
+    s = finish_background_step(s);
+    if (!s.ok()) worker_status = s;
   });
   return Status::success();
 }
@@ -471,7 +551,9 @@ Status OffloadOptimizer::step() {
 Status OffloadOptimizer::wait() {
   Impl& m = *impl_;
   if (m.background) {
-    if (Status s = m.flush_delayed(); !s.ok()) return s;
+    Result<EventId> sent = m.flush_delayed();
+    if (!sent.ok()) return sent.status();
+    if (Status s = m.device.synchronize(sent.value()); !s.ok()) return s;
   }
   return m.device.synchronize();
 }

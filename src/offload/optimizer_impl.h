@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "src/aligned_buffer.h"
@@ -30,6 +31,15 @@ struct OffloadOptimizer::Impl {
   std::int64_t step_calls = 0;
   StepStats stats_;
 
+  // A piece: elements [begin, begin + n) of one parameter, the unit the overlap schedule copies, steps and
+  // sends (OffloadOptions::tile elements). Gradient statistics are kept per piece and summed in piece order
+  // by every schedule, so all of them reach the same decision.
+  struct Piece {
+    std::size_t param, begin, n;
+  };
+  std::vector<Piece> pieces;
+  std::vector<std::size_t> first_piece;  // pieces of parameter i: [first_piece[i], first_piece[i + 1])
+
   // Element offsets of each parameter in the flat fp32 arrays, and byte offsets in the staging.
   std::vector<std::size_t> offsets, grad_offsets, weight_offsets;
   AlignedBuffer master, exp_avg, exp_avg_sq;
@@ -40,33 +50,46 @@ struct OffloadOptimizer::Impl {
   // Device-copyable staging. Gradients: one set, two for delayed (step t reads one while iteration t+1's
   // come down into the other). Weights: the 16-bit copy the device holds.
   void* grad_staging[2] = {nullptr, nullptr};
-  std::vector<GradStats> stats[2];
+  std::vector<GradStats> stats[2];  // per piece
   void* weight_staging = nullptr;
   int grad_set = 0;
 
-  // This iteration: which parameters were reported and which stepped speculatively (overlap).
+  // This iteration: which parameters were reported, and which pieces stepped speculatively (overlap).
   std::vector<char> reported, stepped;
-  std::vector<EventId> d2h_events;
   std::atomic<bool> overflow_seen{false};
   Status worker_status;  // the first failure inside the worker
   std::unique_ptr<WorkQueue> worker;      // overlap: per-parameter steps during backward
   std::unique_ptr<WorkQueue> background;  // delayed: the step running beside the next iteration
-  bool pending_h2d = false;               // delayed: weights of the last step not yet sent
+  // delayed: the last step's weights wait to be sent (pending_h2d), the background step has finished
+  // (update_done), which parameters' weights are on their way (h2d_sent), and the compute event after which
+  // each reported parameter's weights may be overwritten (grad_done, 0: none), in report order (report_order). Guarded by h2d_mutex.
+  std::mutex h2d_mutex;
+  bool pending_h2d = false;
+  bool update_done = false;
+  std::vector<char> h2d_sent;
+  std::vector<EventId> grad_done;
+  std::vector<std::size_t> report_order;  // parameters in the order their gradients were reported
 
   float* master_of(std::size_t i) { return master.as<float>() + offsets[i]; }
   void* grad_of(std::size_t i, int set) { return static_cast<unsigned char*>(grad_staging[set]) + grad_offsets[i]; }
   void* weights_of(std::size_t i) { return static_cast<unsigned char*>(weight_staging) + weight_offsets[i]; }
-  AdamTensor tensor(std::size_t i, int set);
+  unsigned char* weight_staging_bytes() { return static_cast<unsigned char*>(weight_staging); }
+  AdamTensor tensor(const Piece& k, int set);
 
   Status allocate();
   Status load_initial_weights();
-  Status enqueue_d2h(std::size_t i, int set);
+  // Gradients of parameter i down into staging `set`, with their statistics; `step_pieces` (overlap) also
+  // steps each piece speculatively once it is down.
+  Status enqueue_d2h(std::size_t i, int set, bool step_pieces);
+  Status step_piece_when_down(std::size_t piece, EventId copied);
   Status enqueue_h2d(std::size_t i);
+  Status enqueue_h2d(const Piece& k);
   Status finish_h2d();  // the compute stream (next forward) waits for the weights; so does the host
-  Status adam_params(const std::vector<std::size_t>& which, float grad_scale, int set,
+  Status adam_pieces(const std::vector<std::size_t>& which, float grad_scale, int set,
                      const std::vector<ParamGroup>& hyper);
-  void save_undo(std::size_t i);
-  void restore_undo(std::size_t i);
+  Status adam_all(float grad_scale, int set, const std::vector<ParamGroup>& hyper);
+  void save_undo(const Piece& k);
+  void restore_undo(const Piece& k);
   struct Decision {
     bool overflow;
     double grad_norm;
@@ -80,7 +103,11 @@ struct OffloadOptimizer::Impl {
   Status step_overlap();
   Status grad_ready_delayed(std::size_t i);
   Status step_delayed();
-  Status flush_delayed();
+  // Joins the background step and sends what is left of its weights; returns the event the host waits
+  // for before the weight staging is written again.
+  Result<EventId> flush_delayed();
+  Status send_weights(std::size_t i);                      // with h2d_mutex held
+  Status finish_background_step(const Status& status);  // the worker, as its last act
 };
 
 }  // namespace zoe

@@ -109,6 +109,7 @@ class Trainer {
     o.delayed_warmup_steps = warmup;
     o.cpu.threads = 2;
     o.cpu.tile = 512;  // several tiles per parameter
+    o.tile = 700;      // several pieces per parameter in the overlap schedule, one with a short last piece
     std::vector<ParamGroup> groups(2);
     groups[0].hyper.lr = 1e-2f;
     groups[0].hyper.weight_decay = 0.01f;
