@@ -331,6 +331,17 @@ Status CudaDevice::copy_to_device(void* device, const void* host, std::size_t by
                "cudaMemcpyAsync", "copy_to_device on the " + std::string(stream_name(stream)));
 }
 
+Status CudaDevice::copy_on_device(void* dst, const void* src, std::size_t bytes, Stream stream) {
+  if (Status st = check_stream(stream, "copy_on_device"); !st.ok()) return st;
+  if (bytes == 0) return {};
+  if (dst == nullptr || src == nullptr) {
+    return invalid_argument("copy_on_device: null pointer for " + std::to_string(bytes) + " bytes");
+  }
+  if (Status st = make_current(); !st.ok()) return st;
+  return check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, streams_[stream_index(stream)]),
+               "cudaMemcpyAsync", "copy_on_device on the " + std::string(stream_name(stream)));
+}
+
 Status CudaDevice::grad_stats(const void* device, DType dtype, std::size_t n, GradStats* out, Stream stream) {
   if (Status st = check_stream(stream, "grad_stats"); !st.ok()) return st;
   if (!dtype_valid(dtype)) return invalid_argument("grad_stats: invalid dtype " + std::to_string(int(dtype)));

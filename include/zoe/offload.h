@@ -17,6 +17,8 @@
 
 namespace zoe {
 
+class Collectives;  // zoe/partition.h
+
 enum class Tier { ram, nvme };
 enum class Schedule { sync, overlap, delayed };
 
@@ -45,6 +47,7 @@ struct NvmeOptions {
   int buffer_count = 4;                // DeepSpeed: offload_optimizer.buffer_count
   std::size_t block_size = 1 << 20;    // DeepSpeed: aio.block_size
   int queue_depth = 8;                 // DeepSpeed: aio.queue_depth
+  std::size_t alignment = 0;           // O_DIRECT block: 0 = 4096, or more where a filesystem asks for more
 };
 
 struct OffloadOptions {
@@ -77,16 +80,30 @@ struct StepStats {
   std::int64_t skipped = 0;        // steps skipped for an fp16 overflow
   std::int64_t redone = 0;         // overlap: speculative steps undone and redone (clipping or overflow)
   double last_grad_norm = 0;       // of the unscaled gradients, before clipping (NaN if any is not finite)
-  double adam_s = 0;               // CPU Adam, summed (seconds)
+  double adam_s = 0;               // CPU Adam, summed (seconds); tier nvme: the whole streamed step
   double step_call_s = 0;          // time the trainer spent inside step(), summed
   std::uint64_t d2h_bytes = 0, h2d_bytes = 0;
+  // tier nvme: bytes moved to and from the swap files, and the seconds reads / writes were in flight.
+  std::uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;
+  double nvme_read_s = 0, nvme_write_s = 0;
 };
 
 class OffloadOptimizer {
  public:
   // The master weights start as the device weights converted to fp32 (read once through the device).
+  // Tier nvme keeps p, m and v in a swap store named "zoe-optimizer" under options.nvme.paths (one left by
+  // an earlier run there is replaced: save() is how state outlives a run); its parameters must be f16 or
+  // bf16 on the device.
   static Result<OffloadOptimizer> create(Device& device, std::vector<ParamGroup> groups,
                                          std::vector<ParamSpec> params, const OffloadOptions& options);
+  // ZeRO partitioning over `partition`'s ranks (zoe/partition.h): every rank passes the same parameters and
+  // owns the optimizer state of its 1/W of their flattened elements. Gradients are reduce-scattered on the
+  // device and averaged (divided by W in the fused grad scale, as DDP and DeepSpeed do); updated weights are
+  // all-gathered back into every parameter. All parameters share one dtype; schedule sync. `partition` must
+  // outlive the optimizer. read_state() then indexes this rank's pieces of the parameters, in flat order.
+  static Result<OffloadOptimizer> create(Device& device, std::vector<ParamGroup> groups,
+                                         std::vector<ParamSpec> params, const OffloadOptions& options,
+                                         Collectives* partition);
   OffloadOptimizer(OffloadOptimizer&&) noexcept;
   OffloadOptimizer& operator=(OffloadOptimizer&&) noexcept;
   ~OffloadOptimizer();
@@ -95,7 +112,9 @@ class OffloadOptimizer {
   // after enqueueing the work that produces it on the device's compute stream. Other schedules ignore it.
   Status grad_ready(std::size_t param);
   // Ends the iteration: every gradient is final. Applies the step (or, delayed, starts it) and leaves the
-  // updated weights on the device — after wait() for the delayed schedule's previous step.
+  // updated weights on the device — after wait() for the delayed schedule's previous step. Tier nvme: a
+  // step that failed on I/O says which state is valid and may be called again once the fault is cleared;
+  // it then completes what is missing and gives the result of an uninterrupted run.
   Status step();
   // Waits for all work in flight (the delayed schedule's background step included).
   Status wait();

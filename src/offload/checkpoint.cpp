@@ -198,6 +198,18 @@ Status CheckpointWriter::pad_to(std::uint64_t alignment) {
 }
 
 Status CheckpointWriter::add(std::string name, const void* data, std::size_t bytes) {
+  if (data == nullptr && bytes != 0) {
+    return invalid_argument("checkpoint " + path_ + ": blob '" + name + "' has null data and " +
+                            std::to_string(bytes) + " bytes");
+  }
+  const auto* p = static_cast<const char*>(data);
+  return add_streamed(std::move(name), bytes, [p](std::size_t offset, std::size_t, const void** slice) {
+    *slice = p + offset;
+    return Status::success();
+  });
+}
+
+Status CheckpointWriter::add_streamed(std::string name, std::size_t bytes, const Producer& produce) {
   if (committed_) return invalid_argument("checkpoint " + path_ + " is already committed: cannot add '" + name + "'");
   if (failed_ || !fd_.valid()) {
     return invalid_argument("checkpoint " + path_ + ": an earlier step failed; start again with a new writer");
@@ -206,22 +218,18 @@ Status CheckpointWriter::add(std::string name, const void* data, std::size_t byt
     return invalid_argument("checkpoint " + path_ + ": blob names must have 1 to " + std::to_string(kMaxName) +
                             " bytes (got " + std::to_string(name.size()) + ")");
   }
-  if (data == nullptr && bytes != 0) {
-    return invalid_argument("checkpoint " + path_ + ": blob '" + name + "' has null data and " +
-                            std::to_string(bytes) + " bytes");
-  }
   if (names_.count(name) != 0) {
     return invalid_argument("checkpoint " + path_ + ": blob '" + name + "' was already added");
   }
   if (Status s = pad_to(kBlobAlignment); !s.ok()) return s;
   Entry e{name, offset_, bytes, 0};
   // In slices, so each is checksummed while it is still in cache and then written.
-  constexpr std::size_t kSlice = std::size_t(8) << 20;
-  const auto* p = static_cast<const char*>(data);
   for (std::size_t done = 0; done < bytes;) {
-    const std::size_t n = std::min(kSlice, bytes - done);
-    e.crc = crc32c(p + done, n, e.crc);
-    if (Status s = write_all(p + done, n); !s.ok()) return s;
+    const std::size_t n = std::min(kStreamSlice, bytes - done);
+    const void* slice = nullptr;
+    if (Status s = produce(done, n, &slice); !s.ok()) return fail(s);
+    e.crc = crc32c(slice, n, e.crc);
+    if (Status s = write_all(slice, n); !s.ok()) return s;
     done += n;
   }
   names_.insert(name);
@@ -395,6 +403,16 @@ Result<std::size_t> CheckpointReader::size(const std::string& name) const {
 }
 
 Status CheckpointReader::read(const std::string& name, void* dst, std::size_t bytes) const {
+  if (bytes != 0 && dst == nullptr) return invalid_argument("checkpoint " + path_ + ": null destination for blob '" + name + "'");
+  return read_streamed(name, bytes, bytes, [dst](std::size_t, const void* slice, std::size_t n) {
+    // A whole-blob read is one slice, already in place.
+    if (slice != dst) std::memcpy(dst, slice, n);
+    return Status::success();
+  }, dst);
+}
+
+Status CheckpointReader::read_streamed(const std::string& name, std::size_t bytes, std::size_t slice_bytes,
+                                       const Consumer& consume, void* buffer) const {
   const auto it = blobs_.find(name);
   if (it == blobs_.end()) return invalid_argument("checkpoint " + path_ + " has no blob '" + name + "'");
   const Blob& b = it->second;
@@ -404,9 +422,20 @@ Status CheckpointReader::read(const std::string& name, void* dst, std::size_t by
                                            std::to_string(bytes) + " (a checkpoint of a different model?)");
   }
   if (bytes == 0) return Status::success();
-  if (dst == nullptr) return invalid_argument("checkpoint " + path_ + ": null destination for blob '" + name + "'");
-  if (Status s = pread_all(fd_.get(), dst, bytes, b.offset, path_); !s.ok()) return s;
-  const std::uint32_t computed = crc32c(dst, bytes);
+  if (slice_bytes == 0) return invalid_argument("checkpoint " + path_ + ": slice size 0 for blob '" + name + "'");
+  std::vector<char> own;
+  if (buffer == nullptr) {
+    own.resize(std::min(slice_bytes, bytes));
+    buffer = own.data();
+  }
+  std::uint32_t computed = 0;
+  for (std::size_t done = 0; done < bytes;) {
+    const std::size_t n = std::min(slice_bytes, bytes - done);
+    if (Status s = pread_all(fd_.get(), buffer, n, b.offset + done, path_); !s.ok()) return s;
+    computed = crc32c(buffer, n, computed);
+    if (Status s = consume(done, buffer, n); !s.ok()) return s;
+    done += n;
+  }
   if (computed != b.crc) {
     return corrupt(path_, "blob '" + name + "' (" + std::to_string(bytes) + " bytes at offset " +
                               std::to_string(b.offset) + ") fails its checksum: stored CRC-32C " + hex32(b.crc) +

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <unordered_set>
@@ -60,6 +61,11 @@ class CheckpointWriter {
   // `name` must be non-empty and not yet added; `data` may be null when `bytes` is 0. After any failure the
   // writer refuses further calls (the temporary file is incomplete).
   Status add(std::string name, const void* data, std::size_t bytes);
+  // The same for a blob too large to hold in memory: produce(offset, n, &slice) points `slice` at the blob's
+  // bytes [offset, offset + n), valid until the next call; slices are at most kStreamSlice bytes.
+  using Producer = std::function<Status(std::size_t offset, std::size_t n, const void** slice)>;
+  static constexpr std::size_t kStreamSlice = std::size_t(8) << 20;
+  Status add_streamed(std::string name, std::size_t bytes, const Producer& produce);
   // Writes the index and `manifest_json` (stored as given: the container does not parse it), fsyncs the
   // file, renames it over `path` and fsyncs the directory so the rename survives a crash.
   Status commit(const std::string& manifest_json);
@@ -104,6 +110,12 @@ class CheckpointReader {
   // Reads the whole blob into `dst`, which must hold exactly `bytes` = the blob's size. On a CRC mismatch
   // the contents of `dst` are unspecified and the error names the blob, the file and both checksums.
   Status read(const std::string& name, void* dst, std::size_t bytes) const;
+  // The same in slices of `slice_bytes` (read into `buffer`, or a buffer of its own when null), each handed
+  // to consume(offset, slice, n) as it arrives. The checksum is known only after the last slice: a consumer
+  // that must not act on damaged data verifies first (a pass whose consumer does nothing).
+  using Consumer = std::function<Status(std::size_t offset, const void* slice, std::size_t n)>;
+  Status read_streamed(const std::string& name, std::size_t bytes, std::size_t slice_bytes, const Consumer& consume,
+                       void* buffer = nullptr) const;
 
  private:
   struct Blob {

@@ -7,7 +7,7 @@
 //  - no offload_optimizer section: zoe offloads to pinned RAM anyway (offloading is all it does).
 //  - sub_group_size (DeepSpeed 1e9 elements) is not zoe's tile (default 2^20): zoe holds buffer_count tiles
 //    in flight, so a DeepSpeed-sized tile would pin tens of GB.
-#include "src/offload/config.h"
+#include "zoe/config.h"
 
 #include <cctype>
 #include <cerrno>

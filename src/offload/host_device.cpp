@@ -12,6 +12,7 @@
 #include <thread>
 #include <type_traits>
 
+#include "src/offload/host_device.h"
 #include "src/offload/work_queue.h"
 #include "zoe/device.h"
 
@@ -106,6 +107,9 @@ class HostDevice final : public Device {
   Status copy_to_device(void* device, const void* host, std::size_t bytes, Stream stream) override {
     return enqueue(stream, [=] { std::memcpy(device, host, bytes); });
   }
+  Status copy_on_device(void* dst, const void* src, std::size_t bytes, Stream stream) override {
+    return enqueue(stream, [=] { std::memmove(dst, src, bytes); });
+  }
 
   Status grad_stats(const void* device, DType dtype, std::size_t n, GradStats* out, Stream stream) override {
     if (!dtype_valid(dtype)) return invalid_argument("grad_stats: invalid dtype");
@@ -158,7 +162,6 @@ class HostDevice final : public Device {
     return Status::success();
   }
 
- private:
   Status enqueue(Stream stream, std::function<void()> work) {
     const int s = static_cast<int>(stream);
     if (s < 0 || s >= kStreams) return invalid_argument("unknown stream " + std::to_string(s));
@@ -166,6 +169,7 @@ class HostDevice final : public Device {
     return Status::success();
   }
 
+ private:
   Result<void*> allocate_bytes(std::size_t bytes) {
     void* p = std::aligned_alloc(4096, (std::max<std::size_t>(bytes, 1) + 4095) / 4096 * 4096);
     if (p == nullptr) return Status(StatusCode::out_of_memory, "host device: cannot allocate " + std::to_string(bytes) + " bytes");
@@ -204,5 +208,11 @@ class HostDevice final : public Device {
 }  // namespace
 
 std::unique_ptr<Device> make_host_device() { return std::make_unique<HostDevice>(); }
+
+Status enqueue_on_host_device(Device& device, Stream stream, std::function<void()> work) {
+  auto* host = dynamic_cast<HostDevice*>(&device);
+  if (host == nullptr) return invalid_argument("device " + device.name() + " is not a host stand-in");
+  return host->enqueue(stream, std::move(work));
+}
 
 }  // namespace zoe

@@ -38,6 +38,8 @@ std::string_view schedule_name(Schedule schedule) {
 
 namespace {
 
+constexpr const char* kStoreName = "zoe-optimizer";
+
 std::size_t staging_bytes(const ParamSpec& p) { return p.n * dtype_size(p.dtype); }
 
 Status check_inputs(const std::vector<ParamGroup>& groups, const std::vector<ParamSpec>& params,
@@ -66,9 +68,16 @@ Status check_inputs(const std::vector<ParamGroup>& groups, const std::vector<Par
                             "growth_interval >= 1");
   }
   if (options.tier == Tier::nvme) {
-    return Status(StatusCode::unsupported,
-                  "tier nvme is not wired into OffloadOptimizer yet; use tier ram (zoe bench nvme streams a step "
-                  "from NVMe on its own)");
+#ifndef ZOE_HAVE_AIO
+    return Status(StatusCode::unsupported, "tier nvme: this build of zoe has no libaio NVMe tier (-Daio=disabled)");
+#endif
+    if (options.nvme.paths.empty()) return invalid_argument("tier nvme needs at least one nvme_path");
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      if (params[i].dtype == DType::f32) {
+        return invalid_argument("parameter " + std::to_string(i) +
+                                " is f32 on the device: tier nvme sends the device f16 or bf16 weights; use tier ram");
+      }
+    }
   }
   if (options.delayed_warmup_steps < 0) return invalid_argument("delayed_warmup_steps must be >= 0");
   return Status::success();
@@ -84,6 +93,9 @@ OffloadOptimizer::Impl::~Impl() {
   background.reset();  // joins the delayed step before the buffers it uses go
   (void)device.synchronize();
   for (void* h : {grad_staging[0], grad_staging[1], weight_staging}) device.free_host(h);
+  if (partition) {
+    for (void* d : {partition->flat_grads, partition->flat_weights, partition->shard_grads}) device.free(d);
+  }
 }
 
 Status OffloadOptimizer::Impl::allocate() {
@@ -104,6 +116,7 @@ Status OffloadOptimizer::Impl::allocate() {
   first_piece.back() = pieces.size();
   const std::size_t total = offsets.back();
   for (AlignedBuffer* b : {&master, &exp_avg, &exp_avg_sq}) {
+    if (options.tier == Tier::nvme) break;
     Result<AlignedBuffer> r = AlignedBuffer::allocate(total * 4);
     if (!r.ok()) return r.status();
     *b = std::move(r).value();
@@ -111,7 +124,10 @@ Status OffloadOptimizer::Impl::allocate() {
   }
   // Speculation in the overlap schedule fails only when clipping or an fp16 overflow changes the step:
   // only then is an undo copy kept.
-  speculation_can_fail = options.schedule == Schedule::overlap && (options.max_grad_norm > 0 || options.loss_scale.enabled);
+  // Tier nvme does not speculate: its steps are not undone (overlap brings the gradients down during
+  // backward, and steps once they are all down).
+  speculation_can_fail = options.schedule == Schedule::overlap && options.tier == Tier::ram &&
+                         (options.max_grad_norm > 0 || options.loss_scale.enabled);
   if (speculation_can_fail) {
     for (AlignedBuffer* b : {&undo_master, &undo_exp_avg, &undo_exp_avg_sq}) {
       Result<AlignedBuffer> r = AlignedBuffer::allocate(total * 4);
@@ -135,6 +151,17 @@ Status OffloadOptimizer::Impl::allocate() {
   reported.assign(params.size(), 0);
   h2d_sent.assign(params.size(), 0);
   grad_done.assign(params.size(), 0);
+  if (options.tier == Tier::nvme) {
+    SwapOptions so = SwapOptions::from(options.nvme);
+    so.adam = &adam;
+    // Tiles are whole O_DIRECT blocks of fp32 values.
+    const std::size_t align_elems = std::max<std::size_t>(so.alignment, 4096) / 4;
+    const std::size_t tile = (std::max<std::size_t>(options.tile, 1) + align_elems - 1) / align_elems * align_elems;
+    if (Status s = SwapStore::remove(so, kStoreName); !s.ok()) return s;
+    Result<SwapStore> made = SwapStore::create(so, kStoreName, total, tile);
+    if (!made.ok()) return made.status();
+    store = std::make_unique<SwapStore>(std::move(made).value());
+  }
   stepped.assign(pieces.size(), 0);
   return Status::success();
 }
@@ -150,6 +177,8 @@ Status OffloadOptimizer::Impl::load_initial_weights() {
   Result<EventId> e = device.record(Stream::d2h);
   if (!e.ok()) return e.status();
   if (Status s = device.synchronize(e.value()); !s.ok()) return s;
+  visible_scale = scaler.scale();
+  if (store) return open_store();
   for (std::size_t i = 0; i < params.size(); ++i) {
     const ParamSpec& p = params[i];
     if (p.dtype == DType::f32) continue;
@@ -157,8 +186,31 @@ Status OffloadOptimizer::Impl::load_initial_weights() {
     float* m = master_of(i);
     for (std::size_t k = 0; k < p.n; ++k) m[k] = p.dtype == DType::f16 ? f16_to_float(w[k]) : bf16_to_float(w[k]);
   }
-  visible_scale = scaler.scale();
   return Status::success();
+}
+
+// The swap store starts from the device's 16-bit weights, widened tile by tile: the fp32 state is never
+// whole in RAM.
+Status OffloadOptimizer::Impl::open_store() {
+  std::size_t param = 0;
+  return store->initialize([this, &param](std::size_t offset, std::size_t count, float* p) {
+    for (std::size_t done = 0; done < count;) {
+      while (offsets[param + 1] <= offset + done) ++param;
+      const std::size_t at = offset + done - offsets[param];
+      const std::size_t n = std::min(count - done, params[param].n - at);
+      const auto* w = static_cast<const std::uint16_t*>(weights_of(param)) + at;
+      const bool f16 = params[param].dtype == DType::f16;
+      for (std::size_t k = 0; k < n; ++k) p[done + k] = f16 ? f16_to_float(w[k]) : bf16_to_float(w[k]);
+      done += n;
+    }
+    return Status::success();
+  });
+}
+
+Status OffloadOptimizer::Impl::read_flat(int which, std::size_t offset, std::size_t count, float* dst) {
+  float* arrays[3] = {nullptr, nullptr, nullptr};
+  arrays[which] = dst;
+  return store->read(offset, count, arrays[0], arrays[1], arrays[2]);
 }
 
 AdamTensor OffloadOptimizer::Impl::tensor(const Piece& k, int set) {
@@ -246,6 +298,25 @@ Status OffloadOptimizer::Impl::adam_pieces(const std::vector<std::size_t>& which
 }
 
 Status OffloadOptimizer::Impl::adam_all(float grad_scale, int set, const std::vector<ParamGroup>& hyper) {
+  if (store) {
+    std::vector<SwapSegment> segments;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const ParamSpec& p = params[i];
+      if (p.n == 0) continue;
+      segments.push_back({offsets[i], p.n, &hyper[p.group].hyper, grad_of(i, set), p.dtype, weights_of(i), p.dtype});
+    }
+    StepOptions o;
+    o.step = step_count.load() + 1;
+    o.grad_scale = grad_scale;
+    const Status s = store->step(segments, o);
+    const SwapStats& io = store->last_stats();
+    stats_.adam_s += io.total_s;
+    stats_.nvme_read_bytes += io.read_bytes;
+    stats_.nvme_write_bytes += io.write_bytes;
+    stats_.nvme_read_s += io.read_s;
+    stats_.nvme_write_s += io.write_s;
+    return s;
+  }
   std::vector<std::size_t> all(pieces.size());
   for (std::size_t k = 0; k < all.size(); ++k) all[k] = k;
   return adam_pieces(all, grad_scale, set, hyper);
@@ -281,14 +352,26 @@ OffloadOptimizer::Impl::Decision OffloadOptimizer::Impl::decide(int set, float s
     sum_sq += s.sum_sq;
     non_finite += s.non_finite;
   }
+  // Partitioned: the norm is over every rank's shard, and the summed gradients are averaged.
+  double ranks = 1;
+  if (partition) {
+    double global[2] = {sum_sq, static_cast<double>(non_finite)};
+    if (Status s = partition->comm->all_reduce_host(global, 2); !s.ok()) {
+      Decision failed{true, NAN, 0.0f, s};
+      return failed;
+    }
+    sum_sq = global[0];
+    non_finite = static_cast<std::uint64_t>(global[1]);
+    ranks = partition->comm->world();
+  }
   Decision d{};
   d.overflow = options.loss_scale.enabled && non_finite > 0;
-  d.grad_norm = non_finite > 0 ? NAN : std::sqrt(sum_sq) / scale_used;
+  d.grad_norm = non_finite > 0 ? NAN : std::sqrt(sum_sq) / scale_used / ranks;
   double coef = 1.0;
   if (options.max_grad_norm > 0 && non_finite == 0) {
     coef = std::min(1.0, static_cast<double>(options.max_grad_norm) / (d.grad_norm + 1e-6));
   }
-  d.grad_scale = static_cast<float>(coef / scale_used);
+  d.grad_scale = static_cast<float>(coef / (scale_used * ranks));
   return d;
 }
 
@@ -309,10 +392,15 @@ Status OffloadOptimizer::Impl::step_sync() {
   for (std::size_t i = 0; i < params.size(); ++i) {
     if (Status s = enqueue_d2h(i, 0, false); !s.ok()) return s;
   }
+  return finish_sync_step();
+}
+
+Status OffloadOptimizer::Impl::finish_sync_step() {
   Result<EventId> copied = device.record(Stream::d2h);
   if (!copied.ok()) return copied.status();
   if (Status s = device.synchronize(copied.value()); !s.ok()) return s;
   const Decision d = decide(0, visible_scale);
+  if (!d.error.ok()) return d.error;
   if (!d.overflow) {
     if (Status s = adam_all(d.grad_scale, 0, groups); !s.ok()) return s;
     for (std::size_t i = 0; i < params.size(); ++i) {
@@ -332,7 +420,7 @@ Status OffloadOptimizer::Impl::step_sync() {
 Status OffloadOptimizer::Impl::grad_ready_overlap(std::size_t i) {
   if (reported[i]) return invalid_argument("parameter " + std::to_string(i) + " was reported ready twice in one iteration");
   reported[i] = 1;
-  return enqueue_d2h(i, 0, true);
+  return enqueue_d2h(i, 0, store == nullptr);
 }
 
 Status OffloadOptimizer::Impl::step_piece_when_down(std::size_t k, EventId copied) {
@@ -361,6 +449,10 @@ Status OffloadOptimizer::Impl::step_overlap() {
     if (!reported[i]) {
       if (Status s = grad_ready_overlap(i); !s.ok()) return s;
     }
+  }
+  if (store) {
+    std::fill(reported.begin(), reported.end(), 0);
+    return finish_sync_step();
   }
   worker->drain();
   if (!worker_status.ok()) return std::exchange(worker_status, Status::success());
@@ -515,6 +607,120 @@ Result<OffloadOptimizer> OffloadOptimizer::create(Device& device, std::vector<Pa
   return OffloadOptimizer(std::move(impl));
 }
 
+Status OffloadOptimizer::Impl::partition_reduce_grads() {
+  Partition& p = *partition;
+  const std::size_t elem = dtype_size(p.dtype);
+  for (std::size_t i = 0; i < p.user.size(); ++i) {
+    void* to = static_cast<unsigned char*>(p.flat_grads) + p.user_offsets[i] * elem;
+    if (Status s = device.copy_on_device(to, p.user[i].device_grads, p.user[i].n * elem, Stream::compute); !s.ok()) return s;
+  }
+  return p.comm->reduce_scatter(p.flat_grads, p.shard_grads, p.shard, p.dtype, Stream::compute);
+}
+
+Status OffloadOptimizer::Impl::partition_gather_weights() {
+  Partition& p = *partition;
+  const std::size_t elem = dtype_size(p.dtype);
+  auto* flat = static_cast<unsigned char*>(p.flat_weights);
+  const void* mine = flat + static_cast<std::size_t>(p.comm->rank()) * p.shard * elem;
+  if (Status s = p.comm->all_gather(mine, flat, p.shard, p.dtype, Stream::compute); !s.ok()) return s;
+  for (std::size_t i = 0; i < p.user.size(); ++i) {
+    const void* from = flat + p.user_offsets[i] * elem;
+    if (Status s = device.copy_on_device(p.user[i].device_weights, from, p.user[i].n * elem, Stream::compute); !s.ok()) return s;
+  }
+  return Status::success();
+}
+
+Result<OffloadOptimizer> OffloadOptimizer::create(Device& device, std::vector<ParamGroup> groups,
+                                                  std::vector<ParamSpec> params, const OffloadOptions& options,
+                                                  Collectives* comm) {
+  if (comm == nullptr || comm->world() == 1) return create(device, std::move(groups), std::move(params), options);
+  if (Status s = check_inputs(groups, params, options); !s.ok()) return s;
+  if (options.schedule != Schedule::sync) {
+    return invalid_argument("a partitioned optimizer (world " + std::to_string(comm->world()) +
+                            ") runs schedule sync; " + std::string(schedule_name(options.schedule)) +
+                            " is not supported with partitioning yet");
+  }
+  auto part = std::make_unique<Impl::Partition>();
+  part->comm = comm;
+  part->dtype = params.empty() ? DType::bf16 : params[0].dtype;
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (params[i].dtype != part->dtype) {
+      return invalid_argument("parameter " + std::to_string(i) + " is " + std::string(dtype_name(params[i].dtype)) +
+                              ", parameter 0 is " + std::string(dtype_name(part->dtype)) +
+                              ": a partitioned optimizer needs one dtype");
+    }
+    part->user_offsets.push_back(total);
+    total += params[i].n;
+  }
+  const std::size_t world = static_cast<std::size_t>(comm->world()), rank = static_cast<std::size_t>(comm->rank());
+  const std::size_t elem = dtype_size(part->dtype);
+  part->shard = std::max<std::size_t>((total + world - 1) / world, 1);
+  const std::size_t padded = part->shard * world;
+  // Device buffers, freed on any failure below (and by the optimizer once it owns them).
+  auto release = [&device](Impl::Partition& p) {
+    for (void* d : {p.flat_grads, p.flat_weights, p.shard_grads}) device.free(d);
+  };
+  for (auto [slot, bytes] : {std::pair{&part->flat_grads, padded * elem}, std::pair{&part->flat_weights, padded * elem},
+                             std::pair{&part->shard_grads, part->shard * elem}}) {
+    Result<void*> r = device.allocate(bytes);
+    if (!r.ok()) {
+      release(*part);
+      return r.status();
+    }
+    *slot = r.value();
+  }
+  // The flattened weights start as the parameters' own; the padding stays zero in both flat buffers.
+  Status s;
+  void* zeros = nullptr;
+  if (padded > total) {
+    Result<void*> z = device.allocate_host((padded - total) * elem);
+    s = z.status();
+    if (s.ok()) {
+      zeros = z.value();
+      std::memset(zeros, 0, (padded - total) * elem);
+      for (void* flat : {part->flat_grads, part->flat_weights}) {
+        if (s.ok()) s = device.copy_to_device(static_cast<unsigned char*>(flat) + total * elem, zeros, (padded - total) * elem, Stream::compute);
+      }
+    }
+  }
+  for (std::size_t i = 0; i < params.size() && s.ok(); ++i) {
+    s = device.copy_on_device(static_cast<unsigned char*>(part->flat_weights) + part->user_offsets[i] * elem,
+                              params[i].device_weights, params[i].n * elem, Stream::compute);
+  }
+  if (s.ok()) {
+    Result<EventId> copied = device.record(Stream::compute);
+    s = copied.ok() ? device.synchronize(copied.value()) : copied.status();
+  }
+  device.free_host(zeros);
+  if (!s.ok()) {
+    release(*part);
+    return s;
+  }
+  // This rank's pieces: each parameter's intersection with [rank * shard, (rank + 1) * shard).
+  const std::size_t lo = rank * part->shard, hi = lo + part->shard;
+  std::vector<ParamSpec> pieces;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const std::size_t begin = std::max(lo, part->user_offsets[i]), end = std::min(hi, part->user_offsets[i] + params[i].n);
+    if (begin >= end) continue;
+    ParamSpec piece;
+    piece.n = end - begin;
+    piece.dtype = part->dtype;
+    piece.group = params[i].group;
+    piece.device_weights = static_cast<unsigned char*>(part->flat_weights) + begin * elem;
+    piece.device_grads = static_cast<unsigned char*>(part->shard_grads) + (begin - lo) * elem;
+    pieces.push_back(piece);
+  }
+  part->user = std::move(params);
+  Result<OffloadOptimizer> made = create(device, std::move(groups), std::move(pieces), options);
+  if (!made.ok()) {
+    release(*part);
+    return made.status();
+  }
+  made->impl_->partition = std::move(part);
+  return made;
+}
+
 OffloadOptimizer::OffloadOptimizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 OffloadOptimizer::OffloadOptimizer(OffloadOptimizer&&) noexcept = default;
 OffloadOptimizer& OffloadOptimizer::operator=(OffloadOptimizer&&) noexcept = default;
@@ -522,10 +728,12 @@ OffloadOptimizer::~OffloadOptimizer() = default;
 
 Status OffloadOptimizer::grad_ready(std::size_t param) {
   Impl& m = *impl_;
-  if (param >= m.params.size()) {
+  const std::size_t count = m.partition ? m.partition->user.size() : m.params.size();
+  if (param >= count) {
     return invalid_argument("grad_ready: parameter " + std::to_string(param) + " does not exist (" +
-                            std::to_string(m.params.size()) + " parameters)");
+                            std::to_string(count) + " parameters)");
   }
+  if (m.partition) return Status::success();  // sync: every gradient is taken at step()
   const bool warming_up = m.step_calls < m.options.delayed_warmup_steps;
   if (m.options.schedule == Schedule::overlap) return m.grad_ready_overlap(param);
   if (m.options.schedule == Schedule::delayed && !warming_up) return m.grad_ready_delayed(param);
@@ -540,6 +748,10 @@ Status OffloadOptimizer::step() {
     s = m.step_overlap();
   } else if (m.options.schedule == Schedule::delayed && m.step_calls >= m.options.delayed_warmup_steps) {
     s = m.step_delayed();
+  } else if (m.partition) {
+    s = m.partition_reduce_grads();
+    if (s.ok()) s = m.step_sync();
+    if (s.ok() && !m.last_skipped) s = m.partition_gather_weights();
   } else {
     s = m.step_sync();
   }
@@ -565,9 +777,10 @@ bool OffloadOptimizer::last_step_skipped() const { return impl_->last_skipped.lo
 const StepStats& OffloadOptimizer::stats() const { return impl_->stats_; }
 
 Status OffloadOptimizer::read_state(std::size_t param, float* master, float* exp_avg, float* exp_avg_sq) const {
-  const Impl& m = *impl_;
+  Impl& m = *impl_;
   if (param >= m.params.size()) return invalid_argument("read_state: parameter " + std::to_string(param) + " does not exist");
   const std::size_t off = m.offsets[param], n = m.params[param].n;
+  if (m.store) return m.store->read(off, n, master, exp_avg, exp_avg_sq);
   if (master) std::memcpy(master, m.master.as<float>() + off, n * 4);
   if (exp_avg) std::memcpy(exp_avg, m.exp_avg.as<float>() + off, n * 4);
   if (exp_avg_sq) std::memcpy(exp_avg_sq, m.exp_avg_sq.as<float>() + off, n * 4);

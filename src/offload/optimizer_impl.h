@@ -11,6 +11,8 @@
 #include "src/offload/loss_scaler.h"
 #include "src/offload/work_queue.h"
 #include "zoe/offload.h"
+#include "zoe/partition.h"
+#include "zoe/swap.h"
 
 namespace zoe {
 
@@ -31,6 +33,22 @@ struct OffloadOptimizer::Impl {
   std::int64_t step_calls = 0;
   StepStats stats_;
 
+  // ZeRO partitioning: this optimizer's `params` are this rank's pieces of the trainer's parameters, whose
+  // weights live in flat_weights and whose gradients arrive in shard_grads (device memory).
+  struct Partition {
+    Collectives* comm = nullptr;
+    std::vector<ParamSpec> user;           // the trainer's parameters
+    std::vector<std::size_t> user_offsets;  // their first elements in the flattened vector
+    DType dtype = DType::bf16;
+    std::size_t shard = 0;                  // elements per rank (the flattened vector padded to world x shard)
+    void* flat_grads = nullptr;
+    void* flat_weights = nullptr;
+    void* shard_grads = nullptr;
+  };
+  std::unique_ptr<Partition> partition;
+  Status partition_reduce_grads();    // before the step: every parameter's gradient, summed into the shard
+  Status partition_gather_weights();  // after it: the updated shards back into every parameter
+
   // A piece: elements [begin, begin + n) of one parameter, the unit the overlap schedule copies, steps and
   // sends (OffloadOptions::tile elements). Gradient statistics are kept per piece and summed in piece order
   // by every schedule, so all of them reach the same decision.
@@ -42,7 +60,8 @@ struct OffloadOptimizer::Impl {
 
   // Element offsets of each parameter in the flat fp32 arrays, and byte offsets in the staging.
   std::vector<std::size_t> offsets, grad_offsets, weight_offsets;
-  AlignedBuffer master, exp_avg, exp_avg_sq;
+  AlignedBuffer master, exp_avg, exp_avg_sq;  // tier ram
+  std::unique_ptr<SwapStore> store;          // tier nvme: p, m, v of the flattened parameters
   // Overlap speculation fails only when clipping or an fp16 overflow can change the step; only then is an
   // undo copy kept.
   bool speculation_can_fail = false;
@@ -87,18 +106,24 @@ struct OffloadOptimizer::Impl {
   Status finish_h2d();  // the compute stream (next forward) waits for the weights; so does the host
   Status adam_pieces(const std::vector<std::size_t>& which, float grad_scale, int set,
                      const std::vector<ParamGroup>& hyper);
+  // The whole step over every parameter: CpuAdam over RAM, or streamed through the swap store.
   Status adam_all(float grad_scale, int set, const std::vector<ParamGroup>& hyper);
+  Status open_store();
+  // tier nvme: [offset, offset + count) of the flattened p (which 0), m (1) or v (2) into dst.
+  Status read_flat(int which, std::size_t offset, std::size_t count, float* dst);
   void save_undo(const Piece& k);
   void restore_undo(const Piece& k);
   struct Decision {
     bool overflow;
     double grad_norm;
     float grad_scale;
+    Status error;  // partitioned: the ranks could not agree (the collective failed); nothing was decided
   };
   Decision decide(int set, float scale_used) const;
   void record_outcome(const Decision& d);
 
   Status step_sync();
+  Status finish_sync_step();  // every gradient is on its way down: decide, step, send the weights up
   Status grad_ready_overlap(std::size_t i);
   Status step_overlap();
   Status grad_ready_delayed(std::size_t i);

@@ -46,25 +46,37 @@ Status OffloadOptimizer::save(const std::string& path) {
   manifest["step"] = m.step_count.load();
   const LossScaler::State ls = m.scaler.state();
   manifest["loss_scale"] = {{"scale", ls.scale}, {"clean_steps", ls.clean_steps}, {"hysteresis_left", ls.hysteresis_left}};
-  manifest["partition"] = {{"rank", 0}, {"world", 1}};
+  manifest["partition"] = {{"rank", m.partition ? m.partition->comm->rank() : 0},
+                           {"world", m.partition ? m.partition->comm->world() : 1}};
   for (const ParamGroup& g : m.groups) manifest["groups"].push_back(hyper_json(g.hyper));
   for (const ParamSpec& p : m.params) {
     manifest["params"].push_back({{"n", p.n}, {"dtype", std::string(dtype_name(p.dtype))}, {"group", p.group}});
   }
+  manifest["tier"] = std::string(tier_name(m.options.tier));
   Result<CheckpointWriter> writer = CheckpointWriter::create(path);
   if (!writer.ok()) return writer.status();
   const std::size_t total = m.offsets.back();
-  const struct {
-    const char* name;
-    const void* data;
-    std::size_t bytes;
-  } blobs[] = {{"master", m.master.data(), total * 4},
-               {"exp_avg", m.exp_avg.data(), total * 4},
-               {"exp_avg_sq", m.exp_avg_sq.data(), total * 4},
-               {"weights16", m.weight_staging, m.weight_offsets.back()}};
-  for (const auto& b : blobs) {
-    if (Status s = writer->add(b.name, b.data, b.bytes); !s.ok()) return s;
+  const char* names[3] = {"master", "exp_avg", "exp_avg_sq"};
+  const AlignedBuffer* in_ram[3] = {&m.master, &m.exp_avg, &m.exp_avg_sq};
+  // Tier nvme streams the state out of the swap store a slice at a time.
+  AlignedBuffer slice;
+  if (m.store) {
+    Result<AlignedBuffer> b = AlignedBuffer::allocate(CheckpointWriter::kStreamSlice);
+    if (!b.ok()) return b.status();
+    slice = std::move(b).value();
   }
+  for (int k = 0; k < 3; ++k) {
+    const Status s = writer->add_streamed(names[k], total * 4, [&](std::size_t offset, std::size_t n, const void** out) {
+      if (!m.store) {
+        *out = in_ram[k]->as<unsigned char>() + offset;
+        return Status::success();
+      }
+      *out = slice.data();
+      return m.read_flat(k, offset / 4, n / 4, slice.as<float>());
+    });
+    if (!s.ok()) return s;
+  }
+  if (Status s = writer->add("weights16", m.weight_staging, m.weight_offsets.back()); !s.ok()) return s;
   return writer->commit(manifest.dump());
 }
 
@@ -87,6 +99,14 @@ Status OffloadOptimizer::load(const std::string& path) {
   if (!get(manifest, "version", version) || version > kManifestVersion) {
     return Status(StatusCode::unsupported, "checkpoint " + path + " has manifest version " + std::to_string(version) +
                                                "; this build reads up to " + std::to_string(kManifestVersion));
+  }
+  int rank = -1, world = -1;
+  const auto& partition = manifest.value("partition", nlohmann::json::object());
+  const int my_rank = m.partition ? m.partition->comm->rank() : 0;
+  const int my_world = m.partition ? m.partition->comm->world() : 1;
+  if (!get(partition, "rank", rank) || !get(partition, "world", world) || rank != my_rank || world != my_world) {
+    return refuse("it was written by rank " + std::to_string(rank) + " of " + std::to_string(world) +
+                  "; this optimizer is rank " + std::to_string(my_rank) + " of " + std::to_string(my_world));
   }
   const auto& params = manifest.value("params", nlohmann::json::array());
   const auto& groups = manifest.value("groups", nlohmann::json::array());
@@ -112,12 +132,6 @@ Status OffloadOptimizer::load(const std::string& path) {
                     " in group " + std::to_string(p.group) + " here");
     }
   }
-  int rank = -1, world = -1;
-  const auto& partition = manifest.value("partition", nlohmann::json::object());
-  if (!get(partition, "rank", rank) || !get(partition, "world", world) || rank != 0 || world != 1) {
-    return refuse("it was written by rank " + std::to_string(rank) + " of " + std::to_string(world) +
-                  "; this optimizer is rank 0 of 1");
-  }
   std::vector<ParamGroup> new_groups = m.groups;
   for (std::size_t g = 0; g < groups.size(); ++g) {
     AdamHyper& h = new_groups[g].hyper;
@@ -135,21 +149,42 @@ Status OffloadOptimizer::load(const std::string& path) {
     return Status(StatusCode::corrupt, "checkpoint " + path + ": step or loss-scale state is malformed");
   }
   const std::size_t total = m.offsets.back();
-  AlignedBuffer loaded[3];
   const char* names[3] = {"master", "exp_avg", "exp_avg_sq"};
-  for (int k = 0; k < 3; ++k) {
-    Result<AlignedBuffer> b = AlignedBuffer::allocate(total * 4);
-    if (!b.ok()) return b.status();
-    loaded[k] = std::move(b).value();
-    if (Status s = reader->read(names[k], loaded[k].data(), total * 4); !s.ok()) return s;
-  }
   Result<AlignedBuffer> weights = AlignedBuffer::allocate(m.weight_offsets.back());
   if (!weights.ok()) return weights.status();
   if (Status s = reader->read("weights16", weights->data(), m.weight_offsets.back()); !s.ok()) return s;
-
-  m.master = std::move(loaded[0]);
-  m.exp_avg = std::move(loaded[1]);
-  m.exp_avg_sq = std::move(loaded[2]);
+  if (m.store) {
+    // The state does not fit in RAM: verify every blob first, then stream it into the swap store.
+    for (const char* name : names) {
+      const Status s = reader->read_streamed(name, total * 4, CheckpointWriter::kStreamSlice,
+                                             [](std::size_t, const void*, std::size_t) { return Status::success(); });
+      if (!s.ok()) return s;
+    }
+    for (int k = 0; k < 3; ++k) {
+      const Status s = reader->read_streamed(names[k], total * 4, CheckpointWriter::kStreamSlice,
+                                             [&](std::size_t offset, const void* data, std::size_t n) {
+        const float* arrays[3] = {nullptr, nullptr, nullptr};
+        arrays[k] = static_cast<const float*>(data);
+        return m.store->write(offset / 4, n / 4, arrays[0], arrays[1], arrays[2]);
+      });
+      if (!s.ok()) {
+        return Status(s.code(), s.message() + " — while loading " + path + " into the swap store, whose state is now "
+                                "partly the checkpoint's: load again, or start afresh", s.sys_errno());
+      }
+    }
+    if (Status s = m.store->set_step(step); !s.ok()) return s;
+  } else {
+    AlignedBuffer loaded[3];
+    for (int k = 0; k < 3; ++k) {
+      Result<AlignedBuffer> b = AlignedBuffer::allocate(total * 4);
+      if (!b.ok()) return b.status();
+      loaded[k] = std::move(b).value();
+      if (Status s = reader->read(names[k], loaded[k].data(), total * 4); !s.ok()) return s;
+    }
+    m.master = std::move(loaded[0]);
+    m.exp_avg = std::move(loaded[1]);
+    m.exp_avg_sq = std::move(loaded[2]);
+  }
   if (m.weight_offsets.back() > 0) std::memcpy(m.weight_staging, weights->data(), m.weight_offsets.back());
   m.groups = std::move(new_groups);
   m.step_count = step;

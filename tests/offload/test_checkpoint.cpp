@@ -222,6 +222,50 @@ TEST_F(Checkpoint, FlippedBlobByteIsDetected) {
   EXPECT_EQ(got, b);
 }
 
+// Blobs larger than any one buffer: produced and consumed in slices, with the same checksums as whole ones.
+TEST_F(Checkpoint, StreamedBlobsRoundTripAndDamageIsReportedAfterTheLastSlice) {
+  const std::size_t bytes = 2 * CheckpointWriter::kStreamSlice + 12345;
+  const std::vector<char> data = pattern(bytes, 21);
+  {
+    Result<CheckpointWriter> w = CheckpointWriter::create(path_);
+    ASSERT_TRUE(w.ok()) << w.status().to_string();
+    std::vector<std::size_t> slices;
+    const Status s = w->add_streamed("big", bytes, [&](std::size_t offset, std::size_t n, const void** slice) {
+      slices.push_back(n);
+      *slice = data.data() + offset;
+      return Status::success();
+    });
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    EXPECT_EQ(slices.size(), 3u);
+    // A producer's failure fails the writer, which then refuses to commit a partial file.
+    const Status bad = w->add_streamed("fails", 10, [](std::size_t, std::size_t, const void**) {
+      return Status(StatusCode::io_error, "source went away");
+    });
+    EXPECT_EQ(bad.code(), StatusCode::io_error);
+    EXPECT_FALSE(w->commit("{}").ok());
+  }
+  EXPECT_FALSE(fs::exists(path_)) << "a failed writer leaves no file";
+
+  write("{}", {{"big", data}});
+  Result<CheckpointReader> r = CheckpointReader::open(path_);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  std::vector<char> got;
+  Status s = r->read_streamed("big", bytes, 1 << 20, [&](std::size_t offset, const void* slice, std::size_t n) {
+    EXPECT_EQ(offset, got.size());
+    got.insert(got.end(), static_cast<const char*>(slice), static_cast<const char*>(slice) + n);
+    return Status::success();
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(got, data);
+
+  flip_byte(64 + bytes - 1);  // the blob's last byte
+  r = CheckpointReader::open(path_);
+  ASSERT_TRUE(r.ok());
+  s = r->read_streamed("big", bytes, 1 << 20, [](std::size_t, const void*, std::size_t) { return Status::success(); });
+  EXPECT_EQ(s.code(), StatusCode::corrupt);
+  expect_message(s, {"'big'", "checksum"});
+}
+
 TEST_F(Checkpoint, FlippedIndexByteIsDetected) {
   write(R"({"step": 1})", {{"a", pattern(100, 11)}});
   const std::size_t size = file_bytes().size();

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "src/offload/config.h"
+#include "zoe/config.h"
 
 namespace zoe {
 namespace {

@@ -1,0 +1,29 @@
+// DeepSpeed-compatible JSON configuration: reads the keys of a DeepSpeed config that mean something to zoe
+// (optimizer, gradient_clipping, fp16/bf16, zero_optimization.offload_optimizer, aio) plus zoe's own "zoe"
+// section, and turns them into OffloadOptions and AdamHyper. Keys zoe has no use for are reported in
+// `notes`, never dropped silently; invalid values are errors naming the key and the file.
+// README.md "DeepSpeed config" lists the mapping and where zoe's defaults differ from DeepSpeed's.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "zoe/adam.h"
+#include "zoe/offload.h"
+#include "zoe/status.h"
+
+namespace zoe {
+
+struct LoadedConfig {
+  OffloadOptions options;
+  AdamHyper hyper;
+  // One line per key that was ignored or read differently from DeepSpeed, naming the key, the file and why.
+  std::vector<std::string> notes;
+};
+
+// `source` names the text in messages (a file name, or something like "<string>").
+Result<LoadedConfig> parse_config(std::string_view json_text, std::string_view source);
+Result<LoadedConfig> load_config_file(const std::string& path);
+
+}  // namespace zoe

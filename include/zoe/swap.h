@@ -1,0 +1,176 @@
+// The NVMe tier's swap store: fp32 master weights p and Adam moments m, v of a flattened range of n elements,
+// kept in preallocated swap files under one or more paths and streamed through a few RAM buffers by a
+// pipelined optimizer step (read tile i+1 while Adam runs on tile i while tile i-1 is written back).
+//
+// Layout and safety (the why is in aio/swap_store.cpp):
+//  - The range is cut into tiles of `tile` elements; tile t lives on path t % P, so P paths on P disks give
+//    P times the bandwidth. Each path holds one data file `<name>.zoe-swap` (0600), preallocated.
+//  - Every tile has two slots. A step reads the tile's current slot and writes the other one; the tile's
+//    entry in the tile table (step, slot, CRC-32C of p, m and v) flips only after that write completed, so
+//    the only valid copy of a tile is never overwritten. The table is persisted atomically after each call.
+//  - Every read is checked against the table's checksums: a swap file truncated or altered between steps is
+//    refused, naming the file and the tile, and never used.
+//  - A manifest `<name>.zoe-swap.json` (versioned) in every path describes the layout, so the next run
+//    opens the store or refuses it with the reason.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "zoe/adam.h"
+#include "zoe/dtype.h"
+#include "zoe/offload.h"
+#include "zoe/status.h"
+
+namespace zoe {
+
+// ---- Fault injection (tests). The I/O layer asks the hook at each site; a non-zero error makes the
+// operation fail with that errno as if the OS had said so; for read/write the hook runs when the request
+// completes (the transfer really happened), so a reported failure leaves bytes on disk that must not be
+// trusted — exactly what a real failed write can leave.
+enum class IoOp : std::uint8_t { open, allocate, read, write, sync };
+std::string_view io_op_name(IoOp op);
+
+struct IoSite {
+  IoOp op = IoOp::read;
+  std::string_view path;
+  std::uint64_t offset = 0;  // read/write: file offset of the request
+  std::uint64_t bytes = 0;   // read/write: request length; allocate: file size asked
+  std::uint64_t index = 0;   // read/write: 0-based count of earlier requests of this op in this store
+  bool direct = false;       // open: whether O_DIRECT is being asked for
+};
+
+struct IoFault {
+  int error = 0;                   // errno to report (EIO, ENOSPC, EROFS, EINVAL, ...); 0: no error
+  std::int64_t transferred = -1;   // read/write without error: report this many bytes (short transfer); -1: real
+};
+
+using IoFaultHook = std::function<IoFault(const IoSite&)>;
+
+struct SwapOptions {
+  std::vector<std::string> paths;      // DeepSpeed: offload_optimizer.nvme_path (one or a list)
+  int buffer_count = 4;                // DeepSpeed: offload_optimizer.buffer_count; tiles held in RAM (>= 2)
+  std::size_t block_size = 1 << 20;    // DeepSpeed: aio.block_size; bytes per I/O request
+  int queue_depth = 8;                 // DeepSpeed: aio.queue_depth; requests in flight at once
+  std::size_t alignment = 0;           // O_DIRECT block: 0 = 4096, or more where a filesystem asks for more
+  bool durable = true;                 // fdatasync the swap files before each table update (crash safety)
+  CpuAdam* adam = nullptr;             // the Adam engine to use (not owned); null: the store makes its own
+  CpuAdamOptions cpu;                  // for the store's own engine when `adam` is null
+  IoFaultHook fault_hook;              // tests only
+
+  static SwapOptions from(const NvmeOptions& nvme);
+};
+
+// One run of the flattened range stepped with one set of hyper-parameters. Gradients in host memory;
+// `out`, when not null, receives the updated weights as f16/bf16 (the copy the device receives).
+struct SwapSegment {
+  std::size_t offset = 0;  // first element, in the store's range
+  std::size_t n = 0;
+  const AdamHyper* hyper = nullptr;
+  const void* grad = nullptr;
+  DType grad_dtype = DType::f32;
+  void* out = nullptr;
+  DType out_dtype = DType::bf16;
+};
+
+// What the last call that streamed tiles (initialize, step, read, write) did. read_s / write_s are wall
+// seconds during which at least one read / write was in flight, so they overlap each other and adam_s.
+struct SwapStats {
+  std::uint64_t read_bytes = 0, write_bytes = 0;
+  double read_s = 0, write_s = 0;
+  double adam_s = 0;      // CpuAdam (and f16/bf16 copy-out)
+  double crc_s = 0;       // verifying what was read and checksumming what is written
+  double wait_s = 0;      // the compute thread waiting for a read or a free buffer: the step is I/O-bound there
+  double sync_s = 0;      // fdatasync and the tile table update
+  double total_s = 0;     // the whole call
+  std::size_t tiles_stepped = 0;   // tiles this call moved to the new step
+  std::size_t tiles_skipped = 0;   // tiles already at the step (a retried call): only their `out` was refilled
+};
+
+// A contiguous run of tiles sharing a step number, for reporting which state is valid.
+struct TileRun {
+  std::size_t first_tile = 0, tiles = 0;
+  std::size_t offset = 0, n = 0;  // the elements they hold
+  std::int64_t step = 0;          // -1: never written (initialize() not run or not finished)
+};
+
+// Not thread-safe: one call at a time. Move-only.
+class SwapStore {
+ public:
+  // A new store of n elements in tiles of `tile` elements (a multiple of alignment / 4). Refuses if a
+  // store of that name exists under a path (open() it or remove() it). Files are preallocated: a path
+  // without room fails here (ENOSPC, naming path and bytes), not in the middle of a step.
+  static Result<SwapStore> create(const SwapOptions& options, const std::string& name, std::size_t n,
+                                  std::size_t tile);
+  // The store a previous run left: refuses, with the reason, a different n, tile, path list or format
+  // version, a missing or resized swap file, or a tile table that fails its checksum.
+  static Result<SwapStore> open(const SwapOptions& options, const std::string& name, std::size_t n,
+                                std::size_t tile);
+  // open() when the manifest exists, else create().
+  static Result<SwapStore> open_or_create(const SwapOptions& options, const std::string& name, std::size_t n,
+                                          std::size_t tile);
+  // Deletes the store's files under every path (missing files are not an error).
+  static Status remove(const SwapOptions& options, const std::string& name);
+
+  SwapStore(SwapStore&&) noexcept;
+  SwapStore& operator=(SwapStore&&) noexcept;
+  ~SwapStore();
+
+  // Writes every tile: p from fill(offset, count, p) (count <= tile; p is 4 KiB-aligned), m = v = 0, and
+  // sets every tile to `step` (0 for a fresh model). Nothing of the model needs to be in RAM at once.
+  Status initialize(const std::function<Status(std::size_t offset, std::size_t count, float* p)>& fill,
+                    std::int64_t step = 0);
+
+  // One pipelined Adam step over the segments (sorted by offset, not overlapping, inside [0, n)). Tiles no
+  // segment touches are not read or written; elements of a touched tile outside every segment keep their
+  // values. A tile must be touched by at most one call per step number: split a step across calls on tile
+  // boundaries. Each touched tile must be at step options.step - 1 (or older: parameters that were frozen)
+  // and moves to options.step. A tile already at options.step is a retry of a failed call: it is not
+  // stepped again, but its `out` copy is refilled from the stored weights — so calling step() again with
+  // the same gradients after a failure completes exactly the missing tiles and gives the result of an
+  // uninterrupted run. On failure the Status says which tiles are at which step (also: tile_runs()).
+  Status step(std::span<const SwapSegment> segments, const StepOptions& options);
+
+  // Copies [offset, offset + count) out of (read) or into (write) the store; a null array is skipped
+  // (write: kept as stored). write() keeps each tile's step number; use set_step() after loading a
+  // checkpoint. Both verify what they read; write() never overwrites a tile's only valid copy.
+  Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v);
+  Status write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v);
+  // Labels every tile with `step` (after a checkpoint load). Refuses while any tile was never written.
+  Status set_step(std::int64_t step);
+
+  std::size_t n() const;
+  std::size_t tile() const;
+  std::size_t tiles() const;
+  std::size_t alignment() const;
+  const std::string& name() const;
+  const std::vector<std::string>& paths() const;
+  std::vector<std::string> files() const;   // the swap data files, by path
+  bool direct_io() const;                   // false when some path refused O_DIRECT (buffered I/O)
+  std::int64_t tile_step(std::size_t tile) const;
+  std::vector<TileRun> tile_runs() const;
+  std::string describe_state() const;       // "tiles [0, 12) (elements [0, 12582912)) at step 4; ..."
+  const SwapStats& last_stats() const;
+  // Bytes of RAM the store holds for its buffers (buffer_count x tile x 12, rounded to the alignment).
+  std::size_t buffer_bytes() const;
+
+  // The raw I/O ceiling: reads every tile's current slot and writes every tile's other slot, with the
+  // store's files, request size and queue depth, moving no data through Adam and changing no valid state
+  // (the other slot is never the valid copy between calls). Returns {read_s, write_s}; write_s includes the
+  // fdatasync a durable step pays too. For benchmarks.
+  Result<std::pair<double, double>> raw_io_pass();
+
+  struct Impl;  // opaque; defined in aio/ (named here so the library's internal helpers can take it)
+
+ private:
+  explicit SwapStore(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace zoe

@@ -1,0 +1,257 @@
+// zoe bench nvme: optimizer steps with p, m, v streamed from swap files, against raw O_DIRECT I/O of the same
+// bytes (same files, request size and queue depth) measured alternately in the same run (BENCHMARKING.md).
+#include <sys/resource.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "src/cli/args.h"
+#include "src/cli/bench_stats.h"
+#include "src/cli/commands.h"
+#include "zoe/swap.h"
+
+namespace zoe::cli {
+namespace {
+
+struct Config {
+  std::vector<std::string> paths;
+  std::uint64_t n = 0, tile = 0, chunk = 0;
+  int buffers = 0, queue_depth = 0, reps = 0;
+  std::size_t block = 0;
+  DType grad = DType::bf16;
+  bool has_out = true;
+  DType out = DType::bf16;
+  bool json = false, keep = false, durable = true;
+};
+
+std::uint64_t peak_rss_bytes() {
+  struct rusage ru{};
+  ::getrusage(RUSAGE_SELF, &ru);
+  return static_cast<std::uint64_t>(ru.ru_maxrss) * 1024;  // Linux reports KiB
+}
+
+struct Measured {
+  TimeSummary step, raw_read, raw_write, io_bound;
+  SwapStats last;  // of the median-time step
+  std::uint64_t moved = 0;  // bytes one step reads (and writes)
+  bool direct = false;
+  std::size_t tiles = 0;
+};
+
+// One step as the trainer would issue it: the range in calls of `chunk` elements (tile-aligned), each with
+// its gradients in a reused host buffer, so that host RAM does not grow with n.
+Status one_step(SwapStore& store, const Config& cfg, std::int64_t step, std::vector<std::uint16_t>& grads,
+                std::vector<float>& grads32, std::vector<std::uint16_t>& out, SwapStats& sum) {
+  AdamHyper hyper;
+  hyper.weight_decay = 0.01f;
+  StepOptions options;
+  options.step = step;
+  sum = {};
+  for (std::uint64_t off = 0; off < cfg.n; off += cfg.chunk) {
+    SwapSegment seg;
+    seg.offset = off;
+    seg.n = std::min(cfg.chunk, cfg.n - off);
+    seg.hyper = &hyper;
+    seg.grad = cfg.grad == DType::f32 ? static_cast<const void*>(grads32.data()) : grads.data();
+    seg.grad_dtype = cfg.grad;
+    seg.out = cfg.has_out ? out.data() : nullptr;
+    seg.out_dtype = cfg.out;
+    if (Status s = store.step(std::span<const SwapSegment>(&seg, 1), options); !s.ok()) return s;
+    const SwapStats& st = store.last_stats();
+    sum.read_bytes += st.read_bytes;
+    sum.write_bytes += st.write_bytes;
+    sum.read_s += st.read_s;
+    sum.write_s += st.write_s;
+    sum.adam_s += st.adam_s;
+    sum.crc_s += st.crc_s;
+    sum.wait_s += st.wait_s;
+    sum.sync_s += st.sync_s;
+    sum.total_s += st.total_s;
+    sum.tiles_stepped += st.tiles_stepped;
+  }
+  return Status::success();
+}
+
+Result<Measured> measure(const Config& cfg) {
+  SwapOptions o;
+  o.paths = cfg.paths;
+  o.buffer_count = cfg.buffers;
+  o.queue_depth = cfg.queue_depth;
+  o.block_size = cfg.block;
+  o.durable = cfg.durable;
+  const std::string name = "zoe-bench-nvme";
+  (void)SwapStore::remove(o, name);  // a store left by an interrupted run
+  Result<SwapStore> made = SwapStore::create(o, name, cfg.n, cfg.tile);
+  if (!made.ok()) return made.status();
+  SwapStore& store = made.value();
+  struct Cleanup {
+    const SwapOptions& o;
+    const std::string& name;
+    bool keep;
+    ~Cleanup() {
+      if (!keep) (void)SwapStore::remove(o, name);
+    }
+  } cleanup{o, name, cfg.keep};
+
+  Status s = store.initialize([](std::size_t offset, std::size_t count, float* p) {
+    for (std::size_t i = 0; i < count; ++i) p[i] = static_cast<float>((offset + i) % 1000) * 1e-3f - 0.5f;
+    return Status::success();
+  });
+  if (!s.ok()) return s;
+  std::vector<std::uint16_t> grads(cfg.grad == DType::f32 ? 0 : cfg.chunk), out(cfg.has_out ? cfg.chunk : 0);
+  std::vector<float> grads32(cfg.grad == DType::f32 ? cfg.chunk : 0);
+  for (std::size_t i = 0; i < cfg.chunk; ++i) {
+    const float g = static_cast<float>(static_cast<int>(i % 2001) - 1000) * 1e-5f;
+    if (cfg.grad == DType::f32) grads32[i] = g;
+    else grads[i] = cfg.grad == DType::f16 ? float_to_f16(g) : float_to_bf16(g);
+  }
+  Measured m;
+  m.direct = store.direct_io();
+  m.tiles = store.tiles();
+  SwapStats st;
+  // Warm-up: after initialize and one step both slots of every tile hold written data, so neither the raw
+  // pass nor the step meets unwritten extents (which read as zeros without touching the disk).
+  if (s = one_step(store, cfg, 1, grads, grads32, out, st); !s.ok()) return s;
+  std::vector<double> step_s, read_s, write_s, bound_s;
+  std::vector<SwapStats> stats;
+  for (int r = 0; r < cfg.reps; ++r) {
+    Result<std::pair<double, double>> raw = store.raw_io_pass();
+    if (!raw.ok()) return raw.status();
+    read_s.push_back(raw->first);
+    write_s.push_back(raw->second);
+    bound_s.push_back(raw->first + raw->second);
+    if (s = one_step(store, cfg, 2 + r, grads, grads32, out, st); !s.ok()) return s;
+    step_s.push_back(st.total_s);
+    stats.push_back(st);
+    m.moved = st.read_bytes;
+  }
+  m.step = summarize(step_s);
+  m.raw_read = summarize(read_s);
+  m.raw_write = summarize(write_s);
+  m.io_bound = summarize(bound_s);
+  for (const SwapStats& x : stats) {
+    if (x.total_s == m.step.median) m.last = x;
+  }
+  if (m.last.total_s == 0 && !stats.empty()) m.last = stats.back();
+  return m;
+}
+
+}  // namespace
+
+int bench_nvme(std::span<char* const> args) {
+  std::string path_text, n_text = "256M", tile_text = "12M", buffers_text = "4", qd_text = "8", block_text = "1M",
+              reps_text = "3", chunk_text, grad_text = "bf16", out_text = "bf16";
+  bool json = false, keep = false, help = false, no_sync = false;
+  const Option options[] = {
+      {"path", &path_text, nullptr, "swap folder (a comma list stripes over several); required"},
+      {"n", &n_text, nullptr, "parameters (K, M, G suffixes are powers of 1024)"},
+      {"tile", &tile_text, nullptr, "bytes of p, m and v per tile (12 per parameter; rounded down to whole 4 KiB blocks)"},
+      {"buffers", &buffers_text, nullptr, "tiles in RAM at once (DeepSpeed buffer_count)"},
+      {"queue-depth", &qd_text, nullptr, "I/O requests in flight (DeepSpeed aio.queue_depth)"},
+      {"block-size", &block_text, nullptr, "bytes per I/O request (DeepSpeed aio.block_size)"},
+      {"reps", &reps_text, nullptr, "timed repetitions of raw pass + step"},
+      {"chunk", &chunk_text, nullptr, "parameters per step() call, gradients reused (default: n, one call)"},
+      {"grad", &grad_text, nullptr, "gradient dtype: f32, f16, bf16"},
+      {"out", &out_text, nullptr, "weight-copy dtype: none, f16, bf16"},
+      {"keep", nullptr, &keep, "leave the swap files in place"},
+      {"no-sync", nullptr, &no_sync, "skip fdatasync in the step and the raw pass (not crash-safe; to see its cost)"},
+      {"json", nullptr, &json, "one JSON object on stdout, nothing else"},
+      {"help", nullptr, &help, "this help"},
+  };
+  auto fail = [](const Status& st) {
+    std::fprintf(stderr, "zoe bench nvme: %s\n", st.to_string().c_str());
+    return 1;
+  };
+  if (Status s = parse_options(args, options); !s.ok()) {
+    std::fprintf(stderr, "zoe bench nvme: %s\n", s.message().c_str());
+    return 2;
+  }
+  if (help) {
+    std::printf("usage: zoe bench nvme --path DIR [options]\n\n%s", options_help(options).c_str());
+    std::printf("\nEach repetition reads every tile's p, m, v and writes them back raw (no compute), then runs one\n"
+                "pipelined Adam step over the same files. io_bound_s = raw read s + raw write s; ratio = io_bound_s /\n"
+                "step_s (1.0: the step runs at the speed of the disks).\n");
+    return 0;
+  }
+  if (path_text.empty()) return fail(invalid_argument("--path DIR is required"));
+  Config cfg;
+  cfg.paths = split_list(path_text);
+  cfg.json = json;
+  cfg.keep = keep;
+  cfg.durable = !no_sync;
+  Result<std::uint64_t> n = parse_count(n_text, "--n"), tile = parse_count(tile_text, "--tile"),
+                        buffers = parse_count(buffers_text, "--buffers"), qd = parse_count(qd_text, "--queue-depth"),
+                        block = parse_count(block_text, "--block-size"), reps = parse_count(reps_text, "--reps");
+  for (const Status& s : {n.status(), tile.status(), buffers.status(), qd.status(), block.status(), reps.status()}) {
+    if (!s.ok()) return fail(s);
+  }
+  cfg.n = n.value();
+  cfg.tile = tile.value() / 12 / 1024 * 1024;
+  if (cfg.tile == 0) return fail(invalid_argument("--tile " + tile_text + " is below 12 KiB (one 4 KiB block per array)"));
+  cfg.buffers = static_cast<int>(buffers.value());
+  cfg.queue_depth = static_cast<int>(qd.value());
+  cfg.block = block.value();
+  cfg.reps = static_cast<int>(std::max<std::uint64_t>(reps.value(), 1));
+  cfg.chunk = cfg.n;
+  if (!chunk_text.empty()) {
+    Result<std::uint64_t> c = parse_count(chunk_text, "--chunk");
+    if (!c.ok()) return fail(c.status());
+    cfg.chunk = std::max<std::uint64_t>(c.value() / cfg.tile, 1) * cfg.tile;  // whole tiles per call
+  }
+  const auto g = parse_dtype(grad_text);
+  if (!g) return fail(invalid_argument("--grad " + grad_text + " is not f32, f16 or bf16"));
+  cfg.grad = *g;
+  cfg.has_out = out_text != "none";
+  if (out_text != "none" && out_text != "f16" && out_text != "bf16") {
+    return fail(invalid_argument("--out " + out_text + " is not none, f16 or bf16"));
+  }
+  cfg.out = out_text == "f16" ? DType::f16 : DType::bf16;
+
+  Result<Measured> m = measure(cfg);
+  if (!m.ok()) return fail(m.status());
+  const double moved = static_cast<double>(m->moved);
+  const double read_gbps = moved / m->raw_read.median / 1e9, write_gbps = moved / m->raw_write.median / 1e9;
+  const double ratio = m->io_bound.median / m->step.median;
+  const std::uint64_t state_bytes = cfg.n * 12;
+  const std::uint64_t rss = peak_rss_bytes();
+  std::string paths;
+  for (const auto& p : cfg.paths) paths += (paths.empty() ? "" : ",") + p;
+  if (cfg.json) {
+    JsonLine line;
+    line.add("bench", "nvme").add("n", cfg.n).add("state_bytes", state_bytes).add("raw_read_gbps", read_gbps)
+        .add("raw_write_gbps", write_gbps).add("io_bound_s", m->io_bound.median).add("step_s", m->step.median)
+        .add("ratio", ratio).add("peak_rss_bytes", rss).add("direct_io", m->direct)
+        .add("paths", paths).add("tile", static_cast<std::uint64_t>(cfg.tile)).add("tiles", static_cast<std::uint64_t>(m->tiles))
+        .add("buffers", cfg.buffers).add("queue_depth", cfg.queue_depth).add("block_size", static_cast<std::uint64_t>(cfg.block))
+        .add("chunk", cfg.chunk).add("grad", dtype_name(cfg.grad)).add("out", cfg.has_out ? dtype_name(cfg.out) : "none")
+        .add("reps", cfg.reps).add("bytes_moved_each_way", m->moved)
+        .add("step_min_s", m->step.min).add("step_max_s", m->step.max)
+        .add("raw_read_s", m->raw_read.median).add("raw_write_s", m->raw_write.median)
+        .add("step_read_busy_s", m->last.read_s).add("step_write_busy_s", m->last.write_s)
+        .add("step_adam_s", m->last.adam_s).add("step_crc_s", m->last.crc_s).add("step_wait_s", m->last.wait_s)
+        .add("step_sync_s", m->last.sync_s).add("durable", cfg.durable);
+    std::printf("%s\n", line.str().c_str());
+  } else {
+    std::printf("zoe bench nvme: %llu parameters, %.2f GiB of p, m, v under %s (direct I/O: %s)\n",
+                static_cast<unsigned long long>(cfg.n), static_cast<double>(state_bytes) / (1ull << 30), paths.c_str(),
+                m->direct ? "yes" : "NO, buffered");
+    std::printf("tile %llu params (%.1f MiB), %d buffers, queue depth %d, %zu KiB requests, %d reps (median [min, max])\n",
+                static_cast<unsigned long long>(cfg.tile), static_cast<double>(cfg.tile) * 12 / (1 << 20), cfg.buffers,
+                cfg.queue_depth, cfg.block / 1024, cfg.reps);
+    std::printf("  raw read         %8.3f s  [%.3f, %.3f]  %6.2f GB/s\n", m->raw_read.median, m->raw_read.min,
+                m->raw_read.max, read_gbps);
+    std::printf("  raw write        %8.3f s  [%.3f, %.3f]  %6.2f GB/s\n", m->raw_write.median, m->raw_write.min,
+                m->raw_write.max, write_gbps);
+    std::printf("  raw I/O bound    %8.3f s  (read + write)\n", m->io_bound.median);
+    std::printf("  step             %8.3f s  [%.3f, %.3f]\n", m->step.median, m->step.min, m->step.max);
+    std::printf("    of which: reads in flight %.3f s, writes in flight %.3f s, Adam %.3f s, CRC %.3f s, waiting on I/O "
+                "%.3f s, fdatasync+table %.3f s\n",
+                m->last.read_s, m->last.write_s, m->last.adam_s, m->last.crc_s, m->last.wait_s, m->last.sync_s);
+    std::printf("  ratio            %8.3f  (raw I/O bound / step; 1.0 = the step runs at disk speed)\n", ratio);
+    std::printf("  peak RSS         %8.1f MiB\n", static_cast<double>(rss) / (1 << 20));
+  }
+  return 0;
+}
+
+}  // namespace zoe::cli

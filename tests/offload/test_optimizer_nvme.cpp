@@ -1,0 +1,108 @@
+// OffloadOptimizer with tier nvme: p, m and v in a swap store instead of RAM. Every schedule must give the
+// bits of tier ram's sync schedule, save/load must cross tiers, and bad configurations are refused.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "tests/offload/trainer.h"
+
+namespace zoe {
+namespace {
+
+namespace fs = std::filesystem;
+
+class NvmeTier : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // Where /tmp is tmpfs the store falls back to buffered I/O (with a warning): the results are the same.
+    dir_ = fs::path(::testing::TempDir()) / ("zoe_nvme_tier_" + std::to_string(::getpid()));
+    fs::create_directories(dir_ / "a");
+    fs::create_directories(dir_ / "b");
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  OffloadOptions nvme(OffloadOptions o, int paths = 1) const {
+    o.tier = Tier::nvme;
+    o.nvme.paths = {(dir_ / "a").string()};
+    if (paths > 1) o.nvme.paths.push_back((dir_ / "b").string());
+    o.nvme.buffer_count = 3;
+    return o;
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(NvmeTier, EveryScheduleEqualsRamSyncBitwise) {
+  OffloadOptions o;
+  o.loss_scale.enabled = true;
+  o.loss_scale.initial_scale = 1024;
+  o.loss_scale.hysteresis = 1;
+  o.max_grad_norm = 0.1f;
+  const test::GradFn grads = test::random_grads(1e-2, {5});
+  const test::RunResult ram = test::train(Schedule::sync, DType::f16, o, 12, grads);
+  EXPECT_EQ(ram.stats.skipped, 1);
+  for (Schedule schedule : {Schedule::sync, Schedule::overlap}) {
+    SCOPED_TRACE(std::string(schedule_name(schedule)));
+    const test::RunResult on_disk = test::train(schedule, DType::f16, nvme(o, 2), 12, grads);
+    test::expect_bitwise_equal(ram, on_disk);
+    EXPECT_GT(on_disk.stats.nvme_read_bytes, 0u);
+    EXPECT_GT(on_disk.stats.nvme_write_bytes, 0u);
+  }
+  // delayed against delayed: the schedule's own staleness, same bits from either tier.
+  const test::RunResult ram_delayed = test::train(Schedule::delayed, DType::bf16, o, 12, grads, 3);
+  const test::RunResult nvme_delayed = test::train(Schedule::delayed, DType::bf16, nvme(o), 12, grads, 3);
+  test::expect_bitwise_equal(ram_delayed, nvme_delayed);
+}
+
+TEST_F(NvmeTier, SaveLoadCrossesTiers) {
+  OffloadOptions o;
+  o.max_grad_norm = 0.5f;
+  const test::GradFn grads = test::random_grads(1e-2);
+  const test::RunResult whole = test::train(Schedule::sync, DType::bf16, o, 10, grads);
+  const std::string path = (dir_ / "state.zoeckpt").string();
+  for (bool save_from_nvme : {true, false}) {
+    SCOPED_TRACE(save_from_nvme ? "nvme -> ram" : "ram -> nvme");
+    {
+      test::Trainer first(Schedule::sync, DType::bf16, save_from_nvme ? nvme(o) : o);
+      first.run(1, 5, grads);
+      const Status saved = first.opt().save(path);
+      ASSERT_TRUE(saved.ok()) << saved.to_string();
+    }
+    test::Trainer second(Schedule::sync, DType::bf16, save_from_nvme ? o : nvme(o));
+    const Status loaded = second.opt().load(path);
+    ASSERT_TRUE(loaded.ok()) << loaded.to_string();
+    second.run(6, 10, grads);
+    const test::RunResult resumed = second.result();
+    EXPECT_EQ(std::memcmp(whole.state.data(), resumed.state.data(), whole.state.size() * 4), 0);
+    EXPECT_EQ(whole.device_weights, resumed.device_weights);
+  }
+}
+
+TEST_F(NvmeTier, BadConfigurationsAreRefusedNamingWhat) {
+  std::unique_ptr<Device> device = make_host_device();
+  test::DeviceParams f32_model(*device, DType::f32, {100}, 1);
+  Result<OffloadOptimizer> f32 = OffloadOptimizer::create(*device, {ParamGroup{}}, f32_model.specs, nvme({}));
+  ASSERT_FALSE(f32.ok());
+  EXPECT_NE(f32.status().message().find("f32"), std::string::npos) << f32.status().to_string();
+
+  test::DeviceParams model(*device, DType::bf16, {100}, 1);
+  OffloadOptions no_paths = nvme({});
+  no_paths.nvme.paths.clear();
+  EXPECT_EQ(OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs, no_paths).status().code(),
+            StatusCode::invalid_argument);
+
+  OffloadOptions missing = nvme({});
+  missing.nvme.paths = {(dir_ / "does-not-exist").string()};
+  Result<OffloadOptimizer> m = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs, missing);
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("does-not-exist"), std::string::npos) << m.status().to_string();
+}
+
+}  // namespace
+}  // namespace zoe

@@ -1,0 +1,191 @@
+// A trainer for OffloadOptimizer tests on the host stand-in device: parameters in its memory, gradients
+// written per iteration, iterations issued as a trainer issues them, and the resulting state.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tests/reference.h"
+#include "zoe/offload.h"
+#include "zoe/partition.h"
+
+namespace zoe::test {
+
+
+// Parameters of assorted sizes living in a host stand-in device's memory.
+class DeviceParams {
+ public:
+  DeviceParams(Device& device, DType dtype, const std::vector<std::size_t>& sizes, std::uint64_t seed)
+      : device_(device), dtype_(dtype) {
+    Random rng(seed);
+    for (std::size_t n : sizes) {
+      ParamSpec p;
+      p.n = n;
+      p.dtype = dtype;
+      p.device_weights = device.allocate(n * dtype_size(dtype) + 1).value();
+      p.device_grads = device.allocate(n * dtype_size(dtype) + 1).value();
+      for (std::size_t i = 0; i < n; ++i) set(p.device_weights, i, static_cast<float>(rng.uniform(-1, 1)));
+      specs.push_back(p);
+    }
+  }
+  ~DeviceParams() {
+    for (const ParamSpec& p : specs) {
+      device_.free(p.device_weights);
+      device_.free(const_cast<void*>(p.device_grads));
+    }
+  }
+
+  void set(void* base, std::size_t i, float x) const {
+    if (dtype_ == DType::f32) {
+      static_cast<float*>(base)[i] = x;
+    } else {
+      static_cast<std::uint16_t*>(base)[i] = dtype_ == DType::f16 ? float_to_f16(x) : float_to_bf16(x);
+    }
+  }
+  float get(const void* base, std::size_t i) const {
+    if (dtype_ == DType::f32) return static_cast<const float*>(base)[i];
+    const std::uint16_t h = static_cast<const std::uint16_t*>(base)[i];
+    return dtype_ == DType::f16 ? f16_to_float(h) : bf16_to_float(h);
+  }
+  std::vector<unsigned char> weights() const {
+    std::vector<unsigned char> out;
+    for (const ParamSpec& p : specs) {
+      const auto* b = static_cast<const unsigned char*>(p.device_weights);
+      out.insert(out.end(), b, b + p.n * dtype_size(dtype_));
+    }
+    return out;
+  }
+
+  std::vector<ParamSpec> specs;
+
+ private:
+  Device& device_;
+  DType dtype_;
+};
+
+struct RunResult {
+  std::vector<float> state;  // master, m, v of every parameter
+  std::vector<unsigned char> device_weights;
+  StepStats stats;
+  std::vector<float> scales;  // loss scale seen by each iteration
+  std::int64_t steps = 0;
+};
+
+// Writes iteration t's gradients: deterministic, times the loss scale the trainer used; `poison` makes one
+// value infinite (an fp16 overflow).
+using GradFn = std::function<void(DeviceParams&, int t, float scale)>;
+
+inline GradFn random_grads(double magnitude, std::vector<int> overflow_at = {}) {
+  return [magnitude, overflow_at](DeviceParams& model, int t, float scale) {
+    Random rng(1000 + t);
+    for (const ParamSpec& p : model.specs) {
+      for (std::size_t i = 0; i < p.n; ++i) {
+        model.set(const_cast<void*>(p.device_grads), i, static_cast<float>(rng.uniform(-magnitude, magnitude) * scale));
+      }
+    }
+    for (int at : overflow_at) {
+      if (at == t) model.set(const_cast<void*>(model.specs[1].device_grads), 3, INFINITY);
+    }
+  };
+}
+
+// A trainer on its own host device: the model, the optimizer, and iterations as a trainer issues them.
+class Trainer {
+ public:
+  // With `group`, this trainer is rank `rank` of a partitioned optimizer (in-process collectives).
+  Trainer(Schedule schedule, DType dtype, const OffloadOptions& base, int warmup = 0,
+          std::vector<std::size_t> sizes = {1000, 37, 4096, 1}, std::shared_ptr<HostGroup> group = nullptr,
+          int rank = 0)
+      : device_(make_host_device()), model_(*device_, dtype, sizes, 42) {
+    if (group) {
+      Result<std::unique_ptr<Collectives>> joined = make_host_collectives(group, *device_, rank);
+      EXPECT_TRUE(joined.ok()) << joined.status().to_string();
+      if (joined.ok()) collectives_ = std::move(joined).value();
+    }
+    OffloadOptions o = base;
+    o.schedule = schedule;
+    o.delayed_warmup_steps = warmup;
+    o.cpu.threads = 2;
+    o.cpu.tile = 512;  // several tiles per parameter
+    o.tile = 700;      // several pieces per parameter in the overlap schedule, one with a short last piece
+    std::vector<ParamGroup> groups(2);
+    groups[0].hyper.lr = 1e-2f;
+    groups[0].hyper.weight_decay = 0.01f;
+    groups[1].hyper.lr = 5e-3f;
+    groups[1].hyper.adamw = false;
+    groups[1].hyper.weight_decay = 0.1f;
+    if (model_.specs.size() > 2) model_.specs[2].group = 1;
+    Result<OffloadOptimizer> made = OffloadOptimizer::create(*device_, groups, model_.specs, o, collectives_.get());
+    EXPECT_TRUE(made.ok()) << made.status().to_string();
+    if (made.ok()) opt_ = std::make_unique<OffloadOptimizer>(std::move(made).value());
+  }
+
+  OffloadOptimizer& opt() { return *opt_; }
+  bool created() const { return opt_ != nullptr; }
+
+  void run(int first, int last, const GradFn& grads) {
+    for (int t = first; t <= last; ++t) {
+      ASSERT_TRUE(device_->synchronize().ok());  // the previous iteration is done: gradients may be written
+      result_.scales.push_back(opt_->loss_scale());
+      grads(model_, t, opt_->loss_scale());
+      for (std::size_t b = model_.specs.size(); b-- > 0;) {
+        ASSERT_TRUE(device_->simulate_compute(1e-4, Stream::compute).ok());
+        ASSERT_TRUE(opt_->grad_ready(b).ok());
+      }
+      const Status s = opt_->step();
+      ASSERT_TRUE(s.ok()) << s.to_string();
+    }
+  }
+
+  std::vector<unsigned char> device_weights() {
+    EXPECT_TRUE(opt_->wait().ok());
+    return model_.weights();
+  }
+
+  RunResult result() {
+    EXPECT_TRUE(opt_->wait().ok());
+    RunResult r = result_;
+    for (std::size_t i = 0; i < model_.specs.size(); ++i) {
+      const std::size_t n = model_.specs[i].n;
+      std::vector<float> p(n), m(n), v(n);
+      EXPECT_TRUE(opt_->read_state(i, p.data(), m.data(), v.data()).ok());
+      r.state.insert(r.state.end(), p.begin(), p.end());
+      r.state.insert(r.state.end(), m.begin(), m.end());
+      r.state.insert(r.state.end(), v.begin(), v.end());
+    }
+    r.device_weights = model_.weights();
+    r.stats = opt_->stats();
+    r.steps = opt_->step_count();
+    return r;
+  }
+
+ private:
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<Collectives> collectives_;
+  DeviceParams model_;
+  std::unique_ptr<OffloadOptimizer> opt_;
+  RunResult result_;
+};
+
+inline RunResult train(Schedule schedule, DType dtype, const OffloadOptions& base, int steps, const GradFn& grads,
+                int warmup = 0) {
+  Trainer trainer(schedule, dtype, base, warmup);
+  trainer.run(1, steps, grads);
+  return trainer.result();
+}
+
+inline void expect_bitwise_equal(const RunResult& a, const RunResult& b) {
+  ASSERT_EQ(a.state.size(), b.state.size());
+  EXPECT_EQ(std::memcmp(a.state.data(), b.state.data(), a.state.size() * 4), 0) << "master/moments differ";
+  EXPECT_EQ(a.device_weights, b.device_weights) << "device weights differ";
+  EXPECT_EQ(a.steps, b.steps);
+  EXPECT_EQ(a.scales, b.scales);
+}
+
+}  // namespace zoe::test
