@@ -1,0 +1,261 @@
+#include "aio/files.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/statvfs.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+namespace zoe::aio {
+
+void FileHandle::reset() {
+  // A close error on a swap file cannot lose data the store relies on: every write the tile table points
+  // to was fdatasync'ed before the table was updated.
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+Status sys_error(const std::string& what, const std::string& path, int err) {
+  return Status(StatusCode::io_error, what + " " + path + ": " + std::strerror(err), err);
+}
+
+namespace {
+
+int hook_error(const IoFaultHook& hook, IoOp op, const std::string& path, std::uint64_t bytes, bool direct) {
+  if (!hook) return 0;
+  IoSite site;
+  site.op = op;
+  site.path = path;
+  site.bytes = bytes;
+  site.direct = direct;
+  return hook(site).error;
+}
+
+int open_with_hook(const std::string& path, int flags, const IoFaultHook& hook) {
+  if (const int err = hook_error(hook, IoOp::open, path, 0, (flags & O_DIRECT) != 0)) {
+    errno = err;
+    return -1;
+  }
+  int fd;
+  do {
+    fd = ::open(path.c_str(), flags, 0600);
+  } while (fd < 0 && errno == EINTR);
+  return fd;
+}
+
+}  // namespace
+
+Result<OpenedFile> open_swap_file(const std::string& path, bool create, const IoFaultHook& hook) {
+  auto open_error = [&](int err, const char* what) -> Status {
+    if (err == EEXIST) {
+      return Status(StatusCode::invalid_argument,
+                    "swap file " + path + " already exists: open the store, or remove it first", err);
+    }
+    if (err == EROFS) {
+      return Status(StatusCode::io_error,
+                    "cannot open swap file " + path +
+                        " for writing: the filesystem is mounted read-only; choose another nvme_path",
+                    err);
+    }
+    return sys_error(what, path, err);
+  };
+  if (create) {
+    // Created apart from the O_DIRECT open: a filesystem that refuses O_DIRECT may do so only after it
+    // created the file, and a retry with O_EXCL would then find it there.
+    FileHandle made(open_with_hook(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, hook));
+    if (!made.valid()) return open_error(errno, "cannot create swap file");
+  }
+  const int base = O_RDWR | O_CLOEXEC;
+  bool direct = true;
+  int fd = open_with_hook(path, base | O_DIRECT, hook);
+  if (fd < 0 && errno == EINVAL) {
+    direct = false;  // no direct I/O on this filesystem (ramfs, some overlay and FUSE mounts)
+    fd = open_with_hook(path, base, hook);
+  }
+  if (fd < 0) return open_error(errno, "cannot open swap file");
+  return OpenedFile{FileHandle(fd), direct};
+}
+
+Status allocate_file(int fd, const std::string& path, std::uint64_t bytes, const IoFaultHook& hook) {
+  int err = hook_error(hook, IoOp::allocate, path, bytes, false);
+  if (err == 0 && bytes > 0) {
+    int r;
+    do {
+      r = ::fallocate(fd, 0, 0, static_cast<off_t>(bytes));
+    } while (r != 0 && errno == EINTR);
+    err = r == 0 ? 0 : errno;
+    if (err == EOPNOTSUPP) err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));  // writes zeros instead
+  }
+  if (err == ENOSPC) {
+    return Status(StatusCode::io_error, "no space for swap file " + path + ": it needs " + format_bytes(bytes) +
+                                            "; free space there, or use more or larger nvme_path folders",
+                  err);
+  }
+  if (err != 0) return sys_error("cannot preallocate " + format_bytes(bytes) + " for swap file", path, err);
+  return Status::success();
+}
+
+Status sync_file(int fd, const std::string& path, const IoFaultHook& hook) {
+  if (const int err = hook_error(hook, IoOp::sync, path, 0, false)) return sys_error("fdatasync of", path, err);
+  int r;
+  do {
+    r = ::fdatasync(fd);
+  } while (r != 0 && errno == EINTR);
+  if (r != 0) return sys_error("fdatasync of", path, errno);
+  return Status::success();
+}
+
+Status check_swap_dir(const std::string& path) {
+  struct stat st{};
+  if (path.empty()) return invalid_argument("a swap path is empty: give nvme_path a folder");
+  if (::stat(path.c_str(), &st) != 0) {
+    const int err = errno;
+    if (err == ENOENT) {
+      return Status(StatusCode::invalid_argument,
+                    "swap path " + path + " does not exist: create the folder (mkdir -p) or fix nvme_path", err);
+    }
+    return sys_error("cannot stat swap path", path, err);
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return Status(StatusCode::invalid_argument, "swap path " + path + " is not a directory: nvme_path names folders",
+                  ENOTDIR);
+  }
+  struct statvfs vfs{};
+  if (::statvfs(path.c_str(), &vfs) == 0 && (vfs.f_flag & ST_RDONLY) != 0) {
+    return Status(StatusCode::io_error,
+                  "swap path " + path + " is on a read-only filesystem: choose a writable nvme_path", EROFS);
+  }
+  if (::access(path.c_str(), W_OK | X_OK) != 0) {
+    return sys_error("swap path is not writable by this user:", path, errno);
+  }
+  return Status::success();
+}
+
+Status replace_file(const std::string& path, const std::string& data) {
+  const std::string temp = path + ".tmp";
+  FileHandle fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  if (!fd.valid()) return sys_error("cannot create", temp, errno);
+  std::size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t w = ::write(fd.get(), data.data() + done, data.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      const int err = w < 0 ? errno : EIO;
+      ::unlink(temp.c_str());
+      return sys_error("cannot write", temp, err);
+    }
+    done += static_cast<std::size_t>(w);
+  }
+  if (::fsync(fd.get()) != 0) {
+    const int err = errno;
+    ::unlink(temp.c_str());
+    return sys_error("fsync of", temp, err);
+  }
+  fd.reset();
+  if (::rename(temp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(temp.c_str());
+    return sys_error("cannot rename " + temp + " to", path, err);
+  }
+  // The rename itself is durable only once the folder is synced.
+  const std::size_t slash = path.find_last_of('/');
+  return sync_dir(slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash)));
+}
+
+Status sync_dir(const std::string& dir) {
+  FileHandle dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!dfd.valid() || ::fsync(dfd.get()) != 0) return sys_error("fsync of folder", dir, errno);
+  return Status::success();
+}
+
+Result<std::string> read_whole_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return sys_error("cannot read", path, errno ? errno : ENOENT);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) return sys_error("cannot read", path, EIO);
+  return ss.str();
+}
+
+std::string fs_type_name(std::uint64_t magic) {
+  switch (magic) {
+    case 0xEF53: return "ext4";
+    case 0x58465342: return "xfs";
+    case 0x9123683E: return "btrfs";
+    case 0xF2F52010: return "f2fs";
+    case 0x2FC12FC1: return "zfs";
+    case 0x01021994: return "tmpfs";
+    case 0x858458F6: return "ramfs";
+    case 0x794C7630: return "overlayfs";
+    case 0x65735546: return "fuse";
+    case 0x6969: return "nfs";
+    case 0xFF534D42: return "cifs";
+    case 0x01021997: return "9p";
+    case 0x0BD00BD0: return "lustre";
+    case 0x47504653: return "gpfs";
+    case 0x00C36400: return "ceph";
+    case 0x73717368: return "squashfs";
+    case 0x4D44: return "vfat";
+    case 0x2011BAB0: return "exfat";
+    case 0x9FA0: return "proc";
+    case 0x62656572: return "sysfs";
+    default: {
+      char buf[40];
+      std::snprintf(buf, sizeof buf, "unknown (0x%llx)", static_cast<unsigned long long>(magic));
+      return buf;
+    }
+  }
+}
+
+Result<FsInfo> fs_info(const std::string& dir) {
+  struct statfs fs{};
+  if (::statfs(dir.c_str(), &fs) != 0) return sys_error("statfs of", dir, errno);
+  FsInfo info;
+  info.type = fs_type_name(static_cast<std::uint64_t>(fs.f_type));
+  info.free_bytes = static_cast<std::uint64_t>(fs.f_bavail) * static_cast<std::uint64_t>(fs.f_bsize);
+  info.total_bytes = static_cast<std::uint64_t>(fs.f_blocks) * static_cast<std::uint64_t>(fs.f_bsize);
+  info.read_only = (fs.f_flags & ST_RDONLY) != 0;
+  return info;
+}
+
+std::pair<std::uint32_t, std::uint32_t> dio_alignment(int fd) {
+  struct statx st{};
+  if (::statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &st) != 0 || (st.stx_mask & STATX_DIOALIGN) == 0) {
+    return {0, 0};
+  }
+  return {st.stx_dio_offset_align, st.stx_dio_mem_align};
+}
+
+std::uint32_t device_logical_block(const std::string& path) {
+  struct stat st{};
+  if (::stat(path.c_str(), &st) != 0) return 0;
+  const std::string base = "/sys/dev/block/" + std::to_string(major(st.st_dev)) + ":" + std::to_string(minor(st.st_dev));
+  // A partition keeps its queue limits in its parent disk's folder.
+  for (const char* rel : {"/queue/logical_block_size", "/../queue/logical_block_size"}) {
+    std::ifstream in(base + rel);
+    std::uint32_t v = 0;
+    if (in >> v && v > 0) return v;
+  }
+  return 0;
+}
+
+std::string format_bytes(std::uint64_t bytes) {
+  char buf[64];
+  const double gib = static_cast<double>(bytes) / static_cast<double>(1ull << 30);
+  if (gib >= 1.0) {
+    std::snprintf(buf, sizeof buf, "%.2f GiB (%llu bytes)", gib, static_cast<unsigned long long>(bytes));
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f MiB (%llu bytes)", static_cast<double>(bytes) / (1 << 20),
+                  static_cast<unsigned long long>(bytes));
+  }
+  return buf;
+}
+
+}  // namespace zoe::aio

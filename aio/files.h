@@ -1,0 +1,87 @@
+// File-system plumbing of the NVMe tier: the fd owner, opening swap files with O_DIRECT (or buffered where
+// a filesystem refuses it), preallocation, durable small-file replacement, and what a path's filesystem is.
+// Every failure comes back as a Status naming the path; the fault hook (zoe/swap.h) can fail open,
+// allocate and sync on demand.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "zoe/status.h"
+#include "zoe/swap.h"
+
+namespace zoe::aio {
+
+// The one owner of a file descriptor in aio/. Move-only.
+class FileHandle {
+ public:
+  FileHandle() = default;
+  explicit FileHandle(int fd) : fd_(fd) {}
+  FileHandle(FileHandle&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  FileHandle& operator=(FileHandle&& o) noexcept {
+    if (this != &o) {
+      reset();
+      fd_ = std::exchange(o.fd_, -1);
+    }
+    return *this;
+  }
+  FileHandle(const FileHandle&) = delete;
+  FileHandle& operator=(const FileHandle&) = delete;
+  ~FileHandle() { reset(); }
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  void reset();
+
+ private:
+  int fd_ = -1;
+};
+
+// A Status for a failed system call: "<what> <path>: <strerror>" with errno kept.
+Status sys_error(const std::string& what, const std::string& path, int err);
+
+struct OpenedFile {
+  FileHandle fd;
+  bool direct = false;  // O_DIRECT in effect
+};
+
+// Opens `path` read-write, with O_DIRECT unless the filesystem refuses it (EINVAL), then buffered.
+// create: the file must not exist yet (O_EXCL) and is made with mode 0600.
+Result<OpenedFile> open_swap_file(const std::string& path, bool create, const IoFaultHook& hook);
+
+// Reserves `bytes` for the file now (fallocate), so that running out of space shows here, not mid-step.
+Status allocate_file(int fd, const std::string& path, std::uint64_t bytes, const IoFaultHook& hook);
+
+// fsync of a folder, so that names created or renamed in it survive a crash.
+Status sync_dir(const std::string& dir);
+
+// fdatasync, with the hook's say.
+Status sync_file(int fd, const std::string& path, const IoFaultHook& hook);
+
+// The swap path exists, is a directory, and is writable (a read-only mount is reported as such).
+Status check_swap_dir(const std::string& path);
+
+// Replaces `path` with `data` atomically: a temporary file in the same folder, fsync, rename, fsync of the
+// folder — a crash leaves the old contents or the new, never a mix.
+Status replace_file(const std::string& path, const std::string& data);
+Result<std::string> read_whole_file(const std::string& path);
+
+struct FsInfo {
+  std::string type;              // "ext4", "xfs", "tmpfs", ... or "unknown (0x...)"
+  std::uint64_t free_bytes = 0;  // available to this user
+  std::uint64_t total_bytes = 0;
+  bool read_only = false;
+};
+Result<FsInfo> fs_info(const std::string& dir);
+std::string fs_type_name(std::uint64_t statfs_magic);
+
+// O_DIRECT alignment the kernel reports for an open file (statx STATX_DIOALIGN, Linux 6.1+): offset and
+// memory alignment in bytes, {0, 0} when it does not say.
+std::pair<std::uint32_t, std::uint32_t> dio_alignment(int fd);
+// The logical block size of the device under `path` from sysfs, 0 when it cannot be found.
+std::uint32_t device_logical_block(const std::string& path);
+
+std::string format_bytes(std::uint64_t bytes);  // "1.50 GiB (1610612736 bytes)"
+
+}  // namespace zoe::aio

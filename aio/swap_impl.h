@@ -1,0 +1,99 @@
+// The swap store's private state, shared by swap_store.cpp (files, manifest, tile table, read/write) and
+// swap_step.cpp (the tile pipeline and the Adam step).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "aio/files.h"
+#include "aio/io_engine.h"
+#include "src/aligned_buffer.h"
+#include "zoe/swap.h"
+
+namespace zoe {
+
+inline constexpr int kSwapFormatVersion = 1;
+
+// A tile's entry in the tile table: which slot holds its valid copy, the step that copy is at, and the
+// CRC-32C of its p, m and v (count * 4 bytes each, padding excluded).
+struct TileEntry {
+  std::int64_t step = -1;  // -1: never written
+  std::uint32_t slot = 0;
+  std::uint32_t crc[3] = {0, 0, 0};
+};
+
+// One tile's trip through the pipeline: read its valid slot (or not: the compute fills the buffer), run the
+// compute, write the other slot (or not) and flip the entry to `new_step`.
+struct TileTask {
+  std::size_t tile = 0;
+  bool read = true;
+  bool write = true;
+  std::int64_t new_step = 0;
+};
+
+// The compute stage: p, m, v point into the tile's buffer (count valid elements each).
+using TileCompute = std::function<Status(const TileTask&, float* p, float* m, float* v, std::size_t count)>;
+
+struct SwapStore::Impl {
+  struct PathFile {
+    std::string dir;            // the swap path as given
+    std::string data_path;      // dir/<name>.zoe-swap
+    aio::FileHandle fd;
+    bool direct = false;
+    int engine_file = -1;
+    std::size_t tiles_here = 0;  // tiles t with t % P == this path's index
+    std::uint64_t bytes = 0;     // file size: two slots per tile
+  };
+
+  SwapOptions options;
+  std::string name;
+  std::size_t n = 0, tile = 0, ntiles = 0, alignment = 4096;
+  std::size_t tile_bytes = 0;  // one array of a tile: tile * 4
+  std::size_t slot_bytes = 0;  // p, m, v of a tile: 3 * tile_bytes
+  std::vector<PathFile> files;
+  std::vector<std::string> paths;
+  std::unique_ptr<aio::IoEngine> engine;
+  std::vector<AlignedBuffer> buffers;
+  std::vector<TileEntry> table;
+  std::unique_ptr<CpuAdam> own_adam;
+  CpuAdam* adam = nullptr;
+  SwapStats stats;
+  aio::FileHandle table_fd;
+  std::uint64_t table_seq = 0;  // of the newest table copy on disk
+  bool table_dirty = false;  // the in-memory table is ahead of the persisted one (its update failed)
+
+  PathFile& file_of(std::size_t t) { return files[t % files.size()]; }
+  std::uint64_t file_offset(std::size_t t, std::uint32_t slot) const {
+    const PathFile& f = files[t % files.size()];
+    // Slot 0 of every tile in the first half of the file, slot 1 in the second: both a step's reads and
+    // its writes then walk their half in order.
+    return slot * (f.bytes / 2) + static_cast<std::uint64_t>(t / files.size()) * slot_bytes;
+  }
+  std::size_t tile_begin(std::size_t t) const { return t * tile; }
+  std::size_t tile_count(std::size_t t) const { return std::min(tile, n - t * tile); }
+  std::string table_path() const;
+  std::string manifest_path(std::size_t k) const;
+  std::string tile_name(std::size_t t) const;  // "tile 7 (elements [7340032, 8388608)) on /p/x.zoe-swap"
+
+  Status setup_runtime();   // engine, buffers, Adam engine; after files are open
+  std::size_t table_region_bytes() const;
+  Status create_table();
+  Status persist_table();
+  Status load_table();
+  Status check_file_sizes();
+  Status sync_and_persist(const std::vector<TileEntry>& before, bool wrote);
+  Status ready_for_io();    // files intact and the persisted table current
+  Status run_tiles(std::span<const TileTask> tasks, const TileCompute& compute);
+  std::string describe() const;       // which tiles are at which step
+  Status with_state(Status s) const;  // appends describe() to an error
+};
+
+// Whether every gradient element is finite (f32, f16, bf16 bit patterns).
+bool all_finite(const void* grad, DType dtype, std::size_t n);
+
+}  // namespace zoe

@@ -1,0 +1,479 @@
+// The swap store's tile pipeline and the calls built on it: initialize, step, read, write, the raw I/O pass.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+
+#include "aio/crc32c_fast.h"
+#include "aio/swap_impl.h"
+
+namespace zoe {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+std::string hex32(std::uint32_t v) {
+  char b[16];
+  std::snprintf(b, sizeof b, "0x%08x", v);
+  return b;
+}
+
+Status check_range(std::size_t offset, std::size_t count, std::size_t n, const char* what) {
+  if (offset > n || count > n - offset) {
+    return invalid_argument(std::string(what) + ": elements [" + std::to_string(offset) + ", " +
+                            std::to_string(offset) + " + " + std::to_string(count) + ") are outside the store's [0, " +
+                            std::to_string(n) + ")");
+  }
+  return Status::success();
+}
+
+}  // namespace
+
+bool all_finite(const void* grad, DType dtype, std::size_t n) {
+  // An exponent field of all ones is Inf or NaN in each of the three formats.
+  if (dtype == DType::f32) {
+    const auto* g = static_cast<const std::uint32_t*>(grad);
+    std::uint32_t bad = 0;
+    for (std::size_t i = 0; i < n; ++i) bad |= static_cast<std::uint32_t>((g[i] & 0x7F800000u) == 0x7F800000u);
+    return bad == 0;
+  }
+  const std::uint16_t mask = dtype == DType::f16 ? 0x7C00u : 0x7F80u;
+  const auto* g = static_cast<const std::uint16_t*>(grad);
+  std::uint32_t bad = 0;
+  for (std::size_t i = 0; i < n; ++i) bad |= static_cast<std::uint32_t>((g[i] & mask) == mask);
+  return bad == 0;
+}
+
+// Buffer b holds tile task j for j % K == b. With K buffers the compute works on tile j while the reads of
+// tiles j+1 .. j+K-2 and the write of tile j-1 are in flight; the read of tile j+K-1 reuses tile j-1's
+// buffer, so it is issued only once that write completed. A tile's table entry flips only when its write
+// completed; after a failure nothing new is issued, and writes already in flight that complete still flip
+// (their tiles are then validly at the new step).
+Status SwapStore::Impl::run_tiles(std::span<const TileTask> tasks, const TileCompute& compute) {
+  const std::size_t K = buffers.size(), T = tasks.size();
+  struct BufferState {
+    aio::IoEngine::Ticket read = 0, write = 0;
+    std::size_t task = 0;
+    TileEntry next;
+  };
+  std::vector<BufferState> state(K);
+  Status failure;
+  auto note = [&failure](Status s) {
+    if (failure.ok() && !s.ok()) failure = std::move(s);
+  };
+  auto wait_timed = [&](aio::IoEngine::Ticket t) {
+    const auto t0 = Clock::now();
+    Status s = engine->wait(t);
+    stats.wait_s += since(t0);
+    return s;
+  };
+  auto issue_read = [&](std::size_t j) -> Status {
+    BufferState& b = state[j % K];
+    b = BufferState{};
+    b.task = j;
+    const TileTask& task = tasks[j];
+    if (!task.read) return Status::success();
+    Result<aio::IoEngine::Ticket> r = engine->submit(IoOp::read, file_of(task.tile).engine_file,
+                                                     file_offset(task.tile, table[task.tile].slot), buffers[j % K].data(),
+                                                     slot_bytes);
+    if (!r.ok()) return r.status();
+    b.read = r.value();
+    return Status::success();
+  };
+  auto finish_write = [&](BufferState& b) -> Status {
+    if (b.write == 0) return Status::success();
+    Status s = wait_timed(b.write);
+    b.write = 0;
+    const std::size_t t = tasks[b.task].tile;
+    if (!s.ok()) {
+      return Status(s.code(), "writing " + tile_name(t) + ": " + s.message() + "; its previous copy stays the valid one",
+                    s.sys_errno());
+    }
+    table[t] = b.next;
+    return Status::success();
+  };
+
+  const std::size_t ahead = std::min(K - 1, T);
+  for (std::size_t j = 0; j < ahead && failure.ok(); ++j) note(issue_read(j));
+  for (std::size_t j = 0; j < T && failure.ok(); ++j) {
+    BufferState& b = state[j % K];
+    const TileTask& task = tasks[j];
+    const TileEntry& entry = table[task.tile];
+    float* p = buffers[j % K].as<float>();
+    float* m = p + tile;
+    float* v = m + tile;
+    const std::size_t count = tile_count(task.tile);
+    if (task.read) {
+      Status s = wait_timed(b.read);
+      b.read = 0;
+      if (!s.ok()) {
+        note(Status(s.code(), "reading " + tile_name(task.tile) + ": " + s.message(), s.sys_errno()));
+        break;
+      }
+      const auto t0 = Clock::now();
+      std::uint32_t got[3];
+      aio::crc32c_x3(p, m, v, count * 4, got);
+      stats.crc_s += since(t0);
+      for (int k = 0; k < 3; ++k) {
+        if (got[k] != entry.crc[k]) {
+          static const char* kArray[3] = {"p", "m", "v"};
+          note(Status(StatusCode::corrupt,
+                      tile_name(task.tile) + ", slot " + std::to_string(entry.slot) + " at offset " +
+                          std::to_string(file_offset(task.tile, entry.slot)) + ", fails its checksum (" + kArray[k] +
+                          ": stored " + hex32(entry.crc[k]) + ", read " + hex32(got[k]) +
+                          "): the swap file was altered after step " + std::to_string(entry.step) +
+                          " was written; the store refuses it -- restore from a checkpoint"));
+          break;
+        }
+      }
+      if (!failure.ok()) break;
+    }
+    if (Status s = compute(task, p, m, v, count); !s.ok()) {
+      note(std::move(s));
+      break;
+    }
+    if (task.write) {
+      if (count < tile) {  // the padding of the last tile is written as zeros, never as stale buffer bytes
+        for (float* a : {p, m, v}) std::memset(a + count, 0, (tile - count) * 4);
+      }
+      const auto t0 = Clock::now();
+      b.next.step = task.new_step;
+      b.next.slot = 1 - entry.slot;
+      aio::crc32c_x3(p, m, v, count * 4, b.next.crc);
+      stats.crc_s += since(t0);
+      Result<aio::IoEngine::Ticket> w = engine->submit(IoOp::write, file_of(task.tile).engine_file,
+                                                       file_offset(task.tile, b.next.slot), p, slot_bytes);
+      if (!w.ok()) {
+        note(w.status());
+        break;
+      }
+      b.write = w.value();
+    }
+    if (const std::size_t r = j + K - 1; r < T) {
+      note(finish_write(state[r % K]));
+      if (!failure.ok()) break;
+      note(issue_read(r));
+    }
+  }
+  // Drain: reads in flight are dropped; every write that completes is valid and flips its tile.
+  for (BufferState& b : state) {
+    note(finish_write(b));
+    if (b.read != 0) (void)engine->wait(b.read);
+    b.read = 0;
+  }
+  (void)engine->wait_all();
+  return failure;
+}
+
+namespace {
+
+// Runs the common frame of a streaming call: checks, the pipeline, fdatasync and the table update, stats.
+template <typename Body>
+Status streaming_call(SwapStore::Impl& im, bool writes, Body&& body) {
+  const auto t0 = Clock::now();
+  im.stats = {};
+  if (Status s = im.ready_for_io(); !s.ok()) return s;
+  im.engine->reset_counters();
+  const std::vector<TileEntry> before = im.table;
+  Status s = body();
+  const aio::EngineCounters c = im.engine->counters();
+  const bool wrote = writes && c.write_bytes > 0;
+  Status persisted = im.sync_and_persist(before, wrote);
+  im.stats.read_bytes = c.read_bytes;
+  im.stats.write_bytes = c.write_bytes;
+  im.stats.read_s = c.read_busy_s;
+  im.stats.write_s = c.write_busy_s;
+  im.stats.total_s = since(t0);
+  if (s.ok()) s = std::move(persisted);
+  else if (!persisted.ok()) s = Status(s.code(), s.message() + "; then: " + persisted.message(), s.sys_errno());
+  return im.with_state(std::move(s));
+}
+
+}  // namespace
+
+Status SwapStore::initialize(const std::function<Status(std::size_t, std::size_t, float*)>& fill, std::int64_t step) {
+  Impl& im = *impl_;
+  if (!fill) return invalid_argument("initialize: the fill callback is empty");
+  if (step < 0) return invalid_argument("initialize: step = " + std::to_string(step) + " must be >= 0");
+  std::vector<TileTask> tasks(im.ntiles);
+  for (std::size_t t = 0; t < im.ntiles; ++t) tasks[t] = {t, false, true, step};
+  return streaming_call(im, true, [&] {
+    return im.run_tiles(tasks, [&](const TileTask& task, float* p, float* m, float* v, std::size_t count) {
+      std::memset(m, 0, count * 4);
+      std::memset(v, 0, count * 4);
+      Status s = fill(im.tile_begin(task.tile), count, p);
+      if (!s.ok()) {
+        return Status(s.code(), "initialize: the fill callback failed for elements [" + std::to_string(im.tile_begin(task.tile)) +
+                                    ", " + std::to_string(im.tile_begin(task.tile) + count) + "): " + s.message(),
+                      s.sys_errno());
+      }
+      return Status::success();
+    });
+  });
+}
+
+namespace {
+
+Status check_segments(std::span<const SwapSegment> segments, std::size_t n) {
+  std::size_t end = 0;
+  for (std::size_t i = 0; i < segments.size(); ++i) {
+    const SwapSegment& s = segments[i];
+    const std::string name = "segment " + std::to_string(i);
+    if (Status r = check_range(s.offset, s.n, n, name.c_str()); !r.ok()) return r;
+    if (s.n == 0) continue;
+    if (i > 0 && s.offset < end) {
+      return invalid_argument(name + " starts at " + std::to_string(s.offset) +
+                              ", inside an earlier segment (ending at " + std::to_string(end) +
+                              "): segments must be sorted by offset and not overlap");
+    }
+    end = s.offset + s.n;
+    if (s.hyper == nullptr) return invalid_argument(name + ": hyper is null");
+    if (Status h = CpuAdam::validate(*s.hyper); !h.ok()) return invalid_argument(name + ": " + h.message());
+    if (s.grad == nullptr) return invalid_argument(name + ": grad is null with n = " + std::to_string(s.n));
+    if (!dtype_valid(s.grad_dtype)) return invalid_argument(name + ": grad dtype is not f32, f16 or bf16");
+    if (s.out != nullptr && s.out_dtype != DType::f16 && s.out_dtype != DType::bf16) {
+      return invalid_argument(name + ": out dtype must be f16 or bf16 (or out = nullptr)");
+    }
+  }
+  return Status::success();
+}
+
+void copy_out(const float* p, void* out, DType dtype, std::size_t count) {
+  auto* o = static_cast<std::uint16_t*>(out);
+  if (dtype == DType::f16) {
+    for (std::size_t i = 0; i < count; ++i) o[i] = float_to_f16(p[i]);
+  } else {
+    for (std::size_t i = 0; i < count; ++i) o[i] = float_to_bf16(p[i]);
+  }
+}
+
+}  // namespace
+
+Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions& options) {
+  Impl& im = *impl_;
+  if (options.step < 1) return invalid_argument("step = " + std::to_string(options.step) + ": steps count from 1");
+  if (Status s = check_segments(segments, im.n); !s.ok()) return s;
+  if (options.check_finite) {
+    for (std::size_t i = 0; i < segments.size(); ++i) {
+      const SwapSegment& s = segments[i];
+      if (s.n > 0 && !all_finite(s.grad, s.grad_dtype, s.n)) {
+        return Status(StatusCode::non_finite, "segment " + std::to_string(i) + " (elements [" + std::to_string(s.offset) +
+                                                  ", " + std::to_string(s.offset + s.n) +
+                                                  ")) has a NaN or Inf gradient; nothing was changed");
+      }
+    }
+  }
+  // Tiles touched, in order, each with the first segment touching it.
+  std::vector<TileTask> tasks;
+  std::vector<std::size_t> first_segment;
+  std::size_t skipped = 0;
+  auto needs_out = [&](std::size_t t, std::size_t si) {
+    for (; si < segments.size() && segments[si].offset < im.tile_begin(t) + im.tile_count(t); ++si) {
+      if (segments[si].n > 0 && segments[si].out != nullptr && segments[si].offset + segments[si].n > im.tile_begin(t)) return true;
+    }
+    return false;
+  };
+  for (std::size_t si = 0; si < segments.size(); ++si) {
+    const SwapSegment& seg = segments[si];
+    if (seg.n == 0) continue;
+    for (std::size_t t = seg.offset / im.tile; t <= (seg.offset + seg.n - 1) / im.tile; ++t) {
+      if (!first_segment.empty() && tasks.back().tile == t) continue;
+      const std::int64_t at = im.table[t].step;
+      if (at < 0) return invalid_argument(im.tile_name(t) + " was never written: call initialize() first");
+      if (at > options.step) {
+        return invalid_argument(im.tile_name(t) + " is at step " + std::to_string(at) + ", past step " +
+                                std::to_string(options.step) + ": steps must not go backwards (set_step() after a load)");
+      }
+      const bool retry = at == options.step;
+      if (retry) ++skipped;
+      if (retry && !needs_out(t, si)) {
+        first_segment.push_back(si);
+        tasks.push_back({t, false, false, at});  // placeholder so later segments see the tile; removed below
+        continue;
+      }
+      tasks.push_back({t, true, !retry, options.step});
+      first_segment.push_back(si);
+    }
+  }
+  {
+    std::size_t w = 0;
+    for (std::size_t i = 0; i < tasks.size(); ++i) {
+      if (!tasks[i].read && !tasks[i].write) continue;
+      tasks[w] = tasks[i];
+      first_segment[w++] = first_segment[i];
+    }
+    tasks.resize(w);
+    first_segment.resize(w);
+  }
+  StepOptions adam_options = options;
+  adam_options.check_finite = false;  // checked above, over all segments, before anything changed
+  std::vector<AdamTensor> tensors;
+  tensors.reserve(segments.size() + 1);
+  double adam_s = 0;
+  Status s = streaming_call(im, true, [&] {
+    return im.run_tiles(tasks, [&](const TileTask& task, float* p, float* m, float* v, std::size_t count) -> Status {
+      const auto t0 = Clock::now();
+      const std::size_t begin = im.tile_begin(task.tile), end = begin + count;
+      const std::size_t index = static_cast<std::size_t>(&task - tasks.data());
+      tensors.clear();
+      const AdamHyper* hyper = nullptr;
+      auto flush = [&]() -> Status {
+        if (tensors.empty()) return Status::success();
+        Status r = im.adam->step(*hyper, adam_options, tensors);
+        tensors.clear();
+        return r;
+      };
+      for (std::size_t si = first_segment[index]; si < segments.size() && segments[si].offset < end; ++si) {
+        const SwapSegment& seg = segments[si];
+        const std::size_t lo = std::max(begin, seg.offset), hi = std::min(end, seg.offset + seg.n);
+        if (seg.n == 0 || lo >= hi) continue;
+        const std::size_t at = lo - begin, from = lo - seg.offset;
+        void* out = seg.out == nullptr ? nullptr : static_cast<char*>(seg.out) + from * 2;
+        if (!task.write) {  // a retried tile: already stepped, only its copy-out is refilled
+          if (out != nullptr) copy_out(p + at, out, seg.out_dtype, hi - lo);
+          continue;
+        }
+        if (seg.hyper != hyper) {
+          if (Status r = flush(); !r.ok()) return r;
+          hyper = seg.hyper;
+        }
+        AdamTensor t;
+        t.param = p + at;
+        t.exp_avg = m + at;
+        t.exp_avg_sq = v + at;
+        t.grad = static_cast<const char*>(seg.grad) + from * dtype_size(seg.grad_dtype);
+        t.grad_dtype = seg.grad_dtype;
+        t.out = out;
+        t.out_dtype = seg.out_dtype;
+        t.n = hi - lo;
+        tensors.push_back(t);
+      }
+      Status r = flush();
+      adam_s += since(t0);
+      if (!r.ok()) return Status(r.code(), "Adam on " + im.tile_name(task.tile) + ": " + r.message(), r.sys_errno());
+      return r;
+    });
+  });
+  im.stats.adam_s = adam_s;
+  im.stats.tiles_skipped = skipped;
+  for (const TileTask& t : tasks) {
+    if (t.write && im.table[t.tile].step == options.step) ++im.stats.tiles_stepped;
+  }
+  if (!s.ok()) {
+    return Status(s.code(), "step " + std::to_string(options.step) + " incomplete: " + s.message() +
+                                ". Call step() again with the same gradients once the cause is fixed: it completes only "
+                                "the tiles still at an older step",
+                  s.sys_errno());
+  }
+  return s;
+}
+
+Status SwapStore::read(std::size_t offset, std::size_t count, float* p, float* m, float* v) {
+  Impl& im = *impl_;
+  if (Status s = check_range(offset, count, im.n, "read"); !s.ok()) return s;
+  if (count == 0) return Status::success();
+  std::vector<TileTask> tasks;
+  for (std::size_t t = offset / im.tile; t <= (offset + count - 1) / im.tile; ++t) {
+    if (im.table[t].step < 0) return invalid_argument("read: " + im.tile_name(t) + " was never written: call initialize() first");
+    tasks.push_back({t, true, false, im.table[t].step});
+  }
+  float* dst[3] = {p, m, v};
+  return streaming_call(im, false, [&] {
+    return im.run_tiles(tasks, [&](const TileTask& task, float* tp, float* tm, float* tv, std::size_t tcount) {
+      const std::size_t begin = im.tile_begin(task.tile);
+      const std::size_t lo = std::max(begin, offset), hi = std::min(begin + tcount, offset + count);
+      const float* src[3] = {tp, tm, tv};
+      for (int k = 0; k < 3; ++k) {
+        if (dst[k] != nullptr) std::memcpy(dst[k] + (lo - offset), src[k] + (lo - begin), (hi - lo) * 4);
+      }
+      return Status::success();
+    });
+  });
+}
+
+Status SwapStore::write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v) {
+  Impl& im = *impl_;
+  if (Status s = check_range(offset, count, im.n, "write"); !s.ok()) return s;
+  if (count == 0) return Status::success();
+  const float* src[3] = {p, m, v};
+  std::vector<TileTask> tasks;
+  for (std::size_t t = offset / im.tile; t <= (offset + count - 1) / im.tile; ++t) {
+    const std::size_t begin = im.tile_begin(t);
+    const bool whole = offset <= begin && offset + count >= begin + im.tile_count(t) && p && m && v;
+    const bool written = im.table[t].step >= 0;
+    // A tile never written has nothing valid to merge with: its missing parts start at zero.
+    tasks.push_back({t, written && !whole, true, written ? im.table[t].step : 0});
+  }
+  return streaming_call(im, true, [&] {
+    return im.run_tiles(tasks, [&](const TileTask& task, float* tp, float* tm, float* tv, std::size_t tcount) {
+      const std::size_t begin = im.tile_begin(task.tile);
+      const std::size_t lo = std::max(begin, offset), hi = std::min(begin + tcount, offset + count);
+      float* dst[3] = {tp, tm, tv};
+      for (int k = 0; k < 3; ++k) {
+        if (!task.read && (src[k] == nullptr || hi - lo < tcount)) std::memset(dst[k], 0, tcount * 4);
+        if (src[k] != nullptr) std::memcpy(dst[k] + (lo - begin), src[k] + (lo - offset), (hi - lo) * 4);
+      }
+      return Status::success();
+    });
+  });
+}
+
+Status SwapStore::set_step(std::int64_t step) {
+  Impl& im = *impl_;
+  if (step < 0) return invalid_argument("set_step: step = " + std::to_string(step) + " must be >= 0");
+  for (std::size_t t = 0; t < im.ntiles; ++t) {
+    if (im.table[t].step < 0) return invalid_argument("set_step: " + im.tile_name(t) + " was never written");
+  }
+  for (TileEntry& e : im.table) e.step = step;
+  return im.persist_table();
+}
+
+Result<std::pair<double, double>> SwapStore::raw_io_pass() {
+  Impl& im = *impl_;
+  if (Status s = im.ready_for_io(); !s.ok()) return s;
+  const std::size_t K = im.buffers.size();
+  std::vector<aio::IoEngine::Ticket> tickets(K, 0);
+  double seconds[2] = {0, 0};
+  for (int pass = 0; pass < 2; ++pass) {
+    const IoOp op = pass == 0 ? IoOp::read : IoOp::write;
+    const auto t0 = Clock::now();
+    for (std::size_t t = 0; t < im.ntiles; ++t) {
+      aio::IoEngine::Ticket& ticket = tickets[t % K];
+      if (ticket != 0) {
+        if (Status s = im.engine->wait(ticket); !s.ok()) {
+          (void)im.engine->wait_all();
+          return s;
+        }
+      }
+      // Reads take the valid slot, writes the other one: the same bytes a step moves, and never the valid copy.
+      const std::uint32_t slot = pass == 0 ? im.table[t].slot : 1 - im.table[t].slot;
+      Result<aio::IoEngine::Ticket> r =
+          im.engine->submit(op, im.file_of(t).engine_file, im.file_offset(t, slot), im.buffers[t % K].data(), im.slot_bytes);
+      if (!r.ok()) {
+        (void)im.engine->wait_all();
+        return r.status();
+      }
+      ticket = r.value();
+    }
+    Status s = Status::success();
+    for (auto& ticket : tickets) {
+      if (ticket != 0) {
+        Status w = im.engine->wait(ticket);
+        if (s.ok()) s = std::move(w);
+      }
+      ticket = 0;
+    }
+    // The step makes its writes durable before it flips the table; the ceiling must pay the same flush.
+    for (std::size_t k = 0; s.ok() && pass == 1 && im.options.durable && k < im.files.size(); ++k) {
+      s = aio::sync_file(im.files[k].fd.get(), im.files[k].data_path, im.options.fault_hook);
+    }
+    if (!s.ok()) return s;
+    seconds[pass] = since(t0);
+  }
+  return std::make_pair(seconds[0], seconds[1]);
+}
+
+}  // namespace zoe

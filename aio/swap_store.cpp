@@ -1,0 +1,568 @@
+// The swap store: files, manifest, tile table, and the calls other than step (swap_step.cpp).
+//
+// Why this layout:
+//  - One data file per path, holding p, m and v of each of its tiles side by side ([p | m | v] per slot):
+//    a tile is one contiguous transfer per direction, and its bytes travel together.
+//  - Two slots per tile (ping-pong) rather than in-place writes: a failed or torn write can only damage the
+//    slot that is not the valid copy; the valid copy changes only when the tile table flips, after the
+//    write completed (and was fdatasync'ed before the table is persisted). The price is twice the disk space.
+//  - The tile table (step, slot, CRC-32C per tile) is a small binary file replaced atomically after each
+//    call; the manifest (JSON) changes only at creation, so a bad table never hides the layout.
+#include <nlohmann/json.hpp>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <set>
+
+#include "aio/crc32c_fast.h"
+#include "aio/swap_impl.h"
+
+namespace zoe {
+namespace {
+
+constexpr char kTableMagic[8] = {'Z', 'O', 'E', 'S', 'W', 'P', 'T', 'B'};
+constexpr std::size_t kTableHeader = 32;  // magic, u32 version, u32 reserved, u64 tiles, u64 sequence
+constexpr std::size_t kTableEntry = 24;   // i64 step, u32 slot, u32 crc[3]
+
+std::string data_file_name(const std::string& name) { return name + ".zoe-swap"; }
+
+std::string canonical(const std::string& path) {
+  std::error_code ec;
+  const auto c = std::filesystem::weakly_canonical(path, ec);
+  return ec ? path : c.string();
+}
+
+template <typename T>
+void put(std::string& out, T v) {
+  char b[sizeof(T)];
+  std::memcpy(b, &v, sizeof(T));
+  out.append(b, sizeof(T));
+}
+
+template <typename T>
+T get(const std::string& in, std::size_t at) {
+  T v;
+  std::memcpy(&v, in.data() + at, sizeof(T));
+  return v;
+}
+
+Status validate_shape(const SwapOptions& o, const std::string& name, std::size_t n, std::size_t tile) {
+  if (o.paths.empty()) return invalid_argument("no swap path: give nvme_path one folder or more");
+  if (name.empty() || name.find('/') != std::string::npos || name[0] == '.') {
+    return invalid_argument("store name '" + name + "' is invalid: use a plain file name such as rank0");
+  }
+  if (n == 0) return invalid_argument("n = 0: a swap store holds at least one element");
+  if (o.buffer_count < 2) {
+    return invalid_argument("buffer_count = " + std::to_string(o.buffer_count) +
+                            ": the pipeline needs at least 2 (one tile in Adam while another is in I/O)");
+  }
+  if (o.queue_depth < 1) return invalid_argument("queue_depth = " + std::to_string(o.queue_depth) + ": need at least 1");
+  if (tile == 0) return invalid_argument("tile = 0 elements: need a positive multiple of 1024");
+  return Status::success();
+}
+
+}  // namespace
+
+std::string_view io_op_name(IoOp op) {
+  switch (op) {
+    case IoOp::open: return "open";
+    case IoOp::allocate: return "allocate";
+    case IoOp::read: return "read";
+    case IoOp::write: return "write";
+    case IoOp::sync: return "sync";
+  }
+  return "unknown";
+}
+
+SwapOptions SwapOptions::from(const NvmeOptions& nvme) {
+  SwapOptions o;
+  o.paths = nvme.paths;
+  o.buffer_count = nvme.buffer_count;
+  o.block_size = nvme.block_size;
+  o.queue_depth = nvme.queue_depth;
+  o.alignment = nvme.alignment;
+  return o;
+}
+
+std::string SwapStore::Impl::table_path() const { return files[0].dir + "/" + name + ".zoe-swap.table"; }
+
+std::string SwapStore::Impl::manifest_path(std::size_t k) const { return files[k].dir + "/" + name + ".zoe-swap.json"; }
+
+std::string SwapStore::Impl::tile_name(std::size_t t) const {
+  return "tile " + std::to_string(t) + " (elements [" + std::to_string(tile_begin(t)) + ", " +
+         std::to_string(tile_begin(t) + tile_count(t)) + ")) in " + files[t % files.size()].data_path;
+}
+
+// The table file holds two copies (regions) written alternately in place, each with a sequence number and
+// a CRC: an update is one pwrite and one fdatasync of a file that never changes size (no rename, no folder
+// sync, no journal commit), and a torn update leaves the other copy, one update older, intact.
+std::size_t SwapStore::Impl::table_region_bytes() const {
+  return (kTableHeader + ntiles * kTableEntry + 4 + 4095) / 4096 * 4096;
+}
+
+Status SwapStore::Impl::persist_table() {
+  const std::uint64_t seq = table_seq + 1;
+  std::string out;
+  out.reserve(table_region_bytes());
+  out.append(kTableMagic, sizeof kTableMagic);
+  put<std::uint32_t>(out, kSwapFormatVersion);
+  put<std::uint32_t>(out, 0);
+  put<std::uint64_t>(out, table.size());
+  put<std::uint64_t>(out, seq);
+  for (const TileEntry& e : table) {
+    put<std::int64_t>(out, e.step);
+    put<std::uint32_t>(out, e.slot);
+    for (std::uint32_t c : e.crc) put<std::uint32_t>(out, c);
+  }
+  put<std::uint32_t>(out, aio::crc32c_fast(out.data(), out.size()));
+  out.resize(table_region_bytes(), '\0');
+  const std::string path = table_path();
+  const auto at = static_cast<off_t>((seq % 2) * table_region_bytes());
+  std::size_t done = 0;
+  Status s;
+  while (s.ok() && done < out.size()) {
+    const ssize_t w = ::pwrite(table_fd.get(), out.data() + done, out.size() - done, at + static_cast<off_t>(done));
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) s = aio::sys_error("cannot write tile table", path, w < 0 ? errno : EIO);
+    else done += static_cast<std::size_t>(w);
+  }
+  if (s.ok()) s = aio::sync_file(table_fd.get(), path, options.fault_hook);
+  table_dirty = !s.ok();
+  if (s.ok()) table_seq = seq;
+  return s;
+}
+
+Status SwapStore::Impl::create_table() {
+  const std::string path = table_path();
+  ::unlink(path.c_str());
+  table_fd = aio::FileHandle(::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  if (!table_fd.valid()) return aio::sys_error("cannot create tile table", path, errno);
+  if (::ftruncate(table_fd.get(), static_cast<off_t>(2 * table_region_bytes())) != 0) {
+    return aio::sys_error("cannot size tile table", path, errno);
+  }
+  table_seq = 0;
+  if (Status s = persist_table(); !s.ok()) return s;
+  // The file's size and its name must be durable too (later updates sync only its data).
+  if (::fsync(table_fd.get()) != 0) return aio::sys_error("fsync of", path, errno);
+  return aio::sync_dir(files[0].dir);
+}
+
+Status SwapStore::Impl::load_table() {
+  const std::string path = table_path();
+  table_fd = aio::FileHandle(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+  if (!table_fd.valid()) {
+    return Status(StatusCode::corrupt, "the store's tile table " + path + " cannot be opened (" + std::strerror(errno) +
+                                           "): without it no tile can be trusted; restore from a checkpoint", errno);
+  }
+  const std::size_t region = table_region_bytes();
+  std::string why = "it is shorter than " + std::to_string(2 * region) + " bytes";
+  bool found = false;
+  std::string in(region, '\0');
+  for (std::size_t r = 0; r < 2; ++r) {
+    if (::pread(table_fd.get(), in.data(), region, static_cast<off_t>(r * region)) != static_cast<ssize_t>(region)) continue;
+    const std::size_t body = kTableHeader + ntiles * kTableEntry;
+    if (std::memcmp(in.data(), kTableMagic, sizeof kTableMagic) != 0 || get<std::uint64_t>(in, 16) != ntiles ||
+        get<std::uint32_t>(in, 8) != kSwapFormatVersion) {
+      why = "its header is not this store's (version " + std::to_string(get<std::uint32_t>(in, 8)) + ", " +
+            std::to_string(get<std::uint64_t>(in, 16)) + " tiles; expected " + std::to_string(ntiles) + ")";
+      continue;
+    }
+    if (aio::crc32c_fast(in.data(), body) != get<std::uint32_t>(in, body)) {
+      why = "both copies fail their checksum";
+      continue;
+    }
+    const std::uint64_t seq = get<std::uint64_t>(in, 24);
+    if (found && seq <= table_seq) continue;
+    std::vector<TileEntry> t(ntiles);
+    for (std::size_t i = 0; i < ntiles; ++i) {
+      const std::size_t at = kTableHeader + i * kTableEntry;
+      t[i].step = get<std::int64_t>(in, at);
+      t[i].slot = get<std::uint32_t>(in, at + 8) & 1u;
+      for (std::size_t k = 0; k < 3; ++k) t[i].crc[k] = get<std::uint32_t>(in, at + 12 + 4 * k);
+    }
+    table = std::move(t);
+    table_seq = seq;
+    found = true;
+  }
+  if (!found) {
+    return Status(StatusCode::corrupt, "tile table " + path + " is unusable: " + why +
+                                           "; without it no tile can be trusted -- restore from a checkpoint");
+  }
+  return Status::success();
+}
+
+Status SwapStore::Impl::check_file_sizes() {
+  for (const PathFile& f : files) {
+    struct stat st{};
+    if (::fstat(f.fd.get(), &st) != 0) return aio::sys_error("cannot stat swap file", f.data_path, errno);
+    if (static_cast<std::uint64_t>(st.st_size) != f.bytes) {
+      return Status(StatusCode::corrupt, "swap file " + f.data_path + " is " + std::to_string(st.st_size) +
+                                             " bytes, expected " + std::to_string(f.bytes) +
+                                             ": it was truncated or replaced; the store refuses it (restore from a checkpoint)");
+    }
+  }
+  return Status::success();
+}
+
+Status SwapStore::Impl::ready_for_io() {
+  if (Status s = check_file_sizes(); !s.ok()) return s;
+  // A table that failed to persist points at slots the next write would reuse: persist it first.
+  if (table_dirty) {
+    if (Status s = persist_table(); !s.ok()) {
+      return Status(s.code(), "the tile table could not be saved, so no tile may be rewritten yet: " + s.message(), s.sys_errno());
+    }
+  }
+  return Status::success();
+}
+
+Status SwapStore::Impl::sync_and_persist(const std::vector<TileEntry>& before, bool wrote) {
+  const auto t0 = std::chrono::steady_clock::now();
+  Status s;
+  if (wrote && options.durable) {
+    for (const PathFile& f : files) {
+      s = aio::sync_file(f.fd.get(), f.data_path, options.fault_hook);
+      if (!s.ok()) break;
+    }
+    if (!s.ok()) {
+      // The new slots may not be on the disk: fall back to the old ones, which nothing has touched.
+      table = before;
+      s = Status(s.code(), s.message() + "; this call's tiles were rolled back to their previous step", s.sys_errno());
+    }
+  }
+  if (s.ok() && (wrote || table_dirty)) s = persist_table();
+  stats.sync_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return s;
+}
+
+std::string SwapStore::Impl::describe() const {
+  std::string out;
+  std::size_t first = 0;
+  for (std::size_t t = 1; t <= ntiles; ++t) {
+    if (t == ntiles || table[t].step != table[first].step) {
+      if (!out.empty()) out += "; ";
+      const std::size_t end = std::min(n, tile_begin(t));
+      out += "tiles [" + std::to_string(first) + ", " + std::to_string(t) + ") (elements [" +
+             std::to_string(tile_begin(first)) + ", " + std::to_string(end) + ")) at step " +
+             (table[first].step < 0 ? std::string("none (never written)") : std::to_string(table[first].step));
+      first = t;
+    }
+  }
+  return out;
+}
+
+Status SwapStore::Impl::with_state(Status s) const {
+  if (s.ok()) return s;
+  return Status(s.code(), s.message() + " -- valid state now: " + describe(), s.sys_errno());
+}
+
+Status SwapStore::Impl::setup_runtime() {
+  aio::EngineOptions eo;
+  eo.queue_depth = static_cast<unsigned>(options.queue_depth);
+  eo.request_bytes = options.block_size;
+  eo.alignment = alignment;
+  eo.fault_hook = options.fault_hook;
+  if (options.block_size == 0 || options.block_size % alignment != 0) {
+    return invalid_argument("block_size = " + std::to_string(options.block_size) + " is not a positive multiple of the " +
+                            std::to_string(alignment) + "-byte alignment");
+  }
+  Result<std::unique_ptr<aio::IoEngine>> e = aio::IoEngine::create(eo);
+  if (!e.ok()) return e.status();
+  engine = std::move(e).value();
+  for (PathFile& f : files) f.engine_file = engine->add_file(f.fd.get(), f.data_path);
+  for (int b = 0; b < options.buffer_count; ++b) {
+    Result<AlignedBuffer> buf = AlignedBuffer::allocate(slot_bytes, std::max<std::size_t>(alignment, 4096));
+    if (!buf.ok()) return buf.status();
+    buffers.push_back(std::move(buf).value());
+  }
+  adam = options.adam;
+  if (adam == nullptr) {
+    Result<CpuAdam> a = CpuAdam::create(options.cpu);
+    if (!a.ok()) return a.status();
+    own_adam = std::make_unique<CpuAdam>(std::move(a).value());
+    adam = own_adam.get();
+  }
+  std::vector<std::string> buffered;
+  for (const PathFile& f : files) {
+    if (!f.direct) buffered.push_back(f.dir);
+  }
+  if (!buffered.empty()) {
+    std::string list;
+    for (const auto& p : buffered) list += (list.empty() ? "" : ", ") + p;
+    std::fprintf(stderr,
+                 "zoe: warning: swap path %s refuses O_DIRECT (filesystem without direct I/O, e.g. tmpfs/ramfs/overlayfs): "
+                 "using buffered I/O through the page cache, which is slower and uses RAM; put nvme_path on a local "
+                 "NVMe filesystem (ext4, xfs)\n",
+                 list.c_str());
+  }
+  return Status::success();
+}
+
+namespace {
+
+// Fills the parts of Impl that depend only on the options and the shape; checks the paths.
+Result<std::unique_ptr<SwapStore::Impl>> make_impl(const SwapOptions& options, const std::string& name, std::size_t n,
+                                                   std::size_t tile) {
+  if (Status s = validate_shape(options, name, n, tile); !s.ok()) return s;
+  auto impl = std::make_unique<SwapStore::Impl>();
+  impl->options = options;
+  impl->name = name;
+  impl->n = n;
+  impl->tile = tile;
+  impl->ntiles = (n + tile - 1) / tile;
+  impl->alignment = options.alignment == 0 ? 4096 : options.alignment;
+  impl->paths = options.paths;
+  std::set<std::string> seen;
+  const std::size_t P = options.paths.size();
+  for (std::size_t k = 0; k < P; ++k) {
+    const std::string& dir = options.paths[k];
+    if (Status s = aio::check_swap_dir(dir); !s.ok()) return s;
+    if (!seen.insert(canonical(dir)).second) {
+      return invalid_argument("swap path " + dir + " is listed twice: each path gets its own share of the tiles");
+    }
+    SwapStore::Impl::PathFile f;
+    f.dir = dir;
+    f.data_path = dir + "/" + data_file_name(name);
+    f.tiles_here = impl->ntiles > k ? (impl->ntiles - k + P - 1) / P : 0;
+    impl->files.push_back(std::move(f));
+  }
+  return impl;
+}
+
+// The alignment every path's O_DIRECT asks for, checked against the tile.
+Status settle_alignment(SwapStore::Impl& impl) {
+  for (const auto& f : impl.files) {
+    const auto [offset_align, mem_align] = aio::dio_alignment(f.fd.get());
+    impl.alignment = std::max<std::size_t>({impl.alignment, offset_align, mem_align});
+  }
+  if ((impl.alignment & (impl.alignment - 1)) != 0) {
+    return invalid_argument("alignment = " + std::to_string(impl.alignment) + " is not a power of two");
+  }
+  if (impl.tile * 4 % impl.alignment != 0) {
+    return invalid_argument("tile = " + std::to_string(impl.tile) + " elements is not a multiple of " +
+                            std::to_string(impl.alignment / 4) + " (its " + std::to_string(impl.tile * 4) +
+                            " bytes per array must be a multiple of the " + std::to_string(impl.alignment) +
+                            "-byte O_DIRECT block)");
+  }
+  impl.tile_bytes = impl.tile * 4;
+  impl.slot_bytes = 3 * impl.tile_bytes;
+  for (auto& f : impl.files) f.bytes = 2ull * f.tiles_here * impl.slot_bytes;
+  return Status::success();
+}
+
+nlohmann::json manifest_json(const SwapStore::Impl& impl, std::size_t k) {
+  nlohmann::json paths = nlohmann::json::array();
+  for (const auto& f : impl.files) paths.push_back(canonical(f.dir));
+  return {{"format", "zoe-swap"},
+          {"version", kSwapFormatVersion},
+          {"name", impl.name},
+          {"n", impl.n},
+          {"tile", impl.tile},
+          {"tiles", impl.ntiles},
+          {"paths", paths},
+          {"path_index", k},
+          {"data_file", data_file_name(impl.name)},
+          {"file_bytes", impl.files[k].bytes},
+          {"layout", "tile t on path t % len(paths); slot s of a tile at s * file_bytes / 2 + (t / len(paths)) * 12 * tile; "
+                     "a slot is [p | m | v], fp32, tile elements each; the valid slot, step and CRC-32C per tile are in "
+                     "<name>.zoe-swap.table under paths[0]"}};
+}
+
+}  // namespace
+
+Result<SwapStore> SwapStore::create(const SwapOptions& options, const std::string& name, std::size_t n, std::size_t tile) {
+  Result<std::unique_ptr<Impl>> made = make_impl(options, name, n, tile);
+  if (!made.ok()) return made.status();
+  Impl& impl = **made;
+  for (std::size_t k = 0; k < impl.files.size(); ++k) {
+    if (::access(impl.manifest_path(k).c_str(), F_OK) == 0) {
+      return invalid_argument("a swap store named " + name + " already exists in " + impl.files[k].dir +
+                              ": open it, or remove it first");
+    }
+  }
+  // Sizes are known only with the alignment, which needs an open file; a first pass at 4 KiB-alignment
+  // sizes checks free space before anything is written.
+  impl.tile_bytes = impl.tile * 4;
+  impl.slot_bytes = 3 * impl.tile_bytes;
+  for (auto& f : impl.files) {
+    const std::uint64_t need = 2ull * f.tiles_here * impl.slot_bytes;
+    Result<aio::FsInfo> fs = aio::fs_info(f.dir);
+    // ramfs reports no size at all (0 blocks): nothing to compare with there.
+    if (fs.ok() && fs->total_bytes > 0 && fs->free_bytes < need) {
+      return Status(StatusCode::io_error, "no space for swap file " + f.data_path + ": it needs " + aio::format_bytes(need) +
+                                              ", " + aio::format_bytes(fs->free_bytes) + " are free there",
+                    ENOSPC);
+    }
+  }
+  auto cleanup = [&impl] {
+    for (auto& f : impl.files) {
+      if (f.fd.valid()) {
+        f.fd.reset();
+        ::unlink(f.data_path.c_str());
+      }
+    }
+  };
+  for (auto& f : impl.files) {
+    ::unlink(f.data_path.c_str());  // no manifest: whatever is there is an unfinished creation
+    Result<aio::OpenedFile> opened = aio::open_swap_file(f.data_path, true, options.fault_hook);
+    if (!opened.ok()) {
+      cleanup();
+      return opened.status();
+    }
+    f.fd = std::move(opened->fd);
+    f.direct = opened->direct;
+  }
+  if (Status s = settle_alignment(impl); !s.ok()) {
+    cleanup();
+    return s;
+  }
+  for (auto& f : impl.files) {
+    if (Status s = aio::allocate_file(f.fd.get(), f.data_path, f.bytes, options.fault_hook); !s.ok()) {
+      cleanup();
+      return s;
+    }
+  }
+  impl.table.assign(impl.ntiles, {});
+  Status s = impl.create_table();
+  // The manifests go last: a store is recognised only once everything it describes exists.
+  for (std::size_t k = 0; s.ok() && k < impl.files.size(); ++k) {
+    s = aio::replace_file(impl.manifest_path(k), manifest_json(impl, k).dump(2) + "\n");
+  }
+  if (s.ok()) s = impl.setup_runtime();
+  if (!s.ok()) {
+    cleanup();
+    ::unlink(impl.table_path().c_str());
+    for (std::size_t k = 0; k < impl.files.size(); ++k) ::unlink(impl.manifest_path(k).c_str());
+    return s;
+  }
+  return SwapStore(std::move(made).value());
+}
+
+Result<SwapStore> SwapStore::open(const SwapOptions& options, const std::string& name, std::size_t n, std::size_t tile) {
+  Result<std::unique_ptr<Impl>> made = make_impl(options, name, n, tile);
+  if (!made.ok()) return made.status();
+  Impl& impl = **made;
+  const std::size_t P = impl.files.size();
+  for (std::size_t k = 0; k < P; ++k) {
+    const std::string path = impl.manifest_path(k);
+    Result<std::string> text = aio::read_whole_file(path);
+    if (!text.ok()) {
+      return Status(StatusCode::invalid_argument, "no swap store named " + name + " in " + impl.files[k].dir + " (" +
+                                                      path + " is missing): create it, or fix nvme_path", ENOENT);
+    }
+    nlohmann::json m = nlohmann::json::parse(text.value(), nullptr, false);
+    if (m.is_discarded() || !m.is_object() || m.value("format", "") != "zoe-swap") {
+      return Status(StatusCode::corrupt, "manifest " + path + " is not a zoe swap manifest (not JSON, or no format field)");
+    }
+    auto differs = [&](const std::string& what, const std::string& stored, const std::string& asked) {
+      return Status(StatusCode::invalid_argument, "swap store " + path + " was written with " + what + " = " + stored +
+                                                      ", this run asks for " + asked +
+                                                      ": use the same settings, or remove the store to start afresh");
+    };
+    const int version = m.value("version", 0);
+    if (version != kSwapFormatVersion) {
+      return differs("format version", std::to_string(version), std::to_string(kSwapFormatVersion) + " (this build's)");
+    }
+    if (m.value("n", std::size_t{0}) != n) return differs("n", std::to_string(m.value("n", std::size_t{0})), std::to_string(n));
+    if (m.value("tile", std::size_t{0}) != tile) {
+      return differs("tile", std::to_string(m.value("tile", std::size_t{0})), std::to_string(tile));
+    }
+    std::vector<std::string> stored_paths = m.value("paths", std::vector<std::string>{});
+    std::vector<std::string> asked_paths;
+    for (const auto& f : impl.files) asked_paths.push_back(canonical(f.dir));
+    if (stored_paths != asked_paths || m.value("path_index", std::size_t{P}) != k) {
+      return differs("paths", nlohmann::json(stored_paths).dump(), nlohmann::json(asked_paths).dump());
+    }
+  }
+  for (auto& f : impl.files) {
+    Result<aio::OpenedFile> opened = aio::open_swap_file(f.data_path, false, options.fault_hook);
+    if (!opened.ok()) return opened.status();
+    f.fd = std::move(opened->fd);
+    f.direct = opened->direct;
+  }
+  if (Status s = settle_alignment(impl); !s.ok()) return s;
+  if (Status s = impl.check_file_sizes(); !s.ok()) return s;
+  if (Status s = impl.load_table(); !s.ok()) return s;
+  if (Status s = impl.setup_runtime(); !s.ok()) return s;
+  return SwapStore(std::move(made).value());
+}
+
+Result<SwapStore> SwapStore::open_or_create(const SwapOptions& options, const std::string& name, std::size_t n,
+                                            std::size_t tile) {
+  if (!options.paths.empty() && ::access((options.paths[0] + "/" + name + ".zoe-swap.json").c_str(), F_OK) == 0) {
+    return open(options, name, n, tile);
+  }
+  return create(options, name, n, tile);
+}
+
+Status SwapStore::remove(const SwapOptions& options, const std::string& name) {
+  if (name.empty() || name.find('/') != std::string::npos) return invalid_argument("store name '" + name + "' is invalid");
+  for (const std::string& dir : options.paths) {
+    // Manifest first: a store half removed is then no longer recognised as a store.
+    for (const char* suffix : {".zoe-swap.json", ".zoe-swap.table", ".zoe-swap"}) {
+      const std::string path = dir + "/" + name + suffix;
+      if (::unlink(path.c_str()) != 0 && errno != ENOENT) return aio::sys_error("cannot remove", path, errno);
+    }
+  }
+  return Status::success();
+}
+
+SwapStore::SwapStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+SwapStore::SwapStore(SwapStore&&) noexcept = default;
+SwapStore& SwapStore::operator=(SwapStore&&) noexcept = default;
+SwapStore::~SwapStore() = default;
+
+std::size_t SwapStore::n() const { return impl_->n; }
+std::size_t SwapStore::tile() const { return impl_->tile; }
+std::size_t SwapStore::tiles() const { return impl_->ntiles; }
+std::size_t SwapStore::alignment() const { return impl_->alignment; }
+const std::string& SwapStore::name() const { return impl_->name; }
+const std::vector<std::string>& SwapStore::paths() const { return impl_->paths; }
+std::vector<std::string> SwapStore::files() const {
+  std::vector<std::string> out;
+  for (const auto& f : impl_->files) out.push_back(f.data_path);
+  return out;
+}
+bool SwapStore::direct_io() const {
+  for (const auto& f : impl_->files) {
+    if (!f.direct) return false;
+  }
+  return true;
+}
+std::int64_t SwapStore::tile_step(std::size_t t) const { return t < impl_->ntiles ? impl_->table[t].step : -1; }
+const SwapStats& SwapStore::last_stats() const { return impl_->stats; }
+std::size_t SwapStore::buffer_bytes() const {
+  std::size_t total = 0;
+  for (const auto& b : impl_->buffers) total += b.size();
+  return total;
+}
+
+std::vector<TileRun> SwapStore::tile_runs() const {
+  std::vector<TileRun> runs;
+  const Impl& im = *impl_;
+  std::size_t first = 0;
+  for (std::size_t t = 1; t <= im.ntiles; ++t) {
+    if (t == im.ntiles || im.table[t].step != im.table[first].step) {
+      TileRun r;
+      r.first_tile = first;
+      r.tiles = t - first;
+      r.offset = im.tile_begin(first);
+      r.n = std::min(im.n, im.tile_begin(t)) - r.offset;
+      r.step = im.table[first].step;
+      runs.push_back(r);
+      first = t;
+    }
+  }
+  return runs;
+}
+
+std::string SwapStore::describe_state() const { return impl_->describe(); }
+
+}  // namespace zoe
