@@ -16,6 +16,14 @@ inline V::F load_grad(const void* g, std::size_t i) {
   if constexpr (G == kBF16) return V::load_bf16(static_cast<const std::uint16_t*>(g) + i);
 }
 
+// One gradient value widened to float, without vectors: for tails and exact re-sums.
+template <int G>
+inline float scalar_grad(const void* g, std::size_t i) {
+  if constexpr (G == kF32) return static_cast<const float*>(g)[i];
+  if constexpr (G == kF16) return f16_to_f32(static_cast<const std::uint16_t*>(g)[i]);
+  if constexpr (G == kBF16) return bf16_to_f32(static_cast<const std::uint16_t*>(g)[i]);
+}
+
 template <int O>
 inline void store_out(void* out, std::size_t i, V::F x) {
   if constexpr (O == kOutF16) V::store_f16(static_cast<std::uint16_t*>(out) + i, x);
@@ -148,7 +156,7 @@ std::size_t count_non_finite(const void* g, std::size_t n, std::size_t* first) {
   *first = n;
   for (std::size_t start = 0; start < n; start += kBlock) {
     const std::size_t end = start + kBlock < n ? start + kBlock : n;
-    std::size_t block_count = 0;
+    std::uint32_t block_count = 0;
     for (std::size_t i = start; i < end; ++i) block_count += (bits[i] & kExp) == kExp;
     if (block_count != 0 && *first == n) {
       for (std::size_t i = start; i < end; ++i) {
@@ -163,6 +171,58 @@ std::size_t count_non_finite(const void* g, std::size_t n, std::size_t* first) {
   return count;
 }
 
+// Per block of kBlock values: the non-finite ones are counted on their bits; a block without any sums its
+// squares in float lanes (fma), which is exact enough for a norm and as fast as the loads. A block whose
+// float sum overflows, or is so small that squares may have underflowed, or that holds a NaN/Inf, is summed
+// again element by element in double, skipping the non-finite values.
+template <int G>
+double sum_squares(const void* g, std::size_t n, std::uint64_t* non_finite) {
+  constexpr std::size_t kBlock = 1024;
+  double total = 0;
+  *non_finite = 0;
+  for (std::size_t start = 0; start < n; start += kBlock) {
+    const std::size_t count = start + kBlock < n ? kBlock : n - start;
+    const void* block = static_cast<const unsigned char*>(g) + start * elem_bytes(G);
+    std::size_t first = 0;
+    const std::size_t bad = count_non_finite<G>(block, count, &first);
+    *non_finite += bad;
+    double sum = 0;
+    if (bad == 0) {
+      // Four accumulators: the fma latency, not the loads, would otherwise set the pace.
+      V::F acc[4] = {V::set(0.0f), V::set(0.0f), V::set(0.0f), V::set(0.0f)};
+      std::size_t i = 0;
+      for (; i + 4 * V::lanes <= count; i += 4 * V::lanes) {
+        for (std::size_t k = 0; k < 4; ++k) {
+          const V::F x = load_grad<G>(block, i + k * V::lanes);
+          acc[k] = V::fma(x, x, acc[k]);
+        }
+      }
+      for (; i + V::lanes <= count; i += V::lanes) {
+        const V::F x = load_grad<G>(block, i);
+        acc[0] = V::fma(x, x, acc[0]);
+      }
+      alignas(64) float lanes[V::lanes];
+      for (const V::F& a : acc) {
+        V::store(lanes, a);
+        for (std::size_t k = 0; k < V::lanes; ++k) sum += lanes[k];
+      }
+      for (; i < count; ++i) {
+        const double x = scalar_grad<G>(block, i);
+        sum += x * x;
+      }
+    }
+    if (bad != 0 || !(sum < 1e37) || sum < 1e-30) {
+      sum = 0;
+      for (std::size_t i = 0; i < count; ++i) {
+        const double x = scalar_grad<G>(block, i);
+        if (x - x == 0) sum += x * x;
+      }
+    }
+    total += sum;
+  }
+  return total;
+}
+
 constexpr KernelTable make_table(const char* name, bool native_bf16) {
   return KernelTable{
       name,
@@ -175,5 +235,6 @@ constexpr KernelTable make_table(const char* name, bool native_bf16) {
        {streams<kF16, kOutNone>, streams<kF16, kOutF16>, streams<kF16, kOutBF16>},
        {streams<kBF16, kOutNone>, streams<kBF16, kOutF16>, streams<kBF16, kOutBF16>}},
       {count_non_finite<kF32>, count_non_finite<kF16>, count_non_finite<kBF16>},
+      {sum_squares<kF32>, sum_squares<kF16>, sum_squares<kBF16>},
   };
 }

@@ -31,6 +31,8 @@ using AdamFn = void (*)(const AdamConstants& c, float* p, float* m, float* v, co
                         std::size_t n);
 // Counts the NaN/Inf gradients in g[0, n); *first receives the index of the first one (n when none).
 using CountNonFiniteFn = std::size_t (*)(const void* g, std::size_t n, std::size_t* first);
+// Sum of squares of the finite values of g (in double), and the count of NaN/Inf values: a gradient norm.
+using SumSquaresFn = double (*)(const void* g, std::size_t n, std::uint64_t* non_finite);
 
 struct KernelTable {
   const char* name;         // the ISA token: "scalar", "avx2", "avx512"
@@ -39,6 +41,7 @@ struct KernelTable {
   AdamFn adam[kElems][kElems];     // [grad Elem][OutElem]
   AdamFn streams[kElems][kElems];  // the bandwidth ceiling: same loads/stores, trivial arithmetic
   CountNonFiniteFn count_non_finite[kElems];
+  SumSquaresFn sum_squares[kElems];
 };
 
 namespace scalar { const KernelTable& table(); }

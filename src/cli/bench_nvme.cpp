@@ -197,7 +197,7 @@ int bench_nvme(std::span<char* const> args) {
   if (!chunk_text.empty()) {
     Result<std::uint64_t> c = parse_count(chunk_text, "--chunk");
     if (!c.ok()) return fail(c.status());
-    cfg.chunk = std::max<std::uint64_t>(c.value() / cfg.tile, 1) * cfg.tile;  // whole tiles per call
+    cfg.chunk = std::min(cfg.n, std::max<std::uint64_t>(c.value() / cfg.tile, 1) * cfg.tile);  // whole tiles per call
   }
   const auto g = parse_dtype(grad_text);
   if (!g) return fail(invalid_argument("--grad " + grad_text + " is not f32, f16 or bf16"));

@@ -2,6 +2,8 @@
 // time. The ceiling is the device's compute alone: device_idle_fraction = 1 - compute / iteration.
 #include <cstdio>
 #include <cstring>
+#include <utility>
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -67,6 +69,36 @@ class DeviceModel {
   std::vector<void*> owned_;
 };
 
+// The copy ceiling: plain copies of every gradient down and every weight up between device memory and the
+// device's own page-locked host memory (cudaMemcpyAsync on CUDA), one direction at a time, best of three.
+Result<std::pair<double, double>> raw_copy_seconds(Device& device, const std::vector<ParamSpec>& specs) {
+  std::size_t bytes = 0;
+  for (const ParamSpec& p : specs) bytes += p.n * dtype_size(p.dtype);
+  Result<void*> host = device.allocate_host(bytes);
+  if (!host.ok()) return host.status();
+  double best_down = 1e30, best_up = 1e30;
+  Status s;
+  for (int rep = 0; rep < 3 && s.ok(); ++rep) {
+    for (int up = 0; up < 2 && s.ok(); ++up) {
+      const double t = time_seconds([&] {
+        std::size_t at = 0;
+        for (const ParamSpec& p : specs) {
+          const std::size_t b = p.n * dtype_size(p.dtype);
+          auto* h = static_cast<unsigned char*>(host.value()) + at;
+          if (s.ok()) s = up ? device.copy_to_device(p.device_weights, h, b, Stream::h2d)
+                             : device.copy_to_host(h, p.device_grads, b, Stream::d2h);
+          at += b;
+        }
+        if (s.ok()) s = device.synchronize();
+      });
+      (up ? best_up : best_down) = std::min(up ? best_up : best_down, t);
+    }
+  }
+  device.free_host(host.value());
+  if (!s.ok()) return s;
+  return std::pair{best_down, best_up};
+}
+
 // One training iteration as a trainer issues it: forward (a third of the compute), then backward bucket
 // by bucket from the last, each bucket reported as its gradient is enqueued, then step().
 Status iteration(Device& device, OffloadOptimizer& opt, std::size_t buckets, double compute_s) {
@@ -106,7 +138,9 @@ int bench_step(std::span<char* const> args) {
   if (help) {
     std::printf("usage: zoe bench step [options]\n\n%s", options_help(options).c_str());
     std::printf("\nstep_s is the wall time per training iteration; device_idle_fraction = 1 - compute / step_s.\n"
-                "cpu_step_s is one iteration with no device compute (copies and CPU Adam alone).\n");
+                "cpu_step_s is one iteration with no device compute (copies and CPU Adam alone).\n"
+                "copy_gbps (sync, delayed) is what the optimizer's D2H + H2D achieved; copy_ceiling_gbps plain copies\n"
+                "of the same bytes to and from page-locked host memory (cudaMemcpyAsync on CUDA); copy_ratio their ratio.\n");
     return 0;
   }
   Schedule schedule;
@@ -149,6 +183,7 @@ int bench_step(std::span<char* const> args) {
   if (!opt.ok()) return fail(opt.status());
 
   std::vector<double> probes;
+  const StepStats before_probes = opt->stats();
   for (int i = 0; i < kCpuProbes; ++i) {
     Status s;
     probes.push_back(time_seconds([&] {
@@ -158,6 +193,19 @@ int bench_step(std::span<char* const> args) {
     if (!s.ok()) return fail(s);
   }
   const double cpu_step_s = summarize(probes).median;
+  // The optimizer's own copies, from the sync probes (the delayed schedule's warm-up is sync): the time in
+  // step() not spent in Adam moved the gradients down and the weights up, one after the other.
+  const StepStats& after_probes = opt->stats();
+  const double copy_s = (after_probes.step_call_s - before_probes.step_call_s) - (after_probes.adam_s - before_probes.adam_s);
+  const double copy_bytes = static_cast<double>((after_probes.d2h_bytes - before_probes.d2h_bytes) +
+                                                (after_probes.h2d_bytes - before_probes.h2d_bytes));
+  Result<std::pair<double, double>> raw = raw_copy_seconds(*device, model.specs());
+  if (!raw.ok()) return fail(raw.status());
+  double model_bytes = 0;
+  for (const ParamSpec& p : model.specs()) model_bytes += static_cast<double>(p.n * dtype_size(p.dtype));
+  const double copy_ceiling_gbps = 2 * model_bytes / (raw->first + raw->second) / 1e9;
+  const bool copies_measured = schedule != Schedule::overlap && copy_s > 0;
+  const double copy_gbps = copies_measured ? copy_bytes / copy_s / 1e9 : 0;
   double compute_s = 1.5 * cpu_step_s;
   if (!compute_text.empty()) {
     char* end = nullptr;
@@ -199,7 +247,8 @@ int bench_step(std::span<char* const> args) {
     line.add("bench", "step").add("device", device_name).add("schedule", schedule_text).add("n", n.value())
         .add("buckets", buckets.value()).add("device_compute_s", compute_s).add("step_s", step_s)
         .add("device_idle_fraction", idle).add("cpu_step_s", cpu_step_s).add("cpu_adam_s", adam_s)
-        .add("iters", iters.value());
+        .add("iters", iters.value()).add("copy_ceiling_gbps", copy_ceiling_gbps);
+    if (copies_measured) line.add("copy_gbps", copy_gbps).add("copy_ratio", copy_gbps / copy_ceiling_gbps);
     std::printf("%s\n", line.str().c_str());
   } else {
     std::printf("%-8s %-8s %12s %8s %12s %10s %8s %12s %10s\n", "device", "schedule", "n", "buckets", "compute ms",
@@ -208,6 +257,10 @@ int bench_step(std::span<char* const> args) {
                 schedule_text.c_str(), static_cast<unsigned long long>(n.value()),
                 static_cast<unsigned long long>(buckets.value()), compute_s * 1e3, step_s * 1e3, idle,
                 cpu_step_s * 1e3, adam_s * 1e3);
+    if (copies_measured) {
+      std::printf("copies (D2H + H2D): %.2f GB/s in the optimizer, %.2f GB/s plain copies of the same bytes: "
+                  "ratio %.3f\n", copy_gbps, copy_ceiling_gbps, copy_gbps / copy_ceiling_gbps);
+    }
   }
   return 0;
 }

@@ -12,12 +12,20 @@
 #include <thread>
 #include <type_traits>
 
+#include "simd/dispatch.h"
 #include "src/offload/host_device.h"
 #include "src/offload/work_queue.h"
 #include "zoe/device.h"
 
 namespace zoe {
 namespace {
+
+const simd::KernelTable& stats_table() {
+  static const simd::KernelTable& table = simd::kernel_table(supported_isas().front());
+  return table;
+}
+
+int simd_elem(DType dtype) { return dtype == DType::f32 ? simd::kF32 : dtype == DType::f16 ? simd::kF16 : simd::kBF16; }
 
 struct EventState {
   std::mutex mutex;
@@ -34,58 +42,6 @@ struct EventState {
     done_cv.wait(lock, [this] { return done; });
   }
 };
-
-// Sum of squares and NaN/Inf count, written so that the compiler vectorizes it at the baseline ISA: 16
-// independent accumulators per block of 4096 values, blocks summed in double. Non-finite values are counted
-// and left out of the sum. f32 and bf16 square in double (a float square overflows above 1.8e19 and vanishes
-// below 1e-23); every f16 square fits a float. f16 widens by shifting its bits into a float's and rescaling the exponent
-// by 2^112, which is exact for normals and subnormals alike; the sign does not matter to a square.
-template <DType kDtype>
-GradStats stats_of(const void* data, std::size_t n) {
-  using Stored = std::conditional_t<kDtype == DType::f32, std::uint32_t, std::uint16_t>;
-  const Stored* g = static_cast<const Stored*>(data);
-  constexpr std::size_t kLanes = 16, kBlock = 4096;
-  GradStats s;
-  for (std::size_t begin = 0; begin < n; begin += kBlock) {
-    const std::size_t end = std::min(n, begin + kBlock);
-    using Acc = std::conditional_t<kDtype == DType::f16, float, double>;
-    Acc acc[kLanes] = {};
-    std::uint32_t bad[kLanes] = {};
-    std::size_t i = begin;
-    auto one = [](Stored bits, Acc& sum, std::uint32_t& non_finite) {
-      std::uint32_t wide;
-      bool nf;
-      float scale = 1.0f;
-      if constexpr (kDtype == DType::f32) {
-        wide = bits;
-        nf = (bits & 0x7f800000u) == 0x7f800000u;
-      } else if constexpr (kDtype == DType::bf16) {
-        wide = static_cast<std::uint32_t>(bits) << 16;
-        nf = (bits & 0x7f80u) == 0x7f80u;
-      } else {
-        wide = static_cast<std::uint32_t>(bits & 0x7fffu) << 13;
-        nf = (bits & 0x7c00u) == 0x7c00u;
-        scale = 0x1p112f;
-      }
-      float x;
-      std::memcpy(&x, &wide, 4);
-      const Acc y = nf ? 0.0f : x * scale;
-      sum += y * y;
-      non_finite += nf;
-    };
-    for (; i + kLanes <= end; i += kLanes) {
-      for (std::size_t j = 0; j < kLanes; ++j) one(g[i + j], acc[j], bad[j]);
-    }
-    for (std::size_t j = 0; i < end; ++i, ++j) one(g[i], acc[j], bad[j]);
-    double block = 0;
-    for (std::size_t j = 0; j < kLanes; ++j) {
-      block += acc[j];
-      s.non_finite += bad[j];
-    }
-    s.sum_sq += block;
-  }
-  return s;
-}
 
 class HostDevice final : public Device {
  public:
@@ -113,12 +69,12 @@ class HostDevice final : public Device {
 
   Status grad_stats(const void* device, DType dtype, std::size_t n, GradStats* out, Stream stream) override {
     if (!dtype_valid(dtype)) return invalid_argument("grad_stats: invalid dtype");
+    // The CPU's best kernel, as a GPU runs its own: blockwise float sums, exact re-sums where float is not enough.
+    const simd::SumSquaresFn sum_squares = stats_table().sum_squares[simd_elem(dtype)];
     return enqueue(stream, [=] {
-      switch (dtype) {
-        case DType::f32: *out = stats_of<DType::f32>(device, n); break;
-        case DType::f16: *out = stats_of<DType::f16>(device, n); break;
-        case DType::bf16: *out = stats_of<DType::bf16>(device, n); break;
-      }
+      std::uint64_t non_finite = 0;
+      out->sum_sq = sum_squares(device, n, &non_finite);
+      out->non_finite = non_finite;
     });
   }
 

@@ -247,6 +247,61 @@ TEST(SwapStore, RefusesBadCallsWithoutChangingAnything) {
   EXPECT_FALSE(SwapStore::create(small_options({dir.path(), dir.path()}), "other", kN, kTile).ok());
 }
 
+// A step issued as several calls on tile boundaries (a trainer stepping bucket by bucket) equals one call.
+TEST(SwapStore, StepInCallsOnTileBoundariesEqualsOneCall) {
+  TempDir dir;
+  Result<SwapStore> store = make_store(small_options({dir.path()}));
+  ASSERT_TRUE(store.ok()) << store.status().to_string();
+  testing::SegmentSpec whole{0, kN, AdamHyper{}, DType::bf16, true, DType::bf16};
+  SwapModel model(kN, {whole});
+  for (std::int64_t step = 1; step <= 3; ++step) {
+    model.make_grads(step);
+    const SwapSegment seg = model.segments()[0];
+    const std::size_t cut = 2 * kTile;
+    SwapSegment first = seg, second = seg;
+    first.n = cut;
+    second.offset = cut;
+    second.n = kN - cut;
+    second.grad = static_cast<const std::uint16_t*>(seg.grad) + cut;
+    second.out = static_cast<std::uint16_t*>(seg.out) + cut;
+    StepOptions o;
+    o.step = step;
+    ASSERT_TRUE(store->step({&second, 1}, o).ok());  // any order
+    ASSERT_TRUE(store->step({&first, 1}, o).ok());
+    model.reference_step(step);
+  }
+  model.expect_matches(*store);
+}
+
+// The tile table keeps two copies: one damaged copy falls back to the other; both damaged is refused.
+TEST(SwapStore, TileTableSurvivesOneDamagedCopy) {
+  TempDir dir;
+  SwapModel model(kN, testing::default_specs(kN));
+  {
+    Result<SwapStore> store = make_store(small_options({dir.path()}));
+    ASSERT_TRUE(store.ok()) << store.status().to_string();
+    run_steps(*store, model, 1, 2);
+  }
+  const std::string table = dir.path() + "/rank0.zoe-swap.table";
+  auto damage = [&](std::size_t region) {
+    std::fstream f(table, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(region * 4096 + 40));
+    f.put('\x5A');
+  };
+  damage(0);
+  Result<SwapStore> one = SwapStore::open(small_options({dir.path()}), "rank0", kN, kTile);
+  ASSERT_TRUE(one.ok()) << one.status().to_string();
+  std::vector<float> p(kN);
+  EXPECT_TRUE(one->read(0, kN, p.data(), nullptr, nullptr).ok()) << "the surviving copy names intact slots";
+  one = Status(StatusCode::internal, "closed");
+  damage(1);
+  Result<SwapStore> none = SwapStore::open(small_options({dir.path()}), "rank0", kN, kTile);
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.status().message().find("tile table"), std::string::npos) << none.status().to_string();
+  EXPECT_EQ(none.status().code(), StatusCode::corrupt);
+}
+
+
 // A filesystem without O_DIRECT: ramfs where this process may mount one, else the seam refusing O_DIRECT
 // at open. Either way: buffered I/O, direct_io() false, same results.
 TEST(SwapStore, BufferedFallbackWhenODirectIsRefused) {

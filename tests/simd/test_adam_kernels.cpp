@@ -234,6 +234,54 @@ TEST_P(KernelTableTest, CountsNonFiniteGradients) {
   }
 }
 
+// The gradient norm's sum of squares: fast float blocks, exact double re-sums for blocks with non-finite
+// values, huge values (a float square overflows) or tiny ones (a float square underflows).
+TEST_P(KernelTableTest, SumsSquaresOfFiniteGradients) {
+  const KernelTable& table = variant().table();
+  for (DType dtype : {DType::f32, DType::f16, DType::bf16}) {
+    SCOPED_TRACE(std::string(dtype_name(dtype)));
+    Random rng(6);
+    const std::size_t n = 5000;  // several blocks and a tail
+    GradData g = test::make_grad(dtype, n, rng, 2.0);
+    const std::size_t size = dtype_size(dtype);
+    auto poke = [&](std::size_t i, float x) {
+      if (dtype == DType::f32) {
+        std::memcpy(g.bytes.data() + i * size, &x, 4);
+        g.values[i] = x;
+      } else {
+        const std::uint16_t h = dtype == DType::f16 ? float_to_f16(x) : float_to_bf16(x);
+        std::memcpy(g.bytes.data() + i * size, &h, 2);
+        g.values[i] = dtype == DType::f16 ? f16_to_float(h) : bf16_to_float(h);
+      }
+    };
+    auto reference = [&](std::size_t from, std::size_t count) {
+      double sum = 0;
+      for (std::size_t i = from; i < from + count; ++i) {
+        if (std::isfinite(g.values[i])) sum += g.values[i] * g.values[i];
+      }
+      return sum;
+    };
+    std::uint64_t bad = 99;
+    EXPECT_NEAR(table.sum_squares[int(dtype)](g.bytes.data(), n, &bad), reference(0, n), 1e-5 * reference(0, n));
+    EXPECT_EQ(bad, 0u);
+    poke(17, NAN);
+    poke(3000, -INFINITY);
+    EXPECT_NEAR(table.sum_squares[int(dtype)](g.bytes.data(), n, &bad), reference(0, n), 1e-5 * reference(0, n));
+    EXPECT_EQ(bad, 2u);
+    if (dtype != DType::f16) {  // f16's range holds no overflowing or vanishing float squares
+      poke(2100, 1e30f);
+      const double big = table.sum_squares[int(dtype)](g.bytes.data(), n, &bad);
+      EXPECT_TRUE(std::isfinite(big));
+      EXPECT_NEAR(big, reference(0, n), 1e-5 * reference(0, n));
+      // A block of nothing but tiny values: its squares vanish in float, not in double.
+      for (std::size_t i = 0; i < 1024; ++i) poke(i, 1e-25f);
+      const double tiny = table.sum_squares[int(dtype)](g.bytes.data(), 1024, &bad);
+      EXPECT_GT(tiny, 0.0);
+      EXPECT_NEAR(tiny, reference(0, 1024), 1e-5 * reference(0, 1024));
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllIsas, KernelTableTest, ::testing::Range(0, 4),
                          [](const ::testing::TestParamInfo<int>& i) { return std::string(kVariants[i.param].token); });
 
