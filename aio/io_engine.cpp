@@ -305,9 +305,11 @@ Status IoEngine::wait(Ticket ticket) {
   std::unique_lock lock(impl_->mu);
   auto it = impl_->jobs.find(ticket);
   if (it == impl_->jobs.end()) return Status(StatusCode::internal, "wait: unknown ticket " + std::to_string(ticket));
-  impl_->done_cv.wait(lock, [&] { return it->second.done; });
-  Status s = std::move(it->second.status);
-  impl_->jobs.erase(it);
+  // A submit() meanwhile may rehash the map: iterators die, references to elements stay valid.
+  Job* job = &it->second;
+  impl_->done_cv.wait(lock, [job] { return job->done; });
+  Status s = std::move(job->status);
+  impl_->jobs.erase(ticket);
   return s;
 }
 

@@ -164,7 +164,7 @@ Status SwapStore::Impl::load_table() {
   }
   const std::size_t region = table_region_bytes();
   std::string why = "it is shorter than " + std::to_string(2 * region) + " bytes";
-  bool found = false;
+  bool found = false, damaged = false;
   std::string in(region, '\0');
   for (std::size_t r = 0; r < 2; ++r) {
     if (::pread(table_fd.get(), in.data(), region, static_cast<off_t>(r * region)) != static_cast<ssize_t>(region)) continue;
@@ -177,6 +177,7 @@ Status SwapStore::Impl::load_table() {
     }
     if (aio::crc32c_fast(in.data(), body) != get<std::uint32_t>(in, body)) {
       why = "both copies fail their checksum";
+      damaged = true;
       continue;
     }
     const std::uint64_t seq = get<std::uint64_t>(in, 24);
@@ -195,6 +196,11 @@ Status SwapStore::Impl::load_table() {
   if (!found) {
     return Status(StatusCode::corrupt, "tile table " + path + " is unusable: " + why +
                                            "; without it no tile can be trusted -- restore from a checkpoint");
+  }
+  if (damaged) {
+    // The other copy is consistent (it names slots no later write touched) but may be one update older.
+    std::fprintf(stderr, "zoe: warning: one copy of tile table %s is damaged; using the other: %s\n", path.c_str(),
+                 describe().c_str());
   }
   return Status::success();
 }
