@@ -118,11 +118,13 @@ Status iteration(Device& device, OffloadOptimizer& opt, std::size_t buckets, dou
 
 int bench_step(std::span<char* const> args) {
   std::string device_name = "host", schedule_text = "sync", n_text = "64M", buckets_text = "16", compute_text,
-              iters_text = "10";
+              iters_text = "10", tier_text = "ram", path_text;
   bool json = false, help = false;
   const Option options[] = {
       {"device", &device_name, nullptr, "host (the stand-in) or cuda"},
       {"schedule", &schedule_text, nullptr, "sync, overlap or delayed"},
+      {"tier", &tier_text, nullptr, "where p, m, v live: ram or nvme"},
+      {"path", &path_text, nullptr, "tier nvme: swap folder(s), comma-separated"},
       {"n", &n_text, nullptr, "parameters (K, M, G suffixes are powers of 1024)"},
       {"buckets", &buckets_text, nullptr, "gradient buckets reported during backward"},
       {"compute-ms", &compute_text, nullptr, "device forward+backward time (default: 1.5x the CPU step measured at start)"},
@@ -178,6 +180,17 @@ int bench_step(std::span<char* const> args) {
   constexpr int kCpuProbes = 3;  // iterations without compute that time the CPU step; sync for delayed
   OffloadOptions o;
   o.schedule = schedule;
+  if (tier_text == "nvme") {
+    o.tier = Tier::nvme;
+    for (std::size_t at = 0; at <= path_text.size();) {
+      const std::size_t comma = std::min(path_text.find(',', at), path_text.size());
+      if (comma > at) o.nvme.paths.push_back(path_text.substr(at, comma - at));
+      at = comma + 1;
+    }
+    if (o.nvme.paths.empty()) return fail(invalid_argument("--tier nvme needs --path DIR[,DIR...]"));
+  } else if (tier_text != "ram") {
+    return fail(invalid_argument("--tier " + tier_text + " is not ram or nvme"));
+  }
   o.delayed_warmup_steps = kCpuProbes;
   Result<OffloadOptimizer> opt = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs(), o);
   if (!opt.ok()) return fail(opt.status());
@@ -244,7 +257,7 @@ int bench_step(std::span<char* const> args) {
   const double adam_s = (opt->stats().adam_s - adam_before) / static_cast<double>(iters.value());
   if (json) {
     JsonLine line;
-    line.add("bench", "step").add("device", device_name).add("schedule", schedule_text).add("n", n.value())
+    line.add("bench", "step").add("device", device_name).add("schedule", schedule_text).add("tier", tier_text).add("n", n.value())
         .add("buckets", buckets.value()).add("device_compute_s", compute_s).add("step_s", step_s)
         .add("device_idle_fraction", idle).add("cpu_step_s", cpu_step_s).add("cpu_adam_s", adam_s)
         .add("iters", iters.value()).add("copy_ceiling_gbps", copy_ceiling_gbps);
