@@ -1,4 +1,6 @@
-"""Sums the GoogleTest XML reports under a folder; prints skip reasons and one closing count line."""
+"""Sums the JUnit-style XML reports under a folder (GoogleTest's, and pytest's --junitxml, whose test cases
+carry no status attribute and report errors apart from failures); prints skip reasons and one closing count
+line."""
 import collections
 import pathlib
 import sys
@@ -9,13 +11,13 @@ reasons = collections.Counter()
 for report in sorted(pathlib.Path(sys.argv[1]).glob("*.xml")):
     for case in ET.parse(report).getroot().iter("testcase"):
         skip = case.find("skipped")
-        if case.find("failure") is not None:
+        if case.find("failure") is not None or case.find("error") is not None:
             failed += 1
         elif skip is not None or case.get("result") == "skipped":
             skipped += 1
             message = (skip.get("message", "") if skip is not None else "").strip()
             reasons[f"{report.stem}: {message.splitlines()[-1] if message else '(no reason given)'}"] += 1
-        elif case.get("status") == "run":
+        elif case.get("status", "run") == "run":
             passed += 1
 if reasons:
     print("skipped, by reason:")

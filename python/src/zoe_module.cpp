@@ -1,0 +1,482 @@
+// zoe._zoe: the C++ core for Python. Three objects: CpuAdam (the kernel over numpy arrays or CPU tensors),
+// Device (host stand-in or CUDA) and Engine (OffloadOptimizer). The PyTorch adapter (zoe/torch.py) is
+// built on these; nothing here knows torch.
+//
+// Every long call releases the GIL: a step over 100M parameters takes tens of milliseconds in which data
+// loaders and other Python threads must run. A failed Status becomes a Python exception whose type follows
+// the status code (zoe.ZoeError and its subclasses, see zoe/__init__.py), carrying the engine's message.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "src/offload/config.h"
+#include "zoe/adam.h"
+#include "zoe/device.h"
+#include "zoe/dtype.h"
+#include "zoe/offload.h"
+#include "zoe/status.h"
+
+namespace nb = nanobind;
+
+namespace zoe::python {
+namespace {
+
+// Carries a failed Status out of a binding; the translator registered in the module picks the Python type.
+struct StatusError : std::runtime_error {
+  StatusError(StatusCode c, const std::string& what) : std::runtime_error(what), code(c) {}
+  StatusCode code;
+};
+
+void check(const Status& s) {
+  if (!s.ok()) throw StatusError(s.code(), s.to_string());
+}
+
+template <typename T>
+T take(Result<T>&& r) {
+  if (!r.ok()) check(r.status());
+  return std::move(r).value();
+}
+
+using CpuArray = nb::ndarray<nb::device::cpu, nb::c_contig>;
+using F32Array = nb::ndarray<float, nb::device::cpu, nb::c_contig>;
+
+DType dtype_of(const CpuArray& a, const char* what) {
+  const nb::dlpack::dtype d = a.dtype();
+  if (d == nb::dtype<float>()) return DType::f32;
+  if (d.bits == 16 && d.lanes == 1 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float)) return DType::f16;
+  if (d.bits == 16 && d.lanes == 1 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat)) return DType::bf16;
+  throw std::invalid_argument(std::string(what) + ": dtype must be float32, float16 or bfloat16");
+}
+
+DType parse_dtype_or_throw(const std::string& name) {
+  std::optional<DType> d = parse_dtype(name);
+  if (!d) throw std::invalid_argument("unknown dtype '" + name + "': use f32, f16 or bf16");
+  return *d;
+}
+
+AdamHyper make_hyper(float lr, float beta1, float beta2, float eps, float weight_decay, bool adamw,
+                     bool bias_correction) {
+  AdamHyper h;
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.eps = eps;
+  h.weight_decay = weight_decay;
+  h.adamw = adamw;
+  h.bias_correction = bias_correction;
+  return h;
+}
+
+nb::dict hyper_dict(const AdamHyper& h) {
+  nb::dict d;
+  d["lr"] = h.lr;
+  d["beta1"] = h.beta1;
+  d["beta2"] = h.beta2;
+  d["eps"] = h.eps;
+  d["weight_decay"] = h.weight_decay;
+  d["adamw"] = h.adamw;
+  d["bias_correction"] = h.bias_correction;
+  return d;
+}
+
+// ---- CpuAdam over arrays -------------------------------------------------------------------------------
+
+struct PyCpuAdam {
+  CpuAdam adam;
+
+  // Lists of equal length; `outs` may be empty (no 16-bit copy) or hold one array (or None) per tensor.
+  void step(std::vector<F32Array> params, std::vector<F32Array> exp_avgs, std::vector<F32Array> exp_avg_sqs,
+            std::vector<CpuArray> grads, std::vector<std::optional<CpuArray>> outs, std::int64_t step, float lr,
+            float beta1, float beta2, float eps, float weight_decay, bool adamw, bool bias_correction,
+            float grad_scale, bool check_finite) {
+    const std::size_t count = params.size();
+    if (exp_avgs.size() != count || exp_avg_sqs.size() != count || grads.size() != count ||
+        (!outs.empty() && outs.size() != count)) {
+      throw std::invalid_argument("CpuAdam.step: params, exp_avgs, exp_avg_sqs, grads (and outs) need equal lengths");
+    }
+    std::vector<AdamTensor> tensors(count);
+    for (std::size_t i = 0; i < count; ++i) {
+      const std::string where = "tensor " + std::to_string(i);
+      AdamTensor& t = tensors[i];
+      t.n = params[i].size();
+      if (exp_avgs[i].size() != t.n || exp_avg_sqs[i].size() != t.n || grads[i].size() != t.n) {
+        throw std::invalid_argument(where + ": param, exp_avg, exp_avg_sq and grad must have the same size");
+      }
+      t.param = params[i].data();
+      t.exp_avg = exp_avgs[i].data();
+      t.exp_avg_sq = exp_avg_sqs[i].data();
+      t.grad = grads[i].data();
+      t.grad_dtype = dtype_of(grads[i], (where + " grad").c_str());
+      if (!outs.empty() && outs[i]) {
+        CpuArray& out = *outs[i];
+        if (out.size() != t.n) throw std::invalid_argument(where + ": out must have the same size as param");
+        t.out = out.data();
+        t.out_dtype = dtype_of(out, (where + " out").c_str());
+        if (t.out_dtype == DType::f32) throw std::invalid_argument(where + ": out must be float16 or bfloat16");
+      }
+    }
+    StepOptions o;
+    o.step = step;
+    o.grad_scale = grad_scale;
+    o.check_finite = check_finite;
+    const AdamHyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, adamw, bias_correction);
+    Status s;
+    {
+      nb::gil_scoped_release release;
+      s = adam.step(h, o, tensors);
+    }
+    check(s);
+  }
+};
+
+// ---- Device and Engine ---------------------------------------------------------------------------------
+
+struct PyDevice {
+  std::unique_ptr<Device> device;
+  void synchronize() {
+    Status s;
+    {
+      nb::gil_scoped_release release;
+      s = device->synchronize();
+    }
+    check(s);
+  }
+};
+
+// One parameter as (n, dtype name, device weights address, device gradients address, group).
+using ParamTuple = std::tuple<std::size_t, std::string, std::uintptr_t, std::uintptr_t, int>;
+
+struct EngineOptions {
+  std::string tier = "ram";
+  std::vector<std::string> nvme_paths;
+  int buffer_count = 4;
+  std::size_t block_size = 1 << 20;
+  int queue_depth = 8;
+  std::string schedule = "sync";
+  int delayed_warmup_steps = 10;
+  float max_grad_norm = 0;
+  bool loss_scale = false;
+  bool dynamic_loss_scale = true;
+  float static_loss_scale = 1;
+  float initial_scale = 65536;
+  float growth_factor = 2;
+  float backoff_factor = 0.5f;
+  int growth_interval = 1000;
+  int hysteresis = 2;
+  bool consecutive_hysteresis = false;
+  float min_scale = 1;
+  std::size_t tile = 1 << 20;
+  std::string isa = "auto";
+  int threads = 0;
+};
+
+OffloadOptions to_options(const EngineOptions& e) {
+  OffloadOptions o;
+  if (e.tier == "ram") {
+    o.tier = Tier::ram;
+  } else if (e.tier == "nvme") {
+    o.tier = Tier::nvme;
+  } else {
+    throw std::invalid_argument("tier '" + e.tier + "' is unknown: use ram or nvme");
+  }
+  o.nvme.paths = e.nvme_paths;
+  o.nvme.buffer_count = e.buffer_count;
+  o.nvme.block_size = e.block_size;
+  o.nvme.queue_depth = e.queue_depth;
+  if (e.schedule == "sync") {
+    o.schedule = Schedule::sync;
+  } else if (e.schedule == "overlap") {
+    o.schedule = Schedule::overlap;
+  } else if (e.schedule == "delayed") {
+    o.schedule = Schedule::delayed;
+  } else {
+    throw std::invalid_argument("schedule '" + e.schedule + "' is unknown: use sync, overlap or delayed");
+  }
+  o.delayed_warmup_steps = e.delayed_warmup_steps;
+  o.max_grad_norm = e.max_grad_norm;
+  LossScaleOptions& ls = o.loss_scale;
+  ls.enabled = e.loss_scale;
+  ls.dynamic = e.dynamic_loss_scale;
+  ls.static_scale = e.static_loss_scale;
+  ls.initial_scale = e.initial_scale;
+  ls.growth_factor = e.growth_factor;
+  ls.backoff_factor = e.backoff_factor;
+  ls.growth_interval = e.growth_interval;
+  ls.hysteresis = e.hysteresis;
+  ls.consecutive_hysteresis = e.consecutive_hysteresis;
+  ls.min_scale = e.min_scale;
+  o.tile = e.tile;
+  o.cpu.isa = e.isa;
+  o.cpu.threads = e.threads;
+  return o;
+}
+
+struct PyEngine {
+  // Declared first so that it is destroyed last: the optimizer's destructor still talks to the device.
+  nb::object device_owner;
+  std::optional<OffloadOptimizer> opt;
+  std::size_t param_count = 0;
+
+  OffloadOptimizer& get() { return *opt; }
+
+  // Runs a call on the optimizer with the GIL released and raises on failure.
+  template <typename F>
+  void call(F&& f) {
+    Status s;
+    {
+      nb::gil_scoped_release release;
+      s = f(*opt);
+    }
+    check(s);
+  }
+};
+
+std::unique_ptr<PyEngine> make_engine(nb::object device_obj, std::vector<nb::dict> groups,
+                                      std::vector<ParamTuple> params, const EngineOptions& options) {
+  PyDevice& device = nb::cast<PyDevice&>(device_obj);
+  std::vector<ParamGroup> gs;
+  for (nb::dict& g : groups) {
+    auto get = [&g](const char* key, auto fallback) {
+      using T = decltype(fallback);
+      return g.contains(key) ? nb::cast<T>(g[key]) : fallback;
+    };
+    const AdamHyper defaults;
+    gs.push_back(ParamGroup{make_hyper(get("lr", defaults.lr), get("beta1", defaults.beta1),
+                                       get("beta2", defaults.beta2), get("eps", defaults.eps),
+                                       get("weight_decay", defaults.weight_decay), get("adamw", defaults.adamw),
+                                       get("bias_correction", defaults.bias_correction))});
+  }
+  std::vector<ParamSpec> ps;
+  ps.reserve(params.size());
+  for (const auto& [n, dtype, weights, grads, group] : params) {
+    ParamSpec p;
+    p.n = n;
+    p.dtype = parse_dtype_or_throw(dtype);
+    p.device_weights = reinterpret_cast<void*>(weights);
+    p.device_grads = reinterpret_cast<const void*>(grads);
+    p.group = group;
+    ps.push_back(p);
+  }
+  const OffloadOptions o = to_options(options);
+  auto engine = std::make_unique<PyEngine>();
+  engine->device_owner = device_obj;
+  engine->param_count = ps.size();
+  Result<OffloadOptimizer> made = Status(StatusCode::internal, "not created");
+  {
+    nb::gil_scoped_release release;
+    made = OffloadOptimizer::create(*device.device, std::move(gs), std::move(ps), o);
+  }
+  engine->opt.emplace(take(std::move(made)));
+  return engine;
+}
+
+// Tier nvme's counters, where the engine this module is built against has them (they arrived with the tier).
+template <typename Stats>
+void add_nvme_stats(nb::dict& d, const Stats& s) {
+  if constexpr (requires { s.nvme_read_s; }) {
+    d["nvme_read_bytes"] = s.nvme_read_bytes;
+    d["nvme_write_bytes"] = s.nvme_write_bytes;
+    d["nvme_read_s"] = s.nvme_read_s;
+    d["nvme_write_s"] = s.nvme_write_s;
+  }
+}
+
+nb::dict stats_dict(const StepStats& s) {
+  nb::dict d;
+  d["steps"] = s.steps;
+  d["skipped"] = s.skipped;
+  d["redone"] = s.redone;
+  d["last_grad_norm"] = s.last_grad_norm;
+  d["adam_s"] = s.adam_s;
+  d["step_call_s"] = s.step_call_s;
+  d["d2h_bytes"] = s.d2h_bytes;
+  d["h2d_bytes"] = s.h2d_bytes;
+  add_nvme_stats(d, s);
+  return d;
+}
+
+// The DeepSpeed JSON config as plain Python values (engine options by the names Engine takes, the Adam
+// hyper-parameters, and the notes on keys zoe ignored or read differently).
+nb::dict config_dict(const LoadedConfig& c) {
+  const OffloadOptions& o = c.options;
+  nb::dict opts;
+  opts["tier"] = std::string(tier_name(o.tier));
+  opts["nvme_paths"] = o.nvme.paths;
+  opts["buffer_count"] = o.nvme.buffer_count;
+  opts["block_size"] = o.nvme.block_size;
+  opts["queue_depth"] = o.nvme.queue_depth;
+  opts["schedule"] = std::string(schedule_name(o.schedule));
+  opts["delayed_warmup_steps"] = o.delayed_warmup_steps;
+  opts["max_grad_norm"] = o.max_grad_norm;
+  opts["loss_scale"] = o.loss_scale.enabled;
+  opts["dynamic_loss_scale"] = o.loss_scale.dynamic;
+  opts["static_loss_scale"] = o.loss_scale.static_scale;
+  opts["initial_scale"] = o.loss_scale.initial_scale;
+  opts["growth_factor"] = o.loss_scale.growth_factor;
+  opts["backoff_factor"] = o.loss_scale.backoff_factor;
+  opts["growth_interval"] = o.loss_scale.growth_interval;
+  opts["hysteresis"] = o.loss_scale.hysteresis;
+  opts["consecutive_hysteresis"] = o.loss_scale.consecutive_hysteresis;
+  opts["min_scale"] = o.loss_scale.min_scale;
+  opts["tile"] = o.tile;
+  nb::dict d;
+  d["options"] = opts;
+  d["hyper"] = hyper_dict(c.hyper);
+  d["notes"] = c.notes;
+  return d;
+}
+
+void bind_cpu_adam(nb::module_& m) {
+  nb::class_<PyCpuAdam>(m, "CpuAdam", "Multi-tensor CPU Adam/AdamW on fp32 master weights and moments.")
+      .def("__init__",
+           [](PyCpuAdam* self, const std::string& isa, int threads, std::size_t tile) {
+             CpuAdamOptions o;
+             o.isa = isa;
+             o.threads = threads;
+             o.tile = tile;
+             new (self) PyCpuAdam{take(CpuAdam::create(o))};
+           },
+           nb::arg("isa") = "auto", nb::arg("threads") = 0, nb::arg("tile") = std::size_t{1} << 16)
+      .def("step", &PyCpuAdam::step, nb::arg("params"), nb::arg("exp_avgs"), nb::arg("exp_avg_sqs"),
+           nb::arg("grads"), nb::arg("outs") = std::vector<std::optional<CpuArray>>{}, nb::kw_only(),
+           nb::arg("step"), nb::arg("lr") = 1e-3f, nb::arg("beta1") = 0.9f, nb::arg("beta2") = 0.999f,
+           nb::arg("eps") = 1e-8f, nb::arg("weight_decay") = 0.0f, nb::arg("adamw") = true,
+           nb::arg("bias_correction") = true, nb::arg("grad_scale") = 1.0f, nb::arg("check_finite") = false,
+           "Steps every tensor in place; `outs` (optional, one per tensor) receive the weights as fp16/bf16.")
+      .def_prop_ro("isa", [](const PyCpuAdam& a) { return std::string(isa_name(a.adam.isa())); })
+      .def_prop_ro("kernel", [](const PyCpuAdam& a) { return std::string(a.adam.kernel()); })
+      .def_prop_ro("threads", [](const PyCpuAdam& a) { return a.adam.threads(); })
+      .def_prop_ro("tile", [](const PyCpuAdam& a) { return a.adam.tile(); });
+}
+
+void bind_engine(nb::module_& m) {
+  nb::class_<PyDevice>(m, "Device", "Where the model's weights and gradients live, as zoe's engine sees it.")
+      .def_prop_ro("name", [](const PyDevice& d) { return d.device->name(); })
+      .def("synchronize", &PyDevice::synchronize, "Waits for every copy the engine has enqueued.");
+  m.def("host_device", [] { return std::make_unique<PyDevice>(PyDevice{make_host_device()}); },
+        "The host stand-in: any host address is device memory; copies run on stream threads.");
+  m.def("cuda_device", [](int ordinal) { return std::make_unique<PyDevice>(PyDevice{take(make_cuda_device(ordinal))}); },
+        nb::arg("ordinal") = 0, "The CUDA GPU `ordinal`; raises UnsupportedError without CUDA.");
+
+  nb::class_<EngineOptions>(m, "EngineOptions")
+      .def(nb::init<>())
+      .def_rw("tier", &EngineOptions::tier)
+      .def_rw("nvme_paths", &EngineOptions::nvme_paths)
+      .def_rw("buffer_count", &EngineOptions::buffer_count)
+      .def_rw("block_size", &EngineOptions::block_size)
+      .def_rw("queue_depth", &EngineOptions::queue_depth)
+      .def_rw("schedule", &EngineOptions::schedule)
+      .def_rw("delayed_warmup_steps", &EngineOptions::delayed_warmup_steps)
+      .def_rw("max_grad_norm", &EngineOptions::max_grad_norm)
+      .def_rw("loss_scale", &EngineOptions::loss_scale)
+      .def_rw("dynamic_loss_scale", &EngineOptions::dynamic_loss_scale)
+      .def_rw("static_loss_scale", &EngineOptions::static_loss_scale)
+      .def_rw("initial_scale", &EngineOptions::initial_scale)
+      .def_rw("growth_factor", &EngineOptions::growth_factor)
+      .def_rw("backoff_factor", &EngineOptions::backoff_factor)
+      .def_rw("growth_interval", &EngineOptions::growth_interval)
+      .def_rw("hysteresis", &EngineOptions::hysteresis)
+      .def_rw("consecutive_hysteresis", &EngineOptions::consecutive_hysteresis)
+      .def_rw("min_scale", &EngineOptions::min_scale)
+      .def_rw("tile", &EngineOptions::tile)
+      .def_rw("isa", &EngineOptions::isa)
+      .def_rw("threads", &EngineOptions::threads);
+
+  nb::class_<PyEngine>(m, "Engine", "zoe's OffloadOptimizer over parameters given by address on a Device.")
+      .def("__init__",
+           [](PyEngine* self, nb::object device, std::vector<nb::dict> groups, std::vector<ParamTuple> params,
+              const EngineOptions& options) { new (self) PyEngine(std::move(*make_engine(device, groups, params, options))); },
+           nb::arg("device"), nb::arg("groups"), nb::arg("params"), nb::arg("options"))
+      .def("grad_ready",
+           [](PyEngine& e, std::size_t i) { e.call([i](OffloadOptimizer& o) { return o.grad_ready(i); }); })
+      .def("step", [](PyEngine& e) { e.call([](OffloadOptimizer& o) { return o.step(); }); })
+      .def("wait", [](PyEngine& e) { e.call([](OffloadOptimizer& o) { return o.wait(); }); })
+      .def("save", [](PyEngine& e, const std::string& path) { e.call([&path](OffloadOptimizer& o) { return o.save(path); }); })
+      .def("load", [](PyEngine& e, const std::string& path) { e.call([&path](OffloadOptimizer& o) { return o.load(path); }); })
+      .def("set_hyper",
+           [](PyEngine& e, std::size_t group, float lr, float beta1, float beta2, float eps, float weight_decay,
+              bool adamw) {
+             AdamHyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, adamw, true);
+             check(CpuAdam::validate(h));
+             AdamHyper& target = e.get().group_hyper(group);
+             target = h;
+           },
+           nb::arg("group"), nb::arg("lr"), nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"),
+           nb::arg("weight_decay"), nb::arg("adamw"))
+      .def("hyper", [](PyEngine& e, std::size_t group) { return hyper_dict(e.get().group_hyper(group)); })
+      .def_prop_ro("loss_scale", [](PyEngine& e) { return e.get().loss_scale(); })
+      .def_prop_ro("step_count", [](PyEngine& e) { return e.get().step_count(); })
+      .def_prop_ro("last_step_skipped", [](PyEngine& e) { return e.get().last_step_skipped(); })
+      .def_prop_ro("param_count", [](PyEngine& e) { return e.param_count; })
+      .def("stats", [](PyEngine& e) { return stats_dict(e.get().stats()); })
+      .def("read_state",
+           [](PyEngine& e, std::size_t i, std::optional<F32Array> master, std::optional<F32Array> exp_avg,
+              std::optional<F32Array> exp_avg_sq) {
+             float* ptrs[3] = {master ? master->data() : nullptr, exp_avg ? exp_avg->data() : nullptr,
+                               exp_avg_sq ? exp_avg_sq->data() : nullptr};
+             e.call([&](OffloadOptimizer& o) { return o.read_state(i, ptrs[0], ptrs[1], ptrs[2]); });
+           },
+           nb::arg("param"), nb::arg("master").none(), nb::arg("exp_avg").none(), nb::arg("exp_avg_sq").none(),
+           "Copies a parameter's fp32 master weights and moments into the given arrays (call wait() first).");
+
+  m.def("parse_config",
+        [](const std::string& text, const std::string& source) { return config_dict(take(parse_config(text, source))); },
+        nb::arg("text"), nb::arg("source") = "<string>");
+  m.def("load_config", [](const std::string& path) { return config_dict(take(load_config_file(path))); },
+        nb::arg("path"));
+}
+
+}  // namespace
+}  // namespace zoe::python
+
+NB_MODULE(_zoe, m) {
+  using namespace zoe;
+  using namespace zoe::python;
+  m.doc() = "zoe's C++ core: CPU Adam and the offload engine";
+  // An optimizer still referenced from a torch parameter's hook at interpreter exit is never destroyed;
+  // that is not a leak worth a page of warnings on every exit.
+  nb::set_leak_warnings(false);
+  // Python types by status code; zoe/__init__.py re-exports them.
+  static nb::object base = nb::steal(PyErr_NewException("zoe._zoe.ZoeError", PyExc_RuntimeError, nullptr));
+  static nb::object unsupported =
+      nb::steal(PyErr_NewException("zoe._zoe.UnsupportedError", base.ptr(), nullptr));
+  static nb::object invalid = nb::steal(PyErr_NewException(
+      "zoe._zoe.InvalidArgumentError", nb::make_tuple(base, nb::handle(PyExc_ValueError)).ptr(), nullptr));
+  static nb::object corrupt = nb::steal(PyErr_NewException("zoe._zoe.CorruptError", base.ptr(), nullptr));
+  m.attr("ZoeError") = base;
+  m.attr("UnsupportedError") = unsupported;
+  m.attr("InvalidArgumentError") = invalid;
+  m.attr("CorruptError") = corrupt;
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      PyObject* type = base.ptr();
+      if (e.code == StatusCode::unsupported) type = unsupported.ptr();
+      if (e.code == StatusCode::invalid_argument) type = invalid.ptr();
+      if (e.code == StatusCode::corrupt) type = corrupt.ptr();
+      PyErr_SetString(type, e.what());
+    }
+  });
+  m.def("supported_isas", [] {
+    std::vector<std::string> names;
+    for (Isa i : supported_isas()) names.emplace_back(isa_name(i));
+    return names;
+  });
+  bind_cpu_adam(m);
+  bind_engine(m);
+}

@@ -1,0 +1,140 @@
+"""python -m zoe.bench — zoe's optimizer step against torch.optim.AdamW (foreach=True and fused=True) on the
+same CPU parameters in the same run, and the PyTorch adapter's Python overhead on the demo model.
+
+Reported, not asserted (BENCHMARKING.md): medians of --reps timed steps after a warm-up, with min and max.
+Every contender steps the same fp32 parameters with fp32 gradients; bytes counted per parameter are the 28 B
+of fp32 Adam (read p, g, m, v; write p, m, v). zoe's OffloadOptimizer step also copies the gradients to its
+staging and the weights back to the parameters (the D2H and H2D of the host stand-in), so the bare kernel
+(zoe.CpuAdam on the same arrays) is listed too."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import zoe
+from zoe.torch import OffloadOptimizer
+
+
+def _params(n_total: int, tensors: int, seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    size = n_total // tensors
+    ps = []
+    for _ in range(tensors):
+        p = torch.nn.Parameter(torch.randn(size, generator=g) * 0.02)
+        p.grad = torch.randn(size, generator=g) * 1e-3
+        ps.append(p)
+    return ps
+
+
+def _time(fn, reps: int, warmup: int = 2) -> dict:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts)}
+
+
+def bench_step(n: int, tensors: int, reps: int) -> list[dict]:
+    hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    rows = []
+    contenders = [("torch AdamW foreach=True", lambda ps: torch.optim.AdamW(ps, foreach=True, **hyper))]
+    try:
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], fused=True)
+        contenders.append(("torch AdamW fused=True", lambda ps: torch.optim.AdamW(ps, fused=True, **hyper)))
+    except (RuntimeError, TypeError, ValueError) as e:
+        print(f"note: this torch has no fused AdamW on CPU ({e})", file=sys.stderr)
+    contenders.append(("zoe OffloadOptimizer (sync, ram)", lambda ps: OffloadOptimizer(ps, **hyper)))
+    for name, make in contenders:
+        ps = _params(n, tensors)
+        opt = make(ps)
+        rows.append({"name": name, **_time(opt.step, reps)})
+        del opt, ps
+    # The bare kernel on the same amount of data: what the engine's step costs without its copies.
+    ps = _params(n, tensors)
+    adam = zoe.CpuAdam()
+    m = [torch.zeros_like(p) for p in ps]
+    v = [torch.zeros_like(p) for p in ps]
+    data = [p.detach() for p in ps]
+    grads = [p.grad for p in ps]
+    k = [0]
+
+    def kernel():
+        k[0] += 1
+        adam.step(data, m, v, grads, step=k[0], lr=1e-3, weight_decay=0.01)
+
+    rows.append({"name": f"zoe.CpuAdam kernel ({adam.kernel})", **_time(kernel, reps)})
+    base = rows[0]["median_s"]
+    fused = next((r["median_s"] for r in rows if "fused" in r["name"]), None)
+    for r in rows:
+        r["n"] = n
+        r["gbps"] = 28 * n / r["median_s"] / 1e9
+        r["speedup_vs_foreach"] = base / r["median_s"]
+        if fused:
+            r["speedup_vs_fused"] = fused / r["median_s"]
+    return rows
+
+
+def bench_adapter(steps: int) -> dict:
+    """The adapter's own Python time per step (grad bookkeeping, hyper-parameter sync) against the whole
+    optimizer step, on the demo's model with bf16 weights, tier ram."""
+    from zoe.demo.data import ByteBatches
+    from zoe.demo.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(compute_dtype=torch.float32)).to(torch.bfloat16)
+    opt = OffloadOptimizer(model.parameters(), lr=1e-3, max_grad_norm=1.0)
+    data = ByteBatches(128, 8)
+    step_wall = 0.0
+    for i in range(steps + 3):
+        if i == 3:  # warm-up done
+            step_wall, base = 0.0, opt.stats()
+        x, y = data.next()
+        opt.zero_grad()
+        model(x, y)[1].backward()
+        t = time.perf_counter()
+        opt.step()
+        step_wall += time.perf_counter() - t
+    s = opt.stats()
+    adapter = s["adapter_s"] - base["adapter_s"]
+    return {"model_params": model.num_params(), "steps": steps, "step_ms": 1e3 * step_wall / steps,
+            "adapter_ms": 1e3 * adapter / steps, "adapter_fraction": adapter / step_wall,
+            "engine_ms": 1e3 * (s["engine_s"] - base["engine_s"]) / steps}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m zoe.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=float, default=100e6, help="parameters (default 100M)")
+    p.add_argument("--tensors", type=int, default=10)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--adapter-steps", type=int, default=20)
+    p.add_argument("--json", action="store_true", help="one JSON object per line on stdout, nothing else")
+    a = p.parse_args(argv)
+    rows = bench_step(int(a.n), a.tensors, a.reps)
+    adapter = bench_adapter(a.adapter_steps)
+    if a.json:
+        for r in rows:
+            print(json.dumps({"bench": "step_vs_torch", **r}))
+        print(json.dumps({"bench": "adapter_overhead", **adapter}))
+        return 0
+    print(f"Adam step on {int(a.n) / 1e6:.0f}M fp32 CPU parameters in {a.tensors} tensors, {torch.get_num_threads()} "
+          f"torch threads; median of {a.reps} (min-max); GB/s at 28 B/param")
+    for r in rows:
+        extra = f"  x{r['speedup_vs_fused']:.2f} vs fused" if "speedup_vs_fused" in r else ""
+        print(f"  {r['name']:<36} {1e3 * r['median_s']:8.1f} ms ({1e3 * r['min_s']:.1f}-{1e3 * r['max_s']:.1f})"
+              f"  {r['gbps']:6.1f} GB/s  x{r['speedup_vs_foreach']:.2f} vs foreach{extra}")
+    print(f"Adapter overhead on the demo model ({adapter['model_params'] / 1e6:.2f}M params, bf16, tier ram): "
+          f"{adapter['adapter_ms']:.3f} ms of a {adapter['step_ms']:.2f} ms step "
+          f"({100 * adapter['adapter_fraction']:.2f}%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,546 @@
+"""zoe.torch — ``OffloadOptimizer``, a ``torch.optim.Optimizer`` whose fp32 master weights and Adam moments
+live in zoe (pinned RAM, or NVMe) while the model keeps its own weights, in their own dtype, on its device.
+
+How it meets torch:
+
+* At construction the trainable parameters of each dtype are packed into one flat buffer on their device
+  (``p.data`` and ``p.grad`` become views of it), so the engine reads every gradient and writes every weight
+  with one address per parameter that never changes, and ``zero_grad`` is one fill. Move the model to its
+  device *before* creating the optimizer.
+* ``step()`` hands the hyper-parameters of each param group (an LR scheduler's ``group['lr']`` included) to
+  the engine, then runs the engine's step with the GIL released; the updated weights are back in ``p.data``
+  when it returns (one step later for ``schedule="delayed"``).
+* ``schedule="overlap"`` reports each parameter to the engine from a post-accumulate-grad hook during
+  backward, so its transfer and CPU Adam overlap the rest of backward.
+* With ``torch.distributed`` initialised, each rank owns 1/W of every flat buffer: gradients are averaged
+  (reduce-scatter, or all-reduce where the backend lacks it, as gloo does), the rank steps its shard, and
+  the weights are all-gathered.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+import time
+import weakref
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from . import _zoe
+
+__all__ = ["OffloadOptimizer"]
+
+_ZOE_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_STATE_FORMAT = "zoe.torch.OffloadOptimizer/1"
+# Keys of torch.optim.AdamW's groups whose non-default values zoe cannot honour.
+_UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+class _Slot:
+    """Where one trainable parameter lives in its dtype's flat buffers."""
+
+    __slots__ = ("param", "index", "group", "offset", "numel", "grad_view", "engine_ids")
+
+    def __init__(self, param, index, group, offset):
+        self.param = param
+        self.index = index  # position in param-group order, as state_dict numbers parameters
+        self.group = group
+        self.offset = offset
+        self.numel = param.numel()
+        self.grad_view = None
+        self.engine_ids: list[int] = []
+
+
+class _Bucket:
+    """The flat weights and gradients of every trainable parameter of one dtype, and this rank's shard."""
+
+    def __init__(self, dtype, device, slots, world):
+        self.dtype = dtype
+        self.slots = slots
+        total = sum(s.numel for s in slots)
+        self.shard_numel = -(-total // world) if total else 0
+        padded = self.shard_numel * world
+        self.weights = torch.zeros(padded, dtype=dtype, device=device)
+        self.grads = torch.zeros(padded, dtype=dtype, device=device)
+        self.shard_grads = None  # a separate buffer where reduce-scatter writes; else a view of `grads`
+
+
+class OffloadOptimizer(torch.optim.Optimizer):
+    """Adam/AdamW with its state offloaded to zoe. A drop-in for ``torch.optim.AdamW`` (``adamw=True``, the
+    default) or ``torch.optim.Adam`` with L2 decay (``adamw=False``).
+
+    Args beyond AdamW's:
+        tier: ``"ram"`` (pinned host memory) or ``"nvme"`` (swap files under ``nvme_path``).
+        nvme_path: a folder, or a list of folders on several drives, for the NVMe tier.
+        schedule: ``"sync"``, ``"overlap"`` (transfers and CPU Adam during backward) or ``"delayed"``
+            (the CPU step runs beside the next forward/backward, one step stale, after
+            ``delayed_warmup_steps`` sync steps).
+        max_grad_norm: clip the global gradient norm (``torch.nn.utils.clip_grad_norm_`` semantics).
+        loss_scale: ``None`` — dynamic fp16 loss scaling when any parameter is fp16, none otherwise;
+            ``"dynamic"``; a number — a static scale; ``False`` — none. Multiply the loss by
+            ``opt.loss_scale`` (or call ``opt.backward(loss)``); an overflow skips the step, as GradScaler does.
+        process_group: the data-parallel group (default: the world, when torch.distributed is initialised).
+        isa, threads, tile: the CPU kernel's instruction set, worker threads, elements per unit of work.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, adamw: bool = True, tier: str = "ram", nvme_path=None,
+                 schedule: str = "sync", max_grad_norm: float | None = None, *, loss_scale=None,
+                 initial_scale: float = 2.0 ** 16, growth_interval: int = 1000, hysteresis: int = 2,
+                 min_loss_scale: float = 1.0, delayed_warmup_steps: int = 10, process_group=None,
+                 isa: str = "auto", threads: int = 0, tile: int = 1 << 20, buffer_count: int = 4,
+                 block_size: int = 1 << 20, queue_depth: int = 8):
+        if not 0.0 <= lr:
+            raise ValueError(f"lr = {lr} is invalid: need >= 0")
+        if tier not in ("ram", "nvme"):
+            raise ValueError(f"tier = {tier!r} is unknown: use 'ram' or 'nvme'")
+        if tier == "nvme" and not nvme_path:
+            raise ValueError("tier='nvme' needs nvme_path: a folder (or a list of folders) for the swap files")
+        if schedule not in ("sync", "overlap", "delayed"):
+            raise ValueError(f"schedule = {schedule!r} is unknown: use 'sync', 'overlap' or 'delayed'")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=adamw)
+        self._built = False
+        super().__init__(params, defaults)
+        self._options = dict(tier=tier, nvme_path=nvme_path, schedule=schedule, max_grad_norm=max_grad_norm,
+                             loss_scale=loss_scale, initial_scale=initial_scale, growth_interval=growth_interval,
+                             hysteresis=hysteresis, min_loss_scale=min_loss_scale,
+                             delayed_warmup_steps=delayed_warmup_steps, isa=isa, threads=threads, tile=tile,
+                             buffer_count=buffer_count, block_size=block_size, queue_depth=queue_depth)
+        self._group = process_group
+        self._world, self._rank = 1, 0
+        if dist.is_available() and dist.is_initialized():
+            self._group = process_group if process_group is not None else dist.group.WORLD
+            self._world = dist.get_world_size(self._group)
+            self._rank = dist.get_rank(self._group)
+        self._accumulating = False
+        self._hooks = []
+        self._hyper_sent: list[tuple | None] = []
+        self._timing = {"engine_s": 0.0, "adapter_s": 0.0, "comm_s": 0.0, "steps": 0}
+        self._build()
+        self._built = True
+
+    # ---- construction ---------------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_built", False):
+            raise RuntimeError(
+                "zoe.torch.OffloadOptimizer: parameters cannot be added after construction — the engine has "
+                "already laid out the optimizer state. Create the optimizer with every param group "
+                "(e.g. unfreeze layers by setting their lr to 0 in a group of their own).")
+        for flag in _UNSUPPORTED_FLAGS:
+            if param_group.get(flag, False):
+                raise ValueError(f"zoe.torch.OffloadOptimizer does not support {flag}=True")
+        super().add_param_group(param_group)
+
+    def _build(self) -> None:
+        devices = {p.device for g in self.param_groups for p in g["params"]}
+        if len(devices) > 1:
+            raise ValueError(
+                "zoe.torch.OffloadOptimizer: parameters are on several devices "
+                f"({', '.join(sorted(str(d) for d in devices))}); one optimizer serves one device — "
+                "move the model to one device first, or create one optimizer per device")
+        self._device = devices.pop() if devices else torch.device("cpu")
+        if self._device.type == "cuda":
+            self._zoe_device = _zoe.cuda_device(self._device.index or 0)
+        elif self._device.type == "cpu":
+            self._zoe_device = _zoe.host_device()
+        else:
+            raise ValueError(f"zoe.torch.OffloadOptimizer: device {self._device} is not supported (cpu or cuda)")
+        if self._device.type == "cuda" and self._options["schedule"] == "delayed":
+            raise _zoe.UnsupportedError(
+                "schedule='delayed' on CUDA needs zoe's device to share torch's compute stream, which zoe "
+                "cannot do yet; use 'sync' or 'overlap'")
+
+        slots_by_dtype: dict[torch.dtype, list[_Slot]] = {}
+        self._slots: list[_Slot] = []
+        index = 0
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.is_sparse or p.layout != torch.strided:
+                    raise ValueError(f"parameter {index} (shape {tuple(p.shape)}) is sparse: zoe steps dense tensors")
+                if p.requires_grad:
+                    if p.dtype not in _ZOE_DTYPES:
+                        raise TypeError(f"parameter {index} (shape {tuple(p.shape)}) is {p.dtype}; zoe handles "
+                                        "float32, float16 and bfloat16")
+                    bucket = slots_by_dtype.setdefault(p.dtype, [])
+                    offset = sum(s.numel for s in bucket)
+                    slot = _Slot(p, index, gi, offset)
+                    bucket.append(slot)
+                    self._slots.append(slot)
+                index += 1
+        self._param_count = index
+        self._buckets = [_Bucket(dt, self._device, slots, self._world) for dt, slots in slots_by_dtype.items()]
+        with torch.no_grad():
+            for b in self._buckets:
+                for s in b.slots:
+                    b.weights[s.offset:s.offset + s.numel].copy_(s.param.data.reshape(-1))
+                    s.param.data = b.weights[s.offset:s.offset + s.numel].view_as(s.param)
+                    s.grad_view = b.grads[s.offset:s.offset + s.numel].view_as(s.param)
+                    if s.param.grad is not None:
+                        s.grad_view.copy_(s.param.grad)
+                    s.param.grad = s.grad_view
+                if self._world > 1:
+                    # Every rank starts from rank 0's weights, as DistributedDataParallel does.
+                    dist.broadcast(b.weights, src=dist.get_global_rank(self._group, 0), group=self._group)
+                    if self._reduce_scatter_available():
+                        b.shard_grads = torch.zeros(b.shard_numel, dtype=b.dtype, device=self._device)
+        self._make_engine()
+        if self._options["schedule"] in ("overlap", "delayed") and self._world == 1:
+            for s in self._slots:
+                self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_hook(s)))
+
+    def _reduce_scatter_available(self) -> bool:
+        # gloo has no reduce-scatter; there the gradients are all-reduced and each rank reads its shard.
+        return self._world > 1 and dist.get_backend(self._group) != "gloo"
+
+    def _loss_scale_options(self):
+        ls = self._options["loss_scale"]
+        if ls is None:
+            ls = "dynamic" if any(b.dtype == torch.float16 for b in self._buckets) else False
+        if ls is False or ls == 0 and not isinstance(ls, str):
+            return dict(loss_scale=False)
+        if ls == "dynamic":
+            return dict(loss_scale=True, dynamic_loss_scale=True, initial_scale=float(self._options["initial_scale"]))
+        if isinstance(ls, (int, float)) and ls > 0:
+            return dict(loss_scale=True, dynamic_loss_scale=False, static_loss_scale=float(ls))
+        raise ValueError(f"loss_scale = {ls!r} is invalid: None, False, 'dynamic' or a positive number")
+
+    def _make_engine(self) -> None:
+        o = self._options
+        opts = _zoe.EngineOptions()
+        opts.tier = o["tier"]
+        paths = o["nvme_path"]
+        if paths is not None:
+            paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+            # One swap folder per rank: ranks on one machine must not share files.
+            opts.nvme_paths = [os.path.join(os.fspath(pp), f"rank{self._rank}") if self._world > 1 else os.fspath(pp)
+                               for pp in paths]
+            for pp in opts.nvme_paths:
+                os.makedirs(pp, exist_ok=True)
+        opts.buffer_count = o["buffer_count"]
+        opts.block_size = o["block_size"]
+        opts.queue_depth = o["queue_depth"]
+        opts.schedule = o["schedule"]
+        opts.delayed_warmup_steps = o["delayed_warmup_steps"]
+        # Across ranks the global norm is known only after the gradients are reduced: clipping then happens
+        # here (see _clip_and_check), and the engine sees the clipped shard.
+        max_norm = float(o["max_grad_norm"] or 0.0)
+        opts.max_grad_norm = max_norm if self._world == 1 else 0.0
+        self._max_grad_norm = max_norm
+        ls = self._loss_scale_options()
+        for k, v in ls.items():
+            setattr(opts, k, v)
+        opts.growth_interval = o["growth_interval"]
+        opts.hysteresis = o["hysteresis"]
+        opts.min_scale = o["min_loss_scale"]
+        self._loss_scaling = ls["loss_scale"]
+        opts.tile = o["tile"]
+        opts.isa = o["isa"]
+        opts.threads = o["threads"]
+
+        groups = [self._group_hyper(g) for g in self.param_groups]
+        specs = []
+        for b in self._buckets:
+            lo, hi = self._rank * b.shard_numel, (self._rank + 1) * b.shard_numel
+            esize = b.weights.element_size()
+            for s in b.slots:
+                a, z = max(lo, s.offset), min(hi, s.offset + s.numel)
+                if a >= z:
+                    continue
+                if b.shard_grads is not None:
+                    grad_ptr = b.shard_grads.data_ptr() + (a - lo) * esize
+                else:
+                    grad_ptr = b.grads.data_ptr() + a * esize
+                s.engine_ids.append(len(specs))
+                specs.append((z - a, _ZOE_DTYPES[b.dtype], b.weights.data_ptr() + a * esize, grad_ptr, s.group))
+        self._engine = _zoe.Engine(self._zoe_device, [dict(h) for h in groups], specs, opts)
+        self._hyper_sent = [self._hyper_key(h) for h in groups]
+
+    @staticmethod
+    def _group_hyper(group: dict) -> dict:
+        beta1, beta2 = group["betas"]
+        return dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]), adamw=bool(group.get("adamw", True)))
+
+    @staticmethod
+    def _hyper_key(h: dict) -> tuple:
+        return (h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"], h["adamw"])
+
+    def _make_hook(self, slot: _Slot) -> Callable:
+        # A weak reference: the parameter holds the hook, and must not keep the optimizer (and its engine's
+        # memory) alive after the trainer drops it.
+        ref = weakref.ref(self)
+
+        def hook(param):
+            opt = ref()
+            if opt is None or opt._accumulating:
+                return
+            opt._adopt_grad(slot)
+            if opt._device.type == "cuda":
+                # zoe's streams cannot yet wait on torch's; the gradient must exist before zoe copies it.
+                torch.cuda.current_stream(opt._device).synchronize()
+            for i in slot.engine_ids:
+                opt._engine.grad_ready(i)
+        return hook
+
+    # ---- the step -------------------------------------------------------------------------------------
+
+    def _adopt_grad(self, s: _Slot) -> None:
+        """Makes sure the parameter's gradient is in its slot of the flat buffer (it is not when the caller
+        set ``p.grad = None``, e.g. with ``module.zero_grad()``, and autograd allocated a new one)."""
+        g = s.param.grad
+        if g is s.grad_view:
+            return
+        if g is None:
+            s.grad_view.zero_()
+        else:
+            if g.is_sparse or g.layout != torch.strided:
+                raise RuntimeError(f"parameter {s.index} (shape {tuple(s.param.shape)}) has a sparse gradient; "
+                                   "zoe steps dense gradients (use nn.Embedding(sparse=False))")
+            if g.data_ptr() != s.grad_view.data_ptr():
+                s.grad_view.copy_(g)
+        s.param.grad = s.grad_view
+
+    def _sync_hyper(self) -> None:
+        for gi, group in enumerate(self.param_groups):
+            h = self._group_hyper(group)
+            key = self._hyper_key(h)
+            if key != self._hyper_sent[gi]:
+                self._engine.set_hyper(gi, **h)
+                self._hyper_sent[gi] = key
+
+    def _reduce_grads(self) -> None:
+        for b in self._buckets:
+            if b.shard_grads is not None:
+                dist.reduce_scatter_tensor(b.shard_grads, b.grads, group=self._group)
+                b.shard_grads.div_(self._world)
+            else:
+                dist.all_reduce(b.grads, group=self._group)
+                b.grads.div_(self._world)
+
+    def _shard_grads(self, b: _Bucket) -> torch.Tensor:
+        if b.shard_grads is not None:
+            return b.shard_grads
+        return b.grads[self._rank * b.shard_numel:(self._rank + 1) * b.shard_numel]
+
+    def _clip_and_check(self) -> None:
+        """Across ranks: the global gradient norm and overflow, which no rank's engine can see alone."""
+        if not self._max_grad_norm and not self._loss_scaling:
+            return
+        stats = torch.zeros(2, dtype=torch.float64, device=self._device)
+        for b in self._buckets:
+            g = self._shard_grads(b).double()
+            finite = torch.isfinite(g)
+            stats[0] += torch.where(finite, g, 0).square().sum()
+            stats[1] += (~finite).sum()
+        dist.all_reduce(stats, group=self._group)
+        sum_sq, non_finite = stats.tolist()
+        if non_finite > 0:
+            if self._loss_scaling:
+                # Every rank must skip and back off together: a rank whose shard is clean is made to see the
+                # overflow too, so that its engine's loss scaler stays in step with the others.
+                for b in self._buckets:
+                    g = self._shard_grads(b)
+                    if g.numel():
+                        g[0] = float("inf")
+                        break
+            return
+        if self._max_grad_norm:
+            norm = math.sqrt(sum_sq) / self.loss_scale
+            coef = self._max_grad_norm / (norm + 1e-6)
+            if coef < 1.0:
+                for b in self._buckets:
+                    self._shard_grads(b).mul_(coef)
+
+    def _gather_weights(self) -> None:
+        for b in self._buckets:
+            shard = b.weights[self._rank * b.shard_numel:(self._rank + 1) * b.shard_numel]
+            if dist.get_backend(self._group) != "gloo":
+                dist.all_gather_into_tensor(b.weights, shard.clone(), group=self._group)
+            else:
+                dist.all_gather(list(b.weights.chunk(self._world)), shard.clone(), group=self._group)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None):
+        """Applies one Adam step to every parameter; returns the closure's loss when given one."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t0 = time.perf_counter()
+        for s in self._slots:
+            self._adopt_grad(s)
+        self._sync_hyper()
+        comm = 0.0
+        if self._world > 1:
+            tc = time.perf_counter()
+            self._reduce_grads()
+            self._clip_and_check()
+            comm += time.perf_counter() - tc
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()
+        te = time.perf_counter()
+        self._engine.step()
+        if self._device.type == "cpu" and self._options["schedule"] == "delayed":
+            # The stand-in copies the gradients down on its own thread; they must be down before the caller's
+            # zero_grad() or next backward writes the buffers.
+            self._zoe_device.synchronize()
+        engine_s = time.perf_counter() - te
+        if self._world > 1 and not self._engine.last_step_skipped:
+            tc = time.perf_counter()
+            self._gather_weights()
+            comm += time.perf_counter() - tc
+        total = time.perf_counter() - t0
+        tm = self._timing
+        tm["engine_s"] += engine_s
+        tm["comm_s"] += comm
+        tm["adapter_s"] += total - engine_s - comm
+        tm["steps"] += 1
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeroes the flat gradient buffers in place. ``set_to_none`` is accepted and ignored: the gradients
+        must stay in the buffers zoe reads them from (a ``None`` would make autograd allocate a new tensor
+        that the next step must copy)."""
+        for b in self._buckets:
+            b.grads.zero_()
+        for s in self._slots:
+            if s.param.grad is not s.grad_view:
+                s.param.grad = s.grad_view
+
+    # ---- loss scaling ---------------------------------------------------------------------------------
+
+    @property
+    def loss_scale(self) -> float:
+        """What this iteration's loss must be multiplied by before backward (1.0 without loss scaling)."""
+        return float(self._engine.loss_scale)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.loss_scale if self._loss_scaling else loss
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """``loss.backward()`` with the loss scale applied."""
+        self.scale_loss(loss).backward(**kwargs)
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """True when the last step found an fp16 overflow and changed nothing (the scale was lowered)."""
+        return bool(self._engine.last_step_skipped)
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Micro-batches inside this context only accumulate gradients: the overlap schedule reports them
+        to the engine on the backward outside it, the last one before step()."""
+        previous, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = previous
+
+    # ---- inspection -----------------------------------------------------------------------------------
+
+    @property
+    def step_count(self) -> int:
+        return int(self._engine.step_count)
+
+    def stats(self) -> dict:
+        """The engine's counters (steps, skipped, last_grad_norm, adam_s, step_call_s, d2h/h2d bytes) and the
+        adapter's own time: ``engine_s`` inside the engine's step, ``comm_s`` in torch.distributed,
+        ``adapter_s`` the rest of step() (Python bookkeeping)."""
+        s = dict(self._engine.stats())
+        s.update(self._timing)
+        return s
+
+    def read_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The fp32 master weights and moments zoe holds for ``param`` (this rank's part of it: a flat tensor
+        when the optimizer is partitioned, else shaped like ``param``)."""
+        for s in self._slots:
+            if s.param is param:
+                break
+        else:
+            raise KeyError("this parameter is not stepped by this optimizer")
+        self._engine.wait()
+        parts = {k: [] for k in ("master", "exp_avg", "exp_avg_sq")}
+        for i in s.engine_ids:
+            n = self._engine_numel(i)
+            bufs = [torch.empty(n, dtype=torch.float32) for _ in range(3)]
+            self._engine.read_state(i, *bufs)
+            for k, t in zip(parts, bufs):
+                parts[k].append(t)
+        out = {k: torch.cat(v) if v else torch.empty(0) for k, v in parts.items()}
+        if self._world == 1:
+            out = {k: v.view(param.shape) for k, v in out.items()}
+        return out
+
+    def _engine_numel(self, engine_id: int) -> int:
+        for b in self._buckets:
+            lo, hi = self._rank * b.shard_numel, (self._rank + 1) * b.shard_numel
+            for s in b.slots:
+                if engine_id in s.engine_ids:
+                    return min(hi, s.offset + s.numel) - max(lo, s.offset)
+        raise KeyError(engine_id)
+
+    # ---- state_dict -----------------------------------------------------------------------------------
+
+    def _layout(self) -> list:
+        return [[list(p.shape), str(p.dtype), bool(p.requires_grad)] for g in self.param_groups for p in g["params"]]
+
+    def state_dict(self) -> dict:
+        """The standard ``{"state", "param_groups"}`` plus ``"zoe"``: the engine's checkpoint (master weights,
+        moments, step, loss-scale state; this rank's partition) as a uint8 tensor, and the layout it fits.
+        Round-trips through ``torch.save`` / ``torch.load``."""
+        sd = super().state_dict()
+        with tempfile.TemporaryDirectory(prefix="zoe-state-") as tmp:
+            path = os.path.join(tmp, "optimizer.zoe")
+            self._engine.save(path)
+            with open(path, "rb") as f:
+                blob = bytearray(f.read())
+        sd["zoe"] = {
+            "format": _STATE_FORMAT,
+            "world_size": self._world,
+            "rank": self._rank,
+            "layout": self._layout(),
+            "checkpoint": torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8),
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads a state_dict made by ``state_dict()`` of an optimizer over the same model, dtypes and
+        partitioning. The model's weights are set from the master weights it holds."""
+        meta = state_dict.get("zoe") if isinstance(state_dict, dict) else None
+        if meta is None or meta.get("format") != _STATE_FORMAT:
+            raise ValueError(
+                "this state_dict was not written by zoe.torch.OffloadOptimizer (it has no 'zoe' entry of format "
+                f"{_STATE_FORMAT}); a torch.optim state_dict cannot be loaded — its moments are per-parameter "
+                "tensors on the device, zoe's live in its engine")
+        if (meta["world_size"], meta["rank"]) != (self._world, self._rank):
+            raise ValueError(
+                f"this state_dict holds the partition of rank {meta['rank']} of {meta['world_size']}; this "
+                f"optimizer is rank {self._rank} of {self._world}: load each rank's own state_dict, with the "
+                "same number of ranks")
+        layout = self._layout()
+        if meta["layout"] != layout:
+            if len(meta["layout"]) != len(layout):
+                why = f"it holds {len(meta['layout'])} parameters, this optimizer {len(layout)}"
+            else:
+                i = next(k for k, (x, y) in enumerate(zip(meta["layout"], layout)) if x != y)
+                why = f"parameter {i} is {meta['layout'][i]} there and {layout[i]} here (shape, dtype, requires_grad)"
+            raise ValueError(f"this state_dict is for a different model: {why}")
+        rest = {k: v for k, v in state_dict.items() if k != "zoe"}
+        super().load_state_dict(rest)
+        blob = meta["checkpoint"]
+        with tempfile.TemporaryDirectory(prefix="zoe-state-") as tmp:
+            path = os.path.join(tmp, "optimizer.zoe")
+            with open(path, "wb") as f:
+                f.write(blob.cpu().numpy().tobytes())
+            self._engine.load(path)
+        self._hyper_sent = [None] * len(self.param_groups)
+        if self._world > 1:
+            self._gather_weights()
+
+    def __del__(self):
+        for h in getattr(self, "_hooks", []):
+            h.remove()

@@ -1,0 +1,68 @@
+"""zoe.CpuAdam on numpy arrays and CPU tensors: torch's AdamW numerics, 16-bit gradients and weight copies,
+errors as Python exceptions."""
+import numpy as np
+import pytest
+import torch
+
+import zoe
+
+# Weights that cancel to near zero keep the absolute error of their larger past values; moments are compared
+# relative to their own size.
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _torch_adamw(p, grads, **h):
+    p = torch.nn.Parameter(torch.tensor(p))
+    opt = torch.optim.AdamW([p], **h)
+    for g in grads:
+        p.grad = torch.tensor(g)
+        opt.step()
+    return p.detach().numpy(), opt.state[p]["exp_avg"].numpy(), opt.state[p]["exp_avg_sq"].numpy()
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1001])
+def test_numpy_matches_torch_adamw(n):
+    rng = np.random.default_rng(n)
+    p0 = rng.standard_normal(n).astype(np.float32)
+    grads = [rng.standard_normal(n).astype(np.float32) for _ in range(10)]
+    p, m, v = p0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    adam = zoe.CpuAdam()
+    for k, g in enumerate(grads, 1):
+        adam.step([p], [m], [v], [g], step=k, lr=1e-2, weight_decay=0.1)
+    rp, rm, rv = _torch_adamw(p0, grads, lr=1e-2, weight_decay=0.1)
+    np.testing.assert_allclose(p, rp, **TOL)
+    np.testing.assert_allclose(m, rm, **TOL)
+    np.testing.assert_allclose(v, rv, **TOL)
+
+
+def test_bf16_grads_and_copy_out_on_tensors():
+    n = 100
+    p = torch.randn(n)
+    m, v = torch.zeros(n), torch.zeros(n)
+    g = torch.randn(n).bfloat16()
+    out = torch.empty(n, dtype=torch.bfloat16)
+    zoe.CpuAdam().step([p], [m], [v], [g], [out], step=1, lr=1e-2)
+    assert torch.equal(out, p.bfloat16())  # the copy is the updated master, rounded to nearest even
+
+
+def test_grad_scale_and_check_finite():
+    p = np.ones(4, np.float32)
+    m, v = np.zeros(4, np.float32), np.zeros(4, np.float32)
+    g = np.array([1, 2, np.inf, 4], np.float32)
+    adam = zoe.CpuAdam()
+    with pytest.raises(zoe.ZoeError, match="non-finite"):
+        adam.step([p], [m], [v], [g], step=1, check_finite=True)
+    assert (p == 1).all() and (m == 0).all()  # refused: nothing changed
+
+
+def test_errors():
+    adam = zoe.CpuAdam()
+    a = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="same size"):
+        adam.step([a], [a.copy()], [a.copy()], [np.zeros(3, np.float32)], step=1)
+    with pytest.raises(zoe.InvalidArgumentError, match="step"):
+        adam.step([a], [a.copy()], [a.copy()], [a.copy()], step=0)
+    with pytest.raises(ValueError, match="dtype"):
+        adam.step([a], [a.copy()], [a.copy()], [np.zeros(4, np.float64)], step=1)
+    with pytest.raises(zoe.ZoeError, match="ISA"):
+        zoe.CpuAdam(isa="sse9")
