@@ -31,6 +31,9 @@ class Device {
  public:
   virtual ~Device() = default;
   virtual std::string name() const = 0;
+  // True when device memory is this process's own host memory (the CPU as the device): the optimizer then
+  // reads gradients and writes weights in place instead of copying them through staging.
+  virtual bool host_memory() const { return false; }
 
   // Device memory and host memory the device copies from/to asynchronously (page-locked on CUDA).
   virtual Result<void*> allocate(std::size_t bytes) = 0;
@@ -56,6 +59,9 @@ class Device {
 // The host stand-in: `device` memory is ordinary host memory that the optimizer must only touch through
 // this interface; each stream is a thread.
 std::unique_ptr<Device> make_host_device();
+// The CPU itself as the device, for models whose weights live in host memory (a CPU-only PyTorch model):
+// the host stand-in's streams and events, with host_memory() true.
+std::unique_ptr<Device> make_cpu_device();
 
 // The GPU `ordinal` through CUDA; unsupported when zoe was built without CUDA or no GPU is usable.
 Result<std::unique_ptr<Device>> make_cuda_device(int ordinal);

@@ -369,6 +369,9 @@ void bind_engine(nb::module_& m) {
       .def("synchronize", &PyDevice::synchronize, "Waits for every copy the engine has enqueued.");
   m.def("host_device", [] { return std::make_unique<PyDevice>(PyDevice{make_host_device()}); },
         "The host stand-in: any host address is device memory; copies run on stream threads.");
+  m.def("cpu_device", [] { return std::make_unique<PyDevice>(PyDevice{make_cpu_device()}); },
+        "The CPU as the device: the engine reads gradients and writes weights in place (fp32 weights are the "
+        "master), except with schedule 'delayed', which needs its own copy.");
   m.def("cuda_device", [](int ordinal) { return std::make_unique<PyDevice>(PyDevice{take(make_cuda_device(ordinal))}); },
         nb::arg("ordinal") = 0, "The CUDA GPU `ordinal`; raises UnsupportedError without CUDA.");
 

@@ -15,6 +15,7 @@ from ._zoe import (  # noqa: F401
     ZoeError,
     cuda_device,
     host_device,
+    cpu_device,
     load_config,
     parse_config,
     supported_isas,
@@ -23,5 +24,5 @@ from ._zoe import (  # noqa: F401
 __version__ = "0.1.0"
 __all__ = [
     "CpuAdam", "Device", "Engine", "EngineOptions", "ZoeError", "UnsupportedError", "InvalidArgumentError",
-    "CorruptError", "host_device", "cuda_device", "load_config", "parse_config", "supported_isas",
+    "CorruptError", "host_device", "cpu_device", "cuda_device", "load_config", "parse_config", "supported_isas",
 ]

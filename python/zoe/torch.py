@@ -146,7 +146,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._device.type == "cuda":
             self._zoe_device = _zoe.cuda_device(self._device.index or 0)
         elif self._device.type == "cpu":
-            self._zoe_device = _zoe.host_device()
+            self._zoe_device = _zoe.cpu_device()
         else:
             raise ValueError(f"zoe.torch.OffloadOptimizer: device {self._device} is not supported (cpu or cuda)")
         if self._device.type == "cuda" and self._options["schedule"] == "delayed":

@@ -45,12 +45,14 @@ struct EventState {
 
 class HostDevice final : public Device {
  public:
+  explicit HostDevice(bool cpu) : cpu_(cpu) {}
   ~HostDevice() override {
     streams_.clear();  // drains and joins every stream before memory goes
     for (void* p : allocations_) std::free(p);
   }
 
-  std::string name() const override { return "host stand-in"; }
+  std::string name() const override { return cpu_ ? "cpu" : "host stand-in"; }
+  bool host_memory() const override { return cpu_; }
 
   Result<void*> allocate(std::size_t bytes) override { return allocate_bytes(bytes); }
   void free(void* p) override { free_bytes(p); }
@@ -126,6 +128,8 @@ class HostDevice final : public Device {
   }
 
  private:
+  const bool cpu_;
+
   Result<void*> allocate_bytes(std::size_t bytes) {
     void* p = std::aligned_alloc(4096, (std::max<std::size_t>(bytes, 1) + 4095) / 4096 * 4096);
     if (p == nullptr) return Status(StatusCode::out_of_memory, "host device: cannot allocate " + std::to_string(bytes) + " bytes");
@@ -163,7 +167,8 @@ class HostDevice final : public Device {
 
 }  // namespace
 
-std::unique_ptr<Device> make_host_device() { return std::make_unique<HostDevice>(); }
+std::unique_ptr<Device> make_host_device() { return std::make_unique<HostDevice>(false); }
+std::unique_ptr<Device> make_cpu_device() { return std::make_unique<HostDevice>(true); }
 
 Status enqueue_on_host_device(Device& device, Stream stream, std::function<void()> work) {
   auto* host = dynamic_cast<HostDevice*>(&device);

@@ -115,12 +115,16 @@ Status OffloadOptimizer::Impl::allocate() {
   }
   first_piece.back() = pieces.size();
   const std::size_t total = offsets.back();
+  in_place = device.host_memory() && options.tier == Tier::ram && options.schedule != Schedule::delayed;
+  need_stats = !in_place || options.max_grad_norm > 0 || options.loss_scale.enabled;
   for (AlignedBuffer* b : {&master, &exp_avg, &exp_avg_sq}) {
     if (options.tier == Tier::nvme) break;
     Result<AlignedBuffer> r = AlignedBuffer::allocate(total * 4);
     if (!r.ok()) return r.status();
     *b = std::move(r).value();
-    if (total > 0) std::memset(b->data(), 0, total * 4);
+    // In place, f32 parameters keep their master on the device: their part of `master` is never touched
+    // (large buffers are mapped lazily, so it costs no memory), and the rest is written at start-up.
+    if (total > 0 && !(in_place && b == &master)) std::memset(b->data(), 0, total * 4);
   }
   // Speculation in the overlap schedule fails only when clipping or an fp16 overflow changes the step:
   // only then is an undo copy kept.
@@ -140,12 +144,12 @@ Status OffloadOptimizer::Impl::allocate() {
   }
   const int grad_sets = options.schedule == Schedule::delayed ? 2 : 1;
   for (int s = 0; s < grad_sets; ++s) {
-    Result<void*> r = device.allocate_host(std::max<std::size_t>(grad_offsets.back(), 1));
+    Result<void*> r = device.allocate_host(in_place ? 1 : std::max<std::size_t>(grad_offsets.back(), 1));
     if (!r.ok()) return r.status();
     grad_staging[s] = r.value();
     stats[s].assign(pieces.size(), GradStats{});
   }
-  Result<void*> w = device.allocate_host(std::max<std::size_t>(weight_offsets.back(), 1));
+  Result<void*> w = device.allocate_host(in_place ? 1 : std::max<std::size_t>(weight_offsets.back(), 1));
   if (!w.ok()) return w.status();
   weight_staging = w.value();
   reported.assign(params.size(), 0);
@@ -168,7 +172,7 @@ Status OffloadOptimizer::Impl::allocate() {
 
 // The master weights start as the device weights: 16-bit values convert to fp32 exactly.
 Status OffloadOptimizer::Impl::load_initial_weights() {
-  for (std::size_t i = 0; i < params.size(); ++i) {
+  for (std::size_t i = 0; i < params.size() && !in_place; ++i) {
     const ParamSpec& p = params[i];
     if (p.n == 0) continue;
     void* dst = p.dtype == DType::f32 ? static_cast<void*>(master_of(i)) : weights_of(i);
@@ -208,9 +212,23 @@ Status OffloadOptimizer::Impl::open_store() {
 }
 
 Status OffloadOptimizer::Impl::read_flat(int which, std::size_t offset, std::size_t count, float* dst) {
-  float* arrays[3] = {nullptr, nullptr, nullptr};
-  arrays[which] = dst;
-  return store->read(offset, count, arrays[0], arrays[1], arrays[2]);
+  if (store) {
+    float* arrays[3] = {nullptr, nullptr, nullptr};
+    arrays[which] = dst;
+    return store->read(offset, count, arrays[0], arrays[1], arrays[2]);
+  }
+  if (which != 0) {
+    std::memcpy(dst, (which == 1 ? exp_avg : exp_avg_sq).as<float>() + offset, count * 4);
+    return Status::success();
+  }
+  // The master, parameter by parameter: in place, an f32 parameter's is on the device.
+  std::size_t i = static_cast<std::size_t>(std::upper_bound(offsets.begin(), offsets.end(), offset) - offsets.begin()) - 1;
+  for (std::size_t done = 0; done < count; ++i) {
+    const std::size_t at = offset + done - offsets[i], n = std::min(count - done, params[i].n - at);
+    std::memcpy(dst + done, master_of(i) + at, n * 4);
+    done += n;
+  }
+  return Status::success();
 }
 
 AdamTensor OffloadOptimizer::Impl::tensor(const Piece& k, int set) {
@@ -238,22 +256,28 @@ Status OffloadOptimizer::Impl::enqueue_d2h(std::size_t i, int set, bool step_pie
   for (std::size_t k = first_piece[i]; k < first_piece[i + 1]; ++k) {
     const std::size_t at = pieces[k].begin * elem, bytes = pieces[k].n * elem;
     const void* from = static_cast<const unsigned char*>(p.device_grads) + at;
-    void* to = static_cast<unsigned char*>(grad_of(i, set)) + at;
-    if (Status s = device.copy_to_host(to, from, bytes, Stream::d2h); !s.ok()) return s;
-    if (Status s = device.grad_stats(from, p.dtype, pieces[k].n, &stats[set][k], Stream::d2h); !s.ok()) return s;
+    if (!in_place) {
+      void* to = static_cast<unsigned char*>(grad_of(i, set)) + at;
+      if (Status s = device.copy_to_host(to, from, bytes, Stream::d2h); !s.ok()) return s;
+    }
+    if (need_stats) {
+      if (Status s = device.grad_stats(from, p.dtype, pieces[k].n, &stats[set][k], Stream::d2h); !s.ok()) return s;
+    } else {
+      stats[set][k] = GradStats{};
+    }
     if (step_pieces) {
       Result<EventId> copied = device.record(Stream::d2h);
       if (!copied.ok()) return copied.status();
       if (Status s = step_piece_when_down(k, copied.value()); !s.ok()) return s;
     }
   }
-  stats_.d2h_bytes += staging_bytes(p);
+  if (!in_place) stats_.d2h_bytes += staging_bytes(p);
   return Status::success();
 }
 
 Status OffloadOptimizer::Impl::enqueue_h2d(std::size_t i) {
   const ParamSpec& p = params[i];
-  if (p.n == 0) return Status::success();
+  if (p.n == 0 || in_place) return Status::success();  // in place: the step wrote the device's weights
   const void* src = p.dtype == DType::f32 ? static_cast<const void*>(master_of(i)) : weights_of(i);
   stats_.h2d_bytes += staging_bytes(p);
   return device.copy_to_device(p.device_weights, src, staging_bytes(p), Stream::h2d);
@@ -261,6 +285,7 @@ Status OffloadOptimizer::Impl::enqueue_h2d(std::size_t i) {
 
 Status OffloadOptimizer::Impl::enqueue_h2d(const Piece& k) {
   const ParamSpec& p = params[k.param];
+  if (in_place) return Status::success();
   const std::size_t elem = dtype_size(p.dtype), at = k.begin * elem, bytes = k.n * elem;
   const void* src = p.dtype == DType::f32 ? static_cast<const void*>(master_of(k.param) + k.begin)
                                           : static_cast<const unsigned char*>(weights_of(k.param)) + at;
@@ -324,21 +349,21 @@ Status OffloadOptimizer::Impl::adam_all(float grad_scale, int set, const std::ve
 
 void OffloadOptimizer::Impl::save_undo(const Piece& k) {
   const std::size_t off = offsets[k.param] + k.begin, w = weight_offsets[k.param] + k.begin * 2;
-  std::memcpy(undo_master.as<float>() + off, master.as<float>() + off, k.n * 4);
+  std::memcpy(undo_master.as<float>() + off, master_of(k.param) + k.begin, k.n * 4);
   std::memcpy(undo_exp_avg.as<float>() + off, exp_avg.as<float>() + off, k.n * 4);
   std::memcpy(undo_exp_avg_sq.as<float>() + off, exp_avg_sq.as<float>() + off, k.n * 4);
   if (params[k.param].dtype != DType::f32) {
-    std::memcpy(undo_weights.as<unsigned char>() + w, weight_staging_bytes() + w, k.n * 2);
+    std::memcpy(undo_weights.as<unsigned char>() + w, static_cast<unsigned char*>(weights_of(k.param)) + k.begin * 2, k.n * 2);
   }
 }
 
 void OffloadOptimizer::Impl::restore_undo(const Piece& k) {
   const std::size_t off = offsets[k.param] + k.begin, w = weight_offsets[k.param] + k.begin * 2;
-  std::memcpy(master.as<float>() + off, undo_master.as<float>() + off, k.n * 4);
+  std::memcpy(master_of(k.param) + k.begin, undo_master.as<float>() + off, k.n * 4);
   std::memcpy(exp_avg.as<float>() + off, undo_exp_avg.as<float>() + off, k.n * 4);
   std::memcpy(exp_avg_sq.as<float>() + off, undo_exp_avg_sq.as<float>() + off, k.n * 4);
   if (params[k.param].dtype != DType::f32) {
-    std::memcpy(weight_staging_bytes() + w, undo_weights.as<unsigned char>() + w, k.n * 2);
+    std::memcpy(static_cast<unsigned char*>(weights_of(k.param)) + k.begin * 2, undo_weights.as<unsigned char>() + w, k.n * 2);
   }
 }
 
@@ -781,7 +806,7 @@ Status OffloadOptimizer::read_state(std::size_t param, float* master, float* exp
   if (param >= m.params.size()) return invalid_argument("read_state: parameter " + std::to_string(param) + " does not exist");
   const std::size_t off = m.offsets[param], n = m.params[param].n;
   if (m.store) return m.store->read(off, n, master, exp_avg, exp_avg_sq);
-  if (master) std::memcpy(master, m.master.as<float>() + off, n * 4);
+  if (master) std::memcpy(master, m.master_of(param), n * 4);
   if (exp_avg) std::memcpy(exp_avg, m.exp_avg.as<float>() + off, n * 4);
   if (exp_avg_sq) std::memcpy(exp_avg_sq, m.exp_avg_sq.as<float>() + off, n * 4);
   return Status::success();

@@ -89,10 +89,24 @@ struct OffloadOptimizer::Impl {
   std::vector<EventId> grad_done;
   std::vector<std::size_t> report_order;  // parameters in the order their gradients were reported
 
-  float* master_of(std::size_t i) { return master.as<float>() + offsets[i]; }
-  void* grad_of(std::size_t i, int set) { return static_cast<unsigned char*>(grad_staging[set]) + grad_offsets[i]; }
-  void* weights_of(std::size_t i) { return static_cast<unsigned char*>(weight_staging) + weight_offsets[i]; }
-  unsigned char* weight_staging_bytes() { return static_cast<unsigned char*>(weight_staging); }
+  // In place (a device whose memory is host memory, tier ram, not delayed): gradients are read where the
+  // device keeps them, 16-bit weights written there, and an f32 parameter's device weights are its master.
+  bool in_place = false;
+  // Gradient statistics cost a pass over the gradients; in place, they are taken only when clipping or loss
+  // scaling needs them (last_grad_norm is then 0).
+  bool need_stats = true;
+  float* master_of(std::size_t i) {
+    if (in_place && params[i].dtype == DType::f32) return static_cast<float*>(params[i].device_weights);
+    return master.as<float>() + offsets[i];
+  }
+  void* grad_of(std::size_t i, int set) {
+    if (in_place) return const_cast<void*>(params[i].device_grads);
+    return static_cast<unsigned char*>(grad_staging[set]) + grad_offsets[i];
+  }
+  void* weights_of(std::size_t i) {
+    if (in_place) return params[i].device_weights;
+    return static_cast<unsigned char*>(weight_staging) + weight_offsets[i];
+  }
   AdamTensor tensor(const Piece& k, int set);
 
   Status allocate();
@@ -109,7 +123,7 @@ struct OffloadOptimizer::Impl {
   // The whole step over every parameter: CpuAdam over RAM, or streamed through the swap store.
   Status adam_all(float grad_scale, int set, const std::vector<ParamGroup>& hyper);
   Status open_store();
-  // tier nvme: [offset, offset + count) of the flattened p (which 0), m (1) or v (2) into dst.
+  // [offset, offset + count) of the flattened p (which 0), m (1) or v (2) into dst, wherever they live.
   Status read_flat(int which, std::size_t offset, std::size_t count, float* dst);
   void save_undo(const Piece& k);
   void restore_undo(const Piece& k);

@@ -60,14 +60,15 @@ Status OffloadOptimizer::save(const std::string& path) {
   const AlignedBuffer* in_ram[3] = {&m.master, &m.exp_avg, &m.exp_avg_sq};
   // Tier nvme streams the state out of the swap store a slice at a time.
   AlignedBuffer slice;
-  if (m.store) {
+  const bool gathered = m.store || m.in_place;
+  if (gathered) {
     Result<AlignedBuffer> b = AlignedBuffer::allocate(CheckpointWriter::kStreamSlice);
     if (!b.ok()) return b.status();
     slice = std::move(b).value();
   }
   for (int k = 0; k < 3; ++k) {
     const Status s = writer->add_streamed(names[k], total * 4, [&](std::size_t offset, std::size_t n, const void** out) {
-      if (!m.store) {
+      if (!gathered) {
         *out = in_ram[k]->as<unsigned char>() + offset;
         return Status::success();
       }
@@ -76,7 +77,17 @@ Status OffloadOptimizer::save(const std::string& path) {
     });
     if (!s.ok()) return s;
   }
-  if (Status s = writer->add("weights16", m.weight_staging, m.weight_offsets.back()); !s.ok()) return s;
+  // In place, the 16-bit weights are the device's own.
+  std::vector<unsigned char> weights16;
+  if (m.in_place) {
+    weights16.resize(m.weight_offsets.back());
+    for (std::size_t i = 0; i < m.params.size(); ++i) {
+      const std::size_t bytes = m.weight_offsets[i + 1] - m.weight_offsets[i];
+      if (bytes > 0) std::memcpy(weights16.data() + m.weight_offsets[i], m.weights_of(i), bytes);
+    }
+  }
+  const void* w16 = m.in_place ? static_cast<const void*>(weights16.data()) : m.weight_staging;
+  if (Status s = writer->add("weights16", w16, m.weight_offsets.back()); !s.ok()) return s;
   return writer->commit(manifest.dump());
 }
 
@@ -185,7 +196,19 @@ Status OffloadOptimizer::load(const std::string& path) {
     m.exp_avg = std::move(loaded[1]);
     m.exp_avg_sq = std::move(loaded[2]);
   }
-  if (m.weight_offsets.back() > 0) std::memcpy(m.weight_staging, weights->data(), m.weight_offsets.back());
+  if (m.in_place) {
+    // The device's weights are the ones to set: f32 masters and 16-bit copies alike.
+    for (std::size_t i = 0; i < m.params.size(); ++i) {
+      const ParamSpec& p = m.params[i];
+      if (p.dtype == DType::f32) {
+        std::memcpy(p.device_weights, m.master.as<float>() + m.offsets[i], p.n * 4);
+      } else if (p.n > 0) {
+        std::memcpy(p.device_weights, weights->as<unsigned char>() + m.weight_offsets[i], p.n * 2);
+      }
+    }
+  } else if (m.weight_offsets.back() > 0) {
+    std::memcpy(m.weight_staging, weights->data(), m.weight_offsets.back());
+  }
   m.groups = std::move(new_groups);
   m.step_count = step;
   m.scaler.restore(ls);

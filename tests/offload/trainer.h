@@ -98,11 +98,12 @@ inline GradFn random_grads(double magnitude, std::vector<int> overflow_at = {}) 
 // A trainer on its own host device: the model, the optimizer, and iterations as a trainer issues them.
 class Trainer {
  public:
-  // With `group`, this trainer is rank `rank` of a partitioned optimizer (in-process collectives).
+  // With `group`, this trainer is rank `rank` of a partitioned optimizer (in-process collectives). With
+  // `cpu_device`, the device is the CPU itself (make_cpu_device): the optimizer works in place.
   Trainer(Schedule schedule, DType dtype, const OffloadOptions& base, int warmup = 0,
           std::vector<std::size_t> sizes = {1000, 37, 4096, 1}, std::shared_ptr<HostGroup> group = nullptr,
-          int rank = 0)
-      : device_(make_host_device()), model_(*device_, dtype, sizes, 42) {
+          int rank = 0, bool cpu_device = false)
+      : device_(cpu_device ? make_cpu_device() : make_host_device()), model_(*device_, dtype, sizes, 42) {
     if (group) {
       Result<std::unique_ptr<Collectives>> joined = make_host_collectives(group, *device_, rank);
       EXPECT_TRUE(joined.ok()) << joined.status().to_string();
