@@ -123,7 +123,7 @@ Status OffloadOptimizer::Impl::allocate() {
     if (!r.ok()) return r.status();
     *b = std::move(r).value();
     // In place, f32 parameters keep their master on the device: their part of `master` is never touched
-    // (large buffers are mapped lazily, so it costs no memory), and the rest is written at start-up.
+    // (glibc maps large allocations lazily, so untouched pages cost no memory); the rest is written at start-up.
     if (total > 0 && !(in_place && b == &master)) std::memset(b->data(), 0, total * 4);
   }
   // Speculation in the overlap schedule fails only when clipping or an fp16 overflow changes the step:
