@@ -15,13 +15,6 @@
 
 namespace zoe::aio {
 
-void FileHandle::reset() {
-  // A close error on a swap file cannot lose data the store relies on: every write the tile table points
-  // to was fdatasync'ed before the table was updated.
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = -1;
-}
-
 Status sys_error(const std::string& what, const std::string& path, int err) {
   return Status(StatusCode::io_error, what + " " + path + ": " + std::strerror(err), err);
 }

@@ -8,35 +8,15 @@
 #include <string>
 #include <utility>
 
+#include "src/unique_fd.h"
 #include "zoe/status.h"
 #include "zoe/swap.h"
 
 namespace zoe::aio {
 
-// The one owner of a file descriptor in aio/. Move-only.
-class FileHandle {
- public:
-  FileHandle() = default;
-  explicit FileHandle(int fd) : fd_(fd) {}
-  FileHandle(FileHandle&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  FileHandle& operator=(FileHandle&& o) noexcept {
-    if (this != &o) {
-      reset();
-      fd_ = std::exchange(o.fd_, -1);
-    }
-    return *this;
-  }
-  FileHandle(const FileHandle&) = delete;
-  FileHandle& operator=(const FileHandle&) = delete;
-  ~FileHandle() { reset(); }
-
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-  void reset();
-
- private:
-  int fd_ = -1;
-};
+// Swap files are owned like every descriptor in zoe. A close error on one cannot lose data the store relies
+// on: every write the tile table points to was fdatasync'ed before the table was updated.
+using FileHandle = UniqueFd;
 
 // A Status for a failed system call: "<what> <path>: <strerror>" with errno kept.
 Status sys_error(const std::string& what, const std::string& path, int err);

@@ -86,18 +86,6 @@ std::atomic<unsigned> temp_sequence{0};
 
 }  // namespace
 
-void UniqueFd::reset(int fd) {
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = fd;
-}
-
-Status UniqueFd::close(const std::string& path) {
-  const int fd = std::exchange(fd_, -1);
-  // Linux releases the descriptor even when close fails; retrying could close another thread's new fd.
-  if (fd >= 0 && ::close(fd) != 0) return io_error("closing " + path + " failed", errno);
-  return Status::success();
-}
-
 // ---- writer ----
 
 CheckpointWriter::CheckpointWriter(std::string path, std::string temp_path, UniqueFd fd)

@@ -12,34 +12,10 @@
 #include <utility>
 #include <vector>
 
+#include "src/unique_fd.h"
 #include "zoe/status.h"
 
 namespace zoe {
-
-// The one owner of a POSIX file descriptor: closes it on destruction. Move-only.
-class UniqueFd {
- public:
-  UniqueFd() = default;
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  UniqueFd(UniqueFd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  UniqueFd& operator=(UniqueFd&& o) noexcept {
-    if (this != &o) reset(std::exchange(o.fd_, -1));
-    return *this;
-  }
-  UniqueFd(const UniqueFd&) = delete;
-  UniqueFd& operator=(const UniqueFd&) = delete;
-  ~UniqueFd() { reset(); }
-
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-  // Closes the descriptor held (an error from close is lost: use close() where it matters) and takes `fd`.
-  void reset(int fd = -1);
-  // Closes and reports close's error (on NFS, the first report of a failed write may come only here).
-  Status close(const std::string& path);
-
- private:
-  int fd_ = -1;
-};
 
 // Checkpoint format version. A reader accepts any file with its major version or older; a minor version
 // only adds what older readers may ignore.
