@@ -169,6 +169,7 @@ struct EngineOptions {
   std::string schedule = "sync";
   int delayed_warmup_steps = 10;
   float max_grad_norm = 0;
+  bool refuse_non_finite = true;
   bool loss_scale = false;
   bool dynamic_loss_scale = true;
   float static_loss_scale = 1;
@@ -208,6 +209,7 @@ OffloadOptions to_options(const EngineOptions& e) {
   }
   o.delayed_warmup_steps = e.delayed_warmup_steps;
   o.max_grad_norm = e.max_grad_norm;
+  o.refuse_non_finite = e.refuse_non_finite;
   LossScaleOptions& ls = o.loss_scale;
   ls.enabled = e.loss_scale;
   ls.dynamic = e.dynamic_loss_scale;
@@ -322,6 +324,7 @@ nb::dict config_dict(const LoadedConfig& c) {
   opts["schedule"] = std::string(schedule_name(o.schedule));
   opts["delayed_warmup_steps"] = o.delayed_warmup_steps;
   opts["max_grad_norm"] = o.max_grad_norm;
+  opts["refuse_non_finite"] = o.refuse_non_finite;
   opts["loss_scale"] = o.loss_scale.enabled;
   opts["dynamic_loss_scale"] = o.loss_scale.dynamic;
   opts["static_loss_scale"] = o.loss_scale.static_scale;
@@ -385,6 +388,7 @@ void bind_engine(nb::module_& m) {
       .def_rw("schedule", &EngineOptions::schedule)
       .def_rw("delayed_warmup_steps", &EngineOptions::delayed_warmup_steps)
       .def_rw("max_grad_norm", &EngineOptions::max_grad_norm)
+      .def_rw("refuse_non_finite", &EngineOptions::refuse_non_finite)
       .def_rw("loss_scale", &EngineOptions::loss_scale)
       .def_rw("dynamic_loss_scale", &EngineOptions::dynamic_loss_scale)
       .def_rw("static_loss_scale", &EngineOptions::static_loss_scale)

@@ -79,6 +79,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             (the CPU step runs beside the next forward/backward, one step stale, after
             ``delayed_warmup_steps`` sync steps).
         max_grad_norm: clip the global gradient norm (``torch.nn.utils.clip_grad_norm_`` semantics).
+        refuse_non_finite: a NaN/Inf gradient without fp16 loss scaling makes ``step()`` raise
+            ``zoe.InvalidArgumentError`` naming the parameters, and nothing changes; ``False`` lets it
+            propagate into the weights, as ``torch.optim.AdamW`` does.
         loss_scale: ``None`` — dynamic fp16 loss scaling when any parameter is fp16, none otherwise;
             ``"dynamic"``; a number — a static scale; ``False`` — none. Multiply the loss by
             ``opt.loss_scale`` (or call ``opt.backward(loss)``); an overflow skips the step, as GradScaler does.
@@ -92,7 +95,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                  initial_scale: float = 2.0 ** 16, growth_interval: int = 1000, hysteresis: int = 2,
                  min_loss_scale: float = 1.0, delayed_warmup_steps: int = 10, process_group=None,
                  isa: str = "auto", threads: int = 0, tile: int = 1 << 20, buffer_count: int = 4,
-                 block_size: int = 1 << 20, queue_depth: int = 8):
+                 block_size: int = 1 << 20, queue_depth: int = 8, refuse_non_finite: bool = True):
         if not 0.0 <= lr:
             raise ValueError(f"lr = {lr} is invalid: need >= 0")
         if tier not in ("ram", "nvme"):
@@ -108,7 +111,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                              loss_scale=loss_scale, initial_scale=initial_scale, growth_interval=growth_interval,
                              hysteresis=hysteresis, min_loss_scale=min_loss_scale,
                              delayed_warmup_steps=delayed_warmup_steps, isa=isa, threads=threads, tile=tile,
-                             buffer_count=buffer_count, block_size=block_size, queue_depth=queue_depth)
+                             buffer_count=buffer_count, block_size=block_size, queue_depth=queue_depth,
+                             refuse_non_finite=refuse_non_finite)
         self._group = process_group
         self._world, self._rank = 1, 0
         if dist.is_available() and dist.is_initialized():
@@ -230,6 +234,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         max_norm = float(o["max_grad_norm"] or 0.0)
         opts.max_grad_norm = max_norm if self._world == 1 else 0.0
         self._max_grad_norm = max_norm
+        opts.refuse_non_finite = bool(o["refuse_non_finite"])
         ls = self._loss_scale_options()
         for k, v in ls.items():
             setattr(opts, k, v)
@@ -328,7 +333,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _clip_and_check(self) -> None:
         """Across ranks: the global gradient norm and overflow, which no rank's engine can see alone."""
-        if not self._max_grad_norm and not self._loss_scaling:
+        refuse = self._options["refuse_non_finite"] and not self._loss_scaling
+        if not self._max_grad_norm and not self._loss_scaling and not refuse:
             return
         stats = torch.zeros(2, dtype=torch.float64, device=self._device)
         for b in self._buckets:
@@ -338,6 +344,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             stats[1] += (~finite).sum()
         dist.all_reduce(stats, group=self._group)
         sum_sq, non_finite = stats.tolist()
+        if non_finite > 0 and refuse:
+            # Every rank refuses together, before its engine changes anything.
+            raise _zoe.InvalidArgumentError(
+                f"step refused: {int(non_finite)} NaN/Inf gradient values across the ranks; no state changed "
+                "(refuse_non_finite=False lets them propagate as torch.optim does)")
         if non_finite > 0:
             if self._loss_scaling:
                 # Every rank must skip and back off together: a rank whose shard is clean is made to see the

@@ -116,7 +116,7 @@ Status OffloadOptimizer::Impl::allocate() {
   first_piece.back() = pieces.size();
   const std::size_t total = offsets.back();
   in_place = device.host_memory() && options.tier == Tier::ram && options.schedule != Schedule::delayed;
-  need_stats = !in_place || options.max_grad_norm > 0 || options.loss_scale.enabled;
+  need_stats = !in_place || options.max_grad_norm > 0 || options.loss_scale.enabled || options.refuse_non_finite;
   for (AlignedBuffer* b : {&master, &exp_avg, &exp_avg_sq}) {
     if (options.tier == Tier::nvme) break;
     Result<AlignedBuffer> r = AlignedBuffer::allocate(total * 4);
@@ -131,7 +131,7 @@ Status OffloadOptimizer::Impl::allocate() {
   // Tier nvme does not speculate: its steps are not undone (overlap brings the gradients down during
   // backward, and steps once they are all down).
   speculation_can_fail = options.schedule == Schedule::overlap && options.tier == Tier::ram &&
-                         (options.max_grad_norm > 0 || options.loss_scale.enabled);
+                         (options.max_grad_norm > 0 || options.loss_scale.enabled || options.refuse_non_finite);
   if (speculation_can_fail) {
     for (AlignedBuffer* b : {&undo_master, &undo_exp_avg, &undo_exp_avg_sq}) {
       Result<AlignedBuffer> r = AlignedBuffer::allocate(total * 4);
@@ -391,6 +391,7 @@ OffloadOptimizer::Impl::Decision OffloadOptimizer::Impl::decide(int set, float s
   }
   Decision d{};
   d.overflow = options.loss_scale.enabled && non_finite > 0;
+  d.refused = !options.loss_scale.enabled && options.refuse_non_finite && non_finite > 0;
   d.grad_norm = non_finite > 0 ? NAN : std::sqrt(sum_sq) / scale_used / ranks;
   double coef = 1.0;
   if (options.max_grad_norm > 0 && non_finite == 0) {
@@ -398,6 +399,24 @@ OffloadOptimizer::Impl::Decision OffloadOptimizer::Impl::decide(int set, float s
   }
   d.grad_scale = static_cast<float>(coef / (scale_used * ranks));
   return d;
+}
+
+Status OffloadOptimizer::Impl::non_finite_error(int set) const {
+  std::string which;
+  std::uint64_t total = 0;
+  std::size_t listed = 0;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    std::uint64_t count = 0;
+    for (std::size_t k = first_piece[i]; k < first_piece[i + 1]; ++k) count += stats[set][k].non_finite;
+    if (count == 0) continue;
+    total += count;
+    if (listed++ < 5) which += (which.empty() ? "" : ", ") + std::to_string(i) + " (" + std::to_string(count) + ")";
+  }
+  if (listed > 5) which += ", ...";
+  if (total == 0) which = "on another rank";
+  return invalid_argument("step refused: NaN/Inf gradients in parameter(s) " + which +
+                          "; no state changed (fp16 loss scaling would skip such a step; refuse_non_finite = false "
+                          "lets them propagate as torch.optim does)");
 }
 
 void OffloadOptimizer::Impl::record_outcome(const Decision& d) {
@@ -426,6 +445,7 @@ Status OffloadOptimizer::Impl::finish_sync_step() {
   if (Status s = device.synchronize(copied.value()); !s.ok()) return s;
   const Decision d = decide(0, visible_scale);
   if (!d.error.ok()) return d.error;
+  if (d.refused) return non_finite_error(0);
   if (!d.overflow) {
     if (Status s = adam_all(d.grad_scale, 0, groups); !s.ok()) return s;
     for (std::size_t i = 0; i < params.size(); ++i) {
@@ -456,7 +476,7 @@ Status OffloadOptimizer::Impl::step_piece_when_down(std::size_t k, EventId copie
       worker_status = s;
       return;
     }
-    if (options.loss_scale.enabled && stats[0][k].non_finite > 0) overflow_seen = true;
+    if ((options.loss_scale.enabled || options.refuse_non_finite) && stats[0][k].non_finite > 0) overflow_seen = true;
     if (overflow_seen) return;  // this step will be skipped: stepping more would only be undone
     if (speculation_can_fail) save_undo(pieces[k]);
     if (Status s = adam_pieces({k}, speculative_scale, 0, groups); !s.ok()) {
@@ -483,16 +503,17 @@ Status OffloadOptimizer::Impl::step_overlap() {
   if (!worker_status.ok()) return std::exchange(worker_status, Status::success());
   const Decision d = decide(0, visible_scale);
   const float speculative_scale = static_cast<float>(1.0 / visible_scale);
-  const bool wrong = d.overflow || d.grad_scale != speculative_scale;
+  const bool skip = d.overflow || d.refused;
+  const bool wrong = skip || d.grad_scale != speculative_scale;
   std::vector<std::size_t> redo;
   for (std::size_t k = 0; k < pieces.size(); ++k) {
     if (stepped[k] && wrong) {
       restore_undo(pieces[k]);
-      if (d.overflow) {
+      if (skip) {
         if (Status s = enqueue_h2d(pieces[k]); !s.ok()) return s;  // the device gets its old weights back
       }
     }
-    if (!d.overflow && (!stepped[k] || wrong)) redo.push_back(k);
+    if (!skip && (!stepped[k] || wrong)) redo.push_back(k);
   }
   if (!redo.empty()) {
     ++stats_.redone;
@@ -502,11 +523,12 @@ Status OffloadOptimizer::Impl::step_overlap() {
     }
   }
   if (Status s = finish_h2d(); !s.ok()) return s;
-  record_outcome(d);
-  visible_scale = scaler.scale();
   std::fill(reported.begin(), reported.end(), 0);
   std::fill(stepped.begin(), stepped.end(), 0);
   overflow_seen = false;
+  if (d.refused) return non_finite_error(0);
+  record_outcome(d);
+  visible_scale = scaler.scale();
   return Status::success();
 }
 
@@ -565,11 +587,12 @@ Result<EventId> OffloadOptimizer::Impl::flush_delayed() {
       if (Status s = enqueue_h2d(i); !s.ok()) return s;
     }
   }
-  if (!status.ok()) return status;
   pending_h2d = false;
   update_done = false;
   std::fill(h2d_sent.begin(), h2d_sent.end(), 0);
   report_order.clear();
+  // The background step failed or was refused: nothing of it reached the state or the device.
+  if (!status.ok()) return Status(status.code(), "the previous step (delayed schedule): " + status.message(), status.sys_errno());
   visible_scale = scaler.scale();
   // The next forward starts once every weight is up; the caller waits for the returned event before the
   // weight staging is written again.
@@ -603,7 +626,8 @@ Status OffloadOptimizer::Impl::step_delayed() {
     if (Status t = device.synchronize(sent); s.ok()) s = t;
     if (s.ok()) {
       const Decision d = decide(set, scale_used);
-      if (!d.overflow) {
+      if (d.refused) s = non_finite_error(set);
+      if (s.ok() && !d.overflow) {
         s = adam_all(d.grad_scale, set, hyper);
         if (s.ok()) pending_h2d = true;
       }

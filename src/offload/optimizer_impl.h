@@ -132,7 +132,10 @@ struct OffloadOptimizer::Impl {
     double grad_norm;
     float grad_scale;
     Status error;  // partitioned: the ranks could not agree (the collective failed); nothing was decided
+    bool refused = false;  // a non-finite gradient without loss scaling, and refuse_non_finite: no step
   };
+  // The error a refused step returns: which parameters hold NaN/Inf gradients (from the statistics of `set`).
+  Status non_finite_error(int set) const;
   Decision decide(int set, float scale_used) const;
   void record_outcome(const Decision& d);
 

@@ -227,6 +227,7 @@ TEST(OffloadOptimizer, RefusesBadInput) {
 
   OffloadOptions overlap;
   overlap.schedule = Schedule::overlap;
+  random_grads(1e-2)(model, 1, 1.0f);  // the gradient memory is not initialised: a NaN there is refused
   Result<OffloadOptimizer> opt = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs, overlap);
   ASSERT_TRUE(opt.ok());
   EXPECT_FALSE(opt->grad_ready(2).ok());
@@ -234,6 +235,51 @@ TEST(OffloadOptimizer, RefusesBadInput) {
   const Status twice = opt->grad_ready(1);
   EXPECT_NE(twice.message().find("reported ready twice"), std::string::npos) << twice.to_string();
   EXPECT_TRUE(opt->step().ok());
+}
+
+// Without fp16 loss scaling a NaN/Inf gradient is bad input: the step is refused with an error naming the
+// parameter, and nothing changes — master weights, moments, device weights, step count. With
+// refuse_non_finite = false it propagates, as in torch.
+TEST(OffloadOptimizer, NonFiniteGradientIsRefusedAndChangesNothing) {
+  const GradFn clean = random_grads(1e-2);
+  auto poisoned = [&clean](DeviceParams& model, int t, float scale) {
+    clean(model, t, scale);
+    model.set(const_cast<void*>(model.specs[2].device_grads), 100, NAN);
+  };
+  for (bool cpu : {false, true}) {
+    for (Schedule schedule : {Schedule::sync, Schedule::overlap, Schedule::delayed}) {
+      SCOPED_TRACE(std::string(schedule_name(schedule)) + (cpu ? " cpu device" : " host stand-in"));
+      OffloadOptions o;
+      o.max_grad_norm = schedule == Schedule::sync ? 1.0f : 0.0f;
+      Trainer t(schedule, DType::bf16, o, 2, {1000, 37, 4096, 1}, nullptr, 0, cpu);
+      t.run(1, 4, clean);
+      const RunResult before = t.result();
+      ASSERT_TRUE(t.device_synchronize().ok());
+      Status s = t.iteration(5, poisoned);
+      // delayed: the step runs in the background and its refusal comes with the next call.
+      if (schedule == Schedule::delayed) {
+        EXPECT_TRUE(s.ok()) << s.to_string();
+        s = t.opt().wait();
+      }
+      ASSERT_FALSE(s.ok());
+      EXPECT_NE(s.message().find("parameter(s) 2 (1)"), std::string::npos) << s.to_string();
+      const RunResult after = t.result();
+      EXPECT_EQ(std::memcmp(before.state.data(), after.state.data(), before.state.size() * 4), 0);
+      EXPECT_EQ(before.device_weights, after.device_weights);
+      EXPECT_EQ(before.steps, after.steps);
+      // The next clean iteration steps normally.
+      t.run(6, 6, clean);
+      EXPECT_EQ(t.result().steps, before.steps + 1);
+    }
+  }
+  OffloadOptions propagate;
+  propagate.refuse_non_finite = false;
+  Trainer t(Schedule::sync, DType::f32, propagate);
+  t.run(1, 1, poisoned);
+  std::vector<float> p(4096);
+  ASSERT_TRUE(t.opt().read_state(2, p.data(), nullptr, nullptr).ok());
+  EXPECT_TRUE(std::isnan(p[100]));
+  EXPECT_FALSE(std::isnan(p[99]));
 }
 
 std::string temp_path(const std::string& name) {

@@ -130,6 +130,17 @@ class Trainer {
   OffloadOptimizer& opt() { return *opt_; }
   bool created() const { return opt_ != nullptr; }
 
+  // One iteration whose step() result is returned rather than asserted.
+  Status iteration(int t, const GradFn& grads) {
+    grads(model_, t, opt_->loss_scale());
+    for (std::size_t b = model_.specs.size(); b-- > 0;) {
+      if (Status s = device_->simulate_compute(1e-4, Stream::compute); !s.ok()) return s;
+      if (Status s = opt_->grad_ready(b); !s.ok()) return s;
+    }
+    return opt_->step();
+  }
+  Status device_synchronize() { return device_->synchronize(); }
+
   void run(int first, int last, const GradFn& grads) {
     for (int t = first; t <= last; ++t) {
       ASSERT_TRUE(device_->synchronize().ok());  // the previous iteration is done: gradients may be written

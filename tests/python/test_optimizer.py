@@ -207,6 +207,28 @@ def test_fp16_overflow_skips_step_and_lowers_scale():
         assert torch.equal(p.detach(), q)
 
 
+@pytest.mark.parametrize("schedule", ["sync", "overlap"])
+def test_nan_gradient_is_refused_and_changes_nothing(schedule):
+    model = make_mlp()
+    opt = OffloadOptimizer(model.parameters(), lr=1e-3, schedule=schedule)
+    train(model, opt, batches(2))
+    before = [p.detach().clone() for p in model.parameters()]
+    state = opt.state_dict()["zoe"]
+    opt.zero_grad()
+    list(model.parameters())[2].grad[3] = float("nan")
+    with pytest.raises(zoe.InvalidArgumentError, match="NaN/Inf"):
+        opt.step()
+    assert opt.step_count == 2
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), q)
+    assert torch.equal(opt.state_dict()["zoe"]["checkpoint"], state["checkpoint"])
+    # As torch.optim.AdamW does, on request.
+    lenient = OffloadOptimizer(make_mlp().parameters(), lr=1e-3, refuse_non_finite=False)
+    next(iter(lenient.param_groups[0]["params"])).grad = torch.full_like(lenient.param_groups[0]["params"][0], float("nan"))
+    lenient.step()
+    assert torch.isnan(lenient.param_groups[0]["params"][0]).all()
+
+
 def test_fp16_loss_scaling_trains_like_fp32():
     data = batches(30)
     ref, mine = make_mlp(), make_mlp(dtype=torch.float16)
