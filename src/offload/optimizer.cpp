@@ -4,10 +4,12 @@
 // gradients (as the device stores them) and its 16-bit weights (what the device holds; for f32 parameters
 // the master itself is sent). Gradients come down (D2H) with their sum of squares and NaN/Inf count
 // computed on the device; the CPU Adam step runs with loss-scale unscale and clip coefficient fused;
-// weights go up (H2D).
+// weights go up (H2D). Tier nvme keeps master and moments in a swap store instead; a device whose memory is
+// host memory (the CPU) is read and written in place; a partitioned optimizer steps this rank's pieces of
+// the flattened parameters (see create(..., Collectives*)).
 //
 // Exactness: every schedule steps each element with the same grad_scale = coef / loss_scale (coef from
-// the global norm summed in parameter order), and the kernels are element-wise, so overlap and delayed
+// the global norm summed in piece order), and the kernels are element-wise, so overlap and delayed
 // give the bits sync would give for the same gradients.
 #include <algorithm>
 #include <atomic>
