@@ -13,6 +13,9 @@
 #include <new>
 #include <utility>
 
+#include <hwloc.h>
+#include <hwloc/cudart.h>
+
 #include "cuda/cuda_kernels.h"
 #include "cuda/device.h"
 
@@ -174,6 +177,13 @@ Status CudaDevice::init() {
   Result<StatsSlot*> slot = stats_slots_->take();
   if (!slot.ok()) return slot.status();
   stats_slots_->give(*slot);
+  // Placement is an optimisation: without a topology or the GPU's locality, buffers are placed by first touch.
+  if (hwloc_topology_init(&topology_) == 0 && hwloc_topology_load(topology_) == 0) {
+    local_cpus_ = hwloc_bitmap_alloc();
+    if (local_cpus_ != nullptr && hwloc_cudart_get_device_cpuset(topology_, ordinal_, local_cpus_) != 0) {
+      hwloc_bitmap_zero(local_cpus_);
+    }
+  }
   return {};
 }
 
@@ -196,6 +206,8 @@ CudaDevice::~CudaDevice() {
   for (cudaStream_t stream : streams_) {
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
+  if (local_cpus_ != nullptr) hwloc_bitmap_free(local_cpus_);
+  if (topology_ != nullptr) hwloc_topology_destroy(topology_);
 }
 
 std::string CudaDevice::name() const { return "cuda:" + std::to_string(ordinal_) + " (" + name_ + ")"; }
@@ -275,6 +287,10 @@ Result<void*> CudaDevice::allocate_host(std::size_t bytes) {
     base += lead;
     // Advice only: with THP off the buffer is as correct, on 4 KiB pages.
     madvise(base, length, MADV_HUGEPAGE);
+  }
+  // Before the pages exist: on the GPU's NUMA node (advice too; a single-node machine has nothing to choose).
+  if (local_cpus_ != nullptr && !hwloc_bitmap_iszero(local_cpus_) && !hwloc_bitmap_isfull(local_cpus_)) {
+    (void)hwloc_set_area_membind(topology_, base, length, local_cpus_, HWLOC_MEMBIND_BIND, 0);
   }
   // Registering faults every page in (after the advice, so as huge pages where the kernel gives them) and pins it.
   Status st = check(cudaHostRegister(base, length, cudaHostRegisterPortable), "cudaHostRegister",

@@ -28,6 +28,9 @@
 
 #include "zoe/device.h"
 
+struct hwloc_topology;  // hwloc's, so that this header does not need hwloc.h
+struct hwloc_bitmap_s;
+
 namespace zoe::cuda {
 
 struct StatsScratch;
@@ -99,6 +102,11 @@ class CudaDevice final : public Device {
   std::vector<cudaEvent_t> free_events_;
   EventId next_event_ = 1;
   std::size_t sweep_at_;  // live_events_ size at which record() next recycles completed events
+
+  // The CPUs nearest the GPU (hwloc): page-locked host buffers are bound to their NUMA node, so DMA and the
+  // CPU step both stay local. Empty when hwloc cannot tell, and then the first touch places the pages.
+  hwloc_topology* topology_ = nullptr;
+  hwloc_bitmap_s* local_cpus_ = nullptr;
 
   std::mutex alloc_mutex_;
   std::unordered_set<void*> device_allocations_;
