@@ -128,8 +128,8 @@ Status OffloadOptimizer::Impl::allocate() {
     // (glibc maps large allocations lazily, so untouched pages cost no memory); the rest is written at start-up.
     if (total > 0 && !(in_place && b == &master)) std::memset(b->data(), 0, total * 4);
   }
-  // Speculation in the overlap schedule fails only when clipping or an fp16 overflow changes the step:
-  // only then is an undo copy kept.
+  // Speculation in the overlap schedule fails only when clipping, an fp16 overflow or a refused NaN/Inf
+  // changes the step: only then is an undo copy kept.
   // Tier nvme does not speculate: its steps are not undone (overlap brings the gradients down during
   // backward, and steps once they are all down).
   speculation_can_fail = options.schedule == Schedule::overlap && options.tier == Tier::ram &&
