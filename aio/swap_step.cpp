@@ -5,7 +5,7 @@
 #include <cstring>
 #include <limits>
 
-#include "aio/crc32c_fast.h"
+#include "src/crc32c.h"
 #include "aio/swap_impl.h"
 
 namespace zoe {
@@ -115,7 +115,7 @@ Status SwapStore::Impl::run_tiles(std::span<const TileTask> tasks, const TileCom
       }
       const auto t0 = Clock::now();
       std::uint32_t got[3];
-      aio::crc32c_x3(p, m, v, count * 4, got);
+      crc32c_x3(p, m, v, count * 4, got);
       stats.crc_s += since(t0);
       for (int k = 0; k < 3; ++k) {
         if (got[k] != entry.crc[k]) {
@@ -142,7 +142,7 @@ Status SwapStore::Impl::run_tiles(std::span<const TileTask> tasks, const TileCom
       const auto t0 = Clock::now();
       b.next.step = task.new_step;
       b.next.slot = 1 - entry.slot;
-      aio::crc32c_x3(p, m, v, count * 4, b.next.crc);
+      crc32c_x3(p, m, v, count * 4, b.next.crc);
       stats.crc_s += since(t0);
       Result<aio::IoEngine::Ticket> w = engine->submit(IoOp::write, file_of(task.tile).engine_file,
                                                        file_offset(task.tile, b.next.slot), p, slot_bytes);

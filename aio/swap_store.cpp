@@ -22,7 +22,7 @@
 #include <filesystem>
 #include <set>
 
-#include "aio/crc32c_fast.h"
+#include "src/crc32c.h"
 #include "aio/swap_impl.h"
 
 namespace zoe {
@@ -122,7 +122,7 @@ Status SwapStore::Impl::persist_table() {
     put<std::uint32_t>(out, e.slot);
     for (std::uint32_t c : e.crc) put<std::uint32_t>(out, c);
   }
-  put<std::uint32_t>(out, aio::crc32c_fast(out.data(), out.size()));
+  put<std::uint32_t>(out, crc32c(out.data(), out.size()));
   out.resize(table_region_bytes(), '\0');
   const std::string path = table_path();
   const auto at = static_cast<off_t>((seq % 2) * table_region_bytes());
@@ -175,7 +175,7 @@ Status SwapStore::Impl::load_table() {
             std::to_string(get<std::uint64_t>(in, 16)) + " tiles; expected " + std::to_string(ntiles) + ")";
       continue;
     }
-    if (aio::crc32c_fast(in.data(), body) != get<std::uint32_t>(in, body)) {
+    if (crc32c(in.data(), body) != get<std::uint32_t>(in, body)) {
       why = "both copies fail their checksum";
       damaged = true;
       continue;

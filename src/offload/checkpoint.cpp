@@ -23,7 +23,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "src/offload/crc32c.h"
+#include "src/crc32c.h"
 
 namespace zoe {
 namespace {

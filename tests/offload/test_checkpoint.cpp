@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "src/offload/checkpoint.h"
-#include "src/offload/crc32c.h"
+#include "src/crc32c.h"
 
 namespace zoe {
 namespace {
@@ -27,6 +27,7 @@ namespace fs = std::filesystem;
 
 TEST(Crc32c, CheckValue) {
   EXPECT_EQ(crc32c("123456789", 9), 0xE3069283u);
+  EXPECT_EQ(crc32c_software("123456789", 9), 0xE3069283u);
   EXPECT_EQ(crc32c(nullptr, 0), 0u);
 }
 

@@ -1,0 +1,106 @@
+#include "src/crc32c.h"
+
+#include <array>
+#include <cstring>
+
+namespace zoe {
+namespace {
+
+constexpr std::uint32_t kPolynomial = 0x82F63B78u;  // 0x1EDC6F41 bit-reversed
+
+// kTables[0] is the byte-at-a-time table; kTables[k][b] is the CRC of byte b followed by k zero bytes, which
+// lets one step fold 8 input bytes with 8 independent lookups (slicing-by-8, Kounavis & Berry, Intel 2005).
+using Tables = std::array<std::array<std::uint32_t, 256>, 8>;
+
+constexpr Tables make_tables() {
+  Tables t{};
+  for (std::uint32_t b = 0; b < 256; ++b) {
+    std::uint32_t c = b;
+    for (int bit = 0; bit < 8; ++bit) c = (c & 1u) ? (c >> 1) ^ kPolynomial : c >> 1;
+    t[0][b] = c;
+  }
+  for (std::size_t k = 1; k < 8; ++k) {
+    for (std::uint32_t b = 0; b < 256; ++b) t[k][b] = (t[k - 1][b] >> 8) ^ t[0][t[k - 1][b] & 0xFFu];
+  }
+  return t;
+}
+
+constexpr Tables kTables = make_tables();
+
+// Little-endian load whatever the host's order, so the slicing below reads bytes in stream order.
+std::uint64_t load_le64(const unsigned char* p) {
+  std::uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+std::uint64_t load64(const unsigned char* p) {
+  std::uint64_t v;
+  std::memcpy(&v, p, 8);  // x86 is little-endian: the bytes in stream order, as crc32q consumes them
+  return v;
+}
+
+// The ~crc pre- and post-conditioning matches the software path, so partial results chain the same way.
+__attribute__((target("sse4.2"))) std::uint32_t crc_hw(const unsigned char* p, std::size_t n, std::uint32_t crc) {
+  std::uint64_t c = ~crc;
+  for (; n >= 8; n -= 8, p += 8) c = __builtin_ia32_crc32di(c, load64(p));
+  auto c32 = static_cast<std::uint32_t>(c);
+  for (; n > 0; --n, ++p) c32 = __builtin_ia32_crc32qi(c32, *p);
+  return ~c32;
+}
+
+__attribute__((target("sse4.2"))) void crc_hw_x3(const unsigned char* a, const unsigned char* b,
+                                                 const unsigned char* c, std::size_t n, std::uint32_t out[3]) {
+  std::uint64_t ca = 0xFFFFFFFFu, cb = 0xFFFFFFFFu, cc = 0xFFFFFFFFu;
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    ca = __builtin_ia32_crc32di(ca, load64(a + i));
+    cb = __builtin_ia32_crc32di(cb, load64(b + i));
+    cc = __builtin_ia32_crc32di(cc, load64(c + i));
+  }
+  out[0] = crc_hw(a + i, n - i, ~static_cast<std::uint32_t>(ca));
+  out[1] = crc_hw(b + i, n - i, ~static_cast<std::uint32_t>(cb));
+  out[2] = crc_hw(c + i, n - i, ~static_cast<std::uint32_t>(cc));
+}
+
+bool detect_hardware() {
+  __builtin_cpu_init();  // may run before the libgcc constructor that fills the CPU model
+  return __builtin_cpu_supports("sse4.2");
+}
+
+const bool kHardware = detect_hardware();
+
+}  // namespace
+
+bool crc32c_hardware() { return kHardware; }
+
+std::uint32_t crc32c(const void* data, std::size_t bytes, std::uint32_t crc) {
+  if (kHardware) return crc_hw(static_cast<const unsigned char*>(data), bytes, crc);
+  return crc32c_software(data, bytes, crc);
+}
+
+void crc32c_x3(const void* a, const void* b, const void* c, std::size_t bytes, std::uint32_t out[3]) {
+  if (kHardware) {
+    crc_hw_x3(static_cast<const unsigned char*>(a), static_cast<const unsigned char*>(b),
+              static_cast<const unsigned char*>(c), bytes, out);
+    return;
+  }
+  out[0] = crc32c_software(a, bytes);
+  out[1] = crc32c_software(b, bytes);
+  out[2] = crc32c_software(c, bytes);
+}
+
+std::uint32_t crc32c_software(const void* data, std::size_t bytes, std::uint32_t crc) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  std::uint32_t c = ~crc;
+  for (; bytes >= 8; bytes -= 8, p += 8) {
+    const std::uint64_t v = load_le64(p) ^ c;
+    c = kTables[7][v & 0xFF] ^ kTables[6][(v >> 8) & 0xFF] ^ kTables[5][(v >> 16) & 0xFF] ^
+        kTables[4][(v >> 24) & 0xFF] ^ kTables[3][(v >> 32) & 0xFF] ^ kTables[2][(v >> 40) & 0xFF] ^
+        kTables[1][(v >> 48) & 0xFF] ^ kTables[0][v >> 56];
+  }
+  for (; bytes > 0; --bytes, ++p) c = (c >> 8) ^ kTables[0][(c ^ *p) & 0xFFu];
+  return ~c;
+}
+
+}  // namespace zoe
