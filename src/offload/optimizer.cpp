@@ -295,14 +295,17 @@ Status OffloadOptimizer::Impl::enqueue_h2d(const Piece& k) {
   return device.copy_to_device(static_cast<unsigned char*>(p.device_weights) + at, src, bytes, Stream::h2d);
 }
 
-Status OffloadOptimizer::Impl::finish_h2d() {
+Result<EventId> OffloadOptimizer::Impl::weights_sent() {
   Result<EventId> sent = device.record(Stream::h2d);
   if (!sent.ok()) return sent.status();
-  Result<EventId> sent_host = device.record(Stream::h2d);
-  if (!sent_host.ok()) return sent_host.status();
   if (Status s = device.wait(Stream::compute, sent.value()); !s.ok()) return s;
+  return device.record(Stream::h2d);
+}
+
+Status OffloadOptimizer::Impl::finish_h2d() {
+  Result<EventId> sent = weights_sent();
   // The host waits too: the weight staging is rewritten by the next step.
-  return device.synchronize(sent_host.value());
+  return sent.ok() ? device.synchronize(sent.value()) : sent.status();
 }
 
 // One CpuAdam call per param group over the given pieces (a multi-tensor step).
@@ -596,12 +599,8 @@ Result<EventId> OffloadOptimizer::Impl::flush_delayed() {
   // The background step failed or was refused: nothing of it reached the state or the device.
   if (!status.ok()) return Status(status.code(), "the previous step (delayed schedule): " + status.message(), status.sys_errno());
   visible_scale = scaler.scale();
-  // The next forward starts once every weight is up; the caller waits for the returned event before the
-  // weight staging is written again.
-  Result<EventId> sent_device = device.record(Stream::h2d);
-  if (!sent_device.ok()) return sent_device.status();
-  if (Status s = device.wait(Stream::compute, sent_device.value()); !s.ok()) return s;
-  return device.record(Stream::h2d);
+  // The caller waits for the returned event before the weight staging is written again.
+  return weights_sent();
 }
 
 Status OffloadOptimizer::Impl::step_delayed() {

@@ -117,7 +117,10 @@ struct OffloadOptimizer::Impl {
   Status step_piece_when_down(std::size_t piece, EventId copied);
   Status enqueue_h2d(std::size_t i);
   Status enqueue_h2d(const Piece& k);
-  Status finish_h2d();  // the compute stream (next forward) waits for the weights; so does the host
+  // The compute stream (the next forward) waits for every weight sent so far; returns the event after which
+  // the weight staging may be rewritten. finish_h2d() also waits for it on the host.
+  Result<EventId> weights_sent();
+  Status finish_h2d();
   Status adam_pieces(const std::vector<std::size_t>& which, float grad_scale, int set,
                      const std::vector<ParamGroup>& hyper);
   // The whole step over every parameter: CpuAdam over RAM, or streamed through the swap store.
