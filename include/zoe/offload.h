@@ -24,6 +24,9 @@ enum class Schedule { sync, overlap, delayed };
 
 std::string_view tier_name(Tier tier);
 std::string_view schedule_name(Schedule schedule);
+// The names back to values; anything else is invalid_argument naming the choices.
+Result<Tier> parse_tier(std::string_view name);
+Result<Schedule> parse_schedule(std::string_view name);
 
 // fp16 loss scaling, with the knobs of DeepSpeed's fp16 section and torch's GradScaler. Dynamic: start at
 // initial_scale; an overflow skips the step and, once `hysteresis` overflows have been seen, multiplies the

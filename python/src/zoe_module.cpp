@@ -187,26 +187,16 @@ struct EngineOptions {
 
 OffloadOptions to_options(const EngineOptions& e) {
   OffloadOptions o;
-  if (e.tier == "ram") {
-    o.tier = Tier::ram;
-  } else if (e.tier == "nvme") {
-    o.tier = Tier::nvme;
-  } else {
-    throw std::invalid_argument("tier '" + e.tier + "' is unknown: use ram or nvme");
-  }
+  Result<Tier> tier = parse_tier(e.tier);
+  if (!tier.ok()) throw std::invalid_argument(tier.status().message());
+  o.tier = tier.value();
   o.nvme.paths = e.nvme_paths;
   o.nvme.buffer_count = e.buffer_count;
   o.nvme.block_size = e.block_size;
   o.nvme.queue_depth = e.queue_depth;
-  if (e.schedule == "sync") {
-    o.schedule = Schedule::sync;
-  } else if (e.schedule == "overlap") {
-    o.schedule = Schedule::overlap;
-  } else if (e.schedule == "delayed") {
-    o.schedule = Schedule::delayed;
-  } else {
-    throw std::invalid_argument("schedule '" + e.schedule + "' is unknown: use sync, overlap or delayed");
-  }
+  Result<Schedule> schedule = parse_schedule(e.schedule);
+  if (!schedule.ok()) throw std::invalid_argument(schedule.status().message());
+  o.schedule = schedule.value();
   o.delayed_warmup_steps = e.delayed_warmup_steps;
   o.max_grad_norm = e.max_grad_norm;
   o.refuse_non_finite = e.refuse_non_finite;

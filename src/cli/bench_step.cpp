@@ -145,16 +145,10 @@ int bench_step(std::span<char* const> args) {
                 "of the same bytes to and from page-locked host memory (cudaMemcpyAsync on CUDA); copy_ratio their ratio.\n");
     return 0;
   }
-  Schedule schedule;
-  if (schedule_text == "sync") {
-    schedule = Schedule::sync;
-  } else if (schedule_text == "overlap") {
-    schedule = Schedule::overlap;
-  } else if (schedule_text == "delayed") {
-    schedule = Schedule::delayed;
-  } else {
-    return fail(invalid_argument("--schedule " + schedule_text + " is not sync, overlap or delayed"));
-  }
+  Result<Schedule> schedule = parse_schedule(schedule_text);
+  if (!schedule.ok()) return fail(schedule.status());
+  Result<Tier> tier = parse_tier(tier_text);
+  if (!tier.ok()) return fail(tier.status());
   Result<std::uint64_t> n = parse_count(n_text, "--n");
   Result<std::uint64_t> buckets = parse_count(buckets_text, "--buckets");
   Result<std::uint64_t> iters = parse_count(iters_text, "--iters");
@@ -179,18 +173,10 @@ int bench_step(std::span<char* const> args) {
 
   constexpr int kCpuProbes = 3;  // iterations without compute that time the CPU step; sync for delayed
   OffloadOptions o;
-  o.schedule = schedule;
-  if (tier_text == "nvme") {
-    o.tier = Tier::nvme;
-    for (std::size_t at = 0; at <= path_text.size();) {
-      const std::size_t comma = std::min(path_text.find(',', at), path_text.size());
-      if (comma > at) o.nvme.paths.push_back(path_text.substr(at, comma - at));
-      at = comma + 1;
-    }
-    if (o.nvme.paths.empty()) return fail(invalid_argument("--tier nvme needs --path DIR[,DIR...]"));
-  } else if (tier_text != "ram") {
-    return fail(invalid_argument("--tier " + tier_text + " is not ram or nvme"));
-  }
+  o.schedule = schedule.value();
+  o.tier = tier.value();
+  o.nvme.paths = split_list(path_text);
+  if (o.tier == Tier::nvme && o.nvme.paths.empty()) return fail(invalid_argument("--tier nvme needs --path DIR[,DIR...]"));
   o.delayed_warmup_steps = kCpuProbes;
   Result<OffloadOptimizer> opt = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs(), o);
   if (!opt.ok()) return fail(opt.status());
@@ -217,7 +203,7 @@ int bench_step(std::span<char* const> args) {
   double model_bytes = 0;
   for (const ParamSpec& p : model.specs()) model_bytes += static_cast<double>(p.n * dtype_size(p.dtype));
   const double copy_ceiling_gbps = 2 * model_bytes / (raw->first + raw->second) / 1e9;
-  const bool copies_measured = schedule != Schedule::overlap && copy_s > 0;
+  const bool copies_measured = o.schedule != Schedule::overlap && copy_s > 0;
   const double copy_gbps = copies_measured ? copy_bytes / copy_s / 1e9 : 0;
   double compute_s = 1.5 * cpu_step_s;
   if (!compute_text.empty()) {

@@ -443,16 +443,9 @@ Status Parser::zoe_section(const Json& section) {
   check_keys(section, p, {"schedule", "delayed_warmup_steps", "tile", "threads", "isa", "pin_threads", "cpu_tile"});
   OffloadOptions& o = out_->options;
   if (const auto it = section.find("schedule"); it != section.end()) {
-    const std::string v = it->is_string() ? it->get<std::string>() : std::string();
-    if (v == "sync") {
-      o.schedule = Schedule::sync;
-    } else if (v == "overlap") {
-      o.schedule = Schedule::overlap;
-    } else if (v == "delayed") {
-      o.schedule = Schedule::delayed;
-    } else {
-      return bad(p + ".schedule", *it, "need \"sync\", \"overlap\" or \"delayed\"");
-    }
+    Result<Schedule> schedule = parse_schedule(it->is_string() ? it->get<std::string>() : std::string());
+    if (!schedule.ok()) return bad(p + ".schedule", *it, "need \"sync\", \"overlap\" or \"delayed\"");
+    o.schedule = schedule.value();
   }
   constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
   if (Status s = get(section, p, "delayed_warmup_steps", 0, kIntMax, &o.delayed_warmup_steps); !s.ok()) return s;

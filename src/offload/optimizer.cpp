@@ -38,6 +38,20 @@ std::string_view schedule_name(Schedule schedule) {
   return "invalid";
 }
 
+Result<Tier> parse_tier(std::string_view name) {
+  for (Tier t : {Tier::ram, Tier::nvme}) {
+    if (name == tier_name(t)) return t;
+  }
+  return invalid_argument("tier '" + std::string(name) + "' is unknown: use ram or nvme");
+}
+
+Result<Schedule> parse_schedule(std::string_view name) {
+  for (Schedule s : {Schedule::sync, Schedule::overlap, Schedule::delayed}) {
+    if (name == schedule_name(s)) return s;
+  }
+  return invalid_argument("schedule '" + std::string(name) + "' is unknown: use sync, overlap or delayed");
+}
+
 namespace {
 
 constexpr const char* kStoreName = "zoe-optimizer";
