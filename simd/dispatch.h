@@ -19,8 +19,9 @@ const CpuFeatures& cpu_features();
 bool isa_supported(Isa isa);
 std::optional<Isa> parse_isa(std::string_view name);
 
-// `requested` is "auto" or an ISA token; the ZOE_ISA environment variable, when set and not empty, overrides
-// it. An unknown name or one this CPU cannot run is an error naming what this CPU supports.
+// `requested` is "auto" or an ISA token. The ZOE_ISA environment variable, when set and not empty, replaces
+// "auto"; an explicit request wins over it. Both are always checked: an unknown name or one this CPU cannot
+// run is an error naming where it came from and what this CPU supports.
 Result<Isa> choose_isa(std::string_view requested);
 
 // The table for `isa`, which must be supported; avx512 uses native bf16 rounding when the CPU has it.

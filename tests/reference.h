@@ -25,6 +25,11 @@ inline constexpr Tolerance kParamTol{1e-5, 1e-7};
 inline constexpr Tolerance kExpAvgTol{1e-5, 1e-9};
 inline constexpr Tolerance kExpAvgSqTol{1e-5, 1e-12};
 
+// A sum of squares against its float64 sum. The kernels add squares in float partial sums of at most
+// 1024 / (4 x lanes) terms (all positive), then in double: the relative error is at most that count x 2^-24
+// (1.5e-5 for scalar's 256 terms) and typically its square root x 2^-24 (1e-6), where random values lie.
+inline constexpr double kSumSqRelTol = 1e-5;
+
 struct RefState {
   std::vector<double> p, m, v;
 };

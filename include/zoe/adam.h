@@ -52,7 +52,7 @@ std::string_view isa_name(Isa isa);
 std::vector<Isa> supported_isas();  // what this CPU and OS can run, best first
 
 struct CpuAdamOptions {
-  std::string isa = "auto";    // auto | scalar | avx2 | avx512; the ZOE_ISA environment variable overrides
+  std::string isa = "auto";    // auto | scalar | avx2 | avx512; ZOE_ISA replaces auto, never an explicit name
   int threads = 0;             // 0: every CPU this process may run on; ZOE_THREADS caps it
   std::size_t tile = 1 << 16;  // elements per unit of parallel work
   bool pin_threads = true;     // bind worker threads to cores (hwloc)

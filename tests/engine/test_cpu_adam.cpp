@@ -167,6 +167,38 @@ TEST(Engine, UnknownIsaIsAnErrorNamingWhatTheCpuSupports) {
   EXPECT_NE(e.status().message().find("scalar"), std::string::npos) << e.status().message();
 }
 
+TEST(Engine, AnExplicitIsaWinsOverZoeIsa) {
+  if (!simd::isa_supported(Isa::avx2)) GTEST_SKIP() << "this CPU runs only scalar: nothing to tell apart";
+  setenv("ZOE_ISA", "avx2", 1);
+  CpuAdamOptions o;
+  o.isa = "scalar";
+  Result<CpuAdam> e = CpuAdam::create(o);
+  unsetenv("ZOE_ISA");
+  ASSERT_TRUE(e.ok()) << e.status().to_string();
+  EXPECT_EQ(e->isa(), Isa::scalar);
+}
+
+TEST(Engine, AnExplicitUnknownIsaIsAnErrorWhateverZoeIsaSays) {
+  setenv("ZOE_ISA", "scalar", 1);
+  CpuAdamOptions o;
+  o.isa = "sse9";
+  Result<CpuAdam> e = CpuAdam::create(o);
+  unsetenv("ZOE_ISA");
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::invalid_argument);
+  EXPECT_NE(e.status().message().find("requested ISA=sse9"), std::string::npos) << e.status().message();
+}
+
+TEST(Engine, AnUnknownZoeIsaIsAnErrorEvenBesideAnExplicitIsa) {
+  setenv("ZOE_ISA", "sse9", 1);
+  CpuAdamOptions o;
+  o.isa = "scalar";
+  Result<CpuAdam> e = CpuAdam::create(o);
+  unsetenv("ZOE_ISA");
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("ZOE_ISA=sse9"), std::string::npos) << e.status().message();
+}
+
 TEST(Engine, UnsupportedIsaIsAnError) {
   for (Isa isa : {Isa::avx512, Isa::avx2}) {
     if (simd::isa_supported(isa)) continue;

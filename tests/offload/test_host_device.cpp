@@ -49,7 +49,7 @@ TEST_P(HostGradStats, MatchesFloat64Reference) {
   ASSERT_TRUE(device->grad_stats(on_device, dtype, values.size(), &stats, Stream::h2d).ok());
   ASSERT_TRUE(device->synchronize().ok());
   EXPECT_EQ(stats.non_finite, 3u);
-  EXPECT_NEAR(stats.sum_sq, expected, expected * 1e-6);
+  EXPECT_NEAR(stats.sum_sq, expected, expected * test::kSumSqRelTol);
   // A subnormal alone: its square is what counts, not zero.
   GradStats one;
   ASSERT_TRUE(device->grad_stats(static_cast<unsigned char*>(on_device) + (finite - 6) * dtype_size(dtype), dtype, 1,

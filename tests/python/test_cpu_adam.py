@@ -66,3 +66,15 @@ def test_errors():
         adam.step([a], [a.copy()], [a.copy()], [np.zeros(4, np.float64)], step=1)
     with pytest.raises(zoe.ZoeError, match="ISA"):
         zoe.CpuAdam(isa="sse9")
+
+
+def test_explicit_isa_wins_over_zoe_isa_and_both_are_checked(monkeypatch):
+    monkeypatch.setenv("ZOE_ISA", "scalar")
+    assert zoe.CpuAdam().isa == "scalar"  # the environment sets what "auto" picks
+    for isa in zoe.supported_isas():
+        assert zoe.CpuAdam(isa=isa).isa == isa  # a name given in code wins
+    with pytest.raises(zoe.ZoeError, match="requested ISA=sse9"):
+        zoe.CpuAdam(isa="sse9")
+    monkeypatch.setenv("ZOE_ISA", "sse9")
+    with pytest.raises(zoe.ZoeError, match="ZOE_ISA=sse9"):
+        zoe.CpuAdam(isa="scalar")

@@ -1,5 +1,6 @@
-"""The demo's model with bf16 weights on the device: zoe (fp32 master in the engine) against torch AdamW
-keeping fp32 master weights itself; and the demo end to end."""
+"""The demo's model with bf16 weights on the device: zoe (fp32 master in the engine) trains as well as torch
+AdamW keeping fp32 master weights itself, over several seeds; and the demo end to end. Step-by-step numerics
+are compared in test_numerics.py."""
 import json
 import os
 import subprocess
@@ -12,52 +13,81 @@ from zoe.demo.model import GPT, GPTConfig
 from zoe.torch import OffloadOptimizer
 
 STEPS = 200
+SEEDS = 4
+SMOOTH = 50  # the training loss is compared as the mean of the last SMOOTH steps
 # The demo's architecture at a size that trains 200 steps in seconds on 2 cores.
 CONFIG = dict(seq=64, d_model=96, n_layer=2, n_head=4, compute_dtype=torch.float32)
 HYPER = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+# Two trainings whose optimizers differ only in float rounding part ways after a while, and by step 200 their
+# losses differ by the chaos of the trajectory, not by the quality of either optimizer: how much depends on
+# the CPU, its BLAS and torch's kernels, so no constant can bound it. The yardstick is torch's own spread in
+# the same run: its fused AdamW, and AdamW over float64 masters (rounding differences in every element of
+# every step, as zoe's are), each against foreach AdamW. fused alone is not enough: on some CPUs it agrees with
+# foreach bit for bit for a hundred steps and more, and its spread is then far below the chaos that zoe's
+# ulp-level differences grow into (measured on an AVX-512 Xeon, seeds 0-3: fused 0.0001-0.0013, float64
+# 0.0016-0.0101, zoe 0.0013-0.0224 in loss, mean over the seeds of zoe minus foreach +0.0015).
+# zoe passes when its mean signed difference over the seeds is within QUALITY_FACTOR times torch's mean
+# spread: a mean over SEEDS seeds of noise shrinks as 1/sqrt(SEEDS), a bias does not.
+QUALITY_FACTOR = 3.0
 
 
-def _model():
-    torch.manual_seed(0)
+def _model(seed):
+    torch.manual_seed(seed)
     return GPT(GPTConfig(**CONFIG)).to(torch.bfloat16)
 
 
-def _losses(step_fn, model):
-    data = ByteBatches(CONFIG["seq"], 8, seed=0)
-    out = []
+def _smoothed_loss(model, step_fn, seed):
+    data = ByteBatches(CONFIG["seq"], 8, seed=seed)
+    losses = []
     for _ in range(STEPS):
         x, y = data.next()
         model.zero_grad(set_to_none=False)
         _, loss = model(x, y)
         loss.backward()
         step_fn()
-        out.append(loss.item())
-    return out
+        losses.append(loss.item())
+    return sum(losses[-SMOOTH:]) / SMOOTH, losses[0]
 
 
-def test_bf16_weights_loss_at_step_200_within_1_percent_of_torch_fp32_master():
-    zoe_model = _model()
-    opt = OffloadOptimizer(zoe_model.parameters(), **HYPER)
-    zoe_losses = _losses(opt.step, zoe_model)
+def _zoe(seed):
+    model = _model(seed)
+    return _smoothed_loss(model, OffloadOptimizer(model.parameters(), **HYPER).step, seed)
 
-    ref_model = _model()
-    master = [p.detach().float().clone().requires_grad_() for p in ref_model.parameters()]
-    ref_opt = torch.optim.AdamW(master, **HYPER)
 
-    def ref_step():
-        for m, p in zip(master, ref_model.parameters()):
-            m.grad = p.grad.float()
-        ref_opt.step()
+def _torch(seed, master_dtype=torch.float32, **kind):
+    """torch AdamW over master weights kept by hand in master_dtype, copied into the bf16 model each step."""
+    model = _model(seed)
+    master = [p.detach().to(master_dtype).clone().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.AdamW(master, **HYPER, **kind)
+
+    def step():
+        for m, p in zip(master, model.parameters()):
+            m.grad = p.grad.to(master_dtype)
+        opt.step()
         with torch.no_grad():
-            for m, p in zip(master, ref_model.parameters()):
+            for m, p in zip(master, model.parameters()):
                 p.copy_(m)
 
-    ref_losses = _losses(ref_step, ref_model)
-    rel = abs(zoe_losses[-1] - ref_losses[-1]) / ref_losses[-1]
-    print(f"loss at step {STEPS}: zoe {zoe_losses[-1]:.4f}, torch AdamW fp32 master {ref_losses[-1]:.4f}, "
-          f"relative difference {100 * rel:.3f}% (step 1: {zoe_losses[0]:.4f})")
-    assert zoe_losses[-1] < 0.7 * zoe_losses[0]  # it learned
-    assert rel < 0.01
+    return _smoothed_loss(model, step, seed)[0]
+
+
+def test_bf16_training_quality_within_torchs_own_spread_over_seeds():
+    diffs, spreads = [], []
+    for seed in range(SEEDS):
+        reference = _torch(seed, foreach=True)
+        fused = _torch(seed, fused=True)
+        exact = _torch(seed, master_dtype=torch.float64, foreach=True)
+        ours, first = _zoe(seed)
+        assert ours < 0.7 * first, f"seed {seed}: zoe did not learn ({first:.4f} -> {ours:.4f})"
+        diffs.append(ours - reference)
+        spreads.append(max(abs(fused - reference), abs(exact - reference)))
+        print(f"seed {seed}: mean loss of the last {SMOOTH} steps: torch foreach {reference:.4f}, fused "
+              f"{fused - reference:+.4f}, float64 masters {exact - reference:+.4f}, zoe {ours - reference:+.4f}")
+    bias = sum(diffs) / SEEDS
+    spread = sum(spreads) / SEEDS
+    print(f"zoe - torch, mean over {SEEDS} seeds: {bias:+.4f}; torch's own spread {spread:.4f}; "
+          f"allowed {QUALITY_FACTOR} x spread = {QUALITY_FACTOR * spread:.4f}")
+    assert abs(bias) <= QUALITY_FACTOR * spread
 
 
 def test_demo_end_to_end(tmp_path):

@@ -57,6 +57,10 @@ def _run(tmp_path, options):
     mp.spawn(_rank_main, args=(2, str(init_file), str(tmp_path), options), nprocs=2, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
+# One more rounding per gradient element and step (scaled by the clip coefficient in its own pass) in an fp32
+# MLP training of STEPS steps: measured 3.0e-8 on an AVX-512 Xeon under scalar and avx512 alike.
+SEPARATE_CLIP_PASS_TOL = 1e-6
+
 
 def test_two_process_gloo_equals_single_process(tmp_path):
     ranks = _run(tmp_path, {})
@@ -75,8 +79,9 @@ def test_two_process_gloo_with_clipping(tmp_path):
     ranks = _run(tmp_path, {"max_grad_norm": 0.05})
     single = _single_process({"max_grad_norm": 0.05})
     for r in ranks:
-        for a, b in zip(r["weights"], single):
-            assert torch.allclose(a, b, rtol=0, atol=1e-6)
+        diff = max((a - b).abs().max().item() for a, b in zip(r["weights"], single))
+        print(f"two ranks with clipping against one process: max weight difference {diff:.2e}")
+        assert diff <= SEPARATE_CLIP_PASS_TOL
 
 
 def test_partitioned_state_dict_is_refused_by_single_process(tmp_path):

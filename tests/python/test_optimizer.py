@@ -8,11 +8,20 @@ import torch
 import zoe
 from zoe.torch import OffloadOptimizer
 
-from conftest import batches, make_mlp, max_diff, train
+from conftest import batches, make_mlp, master_bound, max_diff, train
 
 # fp32 Adam in zoe and in torch differ only by the order of float operations inside one element's update
-# (fused multiply-adds in the SIMD kernel); over 50 steps that stays far below this bound.
+# (fused multiply-adds in the SIMD kernel). These fp32 trainings of a small MLP feed each run's weights back
+# into its gradients, yet barely amplify such differences: after 50 steps zoe and torch's foreach AdamW are
+# 7.5e-8 apart, torch's fused and foreach 4.5e-8 (an AVX-512 Xeon, all three ISAs alike). The bound leaves
+# 100x for other CPUs and BLAS; the bf16 comparisons, where rounding amplifies, are teacher-forced instead.
 PARITY_TOL = 1e-5
+# Delayed parameter update against sync, 12 steps with 4 warm-up: one step stale, so a difference of the
+# size of a few updates (lr 3e-3): 2.2e-3 measured on every ISA.
+DELAYED_TOL = 0.05
+# fp16 weights with dynamic loss scaling against fp32 torch: fp16 rounding of the weights (ulp 1e-3 near 1)
+# over 30 steps; 2.4e-4 measured on every ISA.
+FP16_VS_FP32_TOL = 2e-2
 HYPER = dict(lr=3e-3, betas=(0.85, 0.995), eps=1e-7, weight_decay=0.05)
 
 
@@ -90,7 +99,7 @@ def test_schedules(schedule):
         # One step stale after the warm-up: it trains, and every step was applied.
         opt.state_dict()  # waits for the step in flight
         assert opt.step_count == 12
-        assert max_diff(sync, other) < 0.05
+        assert max_diff(sync, other) < DELAYED_TOL
 
 
 def test_overlap_with_module_zero_grad_set_to_none():
@@ -158,35 +167,34 @@ def test_read_state_matches_torch():
 
 
 def test_bf16_weights_fp32_master():
-    """bf16 model weights, fp32 master in zoe, against torch AdamW on an fp32 master copy kept by hand."""
+    """bf16 model weights, fp32 master in zoe, against torch AdamW on an fp32 master copy kept by hand, fed the
+    same gradients (those of the torch run): two bf16 trainings would part ways after the first weight that
+    rounds differently, by an amount that depends on the CPU."""
     data = batches(20)
-    model = make_mlp(dtype=torch.bfloat16)
-    opt = OffloadOptimizer(model.parameters(), **HYPER)
     ref = make_mlp(dtype=torch.bfloat16)
     master = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
     ro = torch.optim.AdamW(master, **HYPER)
-    for x, y in data:
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
-        opt.step()
+    model = make_mlp(dtype=torch.bfloat16)
+    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    for step, (x, y) in enumerate(data, 1):
         ref.zero_grad()
         torch.nn.functional.mse_loss(ref(x.bfloat16()).float(), y).backward()
-        for m, p in zip(master, ref.parameters()):
+        for m, p, q in zip(master, ref.parameters(), model.parameters()):
             m.grad = p.grad.float()
+            q.grad = p.grad.clone()
         ro.step()
+        opt.step()
         with torch.no_grad():
             for m, p in zip(master, ref.parameters()):
                 p.copy_(m)
-    for p in model.parameters():
-        assert p.dtype == torch.bfloat16
-    # The two runs round the same way, but a master that lands on a bf16 rounding boundary may round
-    # differently after the last-bit differences of fused arithmetic; the next forward then differs
-    # slightly. So the trajectories agree closely, not bit for bit.
+        for p, m in zip(model.parameters(), master):
+            mine = opt.read_state(p)["master"]
+            assert p.dtype == torch.bfloat16
+            assert torch.equal(p.detach(), mine.bfloat16())  # the weights are zoe's master rounded
+            assert ((mine - m.detach()).abs() <= master_bound(step, mine, m.detach(), HYPER["lr"])).all(), step
     master_diff = max((opt.read_state(p)["master"] - m.detach()).abs().max().item()
                       for p, m in zip(model.parameters(), master))
     print(f"bf16 weights: max |master_zoe - master_torch| after 20 steps: {master_diff:.3e}")
-    assert master_diff < 2e-4
-    assert max_diff(model, ref) < 1e-2
 
 
 def test_fp16_overflow_skips_step_and_lowers_scale():
@@ -235,7 +243,7 @@ def test_fp16_loss_scaling_trains_like_fp32():
     train(ref, torch.optim.AdamW(ref.parameters(), **HYPER), data)
     opt = OffloadOptimizer(mine.parameters(), **HYPER)
     train(mine, opt, data, scale_loss=True)
-    assert max_diff(ref, mine) < 2e-2
+    assert max_diff(ref, mine) < FP16_VS_FP32_TOL
 
 
 # ---- misuse ----------------------------------------------------------------------------------------------

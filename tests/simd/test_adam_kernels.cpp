@@ -262,22 +262,22 @@ TEST_P(KernelTableTest, SumsSquaresOfFiniteGradients) {
       return sum;
     };
     std::uint64_t bad = 99;
-    EXPECT_NEAR(table.sum_squares[int(dtype)](g.bytes.data(), n, &bad), reference(0, n), 1e-5 * reference(0, n));
+    EXPECT_NEAR(table.sum_squares[int(dtype)](g.bytes.data(), n, &bad), reference(0, n), test::kSumSqRelTol * reference(0, n));
     EXPECT_EQ(bad, 0u);
     poke(17, NAN);
     poke(3000, -INFINITY);
-    EXPECT_NEAR(table.sum_squares[int(dtype)](g.bytes.data(), n, &bad), reference(0, n), 1e-5 * reference(0, n));
+    EXPECT_NEAR(table.sum_squares[int(dtype)](g.bytes.data(), n, &bad), reference(0, n), test::kSumSqRelTol * reference(0, n));
     EXPECT_EQ(bad, 2u);
     if (dtype != DType::f16) {  // f16's range holds no overflowing or vanishing float squares
       poke(2100, 1e30f);
       const double big = table.sum_squares[int(dtype)](g.bytes.data(), n, &bad);
       EXPECT_TRUE(std::isfinite(big));
-      EXPECT_NEAR(big, reference(0, n), 1e-5 * reference(0, n));
+      EXPECT_NEAR(big, reference(0, n), test::kSumSqRelTol * reference(0, n));
       // A block of nothing but tiny values: its squares vanish in float, not in double.
       for (std::size_t i = 0; i < 1024; ++i) poke(i, 1e-25f);
       const double tiny = table.sum_squares[int(dtype)](g.bytes.data(), 1024, &bad);
       EXPECT_GT(tiny, 0.0);
-      EXPECT_NEAR(tiny, reference(0, 1024), 1e-5 * reference(0, 1024));
+      EXPECT_NEAR(tiny, reference(0, 1024), test::kSumSqRelTol * reference(0, 1024));
     }
   }
 }
