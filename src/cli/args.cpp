@@ -85,6 +85,17 @@ std::vector<std::string> split_list(std::string_view text) {
   return items;
 }
 
+Status require_at_least(std::uint64_t value, std::uint64_t min, std::string_view option, std::string_view counts) {
+  if (value >= min) return Status::success();
+  return invalid_argument(std::string(option) + " " + std::to_string(value) + ": need at least " +
+                          std::to_string(min) + " (" + std::string(counts) + ")");
+}
+
+Status require_items(const std::vector<std::string>& items, std::string_view option, std::string_view choices) {
+  if (!items.empty()) return Status::success();
+  return invalid_argument(std::string(option) + " is empty: give one or more of " + std::string(choices));
+}
+
 std::string json_escape(std::string_view s) {
   std::string out;
   for (char ch : s) {
