@@ -156,6 +156,12 @@ JsonLine& JsonLine::add(std::string_view k, std::int64_t value) {
   return *this;
 }
 
+JsonLine& JsonLine::add_json(std::string_view k, std::string_view json_text) {
+  key(k);
+  body_ += json_text;
+  return *this;
+}
+
 JsonLine& JsonLine::add(std::string_view k, bool value) {
   key(k);
   body_ += value ? "true" : "false";

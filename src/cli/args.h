@@ -46,6 +46,8 @@ class JsonLine {
   JsonLine& add(std::string_view key, std::int64_t value);
   JsonLine& add(std::string_view key, int value) { return add(key, static_cast<std::int64_t>(value)); }
   JsonLine& add(std::string_view key, bool value);
+  // A value that is already JSON text (an array or object made elsewhere), added as it is.
+  JsonLine& add_json(std::string_view key, std::string_view json_text);
   std::string str() const { return "{" + body_ + "}"; }
 
  private:

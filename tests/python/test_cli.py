@@ -65,3 +65,38 @@ def test_bench_adam_smallest_input_gives_finite_numbers():
     row = json.loads(r.stdout)
     for key in ("median_s", "params_per_s", "gbps", "ceiling_gbps", "ratio"):
         assert isinstance(row[key], (int, float)) and math.isfinite(row[key]) and row[key] > 0, (key, row)
+
+
+def test_probe_reports_a_killed_runs_swap_store_with_the_command_that_removes_it(tmp_path):
+    """A run killed with SIGKILL leaves its swap store; zoe probe reports it in use while the run lives and
+    abandoned after, with an rm command that frees the folder; the path stays usable (exit status 0)."""
+    if not has_aio():
+        pytest.skip("this build has no NVMe tier (libaio)")
+    import signal
+    import time
+
+    run = subprocess.Popen([str(ZOE), "bench", "nvme", "--path", str(tmp_path), "--n", "4K", "--tile", "48K",
+                            "--reps", "1000000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        manifest = tmp_path / "zoe-bench-nvme.zoe-swap.json"
+        deadline = time.monotonic() + 60
+        while not manifest.exists() and time.monotonic() < deadline and run.poll() is None:
+            time.sleep(0.01)
+        assert manifest.exists(), "the benchmark did not create its store"
+        live = json.loads(zoe("probe", str(tmp_path), "--bytes", "1M", "--json").stdout)
+        assert [s["state"] for s in live["swap_stores"]] == ["in_use"]
+        assert f"pid {run.pid}" in live["swap_stores"][0]["who"]
+        assert "remove_command" not in live["swap_stores"][0]
+    finally:
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+    r = zoe("probe", str(tmp_path), "--bytes", "1M")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"left by pid {run.pid}" in r.stdout and "which is not running" in r.stdout
+    assert "usable with a warning: 1 swap store(s) of runs that are not running" in r.stdout
+    line = json.loads(zoe("probe", str(tmp_path), "--bytes", "1M", "--json").stdout)
+    (store,) = line["swap_stores"]
+    assert store["state"] == "abandoned" and store["bytes"] > 2 * 12 * 4096
+    assert subprocess.run(store["remove_command"], shell=True).returncode == 0
+    assert os.listdir(tmp_path) == []
+    assert zoe("probe", str(tmp_path), "--bytes", "1M", "--json").stdout.count('"swap_stores": []') == 1
