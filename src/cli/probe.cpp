@@ -154,6 +154,35 @@ void print_stores(const std::vector<aio::FoundStore>& stores) {
   }
 }
 
+void print_json(const Probe& p) {
+  JsonLine line;
+  line.add("path", p.path).add("fs", p.fs_type).add("direct_io", p.direct)
+      .add("logical_block", static_cast<std::uint64_t>(p.logical_block))
+      .add("dio_alignment", static_cast<std::uint64_t>(p.dio_align)).add("free_bytes", p.free_bytes)
+      .add("write_gbps", p.write_gbps).add("read_gbps", p.read_gbps).add("usable", p.usable)
+      .add_json("swap_stores", stores_json(p.stores)).add("verdict", p.verdict);
+  std::printf("%s\n", line.str().c_str());
+}
+
+void print_text(const Probe& p, std::size_t measured_bytes) {
+  std::printf("%s\n", p.path.c_str());
+  std::printf("  filesystem      %s\n", p.fs_type.c_str());
+  if (p.usable) {
+    std::printf("  O_DIRECT        %s\n", p.direct ? "yes" : "no (buffered fallback)");
+    if (p.logical_block == 0) {
+      std::printf("  logical block   unknown (no block device under it; zoe assumes 4096)\n");
+    } else {
+      std::printf("  logical block   %u bytes%s\n", p.logical_block,
+                  p.dio_align ? (" (O_DIRECT alignment " + std::to_string(p.dio_align) + ")").c_str() : "");
+    }
+    std::printf("  free            %.1f GiB\n", static_cast<double>(p.free_bytes) / (1ull << 30));
+    std::printf("  bandwidth       write %.2f GB/s, read %.2f GB/s (%.0f MiB, 1 MiB requests, queue depth 8)\n",
+                p.write_gbps, p.read_gbps, static_cast<double>(measured_bytes) / (1 << 20));
+  }
+  if (p.usable || !p.stores.empty()) print_stores(p.stores);  // a path that failed early was not looked into
+  std::printf("  verdict         %s\n", p.verdict.c_str());
+}
+
 }  // namespace
 
 int probe(std::span<char* const> args) {
@@ -195,32 +224,8 @@ int probe(std::span<char* const> args) {
     Probe p = probe_one(path, rounded);
     if (!p.usable) status = 1;
     warn_about_stores(p);
-    if (json) {
-      JsonLine line;
-      line.add("path", p.path).add("fs", p.fs_type).add("direct_io", p.direct)
-          .add("logical_block", static_cast<std::uint64_t>(p.logical_block))
-          .add("dio_alignment", static_cast<std::uint64_t>(p.dio_align)).add("free_bytes", p.free_bytes)
-          .add("write_gbps", p.write_gbps).add("read_gbps", p.read_gbps).add("usable", p.usable)
-          .add_json("swap_stores", stores_json(p.stores)).add("verdict", p.verdict);
-      std::printf("%s\n", line.str().c_str());
-    } else {
-      std::printf("%s\n", p.path.c_str());
-      std::printf("  filesystem      %s\n", p.fs_type.c_str());
-      if (p.usable) {
-        std::printf("  O_DIRECT        %s\n", p.direct ? "yes" : "no (buffered fallback)");
-        if (p.logical_block == 0) {
-          std::printf("  logical block   unknown (no block device under it; zoe assumes 4096)\n");
-        } else {
-          std::printf("  logical block   %u bytes%s\n", p.logical_block,
-                      p.dio_align ? (" (O_DIRECT alignment " + std::to_string(p.dio_align) + ")").c_str() : "");
-        }
-        std::printf("  free            %.1f GiB\n", static_cast<double>(p.free_bytes) / (1ull << 30));
-        std::printf("  bandwidth       write %.2f GB/s, read %.2f GB/s (%.0f MiB, 1 MiB requests, queue depth 8)\n",
-                    p.write_gbps, p.read_gbps, static_cast<double>(rounded) / (1 << 20));
-      }
-      print_stores(p.stores);
-      std::printf("  verdict         %s\n", p.verdict.c_str());
-    }
+    if (json) print_json(p);
+    else print_text(p, rounded);
     std::fflush(stdout);
   }
   return status;
