@@ -24,6 +24,7 @@
 
 #include "src/crc32c.h"
 #include "aio/swap_impl.h"
+#include "aio/swap_inventory.h"
 
 namespace zoe {
 namespace {
@@ -145,6 +146,7 @@ Status SwapStore::Impl::create_table() {
   ::unlink(path.c_str());
   table_fd = aio::FileHandle(::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
   if (!table_fd.valid()) return aio::sys_error("cannot create tile table", path, errno);
+  aio::mark_in_use(table_fd.get());
   if (::ftruncate(table_fd.get(), static_cast<off_t>(2 * table_region_bytes())) != 0) {
     return aio::sys_error("cannot size tile table", path, errno);
   }
@@ -162,6 +164,7 @@ Status SwapStore::Impl::load_table() {
     return Status(StatusCode::corrupt, "the store's tile table " + path + " cannot be opened (" + std::strerror(errno) +
                                            "): without it no tile can be trusted; restore from a checkpoint", errno);
   }
+  aio::mark_in_use(table_fd.get());
   const std::size_t region = table_region_bytes();
   std::string why = "it is shorter than " + std::to_string(2 * region) + " bytes";
   bool found = false, damaged = false;
@@ -375,6 +378,7 @@ nlohmann::json manifest_json(const SwapStore::Impl& impl, std::size_t k) {
           {"paths", paths},
           {"path_index", k},
           {"data_file", data_file_name(impl.name)},
+          {"owner", aio::owner_record()},
           {"file_bytes", impl.files[k].bytes},
           {"layout", "tile t on path t % len(paths); slot s of a tile at s * file_bytes / 2 + (t / len(paths)) * 12 * tile; "
                      "a slot is [p | m | v], fp32, tile elements each; the valid slot, step and CRC-32C per tile are in "
@@ -497,6 +501,9 @@ Result<SwapStore> SwapStore::open(const SwapOptions& options, const std::string&
   if (Status s = impl.check_file_sizes(); !s.ok()) return s;
   if (Status s = impl.load_table(); !s.ok()) return s;
   if (Status s = impl.setup_runtime(); !s.ok()) return s;
+  // The owner record names this run now (zoe probe reports it). Best effort: the layout it rewrites is the
+  // one just checked, and the store's lock already says it is in use.
+  for (std::size_t k = 0; k < P; ++k) (void)aio::replace_file(impl.manifest_path(k), manifest_json(impl, k).dump(2) + "\n");
   return SwapStore(std::move(made).value());
 }
 

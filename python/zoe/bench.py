@@ -117,6 +117,15 @@ def main(argv=None) -> int:
     p.add_argument("--adapter-steps", type=int, default=20)
     p.add_argument("--json", action="store_true", help="one JSON object per line on stdout, nothing else")
     a = p.parse_args(argv)
+    # Zero of any of these times nothing, and every rate printed would be a division by zero.
+    if a.tensors < 1:
+        p.error(f"--tensors {a.tensors}: need at least 1")
+    if int(a.n) < a.tensors:
+        p.error(f"--n {a.n:g}: need at least one parameter per tensor (--tensors {a.tensors})")
+    if a.reps < 1:
+        p.error(f"--reps {a.reps}: need at least 1 timed repetition")
+    if a.adapter_steps < 1:
+        p.error(f"--adapter-steps {a.adapter_steps}: need at least 1 step")
     rows = bench_step(int(a.n), a.tensors, a.reps)
     adapter = bench_adapter(a.adapter_steps)
     if a.json:

@@ -85,6 +85,17 @@ std::vector<std::string> split_list(std::string_view text) {
   return items;
 }
 
+Status require_at_least(std::uint64_t value, std::uint64_t min, std::string_view option, std::string_view counts) {
+  if (value >= min) return Status::success();
+  return invalid_argument(std::string(option) + " " + std::to_string(value) + ": need at least " +
+                          std::to_string(min) + " (" + std::string(counts) + ")");
+}
+
+Status require_items(const std::vector<std::string>& items, std::string_view option, std::string_view choices) {
+  if (!items.empty()) return Status::success();
+  return invalid_argument(std::string(option) + " is empty: give one or more of " + std::string(choices));
+}
+
 std::string json_escape(std::string_view s) {
   std::string out;
   for (char ch : s) {
@@ -142,6 +153,12 @@ JsonLine& JsonLine::add(std::string_view k, std::uint64_t value) {
 JsonLine& JsonLine::add(std::string_view k, std::int64_t value) {
   key(k);
   body_ += std::to_string(value);
+  return *this;
+}
+
+JsonLine& JsonLine::add_json(std::string_view k, std::string_view json_text) {
+  key(k);
+  body_ += json_text;
   return *this;
 }
 

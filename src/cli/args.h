@@ -27,6 +27,15 @@ std::string options_help(std::span<const Option> options);
 Result<std::uint64_t> parse_count(std::string_view text, std::string_view what);
 std::vector<std::string> split_list(std::string_view text);
 
+// Refuses a count below `min` with a message naming the option and what it counts: a benchmark of 0
+// parameters or 0 repetitions measures nothing, and every rate it printed would be 0/0.
+Status require_at_least(std::uint64_t value, std::uint64_t min, std::string_view option, std::string_view counts);
+// Refuses a comma list with no items ("--isa ''" would run nothing and exit 0).
+Status require_items(const std::vector<std::string>& items, std::string_view option, std::string_view choices);
+
+// Exit status for a failed subcommand: 2 when the command line was at fault, 1 when the run failed.
+inline int exit_status(const Status& s) { return s.code() == StatusCode::invalid_argument ? 2 : 1; }
+
 // One JSON object on one line, fields in the order they are added.
 class JsonLine {
  public:
@@ -37,6 +46,8 @@ class JsonLine {
   JsonLine& add(std::string_view key, std::int64_t value);
   JsonLine& add(std::string_view key, int value) { return add(key, static_cast<std::int64_t>(value)); }
   JsonLine& add(std::string_view key, bool value);
+  // A value that is already JSON text (an array or object made elsewhere), added as it is.
+  JsonLine& add_json(std::string_view key, std::string_view json_text);
   std::string str() const { return "{" + body_ + "}"; }
 
  private:

@@ -140,7 +140,7 @@ int bench_adam(std::span<char* const> args) {
   }
   auto fail = [](const Status& s) {
     std::fprintf(stderr, "zoe bench adam: %s\n", s.to_string().c_str());
-    return 1;
+    return exit_status(s);
   };
   BenchConfig cfg;
   cfg.json = json;
@@ -152,32 +152,39 @@ int bench_adam(std::span<char* const> args) {
     if (!s.ok()) return fail(s);
   }
   cfg.n = n.value();
+  if (Status s = require_at_least(cfg.n, 1, "--n", "parameters per step; 0 has no throughput"); !s.ok()) return fail(s);
   cfg.tensors = tensors.value();
   cfg.threads = static_cast<int>(threads.value());
   cfg.tile = tile.value();
-  if (cfg.tensors == 0 || cfg.tensors > std::max<std::uint64_t>(cfg.n, 1)) {
+  if (cfg.tensors == 0 || cfg.tensors > cfg.n) {
     return fail(invalid_argument("--tensors " + tensors_text + " must be between 1 and --n"));
   }
   cfg.reps = default_reps(cfg.n);
   if (!reps_text.empty()) {
     Result<std::uint64_t> reps = parse_count(reps_text, "--reps");
     if (!reps.ok()) return fail(reps.status());
-    if (reps.value() == 0) return fail(invalid_argument("--reps must be at least 1"));
+    if (Status s = require_at_least(reps.value(), 1, "--reps", "timed repetitions"); !s.ok()) return fail(s);
     cfg.reps = static_cast<int>(reps.value());
   }
+  const std::vector<std::string> isas = split_list(isa_text), grad_names = split_list(grad_text),
+                                 outs = split_list(out_text);
+  for (const Status& s : {require_items(isas, "--isa", "auto, scalar, avx2, avx512"),
+                          require_items(grad_names, "--grad", "f32, f16, bf16"),
+                          require_items(outs, "--out", "none, f16, bf16")}) {
+    if (!s.ok()) return fail(s);
+  }
   std::vector<DType> grads;
-  for (const std::string& g : split_list(grad_text)) {
+  for (const std::string& g : grad_names) {
     const auto d = parse_dtype(g);
     if (!d) return fail(invalid_argument("--grad " + g + " is not f32, f16 or bf16"));
     grads.push_back(*d);
   }
-  std::vector<std::string> outs = split_list(out_text);
   for (const std::string& o : outs) {
     if (o != "none" && o != "f16" && o != "bf16") return fail(invalid_argument("--out " + o + " is not none, f16 or bf16"));
   }
 
   bool header = false;
-  for (const std::string& isa : split_list(isa_text)) {
+  for (const std::string& isa : isas) {
     CpuAdamOptions engine_options;
     engine_options.isa = isa;
     engine_options.threads = cfg.threads;

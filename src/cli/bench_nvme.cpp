@@ -161,7 +161,7 @@ int bench_nvme(std::span<char* const> args) {
   };
   auto fail = [](const Status& st) {
     std::fprintf(stderr, "zoe bench nvme: %s\n", st.to_string().c_str());
-    return 1;
+    return exit_status(st);
   };
   if (Status s = parse_options(args, options); !s.ok()) {
     std::fprintf(stderr, "zoe bench nvme: %s\n", s.message().c_str());
@@ -177,6 +177,9 @@ int bench_nvme(std::span<char* const> args) {
   if (path_text.empty()) return fail(invalid_argument("--path DIR is required"));
   Config cfg;
   cfg.paths = split_list(path_text);
+  for (const std::string& p : cfg.paths) {
+    if (p.empty()) return fail(invalid_argument("--path " + path_text + " has an empty folder name in its list"));
+  }
   cfg.json = json;
   cfg.keep = keep;
   cfg.durable = !no_sync;
@@ -186,17 +189,26 @@ int bench_nvme(std::span<char* const> args) {
   for (const Status& s : {n.status(), tile.status(), buffers.status(), qd.status(), block.status(), reps.status()}) {
     if (!s.ok()) return fail(s);
   }
+  // Zero parameters, repetitions, buffers or queue slots leave nothing to time or no way to move a byte.
+  for (const Status& s : {require_at_least(n.value(), 1, "--n", "parameters; 0 has no step to time"),
+                          require_at_least(reps.value(), 1, "--reps", "timed repetitions"),
+                          require_at_least(buffers.value(), 2, "--buffers", "one tile in Adam while another is in I/O"),
+                          require_at_least(qd.value(), 1, "--queue-depth", "I/O requests in flight"),
+                          require_at_least(block.value(), 4096, "--block-size", "bytes per request, whole 4 KiB blocks")}) {
+    if (!s.ok()) return fail(s);
+  }
   cfg.n = n.value();
   cfg.tile = tile.value() / 12 / 1024 * 1024;
   if (cfg.tile == 0) return fail(invalid_argument("--tile " + tile_text + " is below 12 KiB (one 4 KiB block per array)"));
   cfg.buffers = static_cast<int>(buffers.value());
   cfg.queue_depth = static_cast<int>(qd.value());
   cfg.block = block.value();
-  cfg.reps = static_cast<int>(std::max<std::uint64_t>(reps.value(), 1));
+  cfg.reps = static_cast<int>(reps.value());
   cfg.chunk = cfg.n;
   if (!chunk_text.empty()) {
     Result<std::uint64_t> c = parse_count(chunk_text, "--chunk");
     if (!c.ok()) return fail(c.status());
+    if (Status st = require_at_least(c.value(), 1, "--chunk", "parameters per step() call"); !st.ok()) return fail(st);
     cfg.chunk = std::min(cfg.n, std::max<std::uint64_t>(c.value() / cfg.tile, 1) * cfg.tile);  // whole tiles per call
   }
   const auto g = parse_dtype(grad_text);

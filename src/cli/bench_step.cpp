@@ -134,7 +134,7 @@ int bench_step(std::span<char* const> args) {
   };
   auto fail = [](const Status& s) {
     std::fprintf(stderr, "zoe bench step: %s\n", s.to_string().c_str());
-    return s.code() == StatusCode::invalid_argument ? 2 : 1;
+    return exit_status(s);
   };
   if (Status s = parse_options(args, options); !s.ok()) return fail(s);
   if (help) {
@@ -155,8 +155,15 @@ int bench_step(std::span<char* const> args) {
   for (const Status& s : {n.status(), buckets.status(), iters.status()}) {
     if (!s.ok()) return fail(s);
   }
-  if (buckets.value() == 0 || buckets.value() > n.value()) return fail(invalid_argument("--buckets must be between 1 and --n"));
-  if (iters.value() == 0) return fail(invalid_argument("--iters must be at least 1"));
+  for (const Status& s : {require_at_least(n.value(), 1, "--n", "parameters; 0 has no step to time"),
+                          require_at_least(buckets.value(), 1, "--buckets", "gradient buckets, each of 1 parameter or more"),
+                          require_at_least(iters.value(), 1, "--iters", "timed iterations")}) {
+    if (!s.ok()) return fail(s);
+  }
+  if (buckets.value() > n.value()) {
+    return fail(invalid_argument("--buckets " + buckets_text + " is more than --n " + n_text +
+                                 ": every bucket needs at least one parameter"));
+  }
 
   std::unique_ptr<Device> device;
   if (device_name == "host") {

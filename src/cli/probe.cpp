@@ -1,5 +1,7 @@
 // zoe probe PATH...: whether each folder can hold swap files, and how fast: filesystem type, O_DIRECT,
-// logical block size, free bytes, a short measured write and read bandwidth, and a verdict.
+// logical block size, free bytes, a short measured write and read bandwidth, the swap stores already there
+// (in use, or left by runs that crashed or ended, with the command that removes them), and a verdict.
+// Leftover stores are a warning, not a reason to call the path unusable: the space is freed with one rm.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -10,6 +12,7 @@
 
 #include "aio/files.h"
 #include "aio/io_engine.h"
+#include "aio/swap_inventory.h"
 #include "src/aligned_buffer.h"
 #include "src/cli/args.h"
 #include "src/cli/commands.h"
@@ -23,6 +26,7 @@ struct Probe {
   std::uint32_t logical_block = 0, dio_align = 0;
   std::uint64_t free_bytes = 0;
   double write_gbps = 0, read_gbps = 0;
+  std::vector<aio::FoundStore> stores;
 };
 
 // Writes then reads `bytes` through the libaio engine (1 MiB requests, queue depth 8), fdatasync included
@@ -71,6 +75,7 @@ Probe probe_one(const std::string& path, std::size_t bytes) {
     p.verdict = "unusable: " + s.message();
     return p;
   }
+  p.stores = aio::find_swap_stores(path);
   const std::string file = path + "/.zoe-probe-" + std::to_string(::getpid());
   ::unlink(file.c_str());
   Result<aio::OpenedFile> opened = aio::open_swap_file(file, true, {});
@@ -104,6 +109,80 @@ Probe probe_one(const std::string& path, std::size_t bytes) {
   return p;
 }
 
+// Stores nobody is known to use are worth a warning: each holds its state twice over, often many GiB.
+void warn_about_stores(Probe& p) {
+  std::uint64_t abandoned = 0, unknown = 0;
+  int n_abandoned = 0, n_unknown = 0;
+  for (const aio::FoundStore& s : p.stores) {
+    if (s.state == aio::StoreState::abandoned) abandoned += s.bytes, ++n_abandoned;
+    if (s.state == aio::StoreState::unknown) unknown += s.bytes, ++n_unknown;
+  }
+  std::string warning;
+  if (n_abandoned > 0) {
+    warning = std::to_string(n_abandoned) + " swap store(s) of runs that are not running hold " +
+              aio::format_bytes(abandoned) + " here; each is listed with the rm command that removes it";
+  }
+  if (n_unknown > 0) {
+    warning += (warning.empty() ? "" : "; ") + std::to_string(n_unknown) + " swap store(s) of " +
+               aio::format_bytes(unknown) + " whose runs cannot be checked from here: remove them once no run uses them";
+  }
+  if (warning.empty()) return;
+  if (p.verdict == "ok") p.verdict = "usable with a warning: " + warning;
+  else p.verdict += "; " + warning;
+}
+
+std::string stores_json(const std::vector<aio::FoundStore>& stores) {
+  std::string out = "[";
+  for (const aio::FoundStore& s : stores) {
+    const char* state = s.state == aio::StoreState::in_use ? "in_use" : s.state == aio::StoreState::abandoned ? "abandoned" : "unknown";
+    std::string files;
+    for (const std::string& f : s.files) files += (files.empty() ? "\"" : ", \"") + json_escape(f) + "\"";
+    JsonLine line;
+    line.add("name", s.name).add("bytes", s.bytes).add("state", state).add("who", s.who).add_json("files", "[" + files + "]");
+    if (s.state != aio::StoreState::in_use) line.add("remove_command", aio::remove_command(s));
+    out += (out.size() > 1 ? ", " : "") + line.str();
+  }
+  return out + "]";
+}
+
+void print_stores(const std::vector<aio::FoundStore>& stores) {
+  if (stores.empty()) std::printf("  swap stores     none\n");
+  for (const aio::FoundStore& s : stores) {
+    std::printf("  swap store      %s: %s in %zu files, %s\n", s.name.c_str(), aio::format_bytes(s.bytes).c_str(),
+                s.files.size(), s.who.c_str());
+    if (s.state != aio::StoreState::in_use) std::printf("                  remove: %s\n", aio::remove_command(s).c_str());
+  }
+}
+
+void print_json(const Probe& p) {
+  JsonLine line;
+  line.add("path", p.path).add("fs", p.fs_type).add("direct_io", p.direct)
+      .add("logical_block", static_cast<std::uint64_t>(p.logical_block))
+      .add("dio_alignment", static_cast<std::uint64_t>(p.dio_align)).add("free_bytes", p.free_bytes)
+      .add("write_gbps", p.write_gbps).add("read_gbps", p.read_gbps).add("usable", p.usable)
+      .add_json("swap_stores", stores_json(p.stores)).add("verdict", p.verdict);
+  std::printf("%s\n", line.str().c_str());
+}
+
+void print_text(const Probe& p, std::size_t measured_bytes) {
+  std::printf("%s\n", p.path.c_str());
+  std::printf("  filesystem      %s\n", p.fs_type.c_str());
+  if (p.usable) {
+    std::printf("  O_DIRECT        %s\n", p.direct ? "yes" : "no (buffered fallback)");
+    if (p.logical_block == 0) {
+      std::printf("  logical block   unknown (no block device under it; zoe assumes 4096)\n");
+    } else {
+      std::printf("  logical block   %u bytes%s\n", p.logical_block,
+                  p.dio_align ? (" (O_DIRECT alignment " + std::to_string(p.dio_align) + ")").c_str() : "");
+    }
+    std::printf("  free            %.1f GiB\n", static_cast<double>(p.free_bytes) / (1ull << 30));
+    std::printf("  bandwidth       write %.2f GB/s, read %.2f GB/s (%.0f MiB, 1 MiB requests, queue depth 8)\n",
+                p.write_gbps, p.read_gbps, static_cast<double>(measured_bytes) / (1 << 20));
+  }
+  if (p.usable || !p.stores.empty()) print_stores(p.stores);  // a path that failed early was not looked into
+  std::printf("  verdict         %s\n", p.verdict.c_str());
+}
+
 }  // namespace
 
 int probe(std::span<char* const> args) {
@@ -130,7 +209,8 @@ int probe(std::span<char* const> args) {
   }
   if (help || paths.empty()) {
     std::printf("usage: zoe probe PATH... [options]\n\n%s", options_help(options).c_str());
-    std::printf("\nExit status 1 if any path is unusable for swap files.\n");
+    std::printf("\nExit status 1 if any path is unusable for swap files. Swap stores left there by runs that are not\n"
+                "running are listed with the command that removes them; they make a warning, not an unusable path.\n");
     return help ? 0 : 2;
   }
   Result<std::uint64_t> bytes = parse_count(bytes_text, "--bytes");
@@ -141,32 +221,11 @@ int probe(std::span<char* const> args) {
   const std::size_t rounded = (bytes.value() + (1 << 20) - 1) / (1 << 20) * (1 << 20);
   int status = 0;
   for (const std::string& path : paths) {
-    const Probe p = probe_one(path, rounded);
+    Probe p = probe_one(path, rounded);
     if (!p.usable) status = 1;
-    if (json) {
-      JsonLine line;
-      line.add("path", p.path).add("fs", p.fs_type).add("direct_io", p.direct)
-          .add("logical_block", static_cast<std::uint64_t>(p.logical_block))
-          .add("dio_alignment", static_cast<std::uint64_t>(p.dio_align)).add("free_bytes", p.free_bytes)
-          .add("write_gbps", p.write_gbps).add("read_gbps", p.read_gbps).add("usable", p.usable).add("verdict", p.verdict);
-      std::printf("%s\n", line.str().c_str());
-    } else {
-      std::printf("%s\n", p.path.c_str());
-      std::printf("  filesystem      %s\n", p.fs_type.c_str());
-      if (p.usable) {
-        std::printf("  O_DIRECT        %s\n", p.direct ? "yes" : "no (buffered fallback)");
-        if (p.logical_block == 0) {
-          std::printf("  logical block   unknown (no block device under it; zoe assumes 4096)\n");
-        } else {
-          std::printf("  logical block   %u bytes%s\n", p.logical_block,
-                      p.dio_align ? (" (O_DIRECT alignment " + std::to_string(p.dio_align) + ")").c_str() : "");
-        }
-        std::printf("  free            %.1f GiB\n", static_cast<double>(p.free_bytes) / (1ull << 30));
-        std::printf("  bandwidth       write %.2f GB/s, read %.2f GB/s (%.0f MiB, 1 MiB requests, queue depth 8)\n",
-                    p.write_gbps, p.read_gbps, static_cast<double>(rounded) / (1 << 20));
-      }
-      std::printf("  verdict         %s\n", p.verdict.c_str());
-    }
+    warn_about_stores(p);
+    if (json) print_json(p);
+    else print_text(p, rounded);
     std::fflush(stdout);
   }
   return status;

@@ -13,6 +13,7 @@
 #include "src/offload/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -22,8 +23,11 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <optional>
 
 #include "src/crc32c.h"
+#include "src/process_identity.h"
 
 namespace zoe {
 namespace {
@@ -84,6 +88,66 @@ std::string parent_dir(const std::string& path) {
 
 std::atomic<unsigned> temp_sequence{0};
 
+// Temporary names: <path>.tmp-<host>-<scope>-<pid>-<n>. The scope (src/process_identity.h) says where the pid
+// can be checked; the host is for people. Parsed from the right, so a host or checkpoint name may hold '-'.
+std::string temp_prefix(const std::string& path) {
+  const ProcessIdentity self = this_process();
+  return path + ".tmp-" + file_name_host(self.host) + "-" + (self.scope.empty() ? "noscope" : self.scope) + "-" +
+         std::to_string(self.pid) + "-";
+}
+
+std::optional<ProcessIdentity> parse_temp_name(const std::string& name) {
+  auto all = [](std::string_view s, bool hex) {
+    for (char c : s) {
+      if (!((c >= '0' && c <= '9') || (hex && c >= 'a' && c <= 'f'))) return false;
+    }
+    return !s.empty();
+  };
+  std::string_view rest = name;
+  std::string_view field[3];  // n, pid, scope
+  for (std::string_view& f : field) {
+    const std::size_t dash = rest.rfind('-');
+    if (dash == std::string_view::npos) return std::nullopt;
+    f = rest.substr(dash + 1);
+    rest = rest.substr(0, dash);
+  }
+  const std::size_t tmp = rest.rfind(".tmp-");
+  if (tmp == std::string_view::npos || !all(field[0], false) || !all(field[1], false) || field[1].size() > 10 ||
+      field[2].size() != 16 || !all(field[2], true)) {
+    return std::nullopt;
+  }
+  return ProcessIdentity{std::string(rest.substr(tmp + 5)), std::string(field[2]), std::stoll(std::string(field[1]))};
+}
+
+// A file is removed only when its name says this scope wrote it and that writer is gone, and only while no
+// one holds its lock (every writer holds one on its temporary file). The second look at the pid, once the
+// lock is held, covers a pid reused by a writer that made the same name since the first look: a file exists
+// only after its writer does.
+void remove_if_abandoned(const std::string& file, const ProcessIdentity& writer) {
+  UniqueFd fd(::open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  if (!fd.valid() || ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0 || liveness(writer) != Liveness::gone) return;
+  struct stat held {}, named {};
+  char magic[sizeof kMagic] = {};
+  const ssize_t got = ::pread(fd.get(), magic, sizeof magic, 0);
+  const bool ours = got == 0 || (got == static_cast<ssize_t>(sizeof magic) && std::memcmp(magic, kMagic, sizeof magic) == 0);
+  if (ours && ::fstat(fd.get(), &held) == 0 && S_ISREG(held.st_mode) && ::lstat(file.c_str(), &named) == 0 &&
+      held.st_ino == named.st_ino && held.st_dev == named.st_dev) {
+    ::unlink(file.c_str());
+  }
+}
+
+// What killed writers (kill -9, OOM) left in `dir`, for every checkpoint name there: a rank that is not
+// run again leaves nothing either. Writers of other scopes (hosts, containers, boots) are never judged.
+// Best effort: a failure here never fails a save.
+void remove_abandoned_temps(const std::string& dir) {
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const std::optional<ProcessIdentity> writer = parse_temp_name(name);
+    if (writer && liveness(*writer) == Liveness::gone) remove_if_abandoned(it->path().string(), *writer);
+  }
+}
+
 }  // namespace
 
 // ---- writer ----
@@ -128,9 +192,10 @@ Result<CheckpointWriter> CheckpointWriter::create(const std::string& path) {
   if (path.empty() || path.back() == '/') {
     return invalid_argument("checkpoint path '" + path + "' is invalid: need a file name");
   }
-  // A name of our own per writer (pid and a sequence number), created exclusively: two writers never share a
-  // temporary file, and a stale one left by a crashed process with the same pid is stepped over.
-  const std::string prefix = path + ".tmp-" + std::to_string(::getpid()) + "-";
+  remove_abandoned_temps(parent_dir(path));
+  // A name of our own per writer (scope, pid and a sequence number), created exclusively: two writers never
+  // share a temporary file, and a stale one left by a crashed process with the same pid is stepped over.
+  const std::string prefix = temp_prefix(path);
   for (int attempt = 0; attempt < 64; ++attempt) {
     std::string temp = prefix + std::to_string(temp_sequence.fetch_add(1));
     UniqueFd fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
@@ -140,6 +205,9 @@ Result<CheckpointWriter> CheckpointWriter::create(const std::string& path) {
                           ": check that directory " + parent_dir(path) + " exists and is writable",
                       errno);
     }
+    // Held until commit or discard: while it is, no cleaner removes the file, whatever its pid says.
+    // A filesystem without locks (some FUSE mounts) still has the pid check.
+    (void)::flock(fd.get(), LOCK_EX | LOCK_NB);
     CheckpointWriter w(path, std::move(temp), std::move(fd));
     std::string header(kMagic, sizeof kMagic);
     put_u32(header, kCheckpointMajor);

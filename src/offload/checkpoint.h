@@ -22,9 +22,12 @@ namespace zoe {
 constexpr std::uint32_t kCheckpointMajor = 1;
 constexpr std::uint32_t kCheckpointMinor = 0;
 
-// Streams blobs to `<path>.tmp-<pid>-<n>` as they are added (nothing is held in memory but the index);
-// commit() makes the file appear at `path` whole, or not at all. Destroying a writer without a successful
-// commit removes the temporary file and leaves whatever was at `path` untouched.
+// Streams blobs to `<path>.tmp-<host>-<scope>-<pid>-<n>` as they are added (nothing is held in memory but the
+// index); commit() makes the file appear at `path` whole, or not at all. Destroying a writer without a
+// successful commit removes the temporary file and leaves whatever was at `path` untouched. A writer killed
+// outright cannot: create() removes, in the folder of `path`, the temporary files of writers that are gone —
+// only those of this host's boot and PID namespace (the scope), whose pid no longer exists and whose lock
+// no one holds; a writer elsewhere (shared storage, another container) is never judged from here.
 class CheckpointWriter {
  public:
   static Result<CheckpointWriter> create(const std::string& path);

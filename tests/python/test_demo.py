@@ -2,10 +2,13 @@
 AdamW keeping fp32 master weights itself, over several seeds; and the demo end to end. Step-by-step numerics
 are compared in test_numerics.py."""
 import json
+import math
 import os
+import struct
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from zoe.demo.data import ByteBatches
@@ -101,3 +104,29 @@ def test_demo_end_to_end(tmp_path):
     assert summary["steps"] == 6 and len(summary["losses"]) == 6
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(out / "loss.png") > 1000
+    # A drawn figure (matplotlib, two panels with axes and legends), not a bare strip of pixels.
+    png = (out / "loss.png").read_bytes()
+    assert png[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", png[16:24])
+    assert width >= 600 and height >= 450, (width, height)
+    assert os.path.getsize(out / "loss.png") > 20_000
+    assert summary["plot_renderer"].startswith("matplotlib")
+    assert summary["held_out_curve"]["steps"][-1] == 6 and len(summary["held_out_curve"]["losses"]) >= 2
+    assert summary["held_out_loss"] == summary["held_out_curve"]["losses"][-1]
+    assert all(math.isfinite(v) for v in summary["losses"] + summary["held_out_curve"]["losses"])
+
+
+@pytest.mark.parametrize("module, args, message", [
+    ("zoe.demo", ["--steps", "0"], "--steps 0: need at least 1"),
+    ("zoe.demo", ["--warmup", "0"], "--warmup 0: need at least 1"),
+    ("zoe.demo", ["--evals", "0"], "--evals 0: need at least 1"),
+    ("zoe.demo", ["--d-model", "64", "--heads", "6"], "not a multiple of --heads"),
+    ("zoe.bench", ["--n", "0"], "--n 0: need at least one parameter per tensor"),
+    ("zoe.bench", ["--reps", "0"], "--reps 0"),
+    ("zoe.bench", ["--tensors", "0"], "--tensors 0"),
+])
+def test_empty_inputs_are_refused_before_any_work(tmp_path, module, args, message):
+    r = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr
+    assert os.listdir(tmp_path) == []

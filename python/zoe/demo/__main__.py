@@ -2,7 +2,7 @@
 with zoe's offloaded AdamW, on the embedded default: the GPU if there is one, else the CPU; bf16 weights
 on the device, fp32 master weights and moments in zoe, on the NVMe tier (swap files under the working
 directory) where this build has it, else in RAM. Prints a progress bar with tokens/s and where each step's
-time goes, and writes a loss-curve PNG and a JSON summary."""
+time goes, and writes loss.png (train and held-out loss, tokens/s; matplotlib) and summary.json."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +15,7 @@ import time
 import torch
 
 import zoe
-from zoe import _png
+from zoe.demo import plot
 from zoe.demo.data import ByteBatches
 from zoe.demo.model import GPT, GPTConfig
 from zoe.torch import OffloadOptimizer
@@ -38,7 +38,27 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--out", default="zoe-demo", help="folder for loss.png, summary.json and the swap files")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--evals", type=int, default=10, help="held-out evaluations over the run (the last at the end)")
+    args = p.parse_args(argv)
+    # Zero steps, batches or evaluations leave nothing to train, average or plot.
+    for name in ("steps", "batch", "seq", "d_model", "layers", "heads", "warmup", "evals"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: need at least 1")
+    if args.d_model % args.heads:
+        p.error(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
+    if args.lr <= 0 or not math.isfinite(args.lr):
+        p.error(f"--lr {args.lr}: need a positive learning rate")
+    return args
+
+
+HELD_OUT_BATCHES = 4
+
+
+def held_out_loss(model, batches, device) -> float:
+    """Mean loss over the same held-out batches at every evaluation, so the curve shows the model change,
+    not the sampling."""
+    with torch.no_grad():
+        return sum(model(x.to(device), y.to(device))[1].item() for x, y in batches) / len(batches)
 
 
 def make_optimizer(model, args, swap_dir):
@@ -82,8 +102,63 @@ class Progress:
             sys.stderr.write("\n")
 
 
+def train(model, opt, sched, data, held, args, device):
+    """The training loop: per-step losses and tokens/s, held-out losses at `args.evals` points, and where
+    the time went. Evaluation time is kept out of the throughput."""
+    tokens_per_step = args.batch * args.seq
+    eval_at = {round(args.steps * k / args.evals) for k in range(1, args.evals + 1)} - {0}
+    r = dict(losses=[], tokens_per_s=[], held_steps=[], held_losses=[], t_compute=0.0, t_step=0.0, t_eval=0.0,
+             parts=dict(xfer=0.0, adam=0.0, io=0.0, adapter=0.0))
+    parts, prev = r["parts"], opt.stats()
+    bar = Progress(args.steps)
+    start = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        t0 = time.perf_counter()
+        x, y = (t.to(device) for t in data.next())
+        tc = time.perf_counter()
+        opt.zero_grad()
+        _, loss = model(x, y)
+        opt.backward(loss)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t1 = time.perf_counter()
+        opt.step()
+        sched.step()
+        t2 = time.perf_counter()
+        r["t_compute"] += t1 - tc
+        r["t_step"] += t2 - t1
+        s = opt.stats()
+        adam = s["adam_s"] - prev["adam_s"]
+        io = s.get("nvme_read_s", 0.0) - prev.get("nvme_read_s", 0.0) + s.get("nvme_write_s", 0.0) - prev.get("nvme_write_s", 0.0)
+        parts["adam"] += adam
+        parts["xfer"] += max(0.0, s["step_call_s"] - prev["step_call_s"] - adam)
+        parts["io"] += io
+        parts["adapter"] += s["adapter_s"] - prev["adapter_s"]
+        prev = s
+        r["losses"].append(loss.item())
+        r["tokens_per_s"].append(tokens_per_step / (time.perf_counter() - t0))
+        if step in eval_at:
+            t3 = time.perf_counter()
+            r["held_steps"].append(step)
+            r["held_losses"].append(held_out_loss(model, held, device))
+            r["t_eval"] += time.perf_counter() - t3
+        train_s = time.perf_counter() - start - r["t_eval"]
+        ms = lambda v: 1e3 * v / step  # noqa: E731 - per-step milliseconds
+        bar.update(step, f"loss {r['losses'][-1]:.3f} | {tokens_per_step * step / train_s:,.0f} tok/s | per step ms: "
+                         f"compute {ms(r['t_compute']):.0f}, D2H+H2D {ms(parts['xfer']):.1f}, CPU Adam {ms(parts['adam']):.1f}, "
+                         f"I/O {ms(parts['io']):.1f}, adapter {ms(parts['adapter']):.2f}")
+    bar.close()
+    r["wall"] = time.perf_counter() - start - r["t_eval"]
+    return r
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        mpl_version = plot.require_matplotlib()
+    except ImportError as e:
+        print(f"zoe demo: {e}", file=sys.stderr)
+        return 2
     torch.manual_seed(args.seed)
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -96,12 +171,17 @@ def main(argv=None) -> int:
     cfg = GPTConfig(seq=args.seq, d_model=args.d_model, n_layer=args.layers, n_head=args.heads, compute_dtype=compute)
     model = GPT(cfg).to(device=device, dtype=dtype)
     data = ByteBatches(args.seq, args.batch, seed=args.seed)
+    # Held-out batches drawn once, from a generator of their own: the training batches are the same with or
+    # without evaluation, and every evaluation sees the same text.
+    held_data = ByteBatches(args.seq, args.batch, seed=args.seed + 1)
+    held = [held_data.next(held_out=True) for _ in range(HELD_OUT_BATCHES)]
     os.makedirs(args.out, exist_ok=True)
     swap_dir = os.path.join(os.path.abspath(args.out), "swap")
     opt, tier, note = make_optimizer(model, args, swap_dir)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))))
-    print(f"zoe demo: GPT {model.num_params() / 1e6:.2f}M parameters ({args.layers} layers, d={args.d_model}), "
+    params_m = model.num_params() / 1e6
+    print(f"zoe demo: GPT {params_m:.2f}M parameters ({args.layers} layers, d={args.d_model}), "
           f"{args.dtype} weights on {device}" + (" (fp32 arithmetic)" if compute else "") +
           f"; fp32 master + moments in zoe, tier {tier}, schedule {args.schedule}; "
           f"{torch.get_num_threads()} torch threads, zoe kernel {zoe.CpuAdam().kernel}")
@@ -109,70 +189,38 @@ def main(argv=None) -> int:
     if note:
         print(f"note: {note}")
 
-    tokens_per_step = args.batch * args.seq
-    losses, steps_at = [], []
-    t_compute = t_step = 0.0
-    prev = opt.stats()
-    parts = dict(xfer=0.0, adam=0.0, io=0.0, adapter=0.0)
-    bar = Progress(args.steps)
-    start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        x, y = (t.to(device) for t in data.next())
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        _, loss = model(x, y)
-        opt.backward(loss)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t1 = time.perf_counter()
-        opt.step()
-        sched.step()
-        t2 = time.perf_counter()
-        t_compute += t1 - t0
-        t_step += t2 - t1
-        s = opt.stats()
-        adam = s["adam_s"] - prev["adam_s"]
-        call = s["step_call_s"] - prev["step_call_s"]
-        io = s.get("nvme_read_s", 0.0) - prev.get("nvme_read_s", 0.0) + s.get("nvme_write_s", 0.0) - prev.get("nvme_write_s", 0.0)
-        parts["adam"] += adam
-        parts["xfer"] += max(0.0, call - adam)
-        parts["io"] += io
-        parts["adapter"] += s["adapter_s"] - prev["adapter_s"]
-        prev = s
-        losses.append(loss.item())
-        steps_at.append(step)
-        elapsed = time.perf_counter() - start
-        ms = lambda v: 1e3 * v / step  # noqa: E731 - per-step milliseconds
-        bar.update(step, f"loss {losses[-1]:.3f} | {tokens_per_step * step / elapsed:,.0f} tok/s | per step ms: "
-                         f"compute {ms(t_compute):.0f}, D2H+H2D {ms(parts['xfer']):.1f}, CPU Adam {ms(parts['adam']):.1f}, "
-                         f"I/O {ms(parts['io']):.1f}, adapter {ms(parts['adapter']):.2f}")
-    bar.close()
-    wall = time.perf_counter() - start
-    with torch.no_grad():
-        held = sum(model(*(t.to(device) for t in data.next(held_out=True)))[1].item() for _ in range(8)) / 8
+    r = train(model, opt, sched, data, held, args, device)
+    losses, wall, parts, t_step = r["losses"], r["wall"], r["parts"], r["t_step"]
     window = max(1, args.steps // 20)
-    smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1]) for i in range(len(losses))]
+    smooth = plot.trailing_mean(losses, window)
+    held_loss = r["held_losses"][-1]
     png = os.path.join(args.out, "loss.png")
-    renderer = _png.line_plot(png, {"train loss": (steps_at, losses), f"mean of last {window}": (steps_at, smooth)},
-                              title="zoe demo: GPT on Python's docs", xlabel="step", ylabel="cross-entropy (nats/byte)")
+    plot.draw(png, plot.Curves(list(range(1, args.steps + 1)), losses, smooth, window, r["held_steps"],
+                               r["held_losses"], HELD_OUT_BATCHES, r["tokens_per_s"]),
+              title=f"zoe demo: GPT {params_m:.2f}M params on Python's docs, tier {tier}, schedule {args.schedule}",
+              subtitle=f"{args.layers} layers, d={args.d_model}, {args.dtype} weights on {device}, fp32 master + Adam "
+                       f"moments in zoe; batch {args.batch} x {args.seq} bytes, lr {args.lr:g}")
     stats = opt.stats()
+    tokens_per_step = args.batch * args.seq
     summary = {
         "model_params": model.num_params(), "device": str(device), "weights_dtype": args.dtype, "tier": tier,
         "schedule": args.schedule, "steps": args.steps, "batch": args.batch, "seq": args.seq,
-        "tokens_per_s": tokens_per_step * args.steps / wall, "wall_s": wall,
-        "first_loss": losses[0], "final_loss": smooth[-1], "held_out_loss": held,
-        "loss_range": [min(losses), max(losses)],
-        "per_step_ms": {"device_compute": 1e3 * t_compute / args.steps, "optimizer_step": 1e3 * t_step / args.steps,
+        "tokens_per_s": tokens_per_step * args.steps / wall, "tokens_per_s_per_step": r["tokens_per_s"],
+        "wall_s": wall, "eval_s": r["t_eval"],
+        "first_loss": losses[0], "final_loss": smooth[-1], "held_out_loss": held_loss,
+        "held_out_curve": {"steps": r["held_steps"], "losses": r["held_losses"], "batches": HELD_OUT_BATCHES},
+        "loss_range": [min(losses), max(losses)], "loss_unit": "nats per byte (cross-entropy)",
+        "per_step_ms": {"device_compute": 1e3 * r["t_compute"] / args.steps, "optimizer_step": 1e3 * t_step / args.steps,
                         "d2h_h2d_and_waits": 1e3 * parts["xfer"] / args.steps, "cpu_adam": 1e3 * parts["adam"] / args.steps,
                         "nvme_io_in_flight": 1e3 * parts["io"] / args.steps, "adapter_python": 1e3 * parts["adapter"] / args.steps},
         "adapter_fraction_of_step": parts["adapter"] / t_step if t_step else 0.0,
         "engine": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
-        "losses": losses, "plot": png, "plot_renderer": renderer, "note": note,
+        "losses": losses, "plot": png, "plot_renderer": f"matplotlib {mpl_version}", "note": note,
     }
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(f"done: {args.steps} steps in {wall:.1f} s, {summary['tokens_per_s']:,.0f} tokens/s; loss "
-          f"{losses[0]:.3f} -> {smooth[-1]:.3f} (held-out {held:.3f}); optimizer step "
+          f"{losses[0]:.3f} -> {smooth[-1]:.3f} (held-out {held_loss:.3f}); optimizer step "
           f"{summary['per_step_ms']['optimizer_step']:.1f} ms of which adapter Python "
           f"{100 * summary['adapter_fraction_of_step']:.1f}%")
     print(f"wrote {png} and {os.path.join(args.out, 'summary.json')}")

@@ -1,0 +1,102 @@
+"""The zoe command line (build/zoe, made by scripts/build) run as users run it: empty or zero inputs are refused
+with a message naming the option, never measured into a NaN."""
+import json
+import math
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+ZOE = pathlib.Path(__file__).resolve().parents[2] / "build" / "zoe"
+pytestmark = pytest.mark.skipif(not ZOE.exists(), reason=f"{ZOE} is not built (run scripts/build)")
+
+
+def zoe(*args, timeout=120):
+    return subprocess.run([str(ZOE), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def has_aio() -> bool:
+    return "probe" in zoe("--help").stdout
+
+
+@pytest.mark.parametrize("args, option", [
+    (["bench", "adam", "--n", "0"], "--n 0"),
+    (["bench", "adam", "--n", "0", "--json"], "--n 0"),
+    (["bench", "adam", "--n", "1K", "--reps", "0"], "--reps 0"),
+    (["bench", "adam", "--n", "1K", "--isa", ""], "--isa is empty"),
+    (["bench", "adam", "--n", "1K", "--grad", ""], "--grad is empty"),
+    (["bench", "adam", "--n", "1K", "--out", ""], "--out is empty"),
+    (["bench", "adam", "--n", "1K", "--tensors", "0"], "--tensors 0"),
+    (["bench", "adam", "--n", "1K", "--tile", "0"], "tile = 0"),
+    (["bench", "step", "--n", "0"], "--n 0"),
+    (["bench", "step", "--n", "1K", "--buckets", "0"], "--buckets 0"),
+    (["bench", "step", "--n", "4", "--buckets", "5"], "--buckets 5 is more than --n 4"),
+    (["bench", "step", "--n", "1K", "--iters", "0"], "--iters 0"),
+])
+def test_empty_input_is_refused_with_its_option_named(args, option):
+    r = zoe(*args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert option in r.stderr
+    assert r.stdout == ""  # no table or JSON line with a NaN in it
+
+
+@pytest.mark.parametrize("extra, option", [
+    (["--n", "0"], "--n 0"),
+    (["--n", "1K", "--reps", "0"], "--reps 0"),
+    (["--n", "1K", "--buffers", "0"], "--buffers 0"),
+    (["--n", "1K", "--queue-depth", "0"], "--queue-depth 0"),
+    (["--n", "1K", "--block-size", "0"], "--block-size 0"),
+    (["--n", "1K", "--chunk", "0"], "--chunk 0"),
+])
+def test_bench_nvme_empty_input_is_refused(tmp_path, extra, option):
+    if not has_aio():
+        pytest.skip("this build has no NVMe tier (libaio)")
+    r = zoe("bench", "nvme", "--path", str(tmp_path), "--tile", "48K", *extra)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert option in r.stderr
+    assert r.stdout == ""
+    assert os.listdir(tmp_path) == []  # refused before any swap file was made
+
+
+def test_bench_adam_smallest_input_gives_finite_numbers():
+    r = zoe("bench", "adam", "--n", "1", "--reps", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)
+    for key in ("median_s", "params_per_s", "gbps", "ceiling_gbps", "ratio"):
+        assert isinstance(row[key], (int, float)) and math.isfinite(row[key]) and row[key] > 0, (key, row)
+
+
+def test_probe_reports_a_killed_runs_swap_store_with_the_command_that_removes_it(tmp_path):
+    """A run killed with SIGKILL leaves its swap store; zoe probe reports it in use while the run lives and
+    abandoned after, with an rm command that frees the folder; the path stays usable (exit status 0)."""
+    if not has_aio():
+        pytest.skip("this build has no NVMe tier (libaio)")
+    import signal
+    import time
+
+    run = subprocess.Popen([str(ZOE), "bench", "nvme", "--path", str(tmp_path), "--n", "4K", "--tile", "48K",
+                            "--reps", "1000000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        manifest = tmp_path / "zoe-bench-nvme.zoe-swap.json"
+        deadline = time.monotonic() + 60
+        while not manifest.exists() and time.monotonic() < deadline and run.poll() is None:
+            time.sleep(0.01)
+        assert manifest.exists(), "the benchmark did not create its store"
+        live = json.loads(zoe("probe", str(tmp_path), "--bytes", "1M", "--json").stdout)
+        assert [s["state"] for s in live["swap_stores"]] == ["in_use"]
+        assert f"pid {run.pid}" in live["swap_stores"][0]["who"]
+        assert "remove_command" not in live["swap_stores"][0]
+    finally:
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+    r = zoe("probe", str(tmp_path), "--bytes", "1M")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"left by pid {run.pid}" in r.stdout and "which is not running" in r.stdout
+    assert "usable with a warning: 1 swap store(s) of runs that are not running" in r.stdout
+    line = json.loads(zoe("probe", str(tmp_path), "--bytes", "1M", "--json").stdout)
+    (store,) = line["swap_stores"]
+    assert store["state"] == "abandoned" and store["bytes"] > 2 * 12 * 4096
+    assert subprocess.run(store["remove_command"], shell=True).returncode == 0
+    assert os.listdir(tmp_path) == []
+    assert zoe("probe", str(tmp_path), "--bytes", "1M", "--json").stdout.count('"swap_stores": []') == 1
