@@ -176,8 +176,9 @@ Status Parser::get_int(const Json& v, const std::string& path, std::int64_t lo, 
   } else if (v.is_number_integer()) {
     *out = v.get<std::int64_t>();
   } else if (v.is_number_float()) {
+    // Compared in double before converting: (double)INT64_MAX rounds up to 2^63, which int64 cannot hold.
     const double d = v.get<double>();
-    if (!(d >= static_cast<double>(lo) && d <= static_cast<double>(hi)) || d != std::floor(d)) return bad(path, v, want);
+    if (!(d >= -0x1p63 && d < 0x1p63) || d != std::floor(d)) return bad(path, v, want);
     *out = static_cast<std::int64_t>(d);
   } else {
     return bad(path, v, want);
