@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <set>
 
 #include "src/crc32c.h"
@@ -366,6 +367,28 @@ Status settle_alignment(SwapStore::Impl& impl) {
   return Status::success();
 }
 
+// Manifest fields read with their types checked: json::value() throws on a wrong type (an exception out of
+// open()) and converts an out-of-range float to an integer with undefined behaviour. nullopt when the field
+// is missing or of another type; the writer stores every count as a non-negative JSON integer.
+std::optional<std::uint64_t> manifest_count(const nlohmann::json& m, const char* key) {
+  const auto it = m.find(key);
+  if (it == m.end() || !it->is_number_unsigned()) return std::nullopt;
+  return it->get<std::uint64_t>();
+}
+
+std::optional<std::vector<std::string>> manifest_strings(const nlohmann::json& m, const char* key) {
+  const auto it = m.find(key);
+  if (it == m.end() || !it->is_array()) return std::nullopt;
+  std::vector<std::string> out;
+  for (const nlohmann::json& e : *it) {
+    if (!e.is_string()) return std::nullopt;
+    out.push_back(e.get<std::string>());
+  }
+  return out;
+}
+
+std::string shown(const std::optional<std::uint64_t>& v) { return v ? std::to_string(*v) : "(missing or not a count)"; }
+
 nlohmann::json manifest_json(const SwapStore::Impl& impl, std::size_t k) {
   nlohmann::json paths = nlohmann::json::array();
   for (const auto& f : impl.files) paths.push_back(canonical(f.dir));
@@ -468,7 +491,7 @@ Result<SwapStore> SwapStore::open(const SwapOptions& options, const std::string&
                                                       path + " is missing): create it, or fix nvme_path", ENOENT);
     }
     nlohmann::json m = nlohmann::json::parse(text.value(), nullptr, false);
-    if (m.is_discarded() || !m.is_object() || m.value("format", "") != "zoe-swap") {
+    if (m.is_discarded() || !m.is_object() || !m.contains("format") || m.at("format") != "zoe-swap") {
       return Status(StatusCode::corrupt, "manifest " + path + " is not a zoe swap manifest (not JSON, or no format field)");
     }
     auto differs = [&](const std::string& what, const std::string& stored, const std::string& asked) {
@@ -476,19 +499,20 @@ Result<SwapStore> SwapStore::open(const SwapOptions& options, const std::string&
                                                       ", this run asks for " + asked +
                                                       ": use the same settings, or remove the store to start afresh");
     };
-    const int version = m.value("version", 0);
-    if (version != kSwapFormatVersion) {
-      return differs("format version", std::to_string(version), std::to_string(kSwapFormatVersion) + " (this build's)");
+    const std::optional<std::uint64_t> version = manifest_count(m, "version");
+    if (version != std::uint64_t{kSwapFormatVersion}) {
+      return differs("format version", shown(version), std::to_string(kSwapFormatVersion) + " (this build's)");
     }
-    if (m.value("n", std::size_t{0}) != n) return differs("n", std::to_string(m.value("n", std::size_t{0})), std::to_string(n));
-    if (m.value("tile", std::size_t{0}) != tile) {
-      return differs("tile", std::to_string(m.value("tile", std::size_t{0})), std::to_string(tile));
+    if (const auto stored = manifest_count(m, "n"); stored != n) return differs("n", shown(stored), std::to_string(n));
+    if (const auto stored = manifest_count(m, "tile"); stored != tile) {
+      return differs("tile", shown(stored), std::to_string(tile));
     }
-    std::vector<std::string> stored_paths = m.value("paths", std::vector<std::string>{});
+    const std::optional<std::vector<std::string>> stored_paths = manifest_strings(m, "paths");
     std::vector<std::string> asked_paths;
     for (const auto& f : impl.files) asked_paths.push_back(canonical(f.dir));
-    if (stored_paths != asked_paths || m.value("path_index", std::size_t{P}) != k) {
-      return differs("paths", nlohmann::json(stored_paths).dump(), nlohmann::json(asked_paths).dump());
+    if (stored_paths != asked_paths || manifest_count(m, "path_index") != k) {
+      return differs("paths", stored_paths ? nlohmann::json(*stored_paths).dump() : "(missing or not a list of strings)",
+                     nlohmann::json(asked_paths).dump());
     }
   }
   for (auto& f : impl.files) {

@@ -176,8 +176,9 @@ Status Parser::get_int(const Json& v, const std::string& path, std::int64_t lo, 
   } else if (v.is_number_integer()) {
     *out = v.get<std::int64_t>();
   } else if (v.is_number_float()) {
+    // Compared in double before converting: (double)INT64_MAX rounds up to 2^63, which int64 cannot hold.
     const double d = v.get<double>();
-    if (!(d >= static_cast<double>(lo) && d <= static_cast<double>(hi)) || d != std::floor(d)) return bad(path, v, want);
+    if (!(d >= -0x1p63 && d < 0x1p63) || d != std::floor(d)) return bad(path, v, want);
     *out = static_cast<std::int64_t>(d);
   } else {
     return bad(path, v, want);
@@ -464,6 +465,11 @@ Status Parser::zoe_section(const Json& section) {
   return Status::success();
 }
 
+// A config nests a few levels (zero_optimization.offload_optimizer.nvme_path[]). Text nested far deeper is
+// refused: the paths kept per level below would grow with the square of its depth (a 40 KB file of nested
+// arrays took a GB), and printing such a value recurses once per level.
+constexpr int kMaxDepth = 64;
+
 // Duplicate keys: JSON parsers keep one of the values (nlohmann and Python the last); say which.
 struct DuplicateKeys {
   struct Frame {
@@ -474,14 +480,20 @@ struct DuplicateKeys {
   };
   std::vector<Frame> frames;
   std::vector<std::string> found;
+  bool too_deep = false;
 
   std::string child_path() const {
     if (frames.empty()) return "";
     const Frame& f = frames.back();
     return f.array ? f.path : join(f.path, f.key);
   }
-  bool operator()(int /*depth*/, Json::parse_event_t event, Json& parsed) {
+  bool operator()(int depth, Json::parse_event_t event, Json& parsed) {
     using E = Json::parse_event_t;
+    // nlohmann gives a container's start and end the same depth, so frames stay balanced.
+    if (depth >= kMaxDepth) {
+      too_deep = true;
+      return true;
+    }
     if (event == E::object_start || event == E::array_start) {
       std::string path = child_path();
       if (event == E::array_start) path += "[]";
@@ -509,6 +521,10 @@ Result<LoadedConfig> parse_json(std::string_view text, const std::string& source
       what.erase(0, close + 2);
     }
     return invalid_argument(source + " is not valid JSON: " + what);
+  }
+  if (duplicates.too_deep) {
+    return invalid_argument(source + " nests arrays or objects more than " + std::to_string(kMaxDepth) +
+                            " levels deep: it is not a DeepSpeed or zoe config");
   }
   LoadedConfig config;
   for (const std::string& key : duplicates.found) {

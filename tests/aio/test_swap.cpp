@@ -156,6 +156,40 @@ TEST(SwapStore, OpenRefusesAMismatchWithTheReason) {
   EXPECT_TRUE(make_store(small_options({a, b})).ok());
 }
 
+// Found by the fuzzer (test_fuzz_swap): a field of the wrong type made json::value() throw out of open(),
+// and a float count was converted to an integer unchecked (undefined behaviour for -1.0 or 1e20).
+TEST(SwapStore, ManifestFieldsOfTheWrongTypeAreRefusedNotThrown) {
+  TempDir dir;
+  const std::string a = dir.sub("disk0");
+  {
+    Result<SwapStore> store = make_store(small_options({a}));
+    ASSERT_TRUE(store.ok()) << store.status().to_string();
+  }
+  const std::string manifest = a + "/rank0.zoe-swap.json";
+  std::ifstream in(manifest);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto with = [&](const std::string& from, const std::string& to) {
+    std::string t = text;
+    const std::size_t at = t.find(from);
+    EXPECT_NE(at, std::string::npos) << from << " not in " << t;
+    if (at != std::string::npos) t.replace(at, from.size(), to);
+    std::ofstream(manifest) << t;
+  };
+  const std::string n = "\"n\": " + std::to_string(kN);
+  with("\"paths\": [", "\"paths\": [7, ");
+  expect_refused(SwapStore::open(small_options({a}), "rank0", kN, kTile), "paths = (missing or not a list of strings)");
+  with("\"version\": 1", "\"version\": \"1\"");
+  expect_refused(SwapStore::open(small_options({a}), "rank0", kN, kTile), "format version = (missing or not a count)");
+  with("\"format\": \"zoe-swap\"", "\"format\": 3");
+  expect_refused(SwapStore::open(small_options({a}), "rank0", kN, kTile), "not a zoe swap manifest");
+  for (const char* bad : {"-1.0", "1e20", "-1", "null"}) {
+    with(n, std::string("\"n\": ") + bad);
+    expect_refused(SwapStore::open(small_options({a}), "rank0", kN, kTile), "n = (missing or not a count)");
+  }
+  with(n, n);
+  EXPECT_TRUE(SwapStore::open(small_options({a}), "rank0", kN, kTile).ok());
+}
+
 TEST(SwapStore, ReadWriteRangesAndSetStep) {
   TempDir dir;
   Result<SwapStore> store = make_store(small_options({dir.path()}));

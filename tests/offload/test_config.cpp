@@ -263,6 +263,25 @@ TEST(Config, MalformedJson) {
   expect_error("[1, 2]", {"top level"});
 }
 
+// Found by the fuzzer (test_fuzz_readers): 2^63 passed a range check against (double)INT64_MAX, which
+// rounds up to 2^63, and was then converted to int64 (undefined behaviour).
+TEST(Config, IntegerWrittenAsFloatAtTheInt64EdgeIsRefused) {
+  expect_error(R"({"zero_optimization": {"sub_group_size": 9.2233720368547758e18}})", {"zero_optimization.sub_group_size"});
+  expect_error(R"({"zero_optimization": {"sub_group_size": -9.2233720368547758e18}})", {"zero_optimization.sub_group_size"});
+  parse_ok(R"({"zero_optimization": {"sub_group_size": 9.2233720368547748e18}})");  // the last double below 2^63
+}
+
+// Found by the fuzzer: 40 KB of nested arrays cost a GB in the duplicate-key tracker (a path per level).
+TEST(Config, DeepNestingIsRefusedWithoutGrowing) {
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  expect_error(R"({"optimizer": )" + deep + "}", {"levels deep"});
+  expect_error(deep, {"levels deep"});
+  std::string objects;
+  for (int i = 0; i < 70; ++i) objects += R"({"a": )";
+  objects += "1" + std::string(70, '}');
+  expect_error(R"({"zoe": )" + objects + "}", {"levels deep"});
+}
+
 TEST(Config, LoadFile) {
   char dir_template[] = "/tmp/zoe_config_test_XXXXXX";
   ASSERT_NE(mkdtemp(dir_template), nullptr);
