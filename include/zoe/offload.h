@@ -139,8 +139,9 @@ class OffloadOptimizer {
   // The fp32 master weights / moments of a parameter (after wait()).
   Status read_state(std::size_t param, float* master, float* exp_avg, float* exp_avg_sq) const;
 
+  struct Impl;  // opaque; defined in src/offload/ (named here so the engine's schedules and tiers can take it)
+
  private:
-  struct Impl;
   explicit OffloadOptimizer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
