@@ -62,8 +62,9 @@ struct OffloadOptions {
   LossScaleOptions loss_scale;
   // A NaN/Inf gradient without fp16 loss scaling (where it is an overflow, skipped): true refuses the step —
   // step() returns an error naming the parameter and no state changes; false lets it propagate into the
-  // state, as torch.optim does. Refusing costs a pass over the gradients (their statistics), and in the
-  // overlap schedule an undo copy of what is stepped speculatively.
+  // state, as torch.optim does. Refusing costs a pass over the gradients (their statistics: on the device
+  // with a GPU; in place, on the CPU Adam engine's threads at memory speed), and in the overlap schedule an
+  // undo copy of what is stepped speculatively.
   bool refuse_non_finite = true;
   std::size_t tile = 1 << 20;          // elements per unit of pipelined work. DeepSpeed's sub_group_size is larger
   CpuAdamOptions cpu;

@@ -141,6 +141,9 @@ struct OffloadOptimizer::Impl {
   // Gradients of parameter i down into staging `set`, with their statistics; `on_piece` (overlap) steps
   // each piece speculatively once it is down.
   Status enqueue_d2h(std::size_t i, int set, const PieceDown& on_piece = nullptr);
+  // In place: once the compute stream has produced them, the statistics of every gradient, taken on the
+  // engine's threads (no copy to enqueue).
+  Status grad_stats_in_place(int set);
   Status enqueue_h2d(std::size_t i);
   Status enqueue_h2d(const Piece& k);
   // The compute stream (the next forward) waits for every weight sent so far; returns the event after which

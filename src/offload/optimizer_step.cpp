@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "src/offload/host_device.h"
 #include "src/offload/optimizer_impl.h"
 
 namespace zoe {
@@ -124,6 +125,27 @@ Status OffloadOptimizer::Impl::enqueue_d2h(std::size_t i, int set, const PieceDo
     }
   }
   if (!in_place) stats_.d2h_bytes += staging_bytes(p);
+  return Status::success();
+}
+
+// The gradients are host memory already: their statistics (the NaN/Inf refusal's count, the norm) run on
+// the engine's threads at memory speed, where the device's copy stream would take them piece by piece on one
+// thread. The same kernel as the host device's grad_stats(), per piece: the decision is the same bits.
+Status OffloadOptimizer::Impl::grad_stats_in_place(int set) {
+  Result<EventId> produced = device.record(Stream::compute);
+  if (!produced.ok()) return produced.status();
+  if (Status s = device.synchronize(produced.value()); !s.ok()) return s;
+  std::vector<GradStats>& out = stats[set];
+  if (!need_stats) {
+    std::fill(out.begin(), out.end(), GradStats{});
+    return Status::success();
+  }
+  adam.parallel_for(pieces.size(), [&](std::size_t k) {
+    const Piece& piece = pieces[k];
+    const ParamSpec& p = params[piece.param];
+    out[k] = host_grad_stats(static_cast<const unsigned char*>(p.device_grads) + piece.begin * dtype_size(p.dtype),
+                             p.dtype, piece.n);
+  });
   return Status::success();
 }
 

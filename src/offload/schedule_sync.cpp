@@ -6,6 +6,10 @@
 namespace zoe {
 
 Status sync_step(Impl& m) {
+  if (m.in_place) {
+    if (Status s = m.grad_stats_in_place(0); !s.ok()) return s;
+    return finish_sync_step(m);
+  }
   for (std::size_t i = 0; i < m.params.size(); ++i) {
     if (Status s = m.enqueue_d2h(i, 0); !s.ok()) return s;
   }
