@@ -25,6 +25,18 @@ std::string_view schedule_name(Schedule schedule) {
   return "invalid";
 }
 
+std::string_view durability_name(Durability durability) {
+  return durability == Durability::step ? "step" : "checkpoint";
+}
+
+Result<Durability> parse_durability(std::string_view name) {
+  for (Durability d : {Durability::step, Durability::checkpoint}) {
+    if (name == durability_name(d)) return d;
+  }
+  return invalid_argument("durability '" + std::string(name) + "' is unknown: use step (each step durable in the "
+                          "background) or checkpoint (durable at save() only)");
+}
+
 Result<Tier> parse_tier(std::string_view name) {
   for (Tier t : {Tier::ram, Tier::nvme}) {
     if (name == tier_name(t)) return t;

@@ -41,6 +41,8 @@ bool get(const nlohmann::json& j, const char* key, T& out) {
 Status OffloadOptimizer::save(const std::string& path) {
   Impl& m = *impl_;
   if (Status s = wait(); !s.ok()) return s;
+  // Tier nvme with durability checkpoint: the swap files become durable here, and only here.
+  if (Status s = m.tier->flush(); !s.ok()) return s;
   nlohmann::json manifest;
   manifest["format"] = kFormat;
   manifest["version"] = kManifestVersion;

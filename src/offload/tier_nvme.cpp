@@ -87,6 +87,8 @@ class NvmeTier final : public StateTier {
     return store_.set_step(step);
   }
 
+  Status flush() override { return store_.flush(); }
+
   bool in_ram() const override { return false; }
 
  private:
