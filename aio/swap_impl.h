@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <future>
 #include <memory>
 #include <span>
 #include <string>
@@ -50,6 +51,8 @@ struct SwapStore::Impl {
     std::uint64_t bytes = 0;     // file size: two slots per tile
   };
 
+  ~Impl();  // settles the durability of what was written (best effort: a close cannot fail)
+
   SwapOptions options;
   std::string name;
   std::size_t n = 0, tile = 0, ntiles = 0, alignment = 4096;
@@ -66,6 +69,11 @@ struct SwapStore::Impl {
   aio::FileHandle table_fd;
   std::uint64_t table_seq = 0;  // of the newest table copy on disk
   bool table_dirty = false;  // the in-memory table is ahead of the persisted one (its update failed)
+  // Durability next_call / on_flush: calls wrote since the last durable table; and (next_call) the last
+  // call's fdatasync and table update running in the background, with the sequence number it writes.
+  bool unsynced = false;
+  std::future<Status> persisting;
+  std::uint64_t persisting_seq = 0;
 
   PathFile& file_of(std::size_t t) { return files[t % files.size()]; }
   std::uint64_t file_offset(std::size_t t, std::uint32_t slot) const {
@@ -83,10 +91,20 @@ struct SwapStore::Impl {
   Status setup_runtime();   // engine, buffers, Adam engine; after files are open
   std::size_t table_region_bytes() const;
   Status create_table();
-  Status persist_table();
+  Status persist_table();   // the current table, now (fdatasync'ed)
+  // One table copy with sequence number `seq` written and fdatasync'ed; touches no member but the file.
+  Status write_table(const std::vector<TileEntry>& entries, std::uint64_t seq) const;
+  // Every data file fdatasync'ed, then `entries` written as table copy `seq` (swap_durability.cpp).
+  Status make_durable(const std::vector<TileEntry>& entries, std::uint64_t seq) const;
+  // After a call's tiles: what `durability` asks of the call (before = the table when it started).
+  Status after_call(const std::vector<TileEntry>& before, bool wrote);
+  // Before a call overwrites any slot: the last call's durability settled (next_call), retried now if the
+  // background attempt failed. Cheap when nothing is pending.
+  Status settle();
+  Status flush();
   Status load_table();
   Status check_file_sizes();
-  Status sync_and_persist(const std::vector<TileEntry>& before, bool wrote);
+  Status sync_and_persist(const std::vector<TileEntry>& before, bool wrote);  // durability each_call
   Status ready_for_io();    // files intact and the persisted table current
   Status run_tiles(std::span<const TileTask> tasks, const TileCompute& compute);
   std::string describe() const;       // which tiles are at which step

@@ -96,6 +96,7 @@ Status SwapStore::Impl::run_tiles(std::span<const TileTask> tasks, const TileCom
     return Status::success();
   };
 
+  bool settled = false;
   const std::size_t ahead = std::min(K - 1, T);
   for (std::size_t j = 0; j < ahead && failure.ok(); ++j) note(issue_read(j));
   for (std::size_t j = 0; j < T && failure.ok(); ++j) {
@@ -136,6 +137,15 @@ Status SwapStore::Impl::run_tiles(std::span<const TileTask> tasks, const TileCom
       break;
     }
     if (task.write) {
+      // The last call's slots must be durable before this call rewrites any (next_call: its background
+      // sync has overlapped the reads issued so far).
+      if (!settled) {
+        settled = true;
+        if (Status st = settle(); !st.ok()) {
+          note(std::move(st));
+          break;
+        }
+      }
       if (count < tile) {  // the padding of the last tile is written as zeros, never as stale buffer bytes
         for (float* a : {p, m, v}) std::memset(a + count, 0, (tile - count) * 4);
       }
@@ -181,7 +191,7 @@ Status streaming_call(SwapStore::Impl& im, bool writes, Body&& body) {
   Status s = body();
   const aio::EngineCounters c = im.engine->counters();
   const bool wrote = writes && c.write_bytes > 0;
-  Status persisted = im.sync_and_persist(before, wrote);
+  Status persisted = im.after_call(before, wrote);
   im.stats.read_bytes = c.read_bytes;
   im.stats.write_bytes = c.write_bytes;
   im.stats.read_s = c.read_busy_s;
@@ -427,13 +437,17 @@ Status SwapStore::set_step(std::int64_t step) {
   for (std::size_t t = 0; t < im.ntiles; ++t) {
     if (im.table[t].step < 0) return invalid_argument("set_step: " + im.tile_name(t) + " was never written");
   }
+  if (Status s = im.settle(); !s.ok()) return s;
   for (TileEntry& e : im.table) e.step = step;
-  return im.persist_table();
+  im.unsynced = true;  // the new step numbers (and any write() before them) become durable together
+  return im.flush();
 }
 
 Result<std::pair<double, double>> SwapStore::raw_io_pass() {
   Impl& im = *impl_;
   if (Status s = im.ready_for_io(); !s.ok()) return s;
+  // Its writes go to the slots the table on disk may still name.
+  if (Status s = im.settle(); !s.ok()) return s;
   const std::size_t K = im.buffers.size();
   std::vector<aio::IoEngine::Ticket> tickets(K, 0);
   double seconds[2] = {0, 0};

@@ -91,6 +91,7 @@ SwapOptions SwapOptions::from(const NvmeOptions& nvme) {
   o.block_size = nvme.block_size;
   o.queue_depth = nvme.queue_depth;
   o.alignment = nvme.alignment;
+  o.durability = nvme.durability == Durability::step ? SwapDurability::next_call : SwapDurability::on_flush;
   return o;
 }
 
@@ -110,16 +111,15 @@ std::size_t SwapStore::Impl::table_region_bytes() const {
   return (kTableHeader + ntiles * kTableEntry + 4 + 4095) / 4096 * 4096;
 }
 
-Status SwapStore::Impl::persist_table() {
-  const std::uint64_t seq = table_seq + 1;
+Status SwapStore::Impl::write_table(const std::vector<TileEntry>& entries, std::uint64_t seq) const {
   std::string out;
   out.reserve(table_region_bytes());
   out.append(kTableMagic, sizeof kTableMagic);
   put<std::uint32_t>(out, kSwapFormatVersion);
   put<std::uint32_t>(out, 0);
-  put<std::uint64_t>(out, table.size());
+  put<std::uint64_t>(out, entries.size());
   put<std::uint64_t>(out, seq);
-  for (const TileEntry& e : table) {
+  for (const TileEntry& e : entries) {
     put<std::int64_t>(out, e.step);
     put<std::uint32_t>(out, e.slot);
     for (std::uint32_t c : e.crc) put<std::uint32_t>(out, c);
@@ -137,6 +137,12 @@ Status SwapStore::Impl::persist_table() {
     else done += static_cast<std::size_t>(w);
   }
   if (s.ok()) s = aio::sync_file(table_fd.get(), path, options.fault_hook);
+  return s;
+}
+
+Status SwapStore::Impl::persist_table() {
+  const std::uint64_t seq = table_seq + 1;
+  const Status s = write_table(table, seq);
   table_dirty = !s.ok();
   if (s.ok()) table_seq = seq;
   return s;
@@ -224,32 +230,14 @@ Status SwapStore::Impl::check_file_sizes() {
 
 Status SwapStore::Impl::ready_for_io() {
   if (Status s = check_file_sizes(); !s.ok()) return s;
-  // A table that failed to persist points at slots the next write would reuse: persist it first.
-  if (table_dirty) {
+  // A table that failed to persist points at slots the next write would reuse: persist it first (or, with
+  // a background update in flight, settle() does before the first write).
+  if (table_dirty && !persisting.valid()) {
     if (Status s = persist_table(); !s.ok()) {
       return Status(s.code(), "the tile table could not be saved, so no tile may be rewritten yet: " + s.message(), s.sys_errno());
     }
   }
   return Status::success();
-}
-
-Status SwapStore::Impl::sync_and_persist(const std::vector<TileEntry>& before, bool wrote) {
-  const auto t0 = std::chrono::steady_clock::now();
-  Status s;
-  if (wrote && options.durable) {
-    for (const PathFile& f : files) {
-      s = aio::sync_file(f.fd.get(), f.data_path, options.fault_hook);
-      if (!s.ok()) break;
-    }
-    if (!s.ok()) {
-      // The new slots may not be on the disk: fall back to the old ones, which nothing has touched.
-      table = before;
-      s = Status(s.code(), s.message() + "; this call's tiles were rolled back to their previous step", s.sys_errno());
-    }
-  }
-  if (s.ok() && (wrote || table_dirty)) s = persist_table();
-  stats.sync_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return s;
 }
 
 std::string SwapStore::Impl::describe() const {

@@ -224,6 +224,15 @@ Status CpuAdam::step(const AdamHyper& hyper, const StepOptions& options, std::sp
   return Status::success();
 }
 
+void CpuAdam::parallel_for(std::size_t n, const std::function<void(std::size_t)>& body) {
+  if (n == 0) return;
+  impl_->arena.execute([&] {
+    tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, 1), [&](const tbb::blocked_range<std::size_t>& r) {
+      for (std::size_t i = r.begin(); i != r.end(); ++i) body(i);
+    }, tbb::simple_partitioner());
+  });
+}
+
 Status CpuAdam::streams_pass(std::span<const AdamTensor> tensors) {
   if (Status s = check_tensors(tensors); !s.ok()) return s;
   const KernelTable& table = *impl_->table;

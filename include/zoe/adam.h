@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -76,6 +77,10 @@ class CpuAdam {
   // The bandwidth ceiling of `step`: the same loads and stores per element over the same tensors, threads
   // and tiles, with trivial arithmetic. It overwrites the tensors' state; benchmarks compare against it.
   Status streams_pass(std::span<const AdamTensor> tensors);
+
+  // Runs body(i) for every i in [0, n) on this engine's threads (one i per task) and returns when all are
+  // done: passes over host memory that belong beside the step (the gradients' NaN/Inf check and norm).
+  void parallel_for(std::size_t n, const std::function<void(std::size_t)>& body);
 
   // The checks step() applies to hyper-parameters, for callers that validate up front.
   static Status validate(const AdamHyper& hyper);

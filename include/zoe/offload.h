@@ -22,11 +22,27 @@ class Collectives;  // zoe/partition.h
 enum class Tier { ram, nvme };
 enum class Schedule { sync, overlap, delayed };
 
+// Tier nvme: what a crash (of the process or the machine) may cost the swap files, against what each step
+// pays for it. Both keep, within a run, every guarantee of step(): a failed step retried gives the
+// uninterrupted result, and every tile read is checked against its CRC-32C.
+//  - step: each step's writes are fdatasync'ed, and the tile table naming them persisted, in the background
+//    after step() returns — beside the next forward/backward and the next step's reads; the next step's
+//    first write waits for it. The table on disk names the last durable step: after a crash the swap files
+//    hold step t or t-1 whole, never a mix. Costs an fdatasync and a table write per step, off the
+//    critical path unless the next step comes sooner than they finish.
+//  - checkpoint: no fdatasync per step; the swap files are made durable at save() (and when the optimizer
+//    is destroyed). After a crash between saves they may be unusable — their checksums refuse them, they are
+//    never used wrong: resume from the last save(), which is how a run resumes anyway (a new optimizer
+//    replaces the swap files it finds).
+enum class Durability { step, checkpoint };
+
 std::string_view tier_name(Tier tier);
 std::string_view schedule_name(Schedule schedule);
+std::string_view durability_name(Durability durability);
 // The names back to values; anything else is invalid_argument naming the choices.
 Result<Tier> parse_tier(std::string_view name);
 Result<Schedule> parse_schedule(std::string_view name);
+Result<Durability> parse_durability(std::string_view name);
 
 // fp16 loss scaling, with the knobs of DeepSpeed's fp16 section and torch's GradScaler. Dynamic: start at
 // initial_scale; an overflow skips the step and, once `hysteresis` overflows have been seen, multiplies the
@@ -51,6 +67,7 @@ struct NvmeOptions {
   std::size_t block_size = 1 << 20;    // DeepSpeed: aio.block_size
   int queue_depth = 8;                 // DeepSpeed: aio.queue_depth
   std::size_t alignment = 0;           // O_DIRECT block: 0 = 4096, or more where a filesystem asks for more
+  Durability durability = Durability::step;  // zoe config: zoe.nvme_durability
 };
 
 struct OffloadOptions {
@@ -62,8 +79,9 @@ struct OffloadOptions {
   LossScaleOptions loss_scale;
   // A NaN/Inf gradient without fp16 loss scaling (where it is an overflow, skipped): true refuses the step —
   // step() returns an error naming the parameter and no state changes; false lets it propagate into the
-  // state, as torch.optim does. Refusing costs a pass over the gradients (their statistics), and in the
-  // overlap schedule an undo copy of what is stepped speculatively.
+  // state, as torch.optim does. Refusing costs a pass over the gradients (their statistics: on the device
+  // with a GPU; in place, on the CPU Adam engine's threads at memory speed), and in the overlap schedule an
+  // undo copy of what is stepped speculatively.
   bool refuse_non_finite = true;
   std::size_t tile = 1 << 20;          // elements per unit of pipelined work. DeepSpeed's sub_group_size is larger
   CpuAdamOptions cpu;
@@ -139,8 +157,9 @@ class OffloadOptimizer {
   // The fp32 master weights / moments of a parameter (after wait()).
   Status read_state(std::size_t param, float* master, float* exp_avg, float* exp_avg_sq) const;
 
+  struct Impl;  // opaque; defined in src/offload/ (named here so the engine's schedules and tiers can take it)
+
  private:
-  struct Impl;
   explicit OffloadOptimizer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

@@ -7,7 +7,8 @@
 //    P times the bandwidth. Each path holds one data file `<name>.zoe-swap` (0600), preallocated.
 //  - Every tile has two slots. A step reads the tile's current slot and writes the other one; the tile's
 //    entry in the tile table (step, slot, CRC-32C of p, m and v) flips only after that write completed, so
-//    the only valid copy of a tile is never overwritten. The table is persisted atomically after each call.
+//    the only valid copy of a tile is never overwritten. The table is persisted atomically, when
+//    SwapOptions::durability says (after each call by default).
 //  - Every read is checked against the table's checksums: a swap file truncated or altered between steps is
 //    refused, naming the file and the tile, and never used.
 //  - A manifest `<name>.zoe-swap.json` (versioned) in every path describes the layout, so the next run
@@ -53,6 +54,24 @@ struct IoFault {
 
 using IoFaultHook = std::function<IoFault(const IoSite&)>;
 
+// When a call's writes become durable: fdatasync'ed, and then the tile table naming them persisted. Within a
+// run, every mode keeps the in-memory table exact, so a failed call can be retried and completes exactly
+// what is missing; the modes differ in what a crash (power loss, kill -9) leaves on disk.
+enum class SwapDurability {
+  // Before the call returns: the swap files always hold the last call's state. Each call pays one
+  // fdatasync per path plus a table write and its fdatasync on its critical path.
+  each_call,
+  // In the background once the call returns, overlapping what the caller does next (the next forward and
+  // backward) and the next call's reads; the next call's first write waits for it, so a slot the table on
+  // disk names is never overwritten. The table on disk names the last durable call: a crash reopens the
+  // store at the last call or the one before, never a mix.
+  next_call,
+  // Only at flush() (and when the store is closed): no per-call sync. Between flushes the table on disk may
+  // name slots that later calls overwrote; after a crash those tiles fail their checksums and the store is
+  // refused (restore from a checkpoint), never silently used.
+  on_flush,
+};
+
 struct SwapOptions {
   std::vector<std::string> paths;      // DeepSpeed: offload_optimizer.nvme_path (one or a list)
   int buffer_count = 4;                // DeepSpeed: offload_optimizer.buffer_count; tiles held in RAM (>= 2)
@@ -60,6 +79,7 @@ struct SwapOptions {
   int queue_depth = 8;                 // DeepSpeed: aio.queue_depth; requests in flight at once
   std::size_t alignment = 0;           // O_DIRECT block: 0 = 4096, or more where a filesystem asks for more
   bool durable = true;                 // fdatasync the swap files before each table update (crash safety)
+  SwapDurability durability = SwapDurability::each_call;
   CpuAdam* adam = nullptr;             // the Adam engine to use (not owned); null: the store makes its own
   CpuAdamOptions cpu;                  // for the store's own engine when `adam` is null
   IoFaultHook fault_hook;              // tests only
@@ -142,7 +162,11 @@ class SwapStore {
   // checkpoint. Both verify what they read; write() never overwrites a tile's only valid copy.
   Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v);
   Status write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v);
-  // Labels every tile with `step` (after a checkpoint load). Refuses while any tile was never written.
+  // Makes every completed call durable now, whatever `durability` says: waits for a background sync, then
+  // fdatasyncs the swap files and persists the tile table if any call wrote since the last durable table.
+  Status flush();
+  // Labels every tile with `step` (after a checkpoint load) and makes the store durable (flush()). Refuses
+  // while any tile was never written.
   Status set_step(std::int64_t step);
 
   std::size_t n() const;

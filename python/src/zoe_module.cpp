@@ -166,6 +166,7 @@ struct EngineOptions {
   int buffer_count = 4;
   std::size_t block_size = 1 << 20;
   int queue_depth = 8;
+  std::string nvme_durability = "step";
   std::string schedule = "sync";
   int delayed_warmup_steps = 10;
   float max_grad_norm = 0;
@@ -194,6 +195,9 @@ OffloadOptions to_options(const EngineOptions& e) {
   o.nvme.buffer_count = e.buffer_count;
   o.nvme.block_size = e.block_size;
   o.nvme.queue_depth = e.queue_depth;
+  Result<Durability> durability = parse_durability(e.nvme_durability);
+  if (!durability.ok()) throw std::invalid_argument(durability.status().message());
+  o.nvme.durability = durability.value();
   Result<Schedule> schedule = parse_schedule(e.schedule);
   if (!schedule.ok()) throw std::invalid_argument(schedule.status().message());
   o.schedule = schedule.value();
@@ -311,6 +315,7 @@ nb::dict config_dict(const LoadedConfig& c) {
   opts["buffer_count"] = o.nvme.buffer_count;
   opts["block_size"] = o.nvme.block_size;
   opts["queue_depth"] = o.nvme.queue_depth;
+  opts["nvme_durability"] = std::string(durability_name(o.nvme.durability));
   opts["schedule"] = std::string(schedule_name(o.schedule));
   opts["delayed_warmup_steps"] = o.delayed_warmup_steps;
   opts["max_grad_norm"] = o.max_grad_norm;
@@ -375,6 +380,7 @@ void bind_engine(nb::module_& m) {
       .def_rw("buffer_count", &EngineOptions::buffer_count)
       .def_rw("block_size", &EngineOptions::block_size)
       .def_rw("queue_depth", &EngineOptions::queue_depth)
+      .def_rw("nvme_durability", &EngineOptions::nvme_durability)
       .def_rw("schedule", &EngineOptions::schedule)
       .def_rw("delayed_warmup_steps", &EngineOptions::delayed_warmup_steps)
       .def_rw("max_grad_norm", &EngineOptions::max_grad_norm)

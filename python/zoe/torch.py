@@ -75,6 +75,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
     Args beyond AdamW's:
         tier: ``"ram"`` (pinned host memory) or ``"nvme"`` (swap files under ``nvme_path``).
         nvme_path: a folder, or a list of folders on several drives, for the NVMe tier.
+        durability: tier nvme — ``"step"`` (default): each step's writes are made durable (fdatasync and
+            tile table) in the background, beside the next forward/backward; after a crash the swap files
+            hold the last step or the one before, whole. ``"checkpoint"``: no fdatasync per step, the swap
+            files are made durable at ``state_dict()``/save only; after a crash they may be refused (never
+            used wrong) — resume from the last checkpoint, as a new optimizer does anyway.
         schedule: ``"sync"``, ``"overlap"`` (transfers and CPU Adam during backward) or ``"delayed"``
             (the CPU step runs beside the next forward/backward, one step stale, after
             ``delayed_warmup_steps`` sync steps).
@@ -95,13 +100,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
                  initial_scale: float = 2.0 ** 16, growth_interval: int = 1000, hysteresis: int = 2,
                  min_loss_scale: float = 1.0, delayed_warmup_steps: int = 10, process_group=None,
                  isa: str = "auto", threads: int = 0, tile: int = 1 << 20, buffer_count: int = 4,
-                 block_size: int = 1 << 20, queue_depth: int = 8, refuse_non_finite: bool = True):
+                 block_size: int = 1 << 20, queue_depth: int = 8, refuse_non_finite: bool = True,
+                 durability: str = "step"):
         if not 0.0 <= lr:
             raise ValueError(f"lr = {lr} is invalid: need >= 0")
         if tier not in ("ram", "nvme"):
             raise ValueError(f"tier = {tier!r} is unknown: use 'ram' or 'nvme'")
         if tier == "nvme" and not nvme_path:
             raise ValueError("tier='nvme' needs nvme_path: a folder (or a list of folders) for the swap files")
+        if durability not in ("step", "checkpoint"):
+            raise ValueError(f"durability = {durability!r} is unknown: use 'step' (each step durable in the "
+                             "background) or 'checkpoint' (durable at save only)")
         if schedule not in ("sync", "overlap", "delayed"):
             raise ValueError(f"schedule = {schedule!r} is unknown: use 'sync', 'overlap' or 'delayed'")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=adamw)
@@ -112,7 +121,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                              hysteresis=hysteresis, min_loss_scale=min_loss_scale,
                              delayed_warmup_steps=delayed_warmup_steps, isa=isa, threads=threads, tile=tile,
                              buffer_count=buffer_count, block_size=block_size, queue_depth=queue_depth,
-                             refuse_non_finite=refuse_non_finite)
+                             refuse_non_finite=refuse_non_finite, durability=durability)
         self._group = process_group
         self._world, self._rank = 1, 0
         if dist.is_available() and dist.is_initialized():
@@ -227,6 +236,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         opts.buffer_count = o["buffer_count"]
         opts.block_size = o["block_size"]
         opts.queue_depth = o["queue_depth"]
+        opts.nvme_durability = o["durability"]
         opts.schedule = o["schedule"]
         opts.delayed_warmup_steps = o["delayed_warmup_steps"]
         # Across ranks the global norm is known only after the gradients are reduced: clipping then happens

@@ -23,6 +23,7 @@ struct Config {
   bool has_out = true;
   DType out = DType::bf16;
   bool json = false, keep = false, durable = true;
+  SwapDurability durability = SwapDurability::each_call;
 };
 
 std::uint64_t peak_rss_bytes() {
@@ -80,6 +81,7 @@ Result<Measured> measure(const Config& cfg) {
   o.queue_depth = cfg.queue_depth;
   o.block_size = cfg.block;
   o.durable = cfg.durable;
+  o.durability = cfg.durability;
   const std::string name = "zoe-bench-nvme";
   (void)SwapStore::remove(o, name);  // a store left by an interrupted run
   Result<SwapStore> made = SwapStore::create(o, name, cfg.n, cfg.tile);
@@ -141,7 +143,7 @@ Result<Measured> measure(const Config& cfg) {
 
 int bench_nvme(std::span<char* const> args) {
   std::string path_text, n_text = "256M", tile_text = "12M", buffers_text = "4", qd_text = "8", block_text = "1M",
-              reps_text = "3", chunk_text, grad_text = "bf16", out_text = "bf16";
+              reps_text = "3", chunk_text, grad_text = "bf16", out_text = "bf16", durability_text = "call";
   bool json = false, keep = false, help = false, no_sync = false;
   const Option options[] = {
       {"path", &path_text, nullptr, "swap folder (a comma list stripes over several); required"},
@@ -155,6 +157,9 @@ int bench_nvme(std::span<char* const> args) {
       {"grad", &grad_text, nullptr, "gradient dtype: f32, f16, bf16"},
       {"out", &out_text, nullptr, "weight-copy dtype: none, f16, bf16"},
       {"keep", nullptr, &keep, "leave the swap files in place"},
+      {"durability", &durability_text, nullptr,
+       "call (synced before each step returns), step (in the background, as OffloadOptimizer's durability step) "
+       "or checkpoint (never during the run)"},
       {"no-sync", nullptr, &no_sync, "skip fdatasync in the step and the raw pass (not crash-safe; to see its cost)"},
       {"json", nullptr, &json, "one JSON object on stdout, nothing else"},
       {"help", nullptr, &help, "this help"},
@@ -183,6 +188,16 @@ int bench_nvme(std::span<char* const> args) {
   cfg.json = json;
   cfg.keep = keep;
   cfg.durable = !no_sync;
+  if (durability_text == "call") {
+    cfg.durability = SwapDurability::each_call;
+  } else if (durability_text == "step") {
+    cfg.durability = SwapDurability::next_call;
+  } else if (durability_text == "checkpoint") {
+    cfg.durability = SwapDurability::on_flush;
+  } else {
+    std::fprintf(stderr, "zoe bench nvme: --durability %s is unknown: use call, step or checkpoint\n", durability_text.c_str());
+    return 2;
+  }
   Result<std::uint64_t> n = parse_count(n_text, "--n"), tile = parse_count(tile_text, "--tile"),
                         buffers = parse_count(buffers_text, "--buffers"), qd = parse_count(qd_text, "--queue-depth"),
                         block = parse_count(block_text, "--block-size"), reps = parse_count(reps_text, "--reps");
@@ -242,7 +257,7 @@ int bench_nvme(std::span<char* const> args) {
         .add("raw_read_s", m->raw_read.median).add("raw_write_s", m->raw_write.median)
         .add("step_read_busy_s", m->last.read_s).add("step_write_busy_s", m->last.write_s)
         .add("step_adam_s", m->last.adam_s).add("step_crc_s", m->last.crc_s).add("step_wait_s", m->last.wait_s)
-        .add("step_sync_s", m->last.sync_s).add("durable", cfg.durable);
+        .add("step_sync_s", m->last.sync_s).add("durable", cfg.durable).add("durability", durability_text);
     std::printf("%s\n", line.str().c_str());
   } else {
     std::printf("zoe bench nvme: %llu parameters, %.2f GiB of p, m, v under %s (direct I/O: %s)\n",

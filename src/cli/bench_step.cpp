@@ -118,13 +118,14 @@ Status iteration(Device& device, OffloadOptimizer& opt, std::size_t buckets, dou
 
 int bench_step(std::span<char* const> args) {
   std::string device_name = "host", schedule_text = "sync", n_text = "64M", buckets_text = "16", compute_text,
-              iters_text = "10", tier_text = "ram", path_text;
+              iters_text = "10", tier_text = "ram", path_text, durability_text = "step";
   bool json = false, help = false;
   const Option options[] = {
       {"device", &device_name, nullptr, "host (the stand-in) or cuda"},
       {"schedule", &schedule_text, nullptr, "sync, overlap or delayed"},
       {"tier", &tier_text, nullptr, "where p, m, v live: ram or nvme"},
       {"path", &path_text, nullptr, "tier nvme: swap folder(s), comma-separated"},
+      {"durability", &durability_text, nullptr, "tier nvme: step (durable in the background) or checkpoint (at save)"},
       {"n", &n_text, nullptr, "parameters (K, M, G suffixes are powers of 1024)"},
       {"buckets", &buckets_text, nullptr, "gradient buckets reported during backward"},
       {"compute-ms", &compute_text, nullptr, "device forward+backward time (default: 1.5x the CPU step measured at start)"},
@@ -149,6 +150,8 @@ int bench_step(std::span<char* const> args) {
   if (!schedule.ok()) return fail(schedule.status());
   Result<Tier> tier = parse_tier(tier_text);
   if (!tier.ok()) return fail(tier.status());
+  Result<Durability> durability = parse_durability(durability_text);
+  if (!durability.ok()) return fail(durability.status());
   Result<std::uint64_t> n = parse_count(n_text, "--n");
   Result<std::uint64_t> buckets = parse_count(buckets_text, "--buckets");
   Result<std::uint64_t> iters = parse_count(iters_text, "--iters");
@@ -183,6 +186,7 @@ int bench_step(std::span<char* const> args) {
   o.schedule = schedule.value();
   o.tier = tier.value();
   o.nvme.paths = split_list(path_text);
+  o.nvme.durability = durability.value();
   if (o.tier == Tier::nvme && o.nvme.paths.empty()) return fail(invalid_argument("--tier nvme needs --path DIR[,DIR...]"));
   o.delayed_warmup_steps = kCpuProbes;
   Result<OffloadOptimizer> opt = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs(), o);
@@ -251,6 +255,7 @@ int bench_step(std::span<char* const> args) {
   if (json) {
     JsonLine line;
     line.add("bench", "step").add("device", device_name).add("schedule", schedule_text).add("tier", tier_text).add("n", n.value())
+        .add("durability", durability_text)
         .add("buckets", buckets.value()).add("device_compute_s", compute_s).add("step_s", step_s)
         .add("device_idle_fraction", idle).add("cpu_step_s", cpu_step_s).add("cpu_adam_s", adam_s)
         .add("iters", iters.value()).add("copy_ceiling_gbps", copy_ceiling_gbps);

@@ -441,8 +441,14 @@ Status Parser::aio(const Json& section) {
 
 Status Parser::zoe_section(const Json& section) {
   const std::string p = "zoe";
-  check_keys(section, p, {"schedule", "delayed_warmup_steps", "tile", "threads", "isa", "pin_threads", "cpu_tile"});
+  check_keys(section, p, {"schedule", "delayed_warmup_steps", "tile", "threads", "isa", "pin_threads", "cpu_tile",
+                          "nvme_durability"});
   OffloadOptions& o = out_->options;
+  if (const auto it = section.find("nvme_durability"); it != section.end()) {
+    Result<Durability> d = parse_durability(it->is_string() ? it->get<std::string>() : std::string());
+    if (!d.ok()) return bad(p + ".nvme_durability", *it, "need \"step\" or \"checkpoint\"");
+    o.nvme.durability = d.value();
+  }
   if (const auto it = section.find("schedule"); it != section.end()) {
     Result<Schedule> schedule = parse_schedule(it->is_string() ? it->get<std::string>() : std::string());
     if (!schedule.ok()) return bad(p + ".schedule", *it, "need \"sync\", \"overlap\" or \"delayed\"");

@@ -71,13 +71,7 @@ class HostDevice final : public Device {
 
   Status grad_stats(const void* device, DType dtype, std::size_t n, GradStats* out, Stream stream) override {
     if (!dtype_valid(dtype)) return invalid_argument("grad_stats: invalid dtype");
-    // The CPU's best kernel, as a GPU runs its own: blockwise float sums, exact re-sums where float is not enough.
-    const simd::SumSquaresFn sum_squares = stats_table().sum_squares[simd_elem(dtype)];
-    return enqueue(stream, [=] {
-      std::uint64_t non_finite = 0;
-      out->sum_sq = sum_squares(device, n, &non_finite);
-      out->non_finite = non_finite;
-    });
+    return enqueue(stream, [=] { *out = host_grad_stats(device, dtype, n); });
   }
 
   Status simulate_compute(double seconds, Stream stream) override {
@@ -169,6 +163,15 @@ class HostDevice final : public Device {
 
 std::unique_ptr<Device> make_host_device() { return std::make_unique<HostDevice>(false); }
 std::unique_ptr<Device> make_cpu_device() { return std::make_unique<HostDevice>(true); }
+
+GradStats host_grad_stats(const void* grad, DType dtype, std::size_t n) {
+  // The CPU's best kernel, as a GPU runs its own: blockwise float sums, exact re-sums where float is not enough.
+  GradStats out;
+  std::uint64_t non_finite = 0;
+  out.sum_sq = stats_table().sum_squares[simd_elem(dtype)](grad, n, &non_finite);
+  out.non_finite = non_finite;
+  return out;
+}
 
 Status enqueue_on_host_device(Device& device, Stream stream, std::function<void()> work) {
   auto* host = dynamic_cast<HostDevice*>(&device);

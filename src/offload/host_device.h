@@ -11,4 +11,8 @@ namespace zoe {
 // collectives run this way); invalid_argument for any other device.
 Status enqueue_on_host_device(Device& device, Stream stream, std::function<void()> work);
 
+// The statistics a host stand-in's grad_stats() computes, on the calling thread: the same kernel wherever
+// the gradients are in host memory, so that every schedule reaches the same decision bit for bit.
+GradStats host_grad_stats(const void* grad, DType dtype, std::size_t n);
+
 }  // namespace zoe

@@ -1,20 +1,72 @@
-// The state behind OffloadOptimizer, shared by its schedules (optimizer.cpp) and save/load
-// (optimizer_io.cpp).
+// The state behind OffloadOptimizer and the two seams it is cut along:
+//  - StateTier: where the fp32 master weights and moments live (tier_ram.cpp, tier_nvme.cpp);
+//  - StepSchedule: how a step meets the device's forward/backward (schedule_sync.cpp, schedule_overlap.cpp,
+//    schedule_delayed.cpp).
+// Impl holds what every schedule and tier shares: the parameters cut into pieces, the device staging, the
+// gradient statistics and the step decision (optimizer_step.cpp). Partitioning is partition.cpp; save/load
+// optimizer_io.cpp.
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
-#include <mutex>
+#include <string>
 #include <vector>
 
-#include "src/aligned_buffer.h"
 #include "src/offload/loss_scaler.h"
-#include "src/offload/work_queue.h"
 #include "zoe/offload.h"
 #include "zoe/partition.h"
-#include "zoe/swap.h"
 
 namespace zoe {
+
+class CheckpointReader;
+
+// A piece: elements [begin, begin + n) of one parameter, the unit the overlap schedule copies, steps and
+// sends (OffloadOptions::tile elements). Gradient statistics are kept per piece and summed in piece order
+// by every schedule, so all of them reach the same decision.
+struct Piece {
+  std::size_t param, begin, n;
+};
+
+// The fp32 state of one piece, where a tier keeps it in RAM.
+struct PieceState {
+  float* p;
+  float* m;
+  float* v;
+};
+
+class StateTier {
+ public:
+  virtual ~StateTier() = default;
+  // The state starts as the weights the optimizer was created with (in staging, or in place on the device).
+  virtual Status initialize() = 0;
+  // One Adam step (a multi-tensor step per param group) over the pieces `which`, with the gradients of
+  // staging set `set`. A tier that does not hold pieces in RAM steps every piece at once: `which` must then
+  // be all of them.
+  virtual Status step(const std::vector<std::size_t>& which, float grad_scale, int set,
+                      const std::vector<ParamGroup>& hyper) = 0;
+  // [offset, offset + count) of the flattened p, m, v, wherever they live; a null array is skipped.
+  virtual Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v) = 0;
+  // Replaces the whole state with the checkpoint's arrays "master", "exp_avg", "exp_avg_sq", now at `step`.
+  virtual Status load(const CheckpointReader& reader, const std::string& path, std::int64_t step) = 0;
+  // Makes the state as durable as the tier can (tier nvme: fdatasync and tile table); save() calls it.
+  virtual Status flush() { return Status::success(); }
+  // Tier ram: a piece's state in RAM, which the overlap schedule steps one piece at a time and can undo.
+  virtual bool in_ram() const = 0;
+  virtual PieceState piece(const Piece&) { return {nullptr, nullptr, nullptr}; }
+  // Tier ram: array `which` (0 p, 1 m, 2 v) as one contiguous fp32 array, or null (in place, p is not).
+  virtual const float* flat(int) const { return nullptr; }
+  // The master weights of parameter i where the staging cannot hold them (f32 parameters; tier ram only).
+  virtual float* master(std::size_t) { return nullptr; }
+};
+
+class StepSchedule {
+ public:
+  virtual ~StepSchedule() = default;  // joins any work of the schedule still running
+  virtual Status grad_ready(std::size_t param) = 0;
+  virtual Status step() = 0;
+  virtual Status wait() { return Status::success(); }  // work in flight (the delayed background step)
+};
 
 struct OffloadOptimizer::Impl {
   Impl(Device& device, std::vector<ParamGroup> groups, std::vector<ParamSpec> params, const OffloadOptions& options,
@@ -33,8 +85,8 @@ struct OffloadOptimizer::Impl {
   std::int64_t step_calls = 0;
   StepStats stats_;
 
-  // ZeRO partitioning: this optimizer's `params` are this rank's pieces of the trainer's parameters, whose
-  // weights live in flat_weights and whose gradients arrive in shard_grads (device memory).
+  // ZeRO partitioning (partition.cpp): this optimizer's `params` are this rank's pieces of the trainer's
+  // parameters, whose weights live in flat_weights and whose gradients arrive in shard_grads (device memory).
   struct Partition {
     Collectives* comm = nullptr;
     std::vector<ParamSpec> user;           // the trainer's parameters
@@ -49,55 +101,29 @@ struct OffloadOptimizer::Impl {
   Status partition_reduce_grads();    // before the step: every parameter's gradient, summed into the shard
   Status partition_gather_weights();  // after it: the updated shards back into every parameter
 
-  // A piece: elements [begin, begin + n) of one parameter, the unit the overlap schedule copies, steps and
-  // sends (OffloadOptions::tile elements). Gradient statistics are kept per piece and summed in piece order
-  // by every schedule, so all of them reach the same decision.
-  struct Piece {
-    std::size_t param, begin, n;
-  };
   std::vector<Piece> pieces;
   std::vector<std::size_t> first_piece;  // pieces of parameter i: [first_piece[i], first_piece[i + 1])
 
   // Element offsets of each parameter in the flat fp32 arrays, and byte offsets in the staging.
   std::vector<std::size_t> offsets, grad_offsets, weight_offsets;
-  AlignedBuffer master, exp_avg, exp_avg_sq;  // tier ram
-  std::unique_ptr<SwapStore> store;          // tier nvme: p, m, v of the flattened parameters
-  // Overlap speculation fails only when clipping or an fp16 overflow can change the step; only then is an
-  // undo copy kept.
-  bool speculation_can_fail = false;
-  AlignedBuffer undo_master, undo_exp_avg, undo_exp_avg_sq, undo_weights;
+  std::unique_ptr<StateTier> tier;
+  // Destroyed before the tier and the staging it uses (see ~Impl).
+  std::unique_ptr<StepSchedule> schedule;
   // Device-copyable staging. Gradients: one set, two for delayed (step t reads one while iteration t+1's
   // come down into the other). Weights: the 16-bit copy the device holds.
   void* grad_staging[2] = {nullptr, nullptr};
   std::vector<GradStats> stats[2];  // per piece
   void* weight_staging = nullptr;
-  int grad_set = 0;
-
-  // This iteration: which parameters were reported, and which pieces stepped speculatively (overlap).
-  std::vector<char> reported, stepped;
-  std::atomic<bool> overflow_seen{false};
-  Status worker_status;  // the first failure inside the worker
-  std::unique_ptr<WorkQueue> worker;      // overlap: per-parameter steps during backward
-  std::unique_ptr<WorkQueue> background;  // delayed: the step running beside the next iteration
-  // delayed: the last step's weights wait to be sent (pending_h2d), the background step has finished
-  // (update_done), which parameters' weights are on their way (h2d_sent), and the compute event after which
-  // each reported parameter's weights may be overwritten (grad_done, 0: none), in report order (report_order). Guarded by h2d_mutex.
-  std::mutex h2d_mutex;
-  bool pending_h2d = false;
-  bool update_done = false;
-  std::vector<char> h2d_sent;
-  std::vector<EventId> grad_done;
-  std::vector<std::size_t> report_order;  // parameters in the order their gradients were reported
 
   // In place (a device whose memory is host memory, tier ram, not delayed): gradients are read where the
   // device keeps them, 16-bit weights written there, and an f32 parameter's device weights are its master.
   bool in_place = false;
-  // Gradient statistics cost a pass over the gradients; in place, they are taken only when clipping or loss
-  // scaling needs them (last_grad_norm is then 0).
+  // Gradient statistics cost a pass over the gradients; in place, they are taken only when clipping, loss
+  // scaling or the NaN/Inf refusal needs them (last_grad_norm is then 0).
   bool need_stats = true;
   float* master_of(std::size_t i) {
     if (in_place && params[i].dtype == DType::f32) return static_cast<float*>(params[i].device_weights);
-    return master.as<float>() + offsets[i];
+    return tier->master(i);
   }
   void* grad_of(std::size_t i, int set) {
     if (in_place) return const_cast<void*>(params[i].device_grads);
@@ -107,29 +133,25 @@ struct OffloadOptimizer::Impl {
     if (in_place) return params[i].device_weights;
     return static_cast<unsigned char*>(weight_staging) + weight_offsets[i];
   }
-  AdamTensor tensor(const Piece& k, int set);
 
   Status allocate();
   Status load_initial_weights();
-  // Gradients of parameter i down into staging `set`, with their statistics; `step_pieces` (overlap) also
-  // steps each piece speculatively once it is down.
-  Status enqueue_d2h(std::size_t i, int set, bool step_pieces);
-  Status step_piece_when_down(std::size_t piece, EventId copied);
+  // Called for each piece once its gradient copy is enqueued, with an event recorded after it.
+  using PieceDown = std::function<Status(std::size_t piece, EventId copied)>;
+  // Gradients of parameter i down into staging `set`, with their statistics; `on_piece` (overlap) steps
+  // each piece speculatively once it is down.
+  Status enqueue_d2h(std::size_t i, int set, const PieceDown& on_piece = nullptr);
+  // In place: once the compute stream has produced them, the statistics of every gradient, taken on the
+  // engine's threads (no copy to enqueue).
+  Status grad_stats_in_place(int set);
   Status enqueue_h2d(std::size_t i);
   Status enqueue_h2d(const Piece& k);
   // The compute stream (the next forward) waits for every weight sent so far; returns the event after which
   // the weight staging may be rewritten. finish_h2d() also waits for it on the host.
   Result<EventId> weights_sent();
   Status finish_h2d();
-  Status adam_pieces(const std::vector<std::size_t>& which, float grad_scale, int set,
-                     const std::vector<ParamGroup>& hyper);
-  // The whole step over every parameter: CpuAdam over RAM, or streamed through the swap store.
-  Status adam_all(float grad_scale, int set, const std::vector<ParamGroup>& hyper);
-  Status open_store();
-  // [offset, offset + count) of the flattened p (which 0), m (1) or v (2) into dst, wherever they live.
-  Status read_flat(int which, std::size_t offset, std::size_t count, float* dst);
-  void save_undo(const Piece& k);
-  void restore_undo(const Piece& k);
+  // The whole step over every parameter, timed into stats_.adam_s by the tier.
+  Status step_all(float grad_scale, int set, const std::vector<ParamGroup>& hyper);
   struct Decision {
     bool overflow;
     double grad_norm;
@@ -141,18 +163,26 @@ struct OffloadOptimizer::Impl {
   Status non_finite_error(int set) const;
   Decision decide(int set, float scale_used) const;
   void record_outcome(const Decision& d);
-
-  Status step_sync();
-  Status finish_sync_step();  // every gradient is on its way down: decide, step, send the weights up
-  Status grad_ready_overlap(std::size_t i);
-  Status step_overlap();
-  Status grad_ready_delayed(std::size_t i);
-  Status step_delayed();
-  // Joins the background step and sends what is left of its weights; returns the event the host waits
-  // for before the weight staging is written again.
-  Result<EventId> flush_delayed();
-  Status send_weights(std::size_t i);                      // with h2d_mutex held
-  Status finish_background_step(const Status& status);  // the worker, as its last act
 };
+
+using Impl = OffloadOptimizer::Impl;
+
+// The checks create() makes before allocating anything (optimizer.cpp).
+Status check_inputs(const std::vector<ParamGroup>& groups, const std::vector<ParamSpec>& params,
+                    const OffloadOptions& options);
+
+Result<std::unique_ptr<StateTier>> make_ram_tier(Impl& m);
+// Tier nvme: a swap store named `name` under options.nvme.paths, replacing one an earlier run left there.
+Result<std::unique_ptr<StateTier>> make_nvme_tier(Impl& m, const char* name);
+
+// sync (schedule_sync.cpp) also serves the other schedules' fallbacks: the delayed warm-up, overlap on tier
+// nvme, and partitioned optimizers.
+Status sync_step(Impl& m);
+Status finish_sync_step(Impl& m);  // every gradient is on its way down: decide, step, send the weights up
+// The schedule of m.options.schedule, after m.allocate().
+Result<std::unique_ptr<StepSchedule>> make_schedule(Impl& m);
+std::unique_ptr<StepSchedule> make_sync_schedule(Impl& m);
+Result<std::unique_ptr<StepSchedule>> make_overlap_schedule(Impl& m);
+std::unique_ptr<StepSchedule> make_delayed_schedule(Impl& m);
 
 }  // namespace zoe

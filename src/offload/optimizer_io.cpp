@@ -5,6 +5,7 @@
 #include <cstring>
 #include <string>
 
+#include "src/aligned_buffer.h"
 #include "src/offload/checkpoint.h"
 #include "src/offload/optimizer_impl.h"
 
@@ -40,6 +41,8 @@ bool get(const nlohmann::json& j, const char* key, T& out) {
 Status OffloadOptimizer::save(const std::string& path) {
   Impl& m = *impl_;
   if (Status s = wait(); !s.ok()) return s;
+  // Tier nvme with durability checkpoint: the swap files become durable here, and only here.
+  if (Status s = m.tier->flush(); !s.ok()) return s;
   nlohmann::json manifest;
   manifest["format"] = kFormat;
   manifest["version"] = kManifestVersion;
@@ -57,23 +60,25 @@ Status OffloadOptimizer::save(const std::string& path) {
   if (!writer.ok()) return writer.status();
   const std::size_t total = m.offsets.back();
   const char* names[3] = {"master", "exp_avg", "exp_avg_sq"};
-  const AlignedBuffer* in_ram[3] = {&m.master, &m.exp_avg, &m.exp_avg_sq};
-  // Tier nvme streams the state out of the swap store a slice at a time.
+  // An array the tier does not hold contiguously in RAM (tier nvme; in place, the master) streams out a
+  // slice at a time.
   AlignedBuffer slice;
-  const bool gathered = m.store || m.in_place;
-  if (gathered) {
-    Result<AlignedBuffer> b = AlignedBuffer::allocate(CheckpointWriter::kStreamSlice);
-    if (!b.ok()) return b.status();
-    slice = std::move(b).value();
-  }
   for (int k = 0; k < 3; ++k) {
+    const float* contiguous = m.tier->flat(k);
+    if (contiguous == nullptr && slice.data() == nullptr) {
+      Result<AlignedBuffer> b = AlignedBuffer::allocate(CheckpointWriter::kStreamSlice);
+      if (!b.ok()) return b.status();
+      slice = std::move(b).value();
+    }
     const Status s = writer->add_streamed(names[k], total * 4, [&](std::size_t offset, std::size_t n, const void** out) {
-      if (!gathered) {
-        *out = in_ram[k]->as<unsigned char>() + offset;
+      if (contiguous != nullptr) {
+        *out = reinterpret_cast<const unsigned char*>(contiguous) + offset;
         return Status::success();
       }
       *out = slice.data();
-      return m.read_flat(k, offset / 4, n / 4, slice.as<float>());
+      float* arrays[3] = {nullptr, nullptr, nullptr};
+      arrays[k] = slice.as<float>();
+      return m.tier->read(offset / 4, n / 4, arrays[0], arrays[1], arrays[2]);
     });
     if (!s.ok()) return s;
   }
@@ -159,49 +164,16 @@ Status OffloadOptimizer::load(const std::string& path) {
       !get(scale, "clean_steps", ls.clean_steps) || !get(scale, "hysteresis_left", ls.hysteresis_left)) {
     return Status(StatusCode::corrupt, "checkpoint " + path + ": step or loss-scale state is malformed");
   }
-  const std::size_t total = m.offsets.back();
-  const char* names[3] = {"master", "exp_avg", "exp_avg_sq"};
   Result<AlignedBuffer> weights = AlignedBuffer::allocate(m.weight_offsets.back());
   if (!weights.ok()) return weights.status();
   if (Status s = reader->read("weights16", weights->data(), m.weight_offsets.back()); !s.ok()) return s;
-  if (m.store) {
-    // The state does not fit in RAM: verify every blob first, then stream it into the swap store.
-    for (const char* name : names) {
-      const Status s = reader->read_streamed(name, total * 4, CheckpointWriter::kStreamSlice,
-                                             [](std::size_t, const void*, std::size_t) { return Status::success(); });
-      if (!s.ok()) return s;
-    }
-    for (int k = 0; k < 3; ++k) {
-      const Status s = reader->read_streamed(names[k], total * 4, CheckpointWriter::kStreamSlice,
-                                             [&](std::size_t offset, const void* data, std::size_t n) {
-        const float* arrays[3] = {nullptr, nullptr, nullptr};
-        arrays[k] = static_cast<const float*>(data);
-        return m.store->write(offset / 4, n / 4, arrays[0], arrays[1], arrays[2]);
-      });
-      if (!s.ok()) {
-        return Status(s.code(), s.message() + " — while loading " + path + " into the swap store, whose state is now "
-                                "partly the checkpoint's: load again, or start afresh", s.sys_errno());
-      }
-    }
-    if (Status s = m.store->set_step(step); !s.ok()) return s;
-  } else {
-    AlignedBuffer loaded[3];
-    for (int k = 0; k < 3; ++k) {
-      Result<AlignedBuffer> b = AlignedBuffer::allocate(total * 4);
-      if (!b.ok()) return b.status();
-      loaded[k] = std::move(b).value();
-      if (Status s = reader->read(names[k], loaded[k].data(), total * 4); !s.ok()) return s;
-    }
-    m.master = std::move(loaded[0]);
-    m.exp_avg = std::move(loaded[1]);
-    m.exp_avg_sq = std::move(loaded[2]);
-  }
+  if (Status s = m.tier->load(reader.value(), path, step); !s.ok()) return s;
   if (m.in_place) {
     // The device's weights are the ones to set: f32 masters and 16-bit copies alike.
     for (std::size_t i = 0; i < m.params.size(); ++i) {
       const ParamSpec& p = m.params[i];
       if (p.dtype == DType::f32) {
-        std::memcpy(p.device_weights, m.master.as<float>() + m.offsets[i], p.n * 4);
+        std::memcpy(p.device_weights, m.tier->master(i), p.n * 4);
       } else if (p.n > 0) {
         std::memcpy(p.device_weights, weights->as<unsigned char>() + m.weight_offsets[i], p.n * 2);
       }

@@ -257,6 +257,19 @@ TEST(Config, ZoeSection) {
   expect_error(R"({"zoe": {"delayed_warmup_steps": -1}})", {"zoe.delayed_warmup_steps"});
 }
 
+// zoe.nvme_durability: step (the default) or checkpoint; anything else is an error naming the key and the choices.
+TEST(Config, NvmeDurability) {
+  EXPECT_EQ(parse_ok("{}").options.nvme.durability, Durability::step);
+  EXPECT_EQ(parse_ok(R"({"zoe": {"nvme_durability": "checkpoint"}})").options.nvme.durability, Durability::checkpoint);
+  EXPECT_EQ(parse_ok(R"({"zoe": {"nvme_durability": "step"}})").options.nvme.durability, Durability::step);
+  expect_error(R"({"zoe": {"nvme_durability": "never"}})", {"zoe.nvme_durability", "never", "\"step\" or \"checkpoint\""});
+  expect_error(R"({"zoe": {"nvme_durability": true}})", {"zoe.nvme_durability"});
+  EXPECT_EQ(parse_durability("checkpoint").value(), Durability::checkpoint);
+  const Result<Durability> bad = parse_durability("always");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("use step"), std::string::npos) << bad.status().to_string();
+}
+
 TEST(Config, MalformedJson) {
   expect_error("{\"optimizer\": {", {"not valid JSON", "line"});
   expect_error("", {"not valid JSON"});

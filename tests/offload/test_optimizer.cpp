@@ -237,6 +237,39 @@ TEST(OffloadOptimizer, RefusesBadInput) {
   EXPECT_TRUE(opt->step().ok());
 }
 
+// In place the gradient statistics (the NaN/Inf refusal, the norm) run on the engine's threads rather than
+// on the device's copy stream: the same norm to the bit as the host stand-in's, for any thread count and
+// with parameters cut into many pieces, and a NaN in any piece is still refused.
+TEST(OffloadOptimizer, CpuDeviceGradStatsOnEngineThreadsEqualTheDevices) {
+  OffloadOptions o;
+  o.tile = 300;  // several pieces per parameter, some of one element
+  o.max_grad_norm = 0.05f;
+  const std::vector<std::size_t> sizes = {1000, 37, 4096, 1, 2049};
+  const GradFn grads = random_grads(1e-2);
+  Trainer staged(Schedule::sync, DType::f32, o, 0, sizes);
+  staged.run(1, 6, grads);
+  const RunResult reference = staged.result();
+  ASSERT_GT(reference.stats.last_grad_norm, 0.0);
+  for (int threads : {1, 2, 3}) {
+    SCOPED_TRACE("threads " + std::to_string(threads));
+    OffloadOptions t = o;
+    t.cpu.threads = threads;
+    Trainer in_place(Schedule::sync, DType::f32, t, 0, sizes, nullptr, 0, true);
+    in_place.run(1, 6, grads);
+    const RunResult r = in_place.result();
+    expect_bitwise_equal(reference, r);
+    EXPECT_EQ(std::memcmp(&reference.stats.last_grad_norm, &r.stats.last_grad_norm, sizeof(double)), 0);
+    auto poisoned = [&grads](DeviceParams& model, int step, float scale) {
+      grads(model, step, scale);
+      model.set(const_cast<void*>(model.specs[4].device_grads), 2048, INFINITY);  // the last piece's last element
+    };
+    const Status s = in_place.iteration(7, poisoned);
+    ASSERT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("parameter(s) 4 (1)"), std::string::npos) << s.to_string();
+    EXPECT_EQ(in_place.result().steps, r.steps);
+  }
+}
+
 // Without fp16 loss scaling a NaN/Inf gradient is bad input: the step is refused with an error naming the
 // parameter, and nothing changes — master weights, moments, device weights, step count. With
 // refuse_non_finite = false it propagates, as in torch.

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tests/offload/trainer.h"
+#include "zoe/swap.h"
 
 namespace zoe {
 namespace {
@@ -58,6 +59,35 @@ TEST_F(NvmeTier, EveryScheduleEqualsRamSyncBitwise) {
   const test::RunResult ram_delayed = test::train(Schedule::delayed, DType::bf16, o, 12, grads, 3);
   const test::RunResult nvme_delayed = test::train(Schedule::delayed, DType::bf16, nvme(o), 12, grads, 3);
   test::expect_bitwise_equal(ram_delayed, nvme_delayed);
+}
+
+// Durability changes when the swap files are synced, never the result: checkpoint gives the bits of step
+// (and of tier ram), and save() leaves the swap store durable (its manifest and table reopen at that step).
+TEST_F(NvmeTier, BothDurabilitiesGiveTheSameBitsAndSaveMakesTheStoreDurable) {
+  OffloadOptions o;
+  o.max_grad_norm = 0.1f;
+  const test::GradFn grads = test::random_grads(1e-2);
+  const test::RunResult ram = test::train(Schedule::sync, DType::bf16, o, 6, grads);
+  for (Durability durability : {Durability::step, Durability::checkpoint}) {
+    SCOPED_TRACE(std::string(durability_name(durability)));
+    OffloadOptions d = nvme(o);
+    d.nvme.durability = durability;
+    test::Trainer t(Schedule::sync, DType::bf16, d);
+    t.run(1, 6, grads);
+    test::expect_bitwise_equal(ram, t.result());
+    const std::string ckpt = (dir_ / ("save_" + std::string(durability_name(durability)))).string();
+    ASSERT_TRUE(t.opt().save(ckpt).ok());
+    // While the optimizer still holds it, the store on disk opens at the saved step (as after a crash now).
+    SwapOptions so = SwapOptions::from(d.nvme);
+    const std::size_t total = 1000 + 37 + 4096 + 1;
+    const std::size_t tile = 1024;  // the trainer's 700-element pieces, rounded up to whole 4 KiB blocks
+    Result<SwapStore> on_disk = SwapStore::open(so, "zoe-optimizer", total, tile);
+    ASSERT_TRUE(on_disk.ok()) << on_disk.status().to_string();
+    EXPECT_EQ(on_disk->tile_step(0), 6);
+    std::vector<float> p(total);
+    const Status r = on_disk->read(0, total, p.data(), nullptr, nullptr);
+    ASSERT_TRUE(r.ok()) << r.to_string();
+  }
 }
 
 TEST_F(NvmeTier, SaveLoadCrossesTiers) {

@@ -316,6 +316,41 @@ def test_nvme_tier_passes_through(tmp_path):
     assert max_diff(ram, nvme) == 0.0
 
 
+@pytest.mark.parametrize("durability", ["step", "checkpoint"])
+def test_nvme_durability_changes_no_result(tmp_path, durability):
+    """durability= reaches the engine and changes when the swap files are synced, never what is stepped;
+    a state_dict (which saves, and so makes the swap files durable) round-trips as with the default."""
+    data = batches(4)
+    ram, nvme = make_mlp(dtype=torch.bfloat16), make_mlp(dtype=torch.bfloat16)
+    train(ram, OffloadOptimizer(ram.parameters(), **HYPER), data)
+    try:
+        opt = OffloadOptimizer(nvme.parameters(), tier="nvme", nvme_path=str(tmp_path), durability=durability,
+                               **HYPER)
+    except zoe.UnsupportedError:
+        pytest.skip("this build has no NVMe tier")
+    train(nvme, opt, data)
+    assert max_diff(ram, nvme) == 0.0
+    assert opt.state_dict()["zoe"]["checkpoint"].numel() > 0
+
+
+def test_error_bad_durability():
+    model = make_mlp()
+    with pytest.raises(ValueError, match="durability = 'never' is unknown: use 'step'"):
+        OffloadOptimizer(model.parameters(), durability="never")
+    opts = zoe._zoe.EngineOptions()
+    opts.nvme_durability = "sometimes"
+    with pytest.raises(ValueError, match="durability 'sometimes' is unknown"):
+        zoe._zoe.Engine(zoe.cpu_device(), [dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                                                 adamw=True)], [], opts)
+
+
+def test_config_nvme_durability():
+    assert zoe.parse_config('{"zoe": {"nvme_durability": "checkpoint"}}')["options"]["nvme_durability"] == "checkpoint"
+    assert zoe.parse_config("{}")["options"]["nvme_durability"] == "step"
+    with pytest.raises(zoe.InvalidArgumentError, match="zoe.nvme_durability"):
+        zoe.parse_config('{"zoe": {"nvme_durability": "never"}}')
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
 def test_cuda_parity():
     data = batches(20)

@@ -1,0 +1,125 @@
+// When the swap store's writes become durable (SwapDurability in zoe/swap.h).
+//
+// The invariant every mode keeps: a slot that the table on disk names as a tile's valid copy is never
+// overwritten. A step writes each tile's other slot, so the table naming the last call's slots must be on
+// disk (after the data it names) before the next call's first write — not before the call returns. next_call
+// moves that fdatasync and table update off the call's critical path into a background task; the next call
+// issues its first reads, then settle()s before its first write. on_flush skips it until flush(), accepting
+// that a crash leaves a table whose slots later calls may have overwritten (detected by the tile checksums).
+#include <chrono>
+#include <cstdio>
+#include <future>
+
+#include "aio/swap_impl.h"
+
+namespace zoe {
+namespace {
+
+double since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+Status SwapStore::Impl::make_durable(const std::vector<TileEntry>& entries, std::uint64_t seq) const {
+  if (options.durable) {
+    for (const PathFile& f : files) {
+      if (Status s = aio::sync_file(f.fd.get(), f.data_path, options.fault_hook); !s.ok()) return s;
+    }
+  }
+  return write_table(entries, seq);
+}
+
+Status SwapStore::Impl::sync_and_persist(const std::vector<TileEntry>& before, bool wrote) {
+  const auto t0 = std::chrono::steady_clock::now();
+  Status s;
+  if (wrote && options.durable) {
+    for (const PathFile& f : files) {
+      s = aio::sync_file(f.fd.get(), f.data_path, options.fault_hook);
+      if (!s.ok()) break;
+    }
+    if (!s.ok()) {
+      // The new slots may not be on the disk: fall back to the old ones, which nothing has touched.
+      table = before;
+      s = Status(s.code(), s.message() + "; this call's tiles were rolled back to their previous step", s.sys_errno());
+    }
+  }
+  if (s.ok() && (wrote || table_dirty)) s = persist_table();
+  stats.sync_s += since(t0);
+  return s;
+}
+
+Status SwapStore::Impl::after_call(const std::vector<TileEntry>& before, bool wrote) {
+  switch (options.durability) {
+    case SwapDurability::each_call:
+      return sync_and_persist(before, wrote);
+    case SwapDurability::next_call:
+      if (!wrote) return Status::success();
+      unsynced = true;
+      // A snapshot: the next call may flip entries once settle() has returned, never before.
+      persisting_seq = table_seq + 1;
+      persisting = std::async(std::launch::async, [this, entries = table, seq = persisting_seq] {
+        return make_durable(entries, seq);
+      });
+      return Status::success();
+    case SwapDurability::on_flush:
+      if (wrote) unsynced = true;
+      return Status::success();
+  }
+  return Status::success();
+}
+
+Status SwapStore::Impl::settle() {
+  if (persisting.valid()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const Status s = persisting.get();
+    stats.sync_s += since(t0);
+    if (s.ok()) {
+      table_seq = persisting_seq;
+      unsynced = false;
+      table_dirty = false;
+      return s;
+    }
+    std::fprintf(stderr, "zoe: warning: making the last call on %s durable failed (%s); retrying before this call writes\n",
+                 name.c_str(), s.message().c_str());
+  }
+  if (!unsynced || options.durability != SwapDurability::next_call) return Status::success();
+  // Nothing has been written since the background attempt: the table is still the one it tried to persist.
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::uint64_t seq = table_seq + 1;
+  const Status s = make_durable(table, seq);
+  stats.sync_s += since(t0);
+  if (!s.ok()) {
+    return Status(s.code(), "the previous call's writes could not be made durable, so no slot may be rewritten yet "
+                            "(this call wrote nothing; call again once the cause is fixed): " + s.message(),
+                  s.sys_errno());
+  }
+  table_seq = seq;
+  unsynced = false;
+  table_dirty = false;
+  return s;
+}
+
+Status SwapStore::Impl::flush() {
+  if (Status s = settle(); !s.ok()) return s;
+  if (!unsynced && !table_dirty) return Status::success();
+  const std::uint64_t seq = table_seq + 1;
+  const Status s = make_durable(table, seq);
+  if (!s.ok()) return s;
+  table_seq = seq;
+  unsynced = false;
+  table_dirty = false;
+  return s;
+}
+
+SwapStore::Impl::~Impl() {
+  if (!persisting.valid() && !unsynced) return;
+  if (Status s = flush(); !s.ok()) {
+    std::fprintf(stderr, "zoe: warning: closing swap store %s: its last writes could not be made durable: %s\n",
+                 name.c_str(), s.message().c_str());
+  }
+}
+
+Status SwapStore::flush() { return impl_->flush(); }
+
+}  // namespace zoe

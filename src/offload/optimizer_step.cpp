@@ -1,0 +1,253 @@
+// What every schedule and tier shares: the parameters cut into pieces, the device staging, gradients down
+// with their statistics, weights up, and the step decision.
+//
+// Per parameter the host holds fp32 master weights and moments (in the tier), and in device-copyable
+// staging its gradients (as the device stores them) and its 16-bit weights (what the device holds; for f32
+// parameters the master itself is sent). Gradients come down (D2H) with their sum of squares and NaN/Inf
+// count computed on the device; the CPU Adam step runs with loss-scale unscale and clip coefficient fused;
+// weights go up (H2D). A device whose memory is host memory (the CPU) is read and written in place.
+//
+// Exactness: every schedule steps each element with the same grad_scale = coef / loss_scale (coef from
+// the global norm summed in piece order), and the kernels are element-wise, so overlap and delayed
+// give the bits sync would give for the same gradients.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "src/offload/host_device.h"
+#include "src/offload/optimizer_impl.h"
+
+namespace zoe {
+namespace {
+
+constexpr const char* kStoreName = "zoe-optimizer";
+
+std::size_t staging_bytes(const ParamSpec& p) { return p.n * dtype_size(p.dtype); }
+
+}  // namespace
+
+OffloadOptimizer::Impl::Impl(Device& d, std::vector<ParamGroup> g, std::vector<ParamSpec> p, const OffloadOptions& o,
+                             CpuAdam a)
+    : device(d), options(o), groups(std::move(g)), params(std::move(p)), adam(std::move(a)), scaler(o.loss_scale) {}
+
+OffloadOptimizer::Impl::~Impl() {
+  schedule.reset();  // joins the delayed step or the overlap worker before the buffers they use go
+  (void)device.synchronize();
+  tier.reset();
+  for (void* h : {grad_staging[0], grad_staging[1], weight_staging}) device.free_host(h);
+  if (partition) {
+    for (void* d : {partition->flat_grads, partition->flat_weights, partition->shard_grads}) device.free(d);
+  }
+}
+
+Status OffloadOptimizer::Impl::allocate() {
+  offsets.resize(params.size() + 1, 0);
+  grad_offsets.resize(params.size() + 1, 0);
+  weight_offsets.resize(params.size() + 1, 0);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    offsets[i + 1] = offsets[i] + params[i].n;
+    grad_offsets[i + 1] = grad_offsets[i] + staging_bytes(params[i]);
+    weight_offsets[i + 1] = weight_offsets[i] + (params[i].dtype == DType::f32 ? 0 : params[i].n * 2);
+  }
+  const std::size_t piece = std::max<std::size_t>(options.tile, 1);
+  first_piece.assign(params.size() + 1, 0);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    first_piece[i] = pieces.size();
+    for (std::size_t b = 0; b < params[i].n; b += piece) pieces.push_back({i, b, std::min(piece, params[i].n - b)});
+  }
+  first_piece.back() = pieces.size();
+  in_place = device.host_memory() && options.tier == Tier::ram && options.schedule != Schedule::delayed;
+  need_stats = !in_place || options.max_grad_norm > 0 || options.loss_scale.enabled || options.refuse_non_finite;
+  if (options.tier == Tier::ram) {
+    Result<std::unique_ptr<StateTier>> made = make_ram_tier(*this);
+    if (!made.ok()) return made.status();
+    tier = std::move(made).value();
+  }
+  const int grad_sets = options.schedule == Schedule::delayed ? 2 : 1;
+  for (int s = 0; s < grad_sets; ++s) {
+    Result<void*> r = device.allocate_host(in_place ? 1 : std::max<std::size_t>(grad_offsets.back(), 1));
+    if (!r.ok()) return r.status();
+    grad_staging[s] = r.value();
+    stats[s].assign(pieces.size(), GradStats{});
+  }
+  Result<void*> w = device.allocate_host(in_place ? 1 : std::max<std::size_t>(weight_offsets.back(), 1));
+  if (!w.ok()) return w.status();
+  weight_staging = w.value();
+  if (options.tier == Tier::nvme) {
+    Result<std::unique_ptr<StateTier>> made = make_nvme_tier(*this, kStoreName);
+    if (!made.ok()) return made.status();
+    tier = std::move(made).value();
+  }
+  return Status::success();
+}
+
+// The master weights start as the device weights: 16-bit values convert to fp32 exactly.
+Status OffloadOptimizer::Impl::load_initial_weights() {
+  for (std::size_t i = 0; i < params.size() && !in_place; ++i) {
+    const ParamSpec& p = params[i];
+    if (p.n == 0) continue;
+    void* dst = p.dtype == DType::f32 ? static_cast<void*>(master_of(i)) : weights_of(i);
+    if (Status s = device.copy_to_host(dst, p.device_weights, staging_bytes(p), Stream::d2h); !s.ok()) return s;
+  }
+  Result<EventId> e = device.record(Stream::d2h);
+  if (!e.ok()) return e.status();
+  if (Status s = device.synchronize(e.value()); !s.ok()) return s;
+  visible_scale = scaler.scale();
+  return tier->initialize();
+}
+
+Status OffloadOptimizer::Impl::enqueue_d2h(std::size_t i, int set, const PieceDown& on_piece) {
+  const ParamSpec& p = params[i];
+  // The copy starts only once the compute stream has produced the gradient.
+  Result<EventId> produced = device.record(Stream::compute);
+  if (!produced.ok()) return produced.status();
+  if (Status s = device.wait(Stream::d2h, produced.value()); !s.ok()) return s;
+  const std::size_t elem = dtype_size(p.dtype);
+  for (std::size_t k = first_piece[i]; k < first_piece[i + 1]; ++k) {
+    const std::size_t at = pieces[k].begin * elem, bytes = pieces[k].n * elem;
+    const void* from = static_cast<const unsigned char*>(p.device_grads) + at;
+    if (!in_place) {
+      void* to = static_cast<unsigned char*>(grad_of(i, set)) + at;
+      if (Status s = device.copy_to_host(to, from, bytes, Stream::d2h); !s.ok()) return s;
+    }
+    if (need_stats) {
+      if (Status s = device.grad_stats(from, p.dtype, pieces[k].n, &stats[set][k], Stream::d2h); !s.ok()) return s;
+    } else {
+      stats[set][k] = GradStats{};
+    }
+    if (on_piece) {
+      Result<EventId> copied = device.record(Stream::d2h);
+      if (!copied.ok()) return copied.status();
+      if (Status s = on_piece(k, copied.value()); !s.ok()) return s;
+    }
+  }
+  if (!in_place) stats_.d2h_bytes += staging_bytes(p);
+  return Status::success();
+}
+
+// The gradients are host memory already: their statistics (the NaN/Inf refusal's count, the norm) run on
+// the engine's threads at memory speed, where the device's copy stream would take them piece by piece on one
+// thread. The same kernel as the host device's grad_stats(), per piece: the decision is the same bits.
+Status OffloadOptimizer::Impl::grad_stats_in_place(int set) {
+  Result<EventId> produced = device.record(Stream::compute);
+  if (!produced.ok()) return produced.status();
+  if (Status s = device.synchronize(produced.value()); !s.ok()) return s;
+  std::vector<GradStats>& out = stats[set];
+  if (!need_stats) {
+    std::fill(out.begin(), out.end(), GradStats{});
+    return Status::success();
+  }
+  adam.parallel_for(pieces.size(), [&](std::size_t k) {
+    const Piece& piece = pieces[k];
+    const ParamSpec& p = params[piece.param];
+    out[k] = host_grad_stats(static_cast<const unsigned char*>(p.device_grads) + piece.begin * dtype_size(p.dtype),
+                             p.dtype, piece.n);
+  });
+  return Status::success();
+}
+
+Status OffloadOptimizer::Impl::enqueue_h2d(std::size_t i) {
+  const ParamSpec& p = params[i];
+  if (p.n == 0 || in_place) return Status::success();  // in place: the step wrote the device's weights
+  const void* src = p.dtype == DType::f32 ? static_cast<const void*>(master_of(i)) : weights_of(i);
+  stats_.h2d_bytes += staging_bytes(p);
+  return device.copy_to_device(p.device_weights, src, staging_bytes(p), Stream::h2d);
+}
+
+Status OffloadOptimizer::Impl::enqueue_h2d(const Piece& k) {
+  const ParamSpec& p = params[k.param];
+  if (in_place) return Status::success();
+  const std::size_t elem = dtype_size(p.dtype), at = k.begin * elem, bytes = k.n * elem;
+  const void* src = p.dtype == DType::f32 ? static_cast<const void*>(master_of(k.param) + k.begin)
+                                          : static_cast<const unsigned char*>(weights_of(k.param)) + at;
+  stats_.h2d_bytes += bytes;
+  return device.copy_to_device(static_cast<unsigned char*>(p.device_weights) + at, src, bytes, Stream::h2d);
+}
+
+Result<EventId> OffloadOptimizer::Impl::weights_sent() {
+  Result<EventId> sent = device.record(Stream::h2d);
+  if (!sent.ok()) return sent.status();
+  if (Status s = device.wait(Stream::compute, sent.value()); !s.ok()) return s;
+  return device.record(Stream::h2d);
+}
+
+Status OffloadOptimizer::Impl::finish_h2d() {
+  Result<EventId> sent = weights_sent();
+  // The host waits too: the weight staging is rewritten by the next step.
+  return sent.ok() ? device.synchronize(sent.value()) : sent.status();
+}
+
+Status OffloadOptimizer::Impl::step_all(float grad_scale, int set, const std::vector<ParamGroup>& hyper) {
+  std::vector<std::size_t> all(pieces.size());
+  for (std::size_t k = 0; k < all.size(); ++k) all[k] = k;
+  return tier->step(all, grad_scale, set, hyper);
+}
+
+// From the gradients' statistics, summed in parameter order: skip (fp16 overflow), and the grad_scale that
+// unscales and clips. Clipping follows torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6),
+// applied only when below 1.
+OffloadOptimizer::Impl::Decision OffloadOptimizer::Impl::decide(int set, float scale_used) const {
+  double sum_sq = 0;
+  std::uint64_t non_finite = 0;
+  for (const GradStats& s : stats[set]) {
+    sum_sq += s.sum_sq;
+    non_finite += s.non_finite;
+  }
+  // Partitioned: the norm is over every rank's shard, and the summed gradients are averaged.
+  double ranks = 1;
+  if (partition) {
+    double global[2] = {sum_sq, static_cast<double>(non_finite)};
+    if (Status s = partition->comm->all_reduce_host(global, 2); !s.ok()) {
+      Decision failed{true, NAN, 0.0f, s};
+      return failed;
+    }
+    sum_sq = global[0];
+    non_finite = static_cast<std::uint64_t>(global[1]);
+    ranks = partition->comm->world();
+  }
+  Decision d{};
+  d.overflow = options.loss_scale.enabled && non_finite > 0;
+  d.refused = !options.loss_scale.enabled && options.refuse_non_finite && non_finite > 0;
+  d.grad_norm = non_finite > 0 ? NAN : std::sqrt(sum_sq) / scale_used / ranks;
+  double coef = 1.0;
+  if (options.max_grad_norm > 0 && non_finite == 0) {
+    coef = std::min(1.0, static_cast<double>(options.max_grad_norm) / (d.grad_norm + 1e-6));
+  }
+  d.grad_scale = static_cast<float>(coef / (scale_used * ranks));
+  return d;
+}
+
+Status OffloadOptimizer::Impl::non_finite_error(int set) const {
+  std::string which;
+  std::uint64_t total = 0;
+  std::size_t listed = 0;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    std::uint64_t count = 0;
+    for (std::size_t k = first_piece[i]; k < first_piece[i + 1]; ++k) count += stats[set][k].non_finite;
+    if (count == 0) continue;
+    total += count;
+    if (listed++ < 5) which += (which.empty() ? "" : ", ") + std::to_string(i) + " (" + std::to_string(count) + ")";
+  }
+  if (listed > 5) which += ", ...";
+  if (total == 0) which = "on another rank";
+  return invalid_argument("step refused: NaN/Inf gradients in parameter(s) " + which +
+                          "; no state changed (fp16 loss scaling would skip such a step; refuse_non_finite = false "
+                          "lets them propagate as torch.optim does)");
+}
+
+void OffloadOptimizer::Impl::record_outcome(const Decision& d) {
+  stats_.last_grad_norm = d.grad_norm;
+  last_skipped = d.overflow;
+  if (d.overflow) {
+    ++stats_.skipped;
+  } else {
+    ++step_count;
+    ++stats_.steps;
+  }
+  scaler.update(d.overflow);
+}
+
+}  // namespace zoe

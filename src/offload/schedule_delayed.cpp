@@ -1,0 +1,161 @@
+// delayed (ZeRO-Offload's delayed parameter update): after delayed_warmup_steps sync steps, step() starts
+// the step in the background and returns; the next iteration runs on the device with weights one step old
+// while the CPU steps. The new weights go up parameter by parameter during that next iteration's backward:
+// once a parameter's gradient is final, the device reads its weights no more in that iteration, so its H2D
+// may overwrite them while backward goes on. The trainer usually runs ahead of the device, so whichever
+// comes second — the gradient's report or the end of the background step — sends the weights; step() sends
+// what is left.
+#include <algorithm>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "src/offload/optimizer_impl.h"
+#include "src/offload/work_queue.h"
+
+namespace zoe {
+namespace {
+
+class DelayedSchedule final : public StepSchedule {
+ public:
+  explicit DelayedSchedule(Impl& m)
+      : m_(m), reported_(m.params.size(), 0), h2d_sent_(m.params.size(), 0), grad_done_(m.params.size(), 0) {}
+  ~DelayedSchedule() override { background_.reset(); }  // joins the step before the members it uses go
+
+  Status grad_ready(std::size_t i) override {
+    if (warming_up()) return Status::success();  // the sync warm-up takes every gradient at step()
+    if (reported_[i]) return invalid_argument("parameter " + std::to_string(i) + " was reported ready twice in one iteration");
+    reported_[i] = 1;
+    if (Status s = m_.enqueue_d2h(i, grad_set_); !s.ok()) return s;
+    // Marks the work that produced gradient i: the last to read weights i in this iteration.
+    Result<EventId> produced = m_.device.record(Stream::compute);
+    if (!produced.ok()) return produced.status();
+    std::lock_guard lock(h2d_mutex_);
+    grad_done_[i] = produced.value();
+    report_order_.push_back(i);
+    if (!update_done_) return Status::success();
+    return send_weights(i);
+  }
+
+  Status step() override;
+
+  Status wait() override {
+    Result<EventId> sent = flush();
+    if (!sent.ok()) return sent.status();
+    return m_.device.synchronize(sent.value());
+  }
+
+ private:
+  bool warming_up() const { return m_.step_calls < m_.options.delayed_warmup_steps; }
+  Status send_weights(std::size_t i);                      // with h2d_mutex_ held
+  Status finish_background_step(const Status& status);  // the background step, as its last act
+  // Joins the background step and sends what is left of its weights; returns the event the host waits
+  // for before the weight staging is written again.
+  Result<EventId> flush();
+
+  Impl& m_;
+  int grad_set_ = 0;
+  std::vector<char> reported_;
+  Status worker_status_;  // the background step's failure
+  // The last step's weights wait to be sent (pending_h2d_), the background step has finished
+  // (update_done_), which parameters' weights are on their way (h2d_sent_), and the compute event after
+  // which each reported parameter's weights may be overwritten (grad_done_, 0: none), in report order
+  // (report_order_). Guarded by h2d_mutex_.
+  std::mutex h2d_mutex_;
+  bool pending_h2d_ = false;
+  bool update_done_ = false;
+  std::vector<char> h2d_sent_;
+  std::vector<EventId> grad_done_;
+  std::vector<std::size_t> report_order_;
+  std::unique_ptr<WorkQueue> background_ = std::make_unique<WorkQueue>();
+};
+
+Status DelayedSchedule::send_weights(std::size_t i) {
+  if (h2d_sent_[i] || grad_done_[i] == 0) return Status::success();
+  const EventId after = std::exchange(grad_done_[i], 0);
+  if (Status s = m_.device.wait(Stream::h2d, after); !s.ok()) return s;
+  h2d_sent_[i] = 1;
+  return pending_h2d_ ? m_.enqueue_h2d(i) : Status::success();
+}
+
+Status DelayedSchedule::finish_background_step(const Status& status) {
+  std::lock_guard lock(h2d_mutex_);
+  update_done_ = true;
+  Status result = status;
+  // In the order the gradients were reported: the device's stream runs in order, and a copy waiting for a
+  // late gradient must not hold up those whose gradients came earlier.
+  for (std::size_t k = 0; k < report_order_.size() && result.ok(); ++k) result = send_weights(report_order_[k]);
+  return result;
+}
+
+Result<EventId> DelayedSchedule::flush() {
+  background_->drain();
+  std::lock_guard lock(h2d_mutex_);
+  Status status = std::exchange(worker_status_, Status::success());
+  // Every parameter not reported this iteration: after all the compute enqueued so far.
+  Result<EventId> computed = m_.device.record(Stream::compute);
+  if (!computed.ok()) return computed.status();
+  if (Status s = m_.device.wait(Stream::h2d, computed.value()); !s.ok()) return s;
+  for (std::size_t i = 0; i < m_.params.size(); ++i) {
+    if (h2d_sent_[i]) continue;
+    if (grad_done_[i] != 0) {
+      if (Status s = m_.device.wait(Stream::h2d, std::exchange(grad_done_[i], 0)); !s.ok()) return s;
+    }
+    if (pending_h2d_ && status.ok()) {
+      if (Status s = m_.enqueue_h2d(i); !s.ok()) return s;
+    }
+  }
+  pending_h2d_ = false;
+  update_done_ = false;
+  std::fill(h2d_sent_.begin(), h2d_sent_.end(), 0);
+  report_order_.clear();
+  // The background step failed or was refused: nothing of it reached the state or the device.
+  if (!status.ok()) return Status(status.code(), "the previous step (delayed schedule): " + status.message(), status.sys_errno());
+  m_.visible_scale = m_.scaler.scale();
+  // The caller waits for the returned event before the weight staging is written again.
+  return m_.weights_sent();
+}
+
+Status DelayedSchedule::step() {
+  if (warming_up()) return sync_step(m_);
+  const int set = grad_set_;
+  for (std::size_t i = 0; i < m_.params.size(); ++i) {
+    if (!reported_[i]) {
+      if (Status s = grad_ready(i); !s.ok()) return s;
+    }
+  }
+  std::fill(reported_.begin(), reported_.end(), 0);
+  const float scale_used = m_.visible_scale;  // what this iteration's loss was scaled by
+  Result<EventId> sent = flush();
+  if (!sent.ok()) return sent.status();
+  Result<EventId> copied = m_.device.record(Stream::d2h);
+  Result<EventId> copied_compute = m_.device.record(Stream::d2h);
+  if (!copied.ok()) return copied.status();
+  if (!copied_compute.ok()) return copied_compute.status();
+  // The next backward must not overwrite the gradients before they are down.
+  if (Status s = m_.device.wait(Stream::compute, copied_compute.value()); !s.ok()) return s;
+  grad_set_ ^= 1;
+  background_->enqueue([this, set, scale_used, copied = copied.value(), sent = sent.value(), hyper = m_.groups] {
+    Status s = m_.device.synchronize(copied);
+    // The weight staging is still being sent up until `sent` completes.
+    if (Status t = m_.device.synchronize(sent); s.ok()) s = t;
+    if (s.ok()) {
+      const Impl::Decision d = m_.decide(set, scale_used);
+      if (d.refused) s = m_.non_finite_error(set);
+      if (s.ok() && !d.overflow) {
+        s = m_.step_all(d.grad_scale, set, hyper);
+        if (s.ok()) pending_h2d_ = true;
+      }
+      if (s.ok()) m_.record_outcome(d);
+    }
+    s = finish_background_step(s);
+    if (!s.ok()) worker_status_ = s;
+  });
+  return Status::success();
+}
+
+}  // namespace
+
+std::unique_ptr<StepSchedule> make_delayed_schedule(Impl& m) { return std::make_unique<DelayedSchedule>(m); }
+
+}  // namespace zoe

@@ -1,0 +1,164 @@
+// overlap: each reported parameter comes down piece by piece, and each piece is stepped speculatively — as
+// if no clipping and no overflow — and sent up as soon as it is down, while backward goes on; pieces keep the
+// work left after the last gradient short. step() validates: an overflow (or a refused NaN/Inf) undoes every
+// speculative step and resends the old weights; a clip coefficient below 1 undoes and redoes them with it.
+// Tier nvme does not speculate: its steps are not undone (the gradients come down during backward, and the
+// step runs once they are all down).
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "src/aligned_buffer.h"
+#include "src/offload/optimizer_impl.h"
+#include "src/offload/work_queue.h"
+
+namespace zoe {
+namespace {
+
+class OverlapSchedule final : public StepSchedule {
+ public:
+  explicit OverlapSchedule(Impl& m) : m_(m) {}
+
+  Status allocate() {
+    const OffloadOptions& o = m_.options;
+    reported_.assign(m_.params.size(), 0);
+    stepped_.assign(m_.pieces.size(), 0);
+    // Speculation fails only when clipping, an fp16 overflow or a refused NaN/Inf changes the step: only
+    // then is an undo copy kept.
+    speculation_can_fail_ = m_.tier->in_ram() && (o.max_grad_norm > 0 || o.loss_scale.enabled || o.refuse_non_finite);
+    if (!speculation_can_fail_) return Status::success();
+    for (AlignedBuffer* b : {&undo_master_, &undo_exp_avg_, &undo_exp_avg_sq_}) {
+      Result<AlignedBuffer> r = AlignedBuffer::allocate(m_.offsets.back() * 4);
+      if (!r.ok()) return r.status();
+      *b = std::move(r).value();
+    }
+    Result<AlignedBuffer> r = AlignedBuffer::allocate(m_.weight_offsets.back());
+    if (!r.ok()) return r.status();
+    undo_weights_ = std::move(r).value();
+    return Status::success();
+  }
+
+  ~OverlapSchedule() override { worker_.reset(); }  // its closures use this schedule's members
+
+  Status grad_ready(std::size_t i) override {
+    if (reported_[i]) return invalid_argument("parameter " + std::to_string(i) + " was reported ready twice in one iteration");
+    reported_[i] = 1;
+    if (!m_.tier->in_ram()) return m_.enqueue_d2h(i, 0);
+    return m_.enqueue_d2h(i, 0, [this](std::size_t k, EventId copied) { return step_piece_when_down(k, copied); });
+  }
+
+  Status step() override;
+
+ private:
+  Status step_piece_when_down(std::size_t k, EventId copied);
+  void save_undo(const Piece& k);
+  void restore_undo(const Piece& k);
+
+  Impl& m_;
+  bool speculation_can_fail_ = false;
+  AlignedBuffer undo_master_, undo_exp_avg_, undo_exp_avg_sq_, undo_weights_;
+  // This iteration: which parameters were reported, and which pieces stepped speculatively.
+  std::vector<char> reported_, stepped_;
+  std::atomic<bool> overflow_seen_{false};
+  Status worker_status_;  // the first failure inside the worker
+  std::unique_ptr<WorkQueue> worker_ = std::make_unique<WorkQueue>();  // per-piece steps during backward
+};
+
+Status OverlapSchedule::step_piece_when_down(std::size_t k, EventId copied) {
+  const float speculative_scale = static_cast<float>(1.0 / m_.visible_scale);
+  worker_->enqueue([this, k, copied, speculative_scale] {
+    if (!worker_status_.ok()) return;
+    if (Status s = m_.device.synchronize(copied); !s.ok()) {
+      worker_status_ = s;
+      return;
+    }
+    const OffloadOptions& o = m_.options;
+    if ((o.loss_scale.enabled || o.refuse_non_finite) && m_.stats[0][k].non_finite > 0) overflow_seen_ = true;
+    if (overflow_seen_) return;  // this step will be skipped: stepping more would only be undone
+    if (speculation_can_fail_) save_undo(m_.pieces[k]);
+    if (Status s = m_.tier->step({k}, speculative_scale, 0, m_.groups); !s.ok()) {
+      worker_status_ = s;
+      return;
+    }
+    stepped_[k] = 1;
+    if (Status s = m_.enqueue_h2d(m_.pieces[k]); !s.ok()) worker_status_ = s;
+  });
+  return Status::success();
+}
+
+Status OverlapSchedule::step() {
+  for (std::size_t i = 0; i < m_.params.size(); ++i) {
+    if (!reported_[i]) {
+      if (Status s = grad_ready(i); !s.ok()) return s;
+    }
+  }
+  if (!m_.tier->in_ram()) {
+    std::fill(reported_.begin(), reported_.end(), 0);
+    return finish_sync_step(m_);
+  }
+  worker_->drain();
+  if (!worker_status_.ok()) return std::exchange(worker_status_, Status::success());
+  const Impl::Decision d = m_.decide(0, m_.visible_scale);
+  const float speculative_scale = static_cast<float>(1.0 / m_.visible_scale);
+  const bool skip = d.overflow || d.refused;
+  const bool wrong = skip || d.grad_scale != speculative_scale;
+  std::vector<std::size_t> redo;
+  for (std::size_t k = 0; k < m_.pieces.size(); ++k) {
+    if (stepped_[k] && wrong) {
+      restore_undo(m_.pieces[k]);
+      if (skip) {
+        if (Status s = m_.enqueue_h2d(m_.pieces[k]); !s.ok()) return s;  // the device gets its old weights back
+      }
+    }
+    if (!skip && (!stepped_[k] || wrong)) redo.push_back(k);
+  }
+  if (!redo.empty()) {
+    ++m_.stats_.redone;
+    if (Status s = m_.tier->step(redo, d.grad_scale, 0, m_.groups); !s.ok()) return s;
+    for (std::size_t k : redo) {
+      if (Status s = m_.enqueue_h2d(m_.pieces[k]); !s.ok()) return s;
+    }
+  }
+  if (Status s = m_.finish_h2d(); !s.ok()) return s;
+  std::fill(reported_.begin(), reported_.end(), 0);
+  std::fill(stepped_.begin(), stepped_.end(), 0);
+  overflow_seen_ = false;
+  if (d.refused) return m_.non_finite_error(0);
+  m_.record_outcome(d);
+  m_.visible_scale = m_.scaler.scale();
+  return Status::success();
+}
+
+void OverlapSchedule::save_undo(const Piece& k) {
+  const std::size_t off = m_.offsets[k.param] + k.begin, w = m_.weight_offsets[k.param] + k.begin * 2;
+  const PieceState st = m_.tier->piece(k);
+  std::memcpy(undo_master_.as<float>() + off, st.p, k.n * 4);
+  std::memcpy(undo_exp_avg_.as<float>() + off, st.m, k.n * 4);
+  std::memcpy(undo_exp_avg_sq_.as<float>() + off, st.v, k.n * 4);
+  if (m_.params[k.param].dtype != DType::f32) {
+    std::memcpy(undo_weights_.as<unsigned char>() + w, static_cast<unsigned char*>(m_.weights_of(k.param)) + k.begin * 2, k.n * 2);
+  }
+}
+
+void OverlapSchedule::restore_undo(const Piece& k) {
+  const std::size_t off = m_.offsets[k.param] + k.begin, w = m_.weight_offsets[k.param] + k.begin * 2;
+  const PieceState st = m_.tier->piece(k);
+  std::memcpy(st.p, undo_master_.as<float>() + off, k.n * 4);
+  std::memcpy(st.m, undo_exp_avg_.as<float>() + off, k.n * 4);
+  std::memcpy(st.v, undo_exp_avg_sq_.as<float>() + off, k.n * 4);
+  if (m_.params[k.param].dtype != DType::f32) {
+    std::memcpy(static_cast<unsigned char*>(m_.weights_of(k.param)) + k.begin * 2, undo_weights_.as<unsigned char>() + w, k.n * 2);
+  }
+}
+
+}  // namespace
+
+Result<std::unique_ptr<StepSchedule>> make_overlap_schedule(Impl& m) {
+  auto schedule = std::make_unique<OverlapSchedule>(m);
+  if (Status s = schedule->allocate(); !s.ok()) return s;
+  return std::unique_ptr<StepSchedule>(std::move(schedule));
+}
+
+}  // namespace zoe

@@ -1,0 +1,54 @@
+// sync: after backward, every gradient down, then the decision, then the step, then every weight up. The
+// reference the other schedules are tested against, and the fallback they share (the delayed warm-up,
+// overlap on tier nvme, partitioned optimizers).
+#include "src/offload/optimizer_impl.h"
+
+namespace zoe {
+
+Status sync_step(Impl& m) {
+  if (m.in_place) {
+    if (Status s = m.grad_stats_in_place(0); !s.ok()) return s;
+    return finish_sync_step(m);
+  }
+  for (std::size_t i = 0; i < m.params.size(); ++i) {
+    if (Status s = m.enqueue_d2h(i, 0); !s.ok()) return s;
+  }
+  return finish_sync_step(m);
+}
+
+Status finish_sync_step(Impl& m) {
+  Result<EventId> copied = m.device.record(Stream::d2h);
+  if (!copied.ok()) return copied.status();
+  if (Status s = m.device.synchronize(copied.value()); !s.ok()) return s;
+  const Impl::Decision d = m.decide(0, m.visible_scale);
+  if (!d.error.ok()) return d.error;
+  if (d.refused) return m.non_finite_error(0);
+  if (!d.overflow) {
+    if (Status s = m.step_all(d.grad_scale, 0, m.groups); !s.ok()) return s;
+    for (std::size_t i = 0; i < m.params.size(); ++i) {
+      if (Status s = m.enqueue_h2d(i); !s.ok()) return s;
+    }
+    if (Status s = m.finish_h2d(); !s.ok()) return s;
+  }
+  m.record_outcome(d);
+  m.visible_scale = m.scaler.scale();
+  return Status::success();
+}
+
+namespace {
+
+class SyncSchedule final : public StepSchedule {
+ public:
+  explicit SyncSchedule(Impl& m) : m_(m) {}
+  Status grad_ready(std::size_t) override { return Status::success(); }  // every gradient is taken at step()
+  Status step() override { return sync_step(m_); }
+
+ private:
+  Impl& m_;
+};
+
+}  // namespace
+
+std::unique_ptr<StepSchedule> make_sync_schedule(Impl& m) { return std::make_unique<SyncSchedule>(m); }
+
+}  // namespace zoe

@@ -1,0 +1,136 @@
+// Tier ram: the fp32 master weights and moments of the flattened parameters in three host arrays.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <vector>
+
+#include "src/aligned_buffer.h"
+#include "src/offload/checkpoint.h"
+#include "src/offload/optimizer_impl.h"
+
+namespace zoe {
+namespace {
+
+class RamTier final : public StateTier {
+ public:
+  explicit RamTier(Impl& m) : m_(m) {}
+
+  Status allocate() {
+    const std::size_t total = m_.offsets.back();
+    for (AlignedBuffer* b : {&master_, &exp_avg_, &exp_avg_sq_}) {
+      Result<AlignedBuffer> r = AlignedBuffer::allocate(total * 4);
+      if (!r.ok()) return r.status();
+      *b = std::move(r).value();
+      // In place, f32 parameters keep their master on the device: their part of `master` is never touched
+      // (glibc maps large allocations lazily, so untouched pages cost no memory); the rest is written at start-up.
+      if (total > 0 && !(m_.in_place && b == &master_)) std::memset(b->data(), 0, total * 4);
+    }
+    return Status::success();
+  }
+
+  Status initialize() override {
+    for (std::size_t i = 0; i < m_.params.size(); ++i) {
+      const ParamSpec& p = m_.params[i];
+      if (p.dtype == DType::f32) continue;
+      const auto* w = static_cast<const std::uint16_t*>(m_.weights_of(i));
+      float* dst = m_.master_of(i);
+      for (std::size_t k = 0; k < p.n; ++k) dst[k] = p.dtype == DType::f16 ? f16_to_float(w[k]) : bf16_to_float(w[k]);
+    }
+    return Status::success();
+  }
+
+  // One CpuAdam call per param group over the given pieces (a multi-tensor step).
+  Status step(const std::vector<std::size_t>& which, float grad_scale, int set,
+              const std::vector<ParamGroup>& hyper) override {
+    const auto start = std::chrono::steady_clock::now();
+    StepOptions o;
+    o.step = m_.step_count.load() + 1;
+    o.grad_scale = grad_scale;
+    for (std::size_t g = 0; g < hyper.size(); ++g) {
+      std::vector<AdamTensor> tensors;
+      for (std::size_t k : which) {
+        if (static_cast<std::size_t>(m_.params[m_.pieces[k].param].group) == g) tensors.push_back(tensor(m_.pieces[k], set));
+      }
+      if (tensors.empty()) continue;
+      if (Status s = m_.adam.step(hyper[g].hyper, o, tensors); !s.ok()) return s;
+    }
+    m_.stats_.adam_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return Status::success();
+  }
+
+  Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v) override {
+    if (m != nullptr) std::memcpy(m, exp_avg_.as<float>() + offset, count * 4);
+    if (v != nullptr) std::memcpy(v, exp_avg_sq_.as<float>() + offset, count * 4);
+    if (p == nullptr || count == 0) return Status::success();
+    // The master, parameter by parameter: in place, an f32 parameter's is on the device.
+    const std::vector<std::size_t>& offsets = m_.offsets;
+    std::size_t i = static_cast<std::size_t>(std::upper_bound(offsets.begin(), offsets.end(), offset) - offsets.begin()) - 1;
+    for (std::size_t done = 0; done < count; ++i) {
+      const std::size_t at = offset + done - offsets[i], n = std::min(count - done, m_.params[i].n - at);
+      std::memcpy(p + done, m_.master_of(i) + at, n * 4);
+      done += n;
+    }
+    return Status::success();
+  }
+
+  // Read whole into new arrays first: a corrupt checkpoint leaves the state as it was.
+  Status load(const CheckpointReader& reader, const std::string&, std::int64_t) override {
+    const std::size_t total = m_.offsets.back();
+    const char* names[3] = {"master", "exp_avg", "exp_avg_sq"};
+    AlignedBuffer loaded[3];
+    for (int k = 0; k < 3; ++k) {
+      Result<AlignedBuffer> b = AlignedBuffer::allocate(total * 4);
+      if (!b.ok()) return b.status();
+      loaded[k] = std::move(b).value();
+      if (Status s = reader.read(names[k], loaded[k].data(), total * 4); !s.ok()) return s;
+    }
+    master_ = std::move(loaded[0]);
+    exp_avg_ = std::move(loaded[1]);
+    exp_avg_sq_ = std::move(loaded[2]);
+    return Status::success();
+  }
+
+  bool in_ram() const override { return true; }
+
+  PieceState piece(const Piece& k) override {
+    const std::size_t off = m_.offsets[k.param] + k.begin;
+    return {m_.master_of(k.param) + k.begin, exp_avg_.as<float>() + off, exp_avg_sq_.as<float>() + off};
+  }
+
+  const float* flat(int which) const override {
+    if (which == 0) return m_.in_place ? nullptr : master_.as<float>();
+    return (which == 1 ? exp_avg_ : exp_avg_sq_).as<float>();
+  }
+
+  float* master(std::size_t i) override { return master_.as<float>() + m_.offsets[i]; }
+
+ private:
+  AdamTensor tensor(const Piece& k, int set) {
+    const ParamSpec& p = m_.params[k.param];
+    const std::size_t elem = dtype_size(p.dtype);
+    const PieceState st = piece(k);
+    AdamTensor t;
+    t.param = st.p;
+    t.exp_avg = st.m;
+    t.exp_avg_sq = st.v;
+    t.grad = static_cast<unsigned char*>(m_.grad_of(k.param, set)) + k.begin * elem;
+    t.grad_dtype = p.dtype;
+    t.out = p.dtype == DType::f32 ? nullptr : static_cast<unsigned char*>(m_.weights_of(k.param)) + k.begin * 2;
+    t.out_dtype = p.dtype == DType::f32 ? DType::bf16 : p.dtype;
+    t.n = k.n;
+    return t;
+  }
+
+  Impl& m_;
+  AlignedBuffer master_, exp_avg_, exp_avg_sq_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<StateTier>> make_ram_tier(Impl& m) {
+  auto tier = std::make_unique<RamTier>(m);
+  if (Status s = tier->allocate(); !s.ok()) return s;
+  return std::unique_ptr<StateTier>(std::move(tier));
+}
+
+}  // namespace zoe
