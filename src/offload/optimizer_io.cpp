@@ -2,8 +2,12 @@
 // checksummed), described by a manifest that load compares with this optimizer before touching anything.
 #include <nlohmann/json.hpp>
 
+#include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
+#include <type_traits>
 
 #include "src/aligned_buffer.h"
 #include "src/offload/checkpoint.h"
@@ -20,19 +24,49 @@ nlohmann::json hyper_json(const AdamHyper& h) {
           {"adamw", h.adamw}, {"bias_correction", h.bias_correction}};
 }
 
-// Reads `key` of object `j` into `out` if present with the right type; false otherwise.
+// A member of `j` by reference, or null when `j` is not an object or lacks it. Not json::value(), which
+// returns a copy, made recursively: a deeply nested member of a damaged manifest overflowed the stack.
+const nlohmann::json& member(const nlohmann::json& j, const char* key) {
+  static const nlohmann::json kNone;
+  if (!j.is_object()) return kNone;
+  const auto it = j.find(key);
+  return it == j.end() ? kNone : *it;
+}
+
+// Reads `key` of object `j` into `out` if present with the right type and in range; false otherwise. The
+// writer stores integers as JSON integers; a float, or a value out of range, would be converted with
+// undefined behaviour, so it is refused.
 template <typename T>
 bool get(const nlohmann::json& j, const char* key, T& out) {
-  const auto it = j.find(key);
-  if (it == j.end()) return false;
+  const nlohmann::json& v = member(j, key);
   if constexpr (std::is_same_v<T, bool>) {
-    if (!it->is_boolean()) return false;
+    if (!v.is_boolean()) return false;
+    out = v.get<bool>();
   } else if constexpr (std::is_same_v<T, std::string>) {
-    if (!it->is_string()) return false;
+    if (!v.is_string()) return false;
+    out = v.get<std::string>();
+  } else if constexpr (std::is_integral_v<T>) {
+    using Limits = std::numeric_limits<T>;
+    if (v.is_number_unsigned()) {
+      const auto u = v.get<std::uint64_t>();
+      if (u > static_cast<std::uint64_t>(Limits::max())) return false;
+      out = static_cast<T>(u);
+    } else if (v.is_number_integer()) {
+      const auto i = v.get<std::int64_t>();
+      if (i < static_cast<std::int64_t>(Limits::min()) ||
+          (i > 0 && static_cast<std::uint64_t>(i) > static_cast<std::uint64_t>(Limits::max()))) {
+        return false;
+      }
+      out = static_cast<T>(i);
+    } else {
+      return false;
+    }
   } else {
-    if (!it->is_number()) return false;
+    if (!v.is_number()) return false;
+    const double d = v.get<double>();
+    if (!std::isfinite(d) || std::fabs(d) > static_cast<double>(std::numeric_limits<T>::max())) return false;
+    out = static_cast<T>(d);
   }
-  out = it->get<T>();
   return true;
 }
 
@@ -117,15 +151,18 @@ Status OffloadOptimizer::load(const std::string& path) {
                                                "; this build reads up to " + std::to_string(kManifestVersion));
   }
   int rank = -1, world = -1;
-  const auto& partition = manifest.value("partition", nlohmann::json::object());
+  const nlohmann::json& partition = member(manifest, "partition");
   const int my_rank = m.partition ? m.partition->comm->rank() : 0;
   const int my_world = m.partition ? m.partition->comm->world() : 1;
   if (!get(partition, "rank", rank) || !get(partition, "world", world) || rank != my_rank || world != my_world) {
     return refuse("it was written by rank " + std::to_string(rank) + " of " + std::to_string(world) +
                   "; this optimizer is rank " + std::to_string(my_rank) + " of " + std::to_string(my_world));
   }
-  const auto& params = manifest.value("params", nlohmann::json::array());
-  const auto& groups = manifest.value("groups", nlohmann::json::array());
+  const nlohmann::json& params = member(manifest, "params");
+  const nlohmann::json& groups = member(manifest, "groups");
+  if (!params.is_array() || !groups.is_array()) {
+    return Status(StatusCode::corrupt, "checkpoint " + path + ": its manifest lacks the params or groups list");
+  }
   if (params.size() != m.params.size()) {
     return refuse("it holds " + std::to_string(params.size()) + " parameters, this optimizer " +
                   std::to_string(m.params.size()));
@@ -156,12 +193,16 @@ Status OffloadOptimizer::load(const std::string& path) {
         !get(groups[g], "adamw", h.adamw) || !get(groups[g], "bias_correction", h.bias_correction)) {
       return Status(StatusCode::corrupt, "checkpoint " + path + ": param group " + std::to_string(g) + " is malformed");
     }
+    if (Status s = CpuAdam::validate(h); !s.ok()) {
+      return Status(StatusCode::corrupt, "checkpoint " + path + ": param group " + std::to_string(g) + ": " + s.message());
+    }
   }
   std::int64_t step = 0;
   LossScaler::State ls{};
-  const auto& scale = manifest.value("loss_scale", nlohmann::json::object());
-  if (!get(manifest, "step", step) || step < 0 || !get(scale, "scale", ls.scale) ||
-      !get(scale, "clean_steps", ls.clean_steps) || !get(scale, "hysteresis_left", ls.hysteresis_left)) {
+  const nlohmann::json& scale = member(manifest, "loss_scale");
+  if (!get(manifest, "step", step) || step < 0 || !get(scale, "scale", ls.scale) || !(ls.scale > 0) ||
+      !get(scale, "clean_steps", ls.clean_steps) || ls.clean_steps < 0 ||
+      !get(scale, "hysteresis_left", ls.hysteresis_left) || ls.hysteresis_left < 1) {
     return Status(StatusCode::corrupt, "checkpoint " + path + ": step or loss-scale state is malformed");
   }
   Result<AlignedBuffer> weights = AlignedBuffer::allocate(m.weight_offsets.back());

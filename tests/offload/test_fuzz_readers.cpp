@@ -246,16 +246,6 @@ TEST(FuzzReaders, CheckpointContainer) {
 // ---- the optimizer's manifest, through OffloadOptimizer::load ----
 
 TEST(FuzzReaders, OptimizerCheckpointManifest) {
-  // OffloadOptimizer::load (src/offload/optimizer_io.cpp) fails this run today: json::value() copies a
-  // deeply nested member recursively (stack overflow), numbers are converted to integers unchecked
-  // (float-cast-overflow: undefined behaviour), a "params" object of the right size makes operator[] throw
-  // out of load(), and hyper-parameters or a loss scale the step cannot use are accepted. The fix is in
-  // issue 10's sanitizer report; until it is in, this run is opt-in.
-  if (std::getenv("ZOE_FUZZ_OPTIMIZER_MANIFEST") == nullptr) {
-    GTEST_SKIP() << "known findings in OffloadOptimizer::load, fix pending (stack overflow on deep nesting, "
-                    "float-to-integer overflow, escaping type_error, unchecked hyper-parameters): "
-                    "ZOE_FUZZ_OPTIMIZER_MANIFEST=1 runs it";
-  }
   TempFolder dir;
   ASSERT_FALSE(dir.path().empty());
   const std::string saved = dir.path() + "/saved.zoeckpt";
