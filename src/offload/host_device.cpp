@@ -173,6 +173,13 @@ GradStats host_grad_stats(const void* grad, DType dtype, std::size_t n) {
   return out;
 }
 
+GradStats host_non_finite(const void* grad, DType dtype, std::size_t n) {
+  GradStats out;
+  std::size_t first = 0;
+  out.non_finite = stats_table().count_non_finite[simd_elem(dtype)](grad, n, &first);
+  return out;
+}
+
 Status enqueue_on_host_device(Device& device, Stream stream, std::function<void()> work) {
   auto* host = dynamic_cast<HostDevice*>(&device);
   if (host == nullptr) return invalid_argument("device " + device.name() + " is not a host stand-in");

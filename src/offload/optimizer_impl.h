@@ -119,8 +119,10 @@ struct OffloadOptimizer::Impl {
   // device keeps them, 16-bit weights written there, and an f32 parameter's device weights are its master.
   bool in_place = false;
   // Gradient statistics cost a pass over the gradients; in place, they are taken only when clipping, loss
-  // scaling or the NaN/Inf refusal needs them (last_grad_norm is then 0).
+  // scaling or the NaN/Inf refusal needs them.
   bool need_stats = true;
+  // In place, the norm only when clipping or loss scaling uses it; the refusal alone needs just the count.
+  bool need_norm = true;
   float* master_of(std::size_t i) {
     if (in_place && params[i].dtype == DType::f32) return static_cast<float*>(params[i].device_weights);
     return tier->master(i);

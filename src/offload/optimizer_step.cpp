@@ -60,7 +60,8 @@ Status OffloadOptimizer::Impl::allocate() {
   }
   first_piece.back() = pieces.size();
   in_place = device.host_memory() && options.tier == Tier::ram && options.schedule != Schedule::delayed;
-  need_stats = !in_place || options.max_grad_norm > 0 || options.loss_scale.enabled || options.refuse_non_finite;
+  need_norm = !in_place || options.max_grad_norm > 0 || options.loss_scale.enabled;
+  need_stats = need_norm || options.refuse_non_finite;
   if (options.tier == Tier::ram) {
     Result<std::unique_ptr<StateTier>> made = make_ram_tier(*this);
     if (!made.ok()) return made.status();
@@ -143,8 +144,8 @@ Status OffloadOptimizer::Impl::grad_stats_in_place(int set) {
   adam.parallel_for(pieces.size(), [&](std::size_t k) {
     const Piece& piece = pieces[k];
     const ParamSpec& p = params[piece.param];
-    out[k] = host_grad_stats(static_cast<const unsigned char*>(p.device_grads) + piece.begin * dtype_size(p.dtype),
-                             p.dtype, piece.n);
+    const void* grad = static_cast<const unsigned char*>(p.device_grads) + piece.begin * dtype_size(p.dtype);
+    out[k] = need_norm ? host_grad_stats(grad, p.dtype, piece.n) : host_non_finite(grad, p.dtype, piece.n);
   });
   return Status::success();
 }

@@ -270,6 +270,30 @@ TEST(OffloadOptimizer, CpuDeviceGradStatsOnEngineThreadsEqualTheDevices) {
   }
 }
 
+// With neither clipping nor loss scaling, in place, the refusal reads only the count of NaN/Inf values (one
+// pass, no norm): a non-finite value in any piece is still found, on any number of threads.
+TEST(OffloadOptimizer, CpuDeviceRefusalAloneCountsWithoutTheNorm) {
+  OffloadOptions o;
+  o.tile = 300;
+  const std::vector<std::size_t> sizes = {1000, 37, 4096, 1, 2049};
+  const GradFn grads = random_grads(1e-2);
+  for (int threads : {1, 2, 3}) {
+    SCOPED_TRACE("threads " + std::to_string(threads));
+    o.cpu.threads = threads;
+    Trainer in_place(Schedule::sync, DType::f32, o, 0, sizes, nullptr, 0, true);
+    in_place.run(1, 3, grads);
+    EXPECT_EQ(in_place.result().stats.last_grad_norm, 0.0);  // nothing asked for the norm
+    auto poisoned = [&grads](DeviceParams& model, int step, float scale) {
+      grads(model, step, scale);
+      model.set(const_cast<void*>(model.specs[4].device_grads), 2048, NAN);  // the last piece's last element
+    };
+    const Status s = in_place.iteration(4, poisoned);
+    ASSERT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("parameter(s) 4 (1)"), std::string::npos) << s.to_string();
+    EXPECT_EQ(in_place.result().steps, 3);
+  }
+}
+
 // Without fp16 loss scaling a NaN/Inf gradient is bad input: the step is refused with an error naming the
 // parameter, and nothing changes — master weights, moments, device weights, step count. With
 // refuse_non_finite = false it propagates, as in torch.
