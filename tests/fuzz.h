@@ -25,6 +25,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <exception>
 #include <functional>
 #include <iterator>
@@ -38,6 +39,18 @@
 #include <nlohmann/json.hpp>
 
 namespace zoe::fuzz {
+
+// The whole of a file, and a file replaced by `bytes`: the valid inputs the fuzzers start from live in files.
+inline std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+inline void write_file(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  ASSERT_TRUE(out.good()) << "cannot write " << path;
+}
 
 using Rng = std::mt19937_64;
 

@@ -22,6 +22,8 @@ namespace {
 using fuzz::Case;
 using fuzz::Rng;
 using fuzz::Verdict;
+using fuzz::read_file;
+using fuzz::write_file;
 
 constexpr std::size_t kTile = 4096;
 constexpr std::size_t kN = 3 * kTile + 5;
@@ -30,17 +32,6 @@ constexpr std::size_t kTiles = 4;
 // rounded up to 4 KiB.
 constexpr std::size_t kTableBody = 32 + kTiles * 24;
 constexpr std::size_t kTableRegion = 4096;
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-void write_file(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  ASSERT_TRUE(out.good()) << "cannot write " << path;
-}
 
 SwapOptions options(const std::vector<std::string>& paths) {
   SwapOptions o;

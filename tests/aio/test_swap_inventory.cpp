@@ -16,11 +16,13 @@
 #include "aio/files.h"
 #include "aio/swap_inventory.h"
 #include "tests/aio/aio_test_util.h"
+#include "tests/child_process.h"
 #include "zoe/swap.h"
 
 namespace zoe {
 namespace {
 
+using test::dead_pid;
 using testing::TempDir;
 
 constexpr std::size_t kTile = 4096;
@@ -31,16 +33,6 @@ SwapOptions options(std::vector<std::string> paths) {
   o.buffer_count = 2;
   o.cpu.threads = 1;
   return o;
-}
-
-// A pid that names no process: a child that has exited and been reaped (only _exit runs in it, so forking
-// this multi-threaded test process is safe).
-pid_t dead_pid() {
-  const pid_t child = ::fork();
-  if (child == 0) ::_exit(0);
-  int status = 0;
-  ::waitpid(child, &status, 0);
-  return child;
 }
 
 // Rewrites the owner record of a manifest, as a run of that owner would have left it (null: none, as an

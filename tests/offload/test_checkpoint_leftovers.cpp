@@ -17,21 +17,13 @@
 
 #include "src/offload/checkpoint.h"
 #include "src/process_identity.h"
+#include "tests/child_process.h"
 
 namespace zoe {
 namespace {
 
 namespace fs = std::filesystem;
-
-// A child that has exited and been reaped: its pid names no process (until the kernel reuses it, which
-// takes a full turn of the pid space).
-pid_t dead_pid() {
-  const pid_t child = ::fork();
-  if (child == 0) ::_exit(0);
-  int status = 0;
-  ::waitpid(child, &status, 0);
-  return child;
-}
+using test::dead_pid;
 
 // A child that sleeps until killed: a live writer in this scope that is not this process.
 class LiveChild {

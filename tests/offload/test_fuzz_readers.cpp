@@ -31,6 +31,8 @@ namespace fs = std::filesystem;
 using fuzz::Case;
 using fuzz::Rng;
 using fuzz::Verdict;
+using fuzz::read_file;
+using fuzz::write_file;
 
 // Every section the reader maps, with values inside their ranges and keys it only notes.
 constexpr const char* kValidConfig = R"({
@@ -121,17 +123,6 @@ class TempFolder {
  private:
   std::string path_;
 };
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-void write_file(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  ASSERT_TRUE(out.good()) << "cannot write " << path;
-}
 
 std::uint64_t get_u64(const std::string& s, std::size_t at) {
   std::uint64_t v = 0;
