@@ -145,6 +145,18 @@ class OffloadOptimizer {
   // Waits for all work in flight (the delayed schedule's background step included).
   Status wait();
 
+  // The trainer changed gradients after they were final (it clipped or unscaled them, or edited them in
+  // place, between backward and step()): step() takes every gradient again, and the overlap schedule undoes
+  // what it stepped speculatively with the old values, so the step is the one sync gives with the changed
+  // gradients. Costs the overlap of this step, never its result.
+  Status grads_changed();
+  // The global L2 norm of this iteration's gradients, unscaled (over every rank when partitioned; NaN if any
+  // is NaN/Inf), as step() will compute it: the gradients are taken now (copied down, their statistics
+  // summed), and step() does not take them again unless grads_changed() is called.
+  Result<double> grad_norm();
+  // Clipping from the next step on (0: none); torch's clip_grad_norm_ semantics, fused into the step.
+  Status set_max_grad_norm(float max_norm);
+
   Status save(const std::string& path);
   Status load(const std::string& path);
 

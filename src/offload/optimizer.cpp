@@ -141,7 +141,7 @@ Status OffloadOptimizer::step() {
   const auto start = std::chrono::steady_clock::now();
   Status s;
   if (m.partition) {
-    s = m.partition_reduce_grads();
+    if (!std::exchange(m.grads_reduced, false)) s = m.partition_reduce_grads();
     if (s.ok()) s = m.schedule->step();
     if (s.ok() && !m.last_skipped) s = m.partition_gather_weights();
   } else {
@@ -156,6 +156,43 @@ Status OffloadOptimizer::wait() {
   Impl& m = *impl_;
   if (Status s = m.schedule->wait(); !s.ok()) return s;
   return m.device.synchronize();
+}
+
+Status OffloadOptimizer::grads_changed() {
+  impl_->grads_reduced = false;
+  impl_->schedule->retake();
+  return Status::success();
+}
+
+Result<double> OffloadOptimizer::grad_norm() {
+  Impl& m = *impl_;
+  if (!m.need_norm) {
+    // In place without clipping or loss scaling, the statistics skip the norm: from now on they take it.
+    m.need_norm = m.need_stats = true;
+    m.schedule->retake();
+  }
+  if (m.partition && !m.grads_reduced) {
+    if (Status s = m.partition_reduce_grads(); !s.ok()) return s;
+    m.grads_reduced = true;
+  }
+  Result<int> set = m.schedule->take_grads();
+  if (!set.ok()) return set.status();
+  const Impl::Decision d = m.decide(set.value(), m.visible_scale);
+  if (!d.error.ok()) return d.error;
+  return d.grad_norm;
+}
+
+Status OffloadOptimizer::set_max_grad_norm(float max_norm) {
+  if (!(max_norm >= 0) || !std::isfinite(max_norm)) {
+    return invalid_argument("max_grad_norm = " + std::to_string(max_norm) + " is invalid: need >= 0 (0: no clipping)");
+  }
+  Impl& m = *impl_;
+  m.options.max_grad_norm = max_norm;
+  if (max_norm > 0 && !m.need_norm) {
+    m.need_norm = m.need_stats = true;
+    m.schedule->retake();  // gradients taken already have no norm
+  }
+  return Status::success();
 }
 
 AdamHyper& OffloadOptimizer::group_hyper(std::size_t group) { return impl_->groups.at(group).hyper; }

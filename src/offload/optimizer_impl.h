@@ -66,6 +66,12 @@ class StepSchedule {
   virtual Status grad_ready(std::size_t param) = 0;
   virtual Status step() = 0;
   virtual Status wait() { return Status::success(); }  // work in flight (the delayed background step)
+  // Every gradient of this iteration down with its statistics complete; returns the staging set they are
+  // in. step() then takes them no more, unless retake() is called.
+  virtual Result<int> take_grads() = 0;
+  // The gradients changed after they were taken or reported: step() takes them all again (and undoes what
+  // was stepped speculatively with the old ones).
+  virtual void retake() = 0;
 };
 
 struct OffloadOptimizer::Impl {
@@ -98,6 +104,7 @@ struct OffloadOptimizer::Impl {
     void* shard_grads = nullptr;
   };
   std::unique_ptr<Partition> partition;
+  bool grads_reduced = false;  // grad_norm() reduced this iteration's gradients already
   Status partition_reduce_grads();    // before the step: every parameter's gradient, summed into the shard
   Status partition_gather_weights();  // after it: the updated shards back into every parameter
 
@@ -180,6 +187,7 @@ Result<std::unique_ptr<StateTier>> make_nvme_tier(Impl& m, const char* name);
 // sync (schedule_sync.cpp) also serves the other schedules' fallbacks: the delayed warm-up, overlap on tier
 // nvme, and partitioned optimizers.
 Status sync_step(Impl& m);
+Status take_all_grads(Impl& m);    // every gradient into staging set 0 with its statistics, and waits for them
 Status finish_sync_step(Impl& m);  // every gradient is on its way down: decide, step, send the weights up
 // The schedule of m.options.schedule, after m.allocate().
 Result<std::unique_ptr<StepSchedule>> make_schedule(Impl& m);

@@ -39,6 +39,26 @@ class DelayedSchedule final : public StepSchedule {
 
   Status step() override;
 
+  Result<int> take_grads() override {
+    if (warming_up()) {
+      if (!taken_) {
+        if (Status s = take_all_grads(m_); !s.ok()) return s;
+        taken_ = true;
+      }
+      return 0;
+    }
+    if (Status s = report_all(); !s.ok()) return s;
+    Result<EventId> copied = m_.device.record(Stream::d2h);
+    if (!copied.ok()) return copied.status();
+    if (Status s = m_.device.synchronize(copied.value()); !s.ok()) return s;
+    return grad_set_;
+  }
+
+  void retake() override {
+    retake_ = true;
+    taken_ = false;
+  }
+
   Status wait() override {
     Result<EventId> sent = flush();
     if (!sent.ok()) return sent.status();
@@ -47,6 +67,8 @@ class DelayedSchedule final : public StepSchedule {
 
  private:
   bool warming_up() const { return m_.step_calls < m_.options.delayed_warmup_steps; }
+  // Every parameter not yet reported is reported now; after retake(), every gradient comes down again.
+  Status report_all();
   Status send_weights(std::size_t i);                      // with h2d_mutex_ held
   Status finish_background_step(const Status& status);  // the background step, as its last act
   // Joins the background step and sends what is left of its weights; returns the event the host waits
@@ -56,6 +78,8 @@ class DelayedSchedule final : public StepSchedule {
   Impl& m_;
   int grad_set_ = 0;
   std::vector<char> reported_;
+  bool taken_ = false;   // warm-up: this iteration's gradients are down (grad_norm())
+  bool retake_ = false;  // the reported gradients changed: copy them down again
   Status worker_status_;  // the background step's failure
   // The last step's weights wait to be sent (pending_h2d_), the background step has finished
   // (update_done_), which parameters' weights are on their way (h2d_sent_), and the compute event after
@@ -116,14 +140,26 @@ Result<EventId> DelayedSchedule::flush() {
   return m_.weights_sent();
 }
 
-Status DelayedSchedule::step() {
-  if (warming_up()) return sync_step(m_);
-  const int set = grad_set_;
+Status DelayedSchedule::report_all() {
   for (std::size_t i = 0; i < m_.params.size(); ++i) {
     if (!reported_[i]) {
       if (Status s = grad_ready(i); !s.ok()) return s;
+    } else if (retake_) {
+      // Queued after the compute that changed them; their statistics are taken again with them.
+      if (Status s = m_.enqueue_d2h(i, grad_set_); !s.ok()) return s;
     }
   }
+  retake_ = false;
+  return Status::success();
+}
+
+Status DelayedSchedule::step() {
+  if (warming_up()) {
+    retake_ = false;
+    return std::exchange(taken_, false) ? finish_sync_step(m_) : sync_step(m_);
+  }
+  const int set = grad_set_;
+  if (Status s = report_all(); !s.ok()) return s;
   std::fill(reported_.begin(), reported_.end(), 0);
   const float scale_used = m_.visible_scale;  // what this iteration's loss was scaled by
   Result<EventId> sent = flush();

@@ -2,6 +2,8 @@
 // if no clipping and no overflow — and sent up as soon as it is down, while backward goes on; pieces keep the
 // work left after the last gradient short. step() validates: an overflow (or a refused NaN/Inf) undoes every
 // speculative step and resends the old weights; a clip coefficient below 1 undoes and redoes them with it.
+// Gradients the trainer changed after reporting them (retake()) undo every speculative step too, and the
+// step is then sync's, over the gradients taken again.
 // Tier nvme does not speculate: its steps are not undone (the gradients come down during backward, and the
 // step runs once they are all down).
 #include <algorithm>
@@ -22,12 +24,12 @@ class OverlapSchedule final : public StepSchedule {
   explicit OverlapSchedule(Impl& m) : m_(m) {}
 
   Status allocate() {
-    const OffloadOptions& o = m_.options;
     reported_.assign(m_.params.size(), 0);
     stepped_.assign(m_.pieces.size(), 0);
-    // Speculation fails only when clipping, an fp16 overflow or a refused NaN/Inf changes the step: only
-    // then is an undo copy kept.
-    speculation_can_fail_ = m_.tier->in_ram() && (o.max_grad_norm > 0 || o.loss_scale.enabled || o.refuse_non_finite);
+    // Speculation fails when clipping, an fp16 overflow or a refused NaN/Inf changes the step, and when the
+    // trainer changes gradients after reporting them (grads_changed(), clip_grad_norm_ by the trainer,
+    // set_max_grad_norm() between steps): an undo copy is kept whenever the tier steps during backward.
+    speculation_can_fail_ = m_.tier->in_ram();
     if (!speculation_can_fail_) return Status::success();
     for (AlignedBuffer* b : {&undo_master_, &undo_exp_avg_, &undo_exp_avg_sq_}) {
       Result<AlignedBuffer> r = AlignedBuffer::allocate(m_.offsets.back() * 4);
@@ -51,8 +53,33 @@ class OverlapSchedule final : public StepSchedule {
 
   Status step() override;
 
+  Result<int> take_grads() override {
+    for (std::size_t i = 0; i < m_.params.size(); ++i) {
+      if (!reported_[i]) {
+        if (Status s = grad_ready(i); !s.ok()) return s;
+      }
+    }
+    if (retake_) {
+      if (Status s = undo_speculation(); !s.ok()) return s;
+      if (Status s = take_all_grads(m_); !s.ok()) return s;
+      retake_ = false;
+      taken_again_ = true;
+      return 0;
+    }
+    Result<EventId> copied = m_.device.record(Stream::d2h);
+    if (!copied.ok()) return copied.status();
+    if (Status s = m_.device.synchronize(copied.value()); !s.ok()) return s;
+    return 0;
+  }
+
+  void retake() override { retake_ = true; }
+
  private:
   Status step_piece_when_down(std::size_t k, EventId copied);
+  // Waits for the speculative steps and puts back the state and weights they changed; no piece is then
+  // stepped, and step() steps them all.
+  Status undo_speculation();
+  void end_iteration();
   void save_undo(const Piece& k);
   void restore_undo(const Piece& k);
 
@@ -62,6 +89,9 @@ class OverlapSchedule final : public StepSchedule {
   // This iteration: which parameters were reported, and which pieces stepped speculatively.
   std::vector<char> reported_, stepped_;
   std::atomic<bool> overflow_seen_{false};
+  // The gradients changed after they were reported (retake()); they were taken again, synchronously, after
+  // the speculation was undone (taken_again_): step() then steps every piece.
+  bool retake_ = false, taken_again_ = false;
   Status worker_status_;  // the first failure inside the worker
   std::unique_ptr<WorkQueue> worker_ = std::make_unique<WorkQueue>();  // per-piece steps during backward
 };
@@ -88,15 +118,39 @@ Status OverlapSchedule::step_piece_when_down(std::size_t k, EventId copied) {
   return Status::success();
 }
 
+Status OverlapSchedule::undo_speculation() {
+  worker_->drain();
+  overflow_seen_ = false;
+  Status failed = std::exchange(worker_status_, Status::success());
+  for (std::size_t k = 0; k < m_.pieces.size(); ++k) {
+    if (!stepped_[k]) continue;
+    restore_undo(m_.pieces[k]);
+    stepped_[k] = 0;
+    // The device has the speculative weights: it gets the old ones back, in case the step is then skipped.
+    if (Status s = m_.enqueue_h2d(m_.pieces[k]); !s.ok() && failed.ok()) failed = s;
+  }
+  return failed;
+}
+
+void OverlapSchedule::end_iteration() {
+  std::fill(reported_.begin(), reported_.end(), 0);
+  std::fill(stepped_.begin(), stepped_.end(), 0);
+  overflow_seen_ = false;
+  retake_ = taken_again_ = false;
+}
+
 Status OverlapSchedule::step() {
+  if (retake_ || taken_again_ || !m_.tier->in_ram()) {
+    // Every gradient down (again, after an undo, where they changed), then sync's step.
+    Result<int> taken = take_grads();
+    end_iteration();
+    if (!taken.ok()) return taken.status();
+    return finish_sync_step(m_);
+  }
   for (std::size_t i = 0; i < m_.params.size(); ++i) {
     if (!reported_[i]) {
       if (Status s = grad_ready(i); !s.ok()) return s;
     }
-  }
-  if (!m_.tier->in_ram()) {
-    std::fill(reported_.begin(), reported_.end(), 0);
-    return finish_sync_step(m_);
   }
   worker_->drain();
   if (!worker_status_.ok()) return std::exchange(worker_status_, Status::success());
@@ -122,9 +176,7 @@ Status OverlapSchedule::step() {
     }
   }
   if (Status s = m_.finish_h2d(); !s.ok()) return s;
-  std::fill(reported_.begin(), reported_.end(), 0);
-  std::fill(stepped_.begin(), stepped_.end(), 0);
-  overflow_seen_ = false;
+  end_iteration();
   if (d.refused) return m_.non_finite_error(0);
   m_.record_outcome(d);
   m_.visible_scale = m_.scaler.scale();

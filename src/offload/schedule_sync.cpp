@@ -5,14 +5,18 @@
 
 namespace zoe {
 
-Status sync_step(Impl& m) {
-  if (m.in_place) {
-    if (Status s = m.grad_stats_in_place(0); !s.ok()) return s;
-    return finish_sync_step(m);
-  }
+Status take_all_grads(Impl& m) {
+  if (m.in_place) return m.grad_stats_in_place(0);
   for (std::size_t i = 0; i < m.params.size(); ++i) {
     if (Status s = m.enqueue_d2h(i, 0); !s.ok()) return s;
   }
+  Result<EventId> copied = m.device.record(Stream::d2h);
+  if (!copied.ok()) return copied.status();
+  return m.device.synchronize(copied.value());
+}
+
+Status sync_step(Impl& m) {
+  if (Status s = take_all_grads(m); !s.ok()) return s;
   return finish_sync_step(m);
 }
 
@@ -41,10 +45,24 @@ class SyncSchedule final : public StepSchedule {
  public:
   explicit SyncSchedule(Impl& m) : m_(m) {}
   Status grad_ready(std::size_t) override { return Status::success(); }  // every gradient is taken at step()
-  Status step() override { return sync_step(m_); }
+  Status step() override {
+    Result<int> taken = take_grads();
+    taken_ = false;
+    if (!taken.ok()) return taken.status();
+    return finish_sync_step(m_);
+  }
+  Result<int> take_grads() override {
+    if (!taken_) {
+      if (Status s = take_all_grads(m_); !s.ok()) return s;
+      taken_ = true;
+    }
+    return 0;
+  }
+  void retake() override { taken_ = false; }
 
  private:
   Impl& m_;
+  bool taken_ = false;  // this iteration's gradients are down, with their statistics (grad_norm())
 };
 
 }  // namespace

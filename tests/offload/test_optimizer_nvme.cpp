@@ -39,6 +39,24 @@ class NvmeTier : public ::testing::Test {
   fs::path dir_;
 };
 
+// Gradients the trainer changed after reporting them come down again (tier nvme copies them during backward).
+TEST_F(NvmeTier, ChangedGradsAreTakenAgain) {
+  const test::GradFn grads = test::random_grads(1e-2);
+  const test::GradFn halved = [grads](test::DeviceParams& model, int t, float scale) { grads(model, t, scale * 0.5f); };
+  for (Schedule schedule : {Schedule::sync, Schedule::overlap, Schedule::delayed}) {
+    SCOPED_TRACE(std::string(schedule_name(schedule)));
+    const test::RunResult reference = test::train(schedule, DType::bf16, nvme({}), 6, halved, 2);
+    test::Trainer trainer(schedule, DType::bf16, nvme({}), 2);
+    trainer.run(1, 6, grads, [](test::DeviceParams& model, OffloadOptimizer& opt) {
+      for (const ParamSpec& p : model.specs) {
+        for (std::size_t k = 0; k < p.n; ++k) model.set(const_cast<void*>(p.device_grads), k, model.get(p.device_grads, k) * 0.5f);
+      }
+      ASSERT_TRUE(opt.grads_changed().ok());
+    });
+    test::expect_bitwise_equal(reference, trainer.result());
+  }
+}
+
 TEST_F(NvmeTier, EveryScheduleEqualsRamSyncBitwise) {
   OffloadOptions o;
   o.loss_scale.enabled = true;

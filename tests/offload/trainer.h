@@ -141,7 +141,10 @@ class Trainer {
   }
   Status device_synchronize() { return device_->synchronize(); }
 
-  void run(int first, int last, const GradFn& grads) {
+  // What a trainer does between the end of backward and step() (clip, unscale, edit the gradients).
+  using AfterBackward = std::function<void(DeviceParams&, OffloadOptimizer&)>;
+
+  void run(int first, int last, const GradFn& grads, const AfterBackward& after_backward = nullptr) {
     for (int t = first; t <= last; ++t) {
       ASSERT_TRUE(device_->synchronize().ok());  // the previous iteration is done: gradients may be written
       result_.scales.push_back(opt_->loss_scale());
@@ -149,6 +152,12 @@ class Trainer {
       for (std::size_t b = model_.specs.size(); b-- > 0;) {
         ASSERT_TRUE(device_->simulate_compute(1e-4, Stream::compute).ok());
         ASSERT_TRUE(opt_->grad_ready(b).ok());
+      }
+      if (after_backward) {
+        // The stand-in's copies read the gradients on its own thread: the trainer's edit comes after them,
+        // as a GPU trainer's comes after them on the compute stream.
+        ASSERT_TRUE(device_->synchronize().ok());
+        after_backward(model_, *opt_);
       }
       const Status s = opt_->step();
       ASSERT_TRUE(s.ok()) << s.to_string();

@@ -1,0 +1,132 @@
+// Gradients a trainer changes between backward and step() (clipping, unscaling, any edit), and the
+// norm and clipping a trainer asks of zoe: grads_changed(), grad_norm(), set_max_grad_norm(). Each schedule
+// must step exactly the gradients as the trainer left them.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "tests/offload/trainer.h"
+#include "tests/reference.h"
+#include "zoe/offload.h"
+
+namespace zoe {
+namespace {
+
+using namespace test;  // NOLINT: the trainer, its results and gradient makers
+
+const std::vector<std::size_t> kSizes = {1000, 37, 4096, 1};
+
+// The trainer's edit: every gradient halved, parameter 0's zeroed (exact in every dtype).
+void edit(DeviceParams& model) {
+  for (std::size_t i = 0; i < model.specs.size(); ++i) {
+    void* g = const_cast<void*>(model.specs[i].device_grads);
+    for (std::size_t k = 0; k < model.specs[i].n; ++k) model.set(g, k, i == 0 ? 0.0f : model.get(g, k) * 0.5f);
+  }
+}
+
+// The same gradients, written already edited: what the step must use.
+GradFn edited(GradFn grads) {
+  return [grads](DeviceParams& model, int t, float scale) {
+    grads(model, t, scale);
+    edit(model);
+  };
+}
+
+struct Case {
+  Schedule schedule;
+  DType dtype;
+  bool cpu_device;
+  std::string name() const {
+    return std::string(schedule_name(schedule)) + " " + std::string(dtype_name(dtype)) + (cpu_device ? " in place" : " staged");
+  }
+};
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (Schedule s : {Schedule::sync, Schedule::overlap, Schedule::delayed}) {
+    for (DType d : {DType::f32, DType::bf16}) {
+      for (bool cpu : {false, true}) out.push_back({s, d, cpu});
+    }
+  }
+  return out;
+}
+
+RunResult run(const Case& c, const OffloadOptions& o, const GradFn& grads, const Trainer::AfterBackward& after = nullptr) {
+  Trainer trainer(c.schedule, c.dtype, o, 2, kSizes, nullptr, 0, c.cpu_device);
+  trainer.run(1, 8, grads, after);
+  return trainer.result();
+}
+
+TEST(ChangedGrads, EveryScheduleStepsTheGradientsAsTheTrainerLeftThem) {
+  OffloadOptions o;
+  o.refuse_non_finite = false;  // without any reason of its own to keep an undo copy
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.name());
+    const RunResult reference = run(c, o, edited(random_grads(1e-2)));
+    const RunResult changed = run(c, o, random_grads(1e-2), [](DeviceParams& model, OffloadOptimizer& opt) {
+      edit(model);
+      ASSERT_TRUE(opt.grads_changed().ok());
+    });
+    expect_bitwise_equal(reference, changed);
+  }
+}
+
+// The check above can fail: without grads_changed(), what overlap and delayed stepped is the gradients as
+// they were reported.
+TEST(ChangedGrads, WithoutBeingToldOverlapAndDelayedStepTheOldGradients) {
+  for (Schedule s : {Schedule::overlap, Schedule::delayed}) {
+    const Case c{s, DType::bf16, false};
+    SCOPED_TRACE(c.name());
+    const RunResult reference = run(c, {}, edited(random_grads(1e-2)));
+    const RunResult unaware = run(c, {}, random_grads(1e-2), [](DeviceParams& model, OffloadOptimizer&) { edit(model); });
+    EXPECT_NE(reference.state, unaware.state);
+  }
+}
+
+double norm_of(const DeviceParams& model) {
+  double sum = 0;
+  for (const ParamSpec& p : model.specs) {
+    for (std::size_t k = 0; k < p.n; ++k) sum += double(model.get(p.device_grads, k)) * model.get(p.device_grads, k);
+  }
+  return std::sqrt(sum);
+}
+
+// Summation order differs (zoe sums per block in float lanes, then in double): a few float roundings
+// of the squares, relative.
+constexpr double kNormRelTol = 1e-6;
+
+TEST(ChangedGrads, GradNormIsTheGradientsNormAndLeavesTheStepAsItWas) {
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.name());
+    const RunResult plain = run(c, {}, random_grads(1e-2));
+    std::vector<double> seen;
+    const RunResult asked = run(c, {}, random_grads(1e-2), [&seen](DeviceParams& model, OffloadOptimizer& opt) {
+      Result<double> norm = opt.grad_norm();
+      ASSERT_TRUE(norm.ok()) << norm.status().to_string();
+      EXPECT_NEAR(norm.value(), norm_of(model), kNormRelTol * norm_of(model));
+      seen.push_back(norm.value());
+    });
+    expect_bitwise_equal(plain, asked);
+    EXPECT_EQ(seen.size(), 8u);
+  }
+}
+
+TEST(ChangedGrads, SetMaxGradNormEqualsClippingFromCreation) {
+  OffloadOptions clip;
+  clip.max_grad_norm = 0.1f;  // the gradients' norm is about 0.3
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.name());
+    const RunResult from_creation = run(c, clip, random_grads(1e-2));
+    const RunResult set_later = run(c, {}, random_grads(1e-2), [](DeviceParams&, OffloadOptimizer& opt) {
+      ASSERT_TRUE(opt.set_max_grad_norm(0.1f).ok());
+    });
+    expect_bitwise_equal(from_creation, set_later);
+  }
+  Trainer trainer(Schedule::sync, DType::bf16, {}, 0, kSizes);
+  for (float bad : {-1.0f, NAN, INFINITY}) EXPECT_FALSE(trainer.opt().set_max_grad_norm(bad).ok()) << bad;
+}
+
+}  // namespace
+}  // namespace zoe
