@@ -408,6 +408,22 @@ void bind_engine(nb::module_& m) {
            [](PyEngine& e, std::size_t i) { e.call([i](OffloadOptimizer& o) { return o.grad_ready(i); }); })
       .def("step", [](PyEngine& e) { e.call([](OffloadOptimizer& o) { return o.step(); }); })
       .def("wait", [](PyEngine& e) { e.call([](OffloadOptimizer& o) { return o.wait(); }); })
+      .def("grads_changed", [](PyEngine& e) { e.call([](OffloadOptimizer& o) { return o.grads_changed(); }); },
+           "The trainer changed gradients after backward: step() takes them all again.")
+      .def("grad_norm",
+           [](PyEngine& e) {
+             double norm = 0;
+             e.call([&norm](OffloadOptimizer& o) {
+               Result<double> r = o.grad_norm();
+               if (r.ok()) norm = r.value();
+               return r.ok() ? Status::success() : r.status();
+             });
+             return norm;
+           },
+           "The global L2 norm of this iteration's gradients, unscaled, as step() will use it.")
+      .def("set_max_grad_norm",
+           [](PyEngine& e, float max_norm) { e.call([max_norm](OffloadOptimizer& o) { return o.set_max_grad_norm(max_norm); }); },
+           nb::arg("max_norm"), "Clipping from the next step on (0: none).")
       .def("save", [](PyEngine& e, const std::string& path) { e.call([&path](OffloadOptimizer& o) { return o.save(path); }); })
       .def("load", [](PyEngine& e, const std::string& path) { e.call([&path](OffloadOptimizer& o) { return o.load(path); }); })
       .def("set_hyper",

@@ -11,7 +11,12 @@ How it meets torch:
   the engine, then runs the engine's step with the GIL released; the updated weights are back in ``p.data``
   when it returns (one step later for ``schedule="delayed"``).
 * ``schedule="overlap"`` reports each parameter to the engine from a post-accumulate-grad hook during
-  backward, so its transfer and CPU Adam overlap the rest of backward.
+  backward, so its transfer and CPU Adam overlap the rest of backward. With gradient accumulation only the
+  last micro-batch's backward reports (the k-th time a parameter's gradient is accumulated since the last
+  step; k is ``gradient_accumulation_steps``, or the count seen before the previous step). Gradients a
+  trainer changes after backward (its own ``clip_grad_norm_``, ``GradScaler.unscale_``, any in-place edit)
+  are seen by torch's version counters at ``step()``, and the engine then takes them again, undoing what it
+  stepped speculatively: the step is exactly ``sync``'s.
 * With ``torch.distributed`` initialised, each rank owns 1/W of every flat buffer: gradients are averaged
   (reduce-scatter, or all-reduce where the backend lacks it, as gloo does), the rank steps its shard, and
   the weights are all-gathered.
@@ -23,6 +28,7 @@ import math
 import os
 import tempfile
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Iterable
 
@@ -42,7 +48,7 @@ _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 class _Slot:
     """Where one trainable parameter lives in its dtype's flat buffers."""
 
-    __slots__ = ("param", "index", "group", "offset", "numel", "grad_view", "engine_ids")
+    __slots__ = ("param", "index", "group", "offset", "numel", "grad_view", "engine_ids", "accumulated", "taken")
 
     def __init__(self, param, index, group, offset):
         self.param = param
@@ -52,6 +58,8 @@ class _Slot:
         self.numel = param.numel()
         self.grad_view = None
         self.engine_ids: list[int] = []
+        self.accumulated = 0  # backward passes that accumulated into this gradient since the last step
+        self.taken = False  # the engine has read this iteration's gradient (reported, or for a norm)
 
 
 class _Bucket:
@@ -90,6 +98,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         loss_scale: ``None`` — dynamic fp16 loss scaling when any parameter is fp16, none otherwise;
             ``"dynamic"``; a number — a static scale; ``False`` — none. Multiply the loss by
             ``opt.loss_scale`` (or call ``opt.backward(loss)``); an overflow skips the step, as GradScaler does.
+        gradient_accumulation_steps: backward passes (micro-batches) per ``step()``. ``None``: the count
+            seen before the previous step (the first step runs as ``sync``). The overlap and delayed
+            schedules report gradients to the engine only during the last micro-batch's backward.
         process_group: the data-parallel group (default: the world, when torch.distributed is initialised).
         isa, threads, tile: the CPU kernel's instruction set, worker threads, elements per unit of work.
     """
@@ -101,7 +112,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                  min_loss_scale: float = 1.0, delayed_warmup_steps: int = 10, process_group=None,
                  isa: str = "auto", threads: int = 0, tile: int = 1 << 20, buffer_count: int = 4,
                  block_size: int = 1 << 20, queue_depth: int = 8, refuse_non_finite: bool = True,
-                 durability: str = "step"):
+                 durability: str = "step", gradient_accumulation_steps: int | None = None):
         if not 0.0 <= lr:
             raise ValueError(f"lr = {lr} is invalid: need >= 0")
         if tier not in ("ram", "nvme"):
@@ -113,6 +124,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
                              "background) or 'checkpoint' (durable at save only)")
         if schedule not in ("sync", "overlap", "delayed"):
             raise ValueError(f"schedule = {schedule!r} is unknown: use 'sync', 'overlap' or 'delayed'")
+        if gradient_accumulation_steps is not None and (
+                isinstance(gradient_accumulation_steps, bool) or not isinstance(gradient_accumulation_steps, int)
+                or gradient_accumulation_steps < 1):
+            raise ValueError(f"gradient_accumulation_steps = {gradient_accumulation_steps!r} is invalid: an int >= 1, "
+                             "or None to count the backward passes before each step")
+        if max_grad_norm is not None and not (max_grad_norm >= 0 and math.isfinite(max_grad_norm)):
+            raise ValueError(f"max_grad_norm = {max_grad_norm} is invalid: need >= 0 (or None: no clipping)")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=adamw)
         self._built = False
         super().__init__(params, defaults)
@@ -129,6 +147,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._world = dist.get_world_size(self._group)
             self._rank = dist.get_rank(self._group)
         self._accumulating = False
+        # Micro-batches: the backward pass whose gradients the overlap/delayed engine is told of (None: not
+        # known yet), whether it has been told this iteration, and the version of each bucket's gradients
+        # when the engine last took them — a later version means the trainer changed them.
+        self._accumulation_steps = gradient_accumulation_steps
+        self._reporting_pass = gradient_accumulation_steps
+        self._reported = False
+        self._taken_versions: list[int] | None = None
+        self._clip_once: float | None = None  # clip_grad_norm_'s max_norm for the coming step
+        self._warned_changed = False
+        self._dp_reduced, self._dp_stats = False, None  # data-parallel: this iteration's reduction and statistics
+        self._check_changes = True  # tests turn the detection off to show that it matters
         self._hooks = []
         self._hyper_sent: list[tuple | None] = []
         self._timing = {"engine_s": 0.0, "adapter_s": 0.0, "comm_s": 0.0, "steps": 0}
@@ -293,22 +322,77 @@ class OffloadOptimizer(torch.optim.Optimizer):
             opt = ref()
             if opt is None or opt._accumulating:
                 return
-            opt._adopt_grad(slot)
-            if opt._device.type == "cuda":
-                # zoe's streams cannot yet wait on torch's; the gradient must exist before zoe copies it.
-                torch.cuda.current_stream(opt._device).synchronize()
-            for i in slot.engine_ids:
-                opt._engine.grad_ready(i)
+            opt._on_grad_accumulated(slot)
         return hook
+
+    def _on_grad_accumulated(self, slot: _Slot) -> None:
+        """After autograd accumulated this backward's gradient into ``slot``: on the reporting micro-batch the
+        engine is told (it copies and steps it during the rest of backward)."""
+        self._adopt_grad(slot)
+        slot.accumulated += 1
+        if self._reported:
+            if slot.accumulated > self._reporting_pass:
+                raise RuntimeError(
+                    f"zoe.torch.OffloadOptimizer: backward pass {slot.accumulated} since the last step, but the "
+                    f"{self._options['schedule']} schedule had started this step after backward pass "
+                    f"{self._reporting_pass} — its forward ran with weights that step already changed. Pass "
+                    "gradient_accumulation_steps=<micro-batches per step> to OffloadOptimizer, or call step() "
+                    "after the same number of backward passes each time")
+            # Every accumulation is followed by its hook: the last version seen here is the end of backward's.
+            self._taken_versions = self._grad_versions()
+        if slot.accumulated != self._reporting_pass:
+            return
+        if self._device.type == "cuda":
+            # zoe's streams cannot yet wait on torch's; the gradient must exist before zoe copies it.
+            torch.cuda.current_stream(self._device).synchronize()
+        self._reported = slot.taken = True
+        for i in slot.engine_ids:
+            self._engine.grad_ready(i)
+        self._taken_versions = self._grad_versions()
+
+    def _adopt_grads(self) -> None:
+        """Every gradient into the flat buffers before the engine reads them all; one the engine had read
+        already that the trainer replaced by another tensor (``p.grad = ...``) is a changed gradient."""
+        replaced = [s for s in self._slots if self._adopt_grad(s)]
+        if self._check_changes and any(s.taken for s in replaced):
+            self._take_again()
+
+    def _take_again(self) -> None:
+        self._engine.grads_changed()
+        self._dp_reduced, self._dp_stats = False, None
+        self._taken_versions = self._grad_versions()
+
+    def _grad_versions(self) -> list[int]:
+        # A view shares its base's version counter: any in-place change of any p.grad bumps its bucket's.
+        return [b.grads._version for b in self._buckets]
+
+    def _note_changed_grads(self) -> None:
+        """At step(): gradients the engine took (during backward, or for clip_grad_norm_) and the trainer
+        changed since are taken again — the overlap schedule's speculative steps undone and redone."""
+        if self._taken_versions is None or not self._check_changes:
+            return
+        if self._grad_versions() == self._taken_versions:
+            return
+        self._take_again()
+        if self._reported and not self._warned_changed:
+            self._warned_changed = True
+            warnings.warn(
+                "zoe.torch.OffloadOptimizer: the gradients changed after backward (the trainer clipped, unscaled "
+                f"or edited them); the {self._options['schedule']} schedule took them again, so this step is "
+                "exact but not overlapped. To keep the overlap, let zoe clip: OffloadOptimizer(max_grad_norm=...) "
+                "or opt.clip_grad_norm_(max_norm) in place of torch.nn.utils.clip_grad_norm_ (Hugging Face "
+                "Trainer: max_grad_norm=0 in TrainingArguments and max_grad_norm in zoe). This warning is shown once.",
+                stacklevel=3)
 
     # ---- the step -------------------------------------------------------------------------------------
 
-    def _adopt_grad(self, s: _Slot) -> None:
+    def _adopt_grad(self, s: _Slot) -> bool:
         """Makes sure the parameter's gradient is in its slot of the flat buffer (it is not when the caller
-        set ``p.grad = None``, e.g. with ``module.zero_grad()``, and autograd allocated a new one)."""
+        set ``p.grad = None``, e.g. with ``module.zero_grad()``, and autograd allocated a new one, or a trainer
+        assigned a new tensor). Returns whether it had to be brought there."""
         g = s.param.grad
         if g is s.grad_view:
-            return
+            return False
         if g is None:
             s.grad_view.zero_()
         else:
@@ -318,6 +402,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if g.data_ptr() != s.grad_view.data_ptr():
                 s.grad_view.copy_(g)
         s.param.grad = s.grad_view
+        return True
 
     def _sync_hyper(self) -> None:
         for gi, group in enumerate(self.param_groups):
@@ -341,19 +426,37 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return b.shard_grads
         return b.grads[self._rank * b.shard_numel:(self._rank + 1) * b.shard_numel]
 
+    def _dp_grad_stats(self) -> tuple[float, float]:
+        """Across ranks: the gradients reduced (once an iteration), and the sum of squares and NaN/Inf count
+        of the averaged gradients, which no rank's engine can see alone."""
+        if not self._dp_reduced:
+            self._reduce_grads()
+            self._dp_reduced = True
+        if self._dp_stats is None:
+            stats = torch.zeros(2, dtype=torch.float64, device=self._device)
+            for b in self._buckets:
+                g = self._shard_grads(b).double()
+                finite = torch.isfinite(g)
+                stats[0] += torch.where(finite, g, 0).square().sum()
+                stats[1] += (~finite).sum()
+            dist.all_reduce(stats, group=self._group)
+            self._dp_stats = tuple(stats.tolist())
+        return self._dp_stats
+
+    def _dp_norm(self) -> float:
+        sum_sq, non_finite = self._dp_grad_stats()
+        return math.nan if non_finite > 0 else math.sqrt(sum_sq) / self.loss_scale
+
     def _clip_and_check(self) -> None:
-        """Across ranks: the global gradient norm and overflow, which no rank's engine can see alone."""
+        """Across ranks: refusal, overflow agreement and clipping of the reduced shards."""
+        max_norm = self._clip_once if self._clip_once is not None else self._max_grad_norm
         refuse = self._options["refuse_non_finite"] and not self._loss_scaling
-        if not self._max_grad_norm and not self._loss_scaling and not refuse:
+        if not self._dp_reduced:
+            self._reduce_grads()
+            self._dp_reduced = True
+        if not max_norm and not self._loss_scaling and not refuse:
             return
-        stats = torch.zeros(2, dtype=torch.float64, device=self._device)
-        for b in self._buckets:
-            g = self._shard_grads(b).double()
-            finite = torch.isfinite(g)
-            stats[0] += torch.where(finite, g, 0).square().sum()
-            stats[1] += (~finite).sum()
-        dist.all_reduce(stats, group=self._group)
-        sum_sq, non_finite = stats.tolist()
+        sum_sq, non_finite = self._dp_grad_stats()
         if non_finite > 0 and refuse:
             # Every rank refuses together, before its engine changes anything.
             raise _zoe.InvalidArgumentError(
@@ -369,9 +472,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                         g[0] = float("inf")
                         break
             return
-        if self._max_grad_norm:
+        if max_norm:
             norm = math.sqrt(sum_sq) / self.loss_scale
-            coef = self._max_grad_norm / (norm + 1e-6)
+            coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
                 for b in self._buckets:
                     self._shard_grads(b).mul_(coef)
@@ -392,24 +495,26 @@ class OffloadOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         t0 = time.perf_counter()
-        for s in self._slots:
-            self._adopt_grad(s)
-        self._sync_hyper()
-        comm = 0.0
-        if self._world > 1:
-            tc = time.perf_counter()
-            self._reduce_grads()
-            self._clip_and_check()
-            comm += time.perf_counter() - tc
-        if self._device.type == "cuda":
-            torch.cuda.current_stream(self._device).synchronize()
-        te = time.perf_counter()
-        self._engine.step()
-        if self._device.type == "cpu" and self._options["schedule"] == "delayed":
-            # The stand-in copies the gradients down on its own thread; they must be down before the caller's
-            # zero_grad() or next backward writes the buffers.
-            self._zoe_device.synchronize()
-        engine_s = time.perf_counter() - te
+        comm = engine_s = 0.0
+        try:
+            self._note_changed_grads()
+            self._adopt_grads()
+            self._sync_hyper()
+            if self._world > 1:
+                tc = time.perf_counter()
+                self._clip_and_check()
+                comm += time.perf_counter() - tc
+            if self._device.type == "cuda":
+                torch.cuda.current_stream(self._device).synchronize()
+            te = time.perf_counter()
+            self._engine.step()
+            if self._device.type == "cpu" and self._options["schedule"] == "delayed":
+                # The stand-in copies the gradients down on its own thread; they must be down before the
+                # caller's zero_grad() or next backward writes the buffers.
+                self._zoe_device.synchronize()
+            engine_s = time.perf_counter() - te
+        finally:
+            self._end_iteration()  # a refused step ends the iteration too: the next one counts anew
         if self._world > 1 and not self._engine.last_step_skipped:
             tc = time.perf_counter()
             self._gather_weights()
@@ -421,6 +526,51 @@ class OffloadOptimizer(torch.optim.Optimizer):
         tm["adapter_s"] += total - engine_s - comm
         tm["steps"] += 1
         return loss
+
+    def _end_iteration(self) -> None:
+        passes = max((s.accumulated for s in self._slots), default=0)
+        if self._accumulation_steps is None:
+            self._reporting_pass = passes or None
+        for s in self._slots:
+            s.accumulated = 0
+            s.taken = False
+        self._reported = False
+        self._taken_versions = None
+        self._dp_reduced, self._dp_stats = False, None
+        if self._clip_once is not None:
+            self._clip_once = None
+            if self._world == 1:
+                self._engine.set_max_grad_norm(self._max_grad_norm)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over every parameter of this optimizer, for the coming step:
+        returns the total norm of the (unscaled) gradients, computed by zoe, and clips the step by
+        ``max_norm / (norm + 1e-6)`` when that is below 1. The coefficient is applied inside the step (fused
+        into the kernel's gradient scale), so ``p.grad`` keeps its values and the overlap schedule keeps its
+        overlap. Other ``norm_type`` values clip ``p.grad`` in place with torch (exact, not overlapped)."""
+        max_norm = float(max_norm)
+        if not (max_norm >= 0 and math.isfinite(max_norm)):
+            raise ValueError(f"max_norm = {max_norm} is invalid: need >= 0")
+        if float(norm_type) != 2.0:
+            return torch.nn.utils.clip_grad_norm_([s.param for s in self._slots], max_norm, norm_type=norm_type,
+                                                  error_if_nonfinite=error_if_nonfinite)
+        self._note_changed_grads()
+        self._adopt_grads()
+        for s in self._slots:
+            s.taken = True
+        if self._world > 1:
+            norm = self._dp_norm()
+        else:
+            self._engine.set_max_grad_norm(max_norm)
+            norm = self._engine.grad_norm()
+        self._clip_once = max_norm
+        self._taken_versions = self._grad_versions()
+        if error_if_nonfinite and not math.isfinite(norm):
+            raise RuntimeError(f"The total norm of order 2.0 for gradients from `parameters` is non-finite ({norm}), "
+                               "so it cannot be clipped. To disable this error and scale the gradients by the "
+                               "non-finite norm anyway, set `error_if_nonfinite=False`")
+        return torch.tensor(norm, dtype=torch.float32, device=self._device)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zeroes the flat gradient buffers in place. ``set_to_none`` is accepted and ignored: the gradients

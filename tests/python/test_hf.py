@@ -1,0 +1,116 @@
+"""zoe.torch.OffloadOptimizer inside Hugging Face's trainers, as users run them: transformers' Trainer (its
+default max_grad_norm=1.0 clips p.grad after backward; gradient accumulation) and Accelerate's own loop
+(accelerator.accumulate, accelerator.clip_grad_norm_). A tiny Llama built from a local LlamaConfig, on the
+CPU; nothing is downloaded."""
+import os
+import warnings
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from accelerate import Accelerator  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+
+from zoe.torch import OffloadOptimizer  # noqa: E402
+
+# fp32 model: zoe's AdamW and torch's differ by the order of float operations within each element's update;
+# measured here 1.2e-7 after 12 steps for sync and overlap. The issue's bound.
+TORCH_TOL = 1e-5
+# delayed is one step stale after its warm-up: its final loss within 2% of sync's (the issue's bound).
+DELAYED_LOSS_REL = 0.02
+LR = 1e-3
+CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n=64, length=16):
+        self.x = torch.randint(0, CONFIG.vocab_size, (n, length), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(CONFIG)
+
+
+def flat(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def torch_adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+
+
+def zoe_adamw(schedule):
+    return lambda model: OffloadOptimizer(model.parameters(), lr=LR, schedule=schedule, delayed_warmup_steps=3)
+
+
+def hf_trainer(make_opt, accumulation, tmp_path):
+    model = tiny_llama()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=12, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=accumulation, max_grad_norm=1.0, learning_rate=LR,
+                             use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, seed=0,
+                             disable_tqdm=True, dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(make_opt(model), None))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.train()
+    told = [w for w in seen if "zoe" in str(w.message)]
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return model, losses, told
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_hf_trainer_every_schedule(accumulation, tmp_path):
+    ref, ref_losses, _ = hf_trainer(torch_adamw, accumulation, tmp_path / "torch")
+    finals = {}
+    for schedule in ("sync", "overlap", "delayed"):
+        model, losses, told = hf_trainer(zoe_adamw(schedule), accumulation, tmp_path / schedule)
+        diff = (flat(model) - flat(ref)).abs().max().item()
+        print(f"HF Trainer, gradient_accumulation_steps={accumulation}, max_grad_norm=1.0, {schedule}: max weight "
+              f"difference to torch AdamW {diff:.2e}; loss at step 12 {losses[-1]:.4f} (torch {ref_losses[-1]:.4f}); "
+              f"zoe warnings {len(told)}")
+        finals[schedule] = losses[-1]
+        if schedule == "delayed":
+            assert abs(losses[-1] - finals["sync"]) <= DELAYED_LOSS_REL * finals["sync"]
+        else:
+            assert diff < TORCH_TOL
+        # The Trainer clips p.grad itself: overlap and delayed say once how to keep their overlap.
+        assert len(told) == (0 if schedule == "sync" else 1)
+
+
+def accelerate_loop(make_opt, accumulation):
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    model = tiny_llama()
+    opt = make_opt(model)
+    loader = torch.utils.data.DataLoader(Tokens(), batch_size=4, shuffle=False)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    model.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for batch in loader:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+    return accelerator.unwrap_model(model)
+
+
+@pytest.mark.parametrize("schedule", ["sync", "overlap"])
+def test_accelerate_loop_with_accumulation_and_clipping(schedule):
+    ref = accelerate_loop(torch_adamw, 2)
+    mine = accelerate_loop(zoe_adamw(schedule), 2)
+    diff = (flat(mine) - flat(ref)).abs().max().item()
+    print(f"Accelerate loop, accumulate(2), clip_grad_norm_(1.0), {schedule}: max weight difference to torch "
+          f"AdamW {diff:.2e}")
+    assert diff < TORCH_TOL
