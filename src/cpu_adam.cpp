@@ -103,6 +103,31 @@ Status check_tensors(std::span<const AdamTensor> tensors) {
   return check_overlaps(ranges, tensors.size());
 }
 
+// Null pointers with elements, invalid dtypes, and overlaps: acc is always written, grad with zero_source.
+Status check_accumulate_tensors(std::span<const AccumulateTensor> tensors, const AccumulateOptions& options) {
+  std::vector<ByteRange> ranges;
+  ranges.reserve(tensors.size() * 2);
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const AccumulateTensor& t = tensors[i];
+    const std::string name = tensor_name(i, tensors.size());
+    if (!dtype_valid(t.grad_dtype)) {
+      return invalid_argument(name + ": grad dtype " + std::to_string(int(t.grad_dtype)) + " is not f32, f16 or bf16");
+    }
+    if (t.n == 0) continue;
+    if (t.acc == nullptr) return invalid_argument(name + ": acc is null with n = " + std::to_string(t.n));
+    if (t.grad == nullptr) return invalid_argument(name + ": grad is null with n = " + std::to_string(t.n));
+    const auto acc = reinterpret_cast<std::uintptr_t>(t.acc);
+    const auto grad = reinterpret_cast<std::uintptr_t>(t.grad);
+    ranges.push_back({acc, acc + 4 * t.n, i, "acc", true});
+    ranges.push_back({grad, grad + dtype_size(t.grad_dtype) * t.n, i, "grad", options.zero_source});
+  }
+  return check_overlaps(ranges, tensors.size());
+}
+
+int accumulate_mode(const AccumulateOptions& options) {
+  return (options.first ? simd::kAccumulateFirst : 0) | (options.zero_source ? simd::kAccumulateZeroSource : 0);
+}
+
 void run_adam(AdamFn fn, const simd::AdamConstants& c, const AdamTensor& t, std::size_t offset, std::size_t count) {
   const std::size_t gsize = dtype_size(t.grad_dtype);
   const std::size_t osize = t.out == nullptr ? 0 : dtype_size(t.out_dtype);
@@ -166,6 +191,18 @@ struct CpuAdam::Impl {
       }
     };
     arena.execute([&] { tbb::parallel_for(tbb::blocked_range<std::size_t>(0, tiles, 1), body, tbb::simple_partitioner()); });
+  }
+
+  // `kernels` is the table's accumulate or accumulate_streams row.
+  Status accumulate(std::span<const AccumulateTensor> tensors, const AccumulateOptions& options,
+                    const simd::AccumulateFn (&kernels)[simd::kElems]) {
+    if (Status s = check_accumulate_tensors(tensors, options); !s.ok()) return s;
+    const int mode = accumulate_mode(options);
+    for_each_tile(tensors, [&](const AccumulateTensor& t, std::size_t offset, std::size_t count) {
+      kernels[int(t.grad_dtype)](t.acc + offset, static_cast<unsigned char*>(t.grad) + offset * dtype_size(t.grad_dtype),
+                                 count, mode);
+    });
+    return Status::success();
   }
 
   // Counts NaN/Inf gradients over all tensors in parallel; returns an error naming the first one found.
@@ -247,6 +284,14 @@ Status CpuAdam::streams_pass(std::span<const AdamTensor> tensors) {
     run_adam(table.streams[int(t.grad_dtype)][out_index(t)], simd::AdamConstants{}, t, offset, count);
   });
   return Status::success();
+}
+
+Status CpuAdam::accumulate(std::span<const AccumulateTensor> tensors, const AccumulateOptions& options) {
+  return impl_->accumulate(tensors, options, impl_->table->accumulate);
+}
+
+Status CpuAdam::accumulate_streams_pass(std::span<const AccumulateTensor> tensors, const AccumulateOptions& options) {
+  return impl_->accumulate(tensors, options, impl_->table->accumulate_streams);
 }
 
 }  // namespace zoe
