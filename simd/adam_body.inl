@@ -6,6 +6,8 @@
 // void store_bf16(std::uint16_t*, F); F add(F, F); F sub(F, F); F mul(F, F); F div(F, F); F sqrt(F);
 // F fma(F a, F b, F c) = a * b + c.
 //
+// Also the gradient-accumulation kernels (acc += g over micro-batches), below the Adam ones.
+//
 // Every element goes through the same vector code, the tail included (it is staged through a lane-sized
 // buffer), so results are bit-identical whatever the split of a tensor into calls.
 
@@ -223,6 +225,80 @@ double sum_squares(const void* g, std::size_t n, std::uint64_t* non_finite) {
   return total;
 }
 
+// Gradient accumulation over micro-batches. Widening f16/bf16 to float is exact and the one addition is
+// rounded once, so every ISA writes the same bits (NaN payloads aside).
+//
+// ConvertGrad widens g as the Adam kernels do. ShiftGrad, for the streams ceiling, reads the same bytes with
+// the cheapest widening there is, a 16-bit shift: bf16's conversion, and a meaningless value for f16.
+template <int G>
+struct ConvertGrad {
+  static V::F load(const void* g, std::size_t i) { return load_grad<G>(g, i); }
+};
+
+template <int G>
+struct ShiftGrad {
+  static V::F load(const void* g, std::size_t i) {
+    if constexpr (G == kF32) {
+      return V::load(static_cast<const float*>(g) + i);
+    } else {
+      return V::load_bf16(static_cast<const std::uint16_t*>(g) + i);
+    }
+  }
+};
+
+template <template <int> class Load, int G, int Mode>
+inline void accumulate_lanes(float* acc, void* g, std::size_t i) {
+  V::F x = Load<G>::load(g, i);
+  if constexpr ((Mode & kAccumulateFirst) == 0) x = V::add(V::load(acc + i), x);
+  V::store(acc + i, x);
+  // All-zero bytes are +0 in f32, f16 and bf16; a memset of a fixed size compiles to one vector store.
+  if constexpr ((Mode & kAccumulateZeroSource) != 0) {
+    __builtin_memset(static_cast<unsigned char*>(g) + i * elem_bytes(G), 0, V::lanes * elem_bytes(G));
+  }
+}
+
+// Whole vectors, then the tail through lane-sized buffers, as run() does. The first micro-batch never reads
+// acc, not even in the tail: its old contents may be anything.
+template <template <int> class Load, int G, int Mode>
+void accumulate_run(float* acc, void* g, std::size_t n) {
+  std::size_t i = 0;
+  for (; i + V::lanes <= n; i += V::lanes) accumulate_lanes<Load, G, Mode>(acc, g, i);
+  const std::size_t tail = n - i;
+  if (tail == 0) return;
+  alignas(64) float ta[V::lanes] = {}, tg[V::lanes] = {};  // tg holds lanes values of any grad type
+  unsigned char* gi = static_cast<unsigned char*>(g) + i * elem_bytes(G);
+  if constexpr ((Mode & kAccumulateFirst) == 0) copy_bytes(ta, acc + i, tail * 4);
+  copy_bytes(tg, gi, tail * elem_bytes(G));
+  accumulate_lanes<Load, G, Mode>(ta, tg, 0);
+  copy_bytes(acc + i, ta, tail * 4);
+  if constexpr ((Mode & kAccumulateZeroSource) != 0) copy_bytes(gi, tg, tail * elem_bytes(G));
+}
+
+// One instantiation per mode, chosen once per call: no per-element branch.
+template <template <int> class Load, int G>
+void accumulate_modes(float* acc, void* g, std::size_t n, int mode) {
+  switch (mode & kAccumulateModeMask) {
+    case kAccumulateAdd:
+      return accumulate_run<Load, G, kAccumulateAdd>(acc, g, n);
+    case kAccumulateFirst:
+      return accumulate_run<Load, G, kAccumulateFirst>(acc, g, n);
+    case kAccumulateZeroSource:
+      return accumulate_run<Load, G, kAccumulateZeroSource>(acc, g, n);
+    default:
+      return accumulate_run<Load, G, kAccumulateFirst | kAccumulateZeroSource>(acc, g, n);
+  }
+}
+
+template <int G>
+void accumulate(float* acc, void* g, std::size_t n, int mode) {
+  accumulate_modes<ConvertGrad, G>(acc, g, n, mode);
+}
+
+template <int G>
+void accumulate_streams(float* acc, void* g, std::size_t n, int mode) {
+  accumulate_modes<ShiftGrad, G>(acc, g, n, mode);
+}
+
 constexpr KernelTable make_table(const char* name, bool native_bf16) {
   return KernelTable{
       name,
@@ -236,5 +312,7 @@ constexpr KernelTable make_table(const char* name, bool native_bf16) {
        {streams<kBF16, kOutNone>, streams<kBF16, kOutF16>, streams<kBF16, kOutBF16>}},
       {count_non_finite<kF32>, count_non_finite<kF16>, count_non_finite<kBF16>},
       {sum_squares<kF32>, sum_squares<kF16>, sum_squares<kBF16>},
+      {accumulate<kF32>, accumulate<kF16>, accumulate<kBF16>},
+      {accumulate_streams<kF32>, accumulate_streams<kF16>, accumulate_streams<kBF16>},
   };
 }

@@ -34,6 +34,16 @@ using CountNonFiniteFn = std::size_t (*)(const void* g, std::size_t n, std::size
 // Sum of squares of the finite values of g (in double), and the count of NaN/Inf values: a gradient norm.
 using SumSquaresFn = double (*)(const void* g, std::size_t n, std::uint64_t* non_finite);
 
+// Gradient accumulation over micro-batches: bit flags, combined with |.
+enum AccumulateMode : int {
+  kAccumulateAdd = 0,         // acc[i] = acc[i] + float(g[i]): one IEEE addition, as fp32 `acc += g`
+  kAccumulateFirst = 1,       // acc[i] = float(g[i]), acc not read: the first micro-batch needs no zeroed acc
+  kAccumulateZeroSource = 2,  // and g[i] = +0 in g's dtype in the same pass: g is ready for the next micro-batch
+};
+constexpr int kAccumulateModeMask = kAccumulateFirst | kAccumulateZeroSource;
+// acc: fp32 accumulator; g: gradients of the table's grad type, written only with kAccumulateZeroSource.
+using AccumulateFn = void (*)(float* acc, void* g, std::size_t n, int mode);
+
 struct KernelTable {
   const char* name;         // the ISA token: "scalar", "avx2", "avx512"
   std::size_t lanes;        // fp32 lanes per vector
@@ -42,6 +52,8 @@ struct KernelTable {
   AdamFn streams[kElems][kElems];  // the bandwidth ceiling: same loads/stores, trivial arithmetic
   CountNonFiniteFn count_non_finite[kElems];
   SumSquaresFn sum_squares[kElems];
+  AccumulateFn accumulate[kElems];          // [grad Elem]
+  AccumulateFn accumulate_streams[kElems];  // its ceiling: the same loads and stores, g widened by a shift
 };
 
 namespace scalar { const KernelTable& table(); }

@@ -46,8 +46,27 @@ Status check_hyper(const AdamHyper& h, const StepOptions& o) {
   return Status::success();
 }
 
-// Null pointers, invalid dtypes, and overlaps between an output (p, m, v, out) and anything else, across
-// all tensors: ranges sorted by start, each compared with the furthest-reaching range before it.
+// Overlaps between an output and any other array, across all `count` tensors: ranges sorted by start, each
+// compared with the furthest-reaching range before it.
+Status check_overlaps(std::vector<ByteRange>& ranges, std::size_t count) {
+  std::sort(ranges.begin(), ranges.end(), [](const ByteRange& a, const ByteRange& b) { return a.begin < b.begin; });
+  // Among the ranges seen so far, the one reaching furthest, and the furthest-reaching output.
+  const ByteRange* reach = nullptr;
+  const ByteRange* reach_output = nullptr;
+  for (const ByteRange& r : ranges) {
+    const ByteRange* other = r.output ? reach : reach_output;
+    if (other != nullptr && other->end > r.begin) {
+      return invalid_argument(tensor_name(other->tensor, count) + " " + other->what + " overlaps " +
+                              tensor_name(r.tensor, count) + " " + r.what +
+                              ": outputs must not share memory with any other array");
+    }
+    if (reach == nullptr || r.end > reach->end) reach = &r;
+    if (r.output && (reach_output == nullptr || r.end > reach_output->end)) reach_output = &r;
+  }
+  return Status::success();
+}
+
+// Null pointers, invalid dtypes, and overlaps between an output (p, m, v, out) and anything else.
 Status check_tensors(std::span<const AdamTensor> tensors) {
   std::vector<ByteRange> ranges;
   ranges.reserve(tensors.size() * 5);
@@ -81,21 +100,40 @@ Status check_tensors(std::span<const AdamTensor> tensors) {
       ranges.push_back({begin, begin + a.bytes * t.n, i, a.what, a.output});
     }
   }
-  std::sort(ranges.begin(), ranges.end(), [](const ByteRange& a, const ByteRange& b) { return a.begin < b.begin; });
-  // Among the ranges seen so far, the one reaching furthest, and the furthest-reaching output.
-  const ByteRange* reach = nullptr;
-  const ByteRange* reach_output = nullptr;
-  for (const ByteRange& r : ranges) {
-    const ByteRange* other = r.output ? reach : reach_output;
-    if (other != nullptr && other->end > r.begin) {
-      return invalid_argument(tensor_name(other->tensor, tensors.size()) + " " + other->what + " overlaps " +
-                              tensor_name(r.tensor, tensors.size()) + " " + r.what +
-                              ": outputs must not share memory with any other array");
+  return check_overlaps(ranges, tensors.size());
+}
+
+// Null pointers with elements, invalid dtypes, and overlaps: acc is always written, grad with zero_source.
+Status check_accumulate_tensors(std::span<const AccumulateTensor> tensors, const AccumulateOptions& options) {
+  std::vector<ByteRange> ranges;
+  ranges.reserve(tensors.size() * 2);
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const AccumulateTensor& t = tensors[i];
+    const std::string name = tensor_name(i, tensors.size());
+    if (!dtype_valid(t.grad_dtype)) {
+      return invalid_argument(name + ": grad dtype " + std::to_string(int(t.grad_dtype)) + " is not f32, f16 or bf16");
     }
-    if (reach == nullptr || r.end > reach->end) reach = &r;
-    if (r.output && (reach_output == nullptr || r.end > reach_output->end)) reach_output = &r;
+    if (t.n == 0) continue;
+    if (t.acc == nullptr) return invalid_argument(name + ": acc is null with n = " + std::to_string(t.n));
+    if (t.grad == nullptr) return invalid_argument(name + ": grad is null with n = " + std::to_string(t.n));
+    const auto acc = reinterpret_cast<std::uintptr_t>(t.acc);
+    const auto grad = reinterpret_cast<std::uintptr_t>(t.grad);
+    ranges.push_back({acc, acc + 4 * t.n, i, "acc", true});
+    ranges.push_back({grad, grad + dtype_size(t.grad_dtype) * t.n, i, "grad", options.zero_source});
   }
-  return Status::success();
+  return check_overlaps(ranges, tensors.size());
+}
+
+int accumulate_mode(const AccumulateOptions& options) {
+  return (options.first ? simd::kAccumulateFirst : 0) | (options.zero_source ? simd::kAccumulateZeroSource : 0);
+}
+
+void run_adam(AdamFn fn, const simd::AdamConstants& c, const AdamTensor& t, std::size_t offset, std::size_t count) {
+  const std::size_t gsize = dtype_size(t.grad_dtype);
+  const std::size_t osize = t.out == nullptr ? 0 : dtype_size(t.out_dtype);
+  fn(c, t.param + offset, t.exp_avg + offset, t.exp_avg_sq + offset,
+     static_cast<const unsigned char*>(t.grad) + offset * gsize,
+     t.out == nullptr ? nullptr : static_cast<unsigned char*>(t.out) + offset * osize, count);
 }
 
 simd::AdamConstants constants(const AdamHyper& h, const StepOptions& o) {
@@ -129,11 +167,11 @@ struct CpuAdam::Impl {
   std::size_t tile;
   PinnedArena arena;
 
-  // Applies kernel(table, tensor) to every element of every tensor: the elements are numbered across the
-  // tensors in order and cut into tiles of `tile` elements, so many small tensors share a tile and a large
-  // one is split. Elements are independent, which makes the result independent of the cut.
-  template <typename KernelOf>
-  void for_each_tile(std::span<const AdamTensor> tensors, const simd::AdamConstants& c, KernelOf kernel_of) {
+  // Calls piece(tensor, offset, count) over every element of every tensor: the elements are numbered across
+  // the tensors in order and cut into tiles of `tile` elements, so many small tensors share a tile and a
+  // large one is split. Elements are independent, which makes the result independent of the cut.
+  template <typename Tensor, typename Piece>
+  void for_each_tile(std::span<const Tensor> tensors, Piece piece) {
     std::vector<std::size_t> starts(tensors.size() + 1, 0);
     for (std::size_t i = 0; i < tensors.size(); ++i) starts[i + 1] = starts[i] + tensors[i].n;
     const std::size_t total = starts.back();
@@ -145,22 +183,26 @@ struct CpuAdam::Impl {
         const std::size_t end = std::min(total, begin + tile);
         std::size_t i = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
         while (begin < end) {
-          const AdamTensor& t = tensors[i];
-          const std::size_t offset = begin - starts[i];
           const std::size_t count = std::min(end, starts[i + 1]) - begin;
-          if (count != 0) {
-            const std::size_t gsize = dtype_size(t.grad_dtype);
-            const std::size_t osize = t.out == nullptr ? 0 : dtype_size(t.out_dtype);
-            kernel_of(t)(c, t.param + offset, t.exp_avg + offset, t.exp_avg_sq + offset,
-                         static_cast<const unsigned char*>(t.grad) + offset * gsize,
-                         t.out == nullptr ? nullptr : static_cast<unsigned char*>(t.out) + offset * osize, count);
-          }
+          if (count != 0) piece(tensors[i], begin - starts[i], count);
           begin += count;
           ++i;
         }
       }
     };
     arena.execute([&] { tbb::parallel_for(tbb::blocked_range<std::size_t>(0, tiles, 1), body, tbb::simple_partitioner()); });
+  }
+
+  // `kernels` is the table's accumulate or accumulate_streams row.
+  Status accumulate(std::span<const AccumulateTensor> tensors, const AccumulateOptions& options,
+                    const simd::AccumulateFn (&kernels)[simd::kElems]) {
+    if (Status s = check_accumulate_tensors(tensors, options); !s.ok()) return s;
+    const int mode = accumulate_mode(options);
+    for_each_tile(tensors, [&](const AccumulateTensor& t, std::size_t offset, std::size_t count) {
+      kernels[int(t.grad_dtype)](t.acc + offset, static_cast<unsigned char*>(t.grad) + offset * dtype_size(t.grad_dtype),
+                                 count, mode);
+    });
+    return Status::success();
   }
 
   // Counts NaN/Inf gradients over all tensors in parallel; returns an error naming the first one found.
@@ -219,8 +261,10 @@ Status CpuAdam::step(const AdamHyper& hyper, const StepOptions& options, std::sp
     if (Status s = impl_->check_finite(tensors); !s.ok()) return s;
   }
   const KernelTable& table = *impl_->table;
-  impl_->for_each_tile(tensors, constants(hyper, options),
-                       [&](const AdamTensor& t) { return table.adam[int(t.grad_dtype)][out_index(t)]; });
+  const simd::AdamConstants c = constants(hyper, options);
+  impl_->for_each_tile(tensors, [&](const AdamTensor& t, std::size_t offset, std::size_t count) {
+    run_adam(table.adam[int(t.grad_dtype)][out_index(t)], c, t, offset, count);
+  });
   return Status::success();
 }
 
@@ -236,9 +280,18 @@ void CpuAdam::parallel_for(std::size_t n, const std::function<void(std::size_t)>
 Status CpuAdam::streams_pass(std::span<const AdamTensor> tensors) {
   if (Status s = check_tensors(tensors); !s.ok()) return s;
   const KernelTable& table = *impl_->table;
-  impl_->for_each_tile(tensors, simd::AdamConstants{},
-                       [&](const AdamTensor& t) { return table.streams[int(t.grad_dtype)][out_index(t)]; });
+  impl_->for_each_tile(tensors, [&](const AdamTensor& t, std::size_t offset, std::size_t count) {
+    run_adam(table.streams[int(t.grad_dtype)][out_index(t)], simd::AdamConstants{}, t, offset, count);
+  });
   return Status::success();
+}
+
+Status CpuAdam::accumulate(std::span<const AccumulateTensor> tensors, const AccumulateOptions& options) {
+  return impl_->accumulate(tensors, options, impl_->table->accumulate);
+}
+
+Status CpuAdam::accumulate_streams_pass(std::span<const AccumulateTensor> tensors, const AccumulateOptions& options) {
+  return impl_->accumulate(tensors, options, impl_->table->accumulate_streams);
 }
 
 }  // namespace zoe

@@ -47,6 +47,20 @@ struct StepOptions {
   bool check_finite = false; // true: refuse the step if any gradient is NaN/Inf, changing nothing
 };
 
+// One fp32 accumulator and the micro-batch gradient added into it (gradient accumulation on the host).
+// `grad` is written only with AccumulateOptions::zero_source. acc must not overlap any grad or other acc.
+struct AccumulateTensor {
+  float* acc = nullptr;
+  void* grad = nullptr;
+  DType grad_dtype = DType::f32;
+  std::size_t n = 0;
+};
+
+struct AccumulateOptions {
+  bool first = false;        // the first micro-batch: acc = grad; acc's old contents are never read
+  bool zero_source = false;  // also set grad to +0 (in its dtype) in the same pass, ready for the next one
+};
+
 // Instruction sets with an Adam kernel, in priority order (best first).
 enum class Isa { avx512, avx2, scalar };
 std::string_view isa_name(Isa isa);
@@ -77,6 +91,18 @@ class CpuAdam {
   // The bandwidth ceiling of `step`: the same loads and stores per element over the same tensors, threads
   // and tiles, with trivial arithmetic. It overwrites the tensors' state; benchmarks compare against it.
   Status streams_pass(std::span<const AdamTensor> tensors);
+
+  // Gradient accumulation: acc[i] = acc[i] + float(grad[i]), one fp32 addition rounded once, exactly what
+  // fp32 `acc += grad` gives (or acc[i] = float(grad[i]) for the first micro-batch), tiled over this
+  // engine's threads like step(): bit-identical for any thread count and tile. NaN/Inf propagate as in
+  // IEEE addition. A refused call changes nothing.
+  Status accumulate(std::span<const AccumulateTensor> tensors, const AccumulateOptions& options = {});
+  Status accumulate(const AccumulateTensor& tensor, const AccumulateOptions& options = {}) {
+    return accumulate(std::span<const AccumulateTensor>(&tensor, 1), options);
+  }
+  // The bandwidth ceiling of `accumulate`: the same loads and stores per element, tiles and threads, with
+  // the cheapest widening of the gradient (its values are wrong for f16). For benchmarks.
+  Status accumulate_streams_pass(std::span<const AccumulateTensor> tensors, const AccumulateOptions& options = {});
 
   // Runs body(i) for every i in [0, n) on this engine's threads (one i per task) and returns when all are
   // done: passes over host memory that belong beside the step (the gradients' NaN/Inf check and norm).

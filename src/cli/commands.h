@@ -5,6 +5,7 @@
 
 namespace zoe::cli {
 
+int bench_accumulate(std::span<char* const> args);
 int bench_adam(std::span<char* const> args);
 int bench_nvme(std::span<char* const> args);
 int bench_step(std::span<char* const> args);

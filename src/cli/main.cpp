@@ -29,6 +29,7 @@ int info(std::span<char* const>) {
 
 const Command kCommands[] = {
     {"bench", "adam", zoe::cli::bench_adam, "CPU Adam step throughput against its streams ceiling"},
+    {"bench", "accumulate", zoe::cli::bench_accumulate, "gradient accumulation (acc += g) against its streams ceiling"},
     {"bench", "step", zoe::cli::bench_step, "whole offloaded training iterations against the device's compute"},
 #ifdef ZOE_HAVE_AIO
     {"bench", "nvme", zoe::cli::bench_nvme, "one optimizer step streamed from NVMe against raw O_DIRECT I/O"},
@@ -43,7 +44,7 @@ void usage(std::FILE* out) {
     char name[32];
     std::snprintf(name, sizeof name, "%s%s%s", std::string(c.group).c_str(), c.group.empty() ? "" : " ",
                   std::string(c.name).c_str());
-    std::fprintf(out, "  %-14s %s\n", name, std::string(c.summary).c_str());
+    std::fprintf(out, "  %-16s %s\n", name, std::string(c.summary).c_str());
   }
 }
 

@@ -29,6 +29,13 @@ def has_aio() -> bool:
     (["bench", "adam", "--n", "1K", "--out", ""], "--out is empty"),
     (["bench", "adam", "--n", "1K", "--tensors", "0"], "--tensors 0"),
     (["bench", "adam", "--n", "1K", "--tile", "0"], "tile = 0"),
+    (["bench", "accumulate", "--n", "0"], "--n 0"),
+    (["bench", "accumulate", "--n", "0", "--json"], "--n 0"),
+    (["bench", "accumulate", "--n", "1K", "--reps", "0"], "--reps 0"),
+    (["bench", "accumulate", "--n", "1K", "--isa", ""], "--isa is empty"),
+    (["bench", "accumulate", "--n", "1K", "--grad", ""], "--grad is empty"),
+    (["bench", "accumulate", "--n", "1K", "--mode", ""], "--mode is empty"),
+    (["bench", "accumulate", "--n", "1K", "--tile", "0"], "tile = 0"),
     (["bench", "step", "--n", "0"], "--n 0"),
     (["bench", "step", "--n", "1K", "--buckets", "0"], "--buckets 0"),
     (["bench", "step", "--n", "4", "--buckets", "5"], "--buckets 5 is more than --n 4"),
@@ -65,6 +72,19 @@ def test_bench_adam_smallest_input_gives_finite_numbers():
     row = json.loads(r.stdout)
     for key in ("median_s", "params_per_s", "gbps", "ceiling_gbps", "ratio"):
         assert isinstance(row[key], (int, float)) and math.isfinite(row[key]) and row[key] > 0, (key, row)
+
+
+def test_bench_accumulate_smallest_input_gives_finite_numbers_for_every_mode():
+    r = zoe("bench", "accumulate", "--n", "1", "--reps", "1", "--grad", "f32,bf16",
+            "--mode", "add,add_zero,first,first_zero", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [(row["grad"], row["mode"]) for row in rows] == [
+        (g, m) for g in ("f32", "bf16") for m in ("add", "add_zero", "first", "first_zero")]
+    for row in rows:
+        assert row["bench"] == "accumulate"
+        for key in ("median_s", "params_per_s", "gbps", "ceiling_gbps", "ratio"):
+            assert isinstance(row[key], (int, float)) and math.isfinite(row[key]) and row[key] > 0, (key, row)
 
 
 def test_probe_reports_a_killed_runs_swap_store_with_the_command_that_removes_it(tmp_path):

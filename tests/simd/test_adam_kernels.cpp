@@ -11,6 +11,7 @@
 #include "simd/dispatch.h"
 #include "simd/kernels.h"
 #include "tests/reference.h"
+#include "tests/simd/kernel_variants.h"
 
 namespace zoe::simd {
 namespace {
@@ -21,26 +22,9 @@ using test::RefState;
 
 constexpr int kSteps = 20;
 
-// The kernel tables to test: each ISA, and for avx512 both bf16 variants where the CPU runs them.
-struct Variant {
-  const char* token;
-  Isa isa;
-  const KernelTable& (*table)();
-  bool needs_native_bf16;
-};
-
-const Variant kVariants[] = {
-    {"scalar", Isa::scalar, scalar::table, false},
-    {"avx2", Isa::avx2, avx2::table, false},
-    {"avx512", Isa::avx512, avx512::table, false},
-    {"avx512bf16", Isa::avx512, avx512bf16::table, true},
-};
-
-std::string skip_reason(const Variant& v) {
-  if (!isa_supported(v.isa)) return std::string("this CPU cannot run ") + v.token + " code";
-  if (v.needs_native_bf16 && !cpu_features().avx512bf16) return "this CPU lacks AVX512_BF16";
-  return {};
-}
+using test::kVariants;
+using test::Variant;
+using test::skip_reason;
 
 using Param = std::tuple<int /*variant*/, DType /*grad*/, int /*OutElem*/>;
 
@@ -177,7 +161,7 @@ std::string param_name(const ::testing::TestParamInfo<Param>& info) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, AdamKernel,
-                         ::testing::Combine(::testing::Range(0, 4),
+                         ::testing::Combine(::testing::Range(0, test::kVariantCount),
                                             ::testing::Values(DType::f32, DType::f16, DType::bf16),
                                             ::testing::Values(int(kOutNone), int(kOutF16), int(kOutBF16))),
                          param_name);
@@ -282,7 +266,7 @@ TEST_P(KernelTableTest, SumsSquaresOfFiniteGradients) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(AllIsas, KernelTableTest, ::testing::Range(0, 4),
+INSTANTIATE_TEST_SUITE_P(AllIsas, KernelTableTest, ::testing::Range(0, test::kVariantCount),
                          [](const ::testing::TestParamInfo<int>& i) { return std::string(kVariants[i.param].token); });
 
 }  // namespace
