@@ -358,6 +358,15 @@ Status CudaDevice::copy_on_device(void* dst, const void* src, std::size_t bytes,
                "cudaMemcpyAsync", "copy_on_device on the " + std::string(stream_name(stream)));
 }
 
+Status CudaDevice::fill_zero(void* device, std::size_t bytes, Stream stream) {
+  if (Status st = check_stream(stream, "fill_zero"); !st.ok()) return st;
+  if (bytes == 0) return {};
+  if (device == nullptr) return invalid_argument("fill_zero: null pointer for " + std::to_string(bytes) + " bytes");
+  if (Status st = make_current(); !st.ok()) return st;
+  return check(cudaMemsetAsync(device, 0, bytes, streams_[stream_index(stream)]), "cudaMemsetAsync",
+               "fill_zero on the " + std::string(stream_name(stream)));
+}
+
 Status CudaDevice::grad_stats(const void* device, DType dtype, std::size_t n, GradStats* out, Stream stream) {
   if (Status st = check_stream(stream, "grad_stats"); !st.ok()) return st;
   if (!dtype_valid(dtype)) return invalid_argument("grad_stats: invalid dtype " + std::to_string(int(dtype)));

@@ -57,6 +57,7 @@ class CudaDevice final : public Device {
   Status copy_to_host(void* host, const void* device, std::size_t bytes, Stream stream) override;
   Status copy_to_device(void* device, const void* host, std::size_t bytes, Stream stream) override;
   Status copy_on_device(void* dst, const void* src, std::size_t bytes, Stream stream) override;
+  Status fill_zero(void* device, std::size_t bytes, Stream stream) override;
   // `device` must be aligned to the element size of `dtype`. The result's bits depend only on the values, n
   // and the address modulo 16, not on the GPU or the run.
   Status grad_stats(const void* device, DType dtype, std::size_t n, GradStats* out, Stream stream) override;

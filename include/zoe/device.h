@@ -45,6 +45,8 @@ class Device {
   virtual Status copy_to_host(void* host, const void* device, std::size_t bytes, Stream stream) = 0;
   virtual Status copy_to_device(void* device, const void* host, std::size_t bytes, Stream stream) = 0;
   virtual Status copy_on_device(void* dst, const void* src, std::size_t bytes, Stream stream) = 0;
+  // Sets `bytes` of device memory to zero (gradient buffers between micro-batches).
+  virtual Status fill_zero(void* device, std::size_t bytes, Stream stream) = 0;
   // Fills *out (host memory) with the sum of squares and NaN/Inf count of n gradients in device memory.
   virtual Status grad_stats(const void* device, DType dtype, std::size_t n, GradStats* out, Stream stream) = 0;
   // Keeps `stream` busy for `seconds`: the forward/backward of benchmarks and tests.

@@ -83,6 +83,15 @@ struct OffloadOptions {
   // with a GPU; in place, on the CPU Adam engine's threads at memory speed), and in the overlap schedule an
   // undo copy of what is stepped speculatively.
   bool refuse_non_finite = true;
+  // Gradient accumulation: micro-batches per step (DeepSpeed: gradient_accumulation_steps). With k > 1 the
+  // trainer calls grad_ready(i) once per micro-batch for every parameter (all schedules); the first k-1 add
+  // that micro-batch's gradient into an fp32 accumulator on the host and zero the device's buffer for the
+  // next one; the k-th adds the last and writes the sum, rounded to the parameter's dtype, back into the
+  // device's buffer, so that the trainer sees the whole step's gradient there. step() steps the fp32 sum —
+  // or, after grads_changed(), the device's buffer as the trainer left it. A parameter reported fewer
+  // than k times has its last micro-batch taken at step(). overlap steps speculatively only on the k-th
+  // report. Costs 4 bytes per parameter of host RAM (8 with the delayed schedule).
+  int gradient_accumulation_steps = 1;
   std::size_t tile = 1 << 20;          // elements per unit of pipelined work. DeepSpeed's sub_group_size is larger
   CpuAdamOptions cpu;
 };
@@ -135,7 +144,9 @@ class OffloadOptimizer {
   ~OffloadOptimizer();
 
   // The trainer calls this (overlap schedule) once a parameter's gradient is final for this iteration,
-  // after enqueueing the work that produces it on the device's compute stream. Other schedules ignore it.
+  // after enqueueing the work that produces it on the device's compute stream. Other schedules ignore it —
+  // unless gradients are accumulated (OffloadOptions::gradient_accumulation_steps), where every schedule
+  // takes each micro-batch's gradient when it is reported.
   Status grad_ready(std::size_t param);
   // Ends the iteration: every gradient is final. Applies the step (or, delayed, starts it) and leaves the
   // updated weights on the device — after wait() for the delayed schedule's previous step. Tier nvme: a

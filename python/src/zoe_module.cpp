@@ -169,6 +169,7 @@ struct EngineOptions {
   std::string nvme_durability = "step";
   std::string schedule = "sync";
   int delayed_warmup_steps = 10;
+  int gradient_accumulation_steps = 1;
   float max_grad_norm = 0;
   bool refuse_non_finite = true;
   bool loss_scale = false;
@@ -202,6 +203,7 @@ OffloadOptions to_options(const EngineOptions& e) {
   if (!schedule.ok()) throw std::invalid_argument(schedule.status().message());
   o.schedule = schedule.value();
   o.delayed_warmup_steps = e.delayed_warmup_steps;
+  o.gradient_accumulation_steps = e.gradient_accumulation_steps;
   o.max_grad_norm = e.max_grad_norm;
   o.refuse_non_finite = e.refuse_non_finite;
   LossScaleOptions& ls = o.loss_scale;
@@ -318,6 +320,7 @@ nb::dict config_dict(const LoadedConfig& c) {
   opts["nvme_durability"] = std::string(durability_name(o.nvme.durability));
   opts["schedule"] = std::string(schedule_name(o.schedule));
   opts["delayed_warmup_steps"] = o.delayed_warmup_steps;
+  opts["gradient_accumulation_steps"] = o.gradient_accumulation_steps;
   opts["max_grad_norm"] = o.max_grad_norm;
   opts["refuse_non_finite"] = o.refuse_non_finite;
   opts["loss_scale"] = o.loss_scale.enabled;
@@ -383,6 +386,7 @@ void bind_engine(nb::module_& m) {
       .def_rw("nvme_durability", &EngineOptions::nvme_durability)
       .def_rw("schedule", &EngineOptions::schedule)
       .def_rw("delayed_warmup_steps", &EngineOptions::delayed_warmup_steps)
+      .def_rw("gradient_accumulation_steps", &EngineOptions::gradient_accumulation_steps)
       .def_rw("max_grad_norm", &EngineOptions::max_grad_norm)
       .def_rw("refuse_non_finite", &EngineOptions::refuse_non_finite)
       .def_rw("loss_scale", &EngineOptions::loss_scale)

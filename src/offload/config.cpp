@@ -189,11 +189,11 @@ Status Parser::get_int(const Json& v, const std::string& path, std::int64_t lo, 
 
 Status Parser::run(const Json& root) {
   if (!root.is_object()) return invalid_argument(source_ + ": the top level must be a JSON object, not " + show(root));
-  constexpr std::string_view kTrainer = "batch sizes and gradient accumulation are the trainer's; zoe steps once per step() call";
-  check_keys(root, "", {"optimizer", "gradient_clipping", "fp16", "bf16", "zero_optimization", "aio", "zoe"},
+  constexpr std::string_view kTrainer = "batch sizes are the trainer's; zoe steps once per step() call";
+  check_keys(root, "", {"optimizer", "gradient_clipping", "gradient_accumulation_steps", "fp16", "bf16",
+                        "zero_optimization", "aio", "zoe"},
              {{"train_batch_size", kTrainer},
               {"train_micro_batch_size_per_gpu", kTrainer},
-              {"gradient_accumulation_steps", kTrainer},
               {"scheduler", "learning-rate schedules are the trainer's: change group_hyper(g).lr between steps"},
               {"steps_per_print", "DeepSpeed engine logging; zoe reports through StepStats"},
               {"wall_clock_breakdown", "DeepSpeed engine logging; zoe reports through StepStats"},
@@ -208,6 +208,11 @@ Status Parser::run(const Json& root) {
     if (Status st = optimizer(*s); !st.ok()) return st;
   }
   if (Status st = get(root, "", "gradient_clipping", kNonNegative, &out_->options.max_grad_norm); !st.ok()) return st;
+  if (Status st = get(root, "", "gradient_accumulation_steps", 1, std::numeric_limits<int>::max(),
+                      &out_->options.gradient_accumulation_steps);
+      !st.ok()) {
+    return st;
+  }
   if (Status st = section(root, "", "fp16", &s); !st.ok()) return st;
   if (s != nullptr) {
     if (Status st = fp16(*s); !st.ok()) return st;

@@ -69,6 +69,10 @@ class HostDevice final : public Device {
     return enqueue(stream, [=] { std::memmove(dst, src, bytes); });
   }
 
+  Status fill_zero(void* device, std::size_t bytes, Stream stream) override {
+    return enqueue(stream, [=] { std::memset(device, 0, bytes); });
+  }
+
   Status grad_stats(const void* device, DType dtype, std::size_t n, GradStats* out, Stream stream) override {
     if (!dtype_valid(dtype)) return invalid_argument("grad_stats: invalid dtype");
     return enqueue(stream, [=] { *out = host_grad_stats(device, dtype, n); });

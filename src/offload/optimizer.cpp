@@ -89,6 +89,10 @@ Status check_inputs(const std::vector<ParamGroup>& groups, const std::vector<Par
     }
   }
   if (options.delayed_warmup_steps < 0) return invalid_argument("delayed_warmup_steps must be >= 0");
+  if (options.gradient_accumulation_steps < 1) {
+    return invalid_argument("gradient_accumulation_steps = " + std::to_string(options.gradient_accumulation_steps) +
+                            " is invalid: need >= 1 (micro-batches per step)");
+  }
   return Status::success();
 }
 
@@ -133,6 +137,16 @@ Status OffloadOptimizer::grad_ready(std::size_t param) {
                             std::to_string(count) + " parameters)");
   }
   if (m.partition) return Status::success();  // sync: every gradient is taken at step()
+  if (m.accumulates()) {
+    const int k = m.options.gradient_accumulation_steps;
+    if (m.reports[param] >= k) {
+      return invalid_argument("grad_ready: parameter " + std::to_string(param) + " reported " + std::to_string(k + 1) +
+                              " times in one step, but gradient_accumulation_steps = " + std::to_string(k));
+    }
+    const bool last = ++m.reports[param] == k;
+    if (Status s = m.add_micro_batch(param, m.schedule->current_set(), last); !s.ok()) return s;
+    if (!last) return Status::success();
+  }
   return m.schedule->grad_ready(param);
 }
 
@@ -145,7 +159,11 @@ Status OffloadOptimizer::step() {
     if (s.ok()) s = m.schedule->step();
     if (s.ok() && !m.last_skipped) s = m.partition_gather_weights();
   } else {
-    s = m.schedule->step();
+    const int set = m.schedule->current_set();
+    s = m.finish_accumulation(set);
+    if (s.ok()) s = m.schedule->step();
+    // The sums were read (delayed: the background step reads the other set's); the next step starts anew.
+    m.reset_accumulation(m.schedule->current_set());
   }
   ++m.step_calls;
   m.stats_.step_call_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -160,6 +178,7 @@ Status OffloadOptimizer::wait() {
 
 Status OffloadOptimizer::grads_changed() {
   impl_->grads_reduced = false;
+  impl_->drop_accumulation(impl_->schedule->current_set());
   impl_->schedule->retake();
   return Status::success();
 }

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "src/aligned_buffer.h"
 #include "src/offload/loss_scaler.h"
 #include "zoe/offload.h"
 #include "zoe/partition.h"
@@ -66,6 +67,8 @@ class StepSchedule {
   virtual Status grad_ready(std::size_t param) = 0;
   virtual Status step() = 0;
   virtual Status wait() { return Status::success(); }  // work in flight (the delayed background step)
+  // The staging set this iteration's gradients go to (delayed alternates two).
+  virtual int current_set() const { return 0; }
   // Every gradient of this iteration down with its statistics complete; returns the staging set they are
   // in. step() then takes them no more, unless retake() is called.
   virtual Result<int> take_grads() = 0;
@@ -137,6 +140,32 @@ struct OffloadOptimizer::Impl {
   void* grad_of(std::size_t i, int set) {
     if (in_place) return const_cast<void*>(params[i].device_grads);
     return static_cast<unsigned char*>(grad_staging[set]) + grad_offsets[i];
+  }
+  // Gradient accumulation (accumulation.cpp; OffloadOptions::gradient_accumulation_steps): per staging set,
+  // the fp32 sums of the micro-batches and how many each parameter's holds (0: the step reads the device's
+  // gradient as without accumulation); reports per parameter in this iteration.
+  AlignedBuffer accum[2];
+  std::vector<int> added[2];
+  std::vector<int> reports;
+  bool accumulates() const { return options.gradient_accumulation_steps > 1; }
+  bool in_accum(std::size_t i, int set) const { return !added[set].empty() && added[set][i] > 0; }
+  Status allocate_accumulation();
+  // A micro-batch's gradient of parameter i reported final: added into accum[set]; the device's buffer is
+  // zeroed (not the last) or receives the rounded sum (the last).
+  Status add_micro_batch(std::size_t i, int set, bool last);
+  // At step(): the last micro-batch of every parameter reported fewer than k times is added.
+  Status finish_accumulation(int set);
+  // The trainer changed the device's gradients: they, not the sums, are this step's.
+  void drop_accumulation(int set);
+  void reset_accumulation(int set);
+  // The gradient the step reads for parameter i: its fp32 sum, or the staged / in-place copy.
+  const void* step_grad(std::size_t i, int set, DType* dtype) {
+    if (in_accum(i, set)) {
+      *dtype = DType::f32;
+      return accum[set].as<float>() + offsets[i];
+    }
+    *dtype = params[i].dtype;
+    return grad_of(i, set);
   }
   void* weights_of(std::size_t i) {
     if (in_place) return params[i].device_weights;

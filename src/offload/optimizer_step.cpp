@@ -77,6 +77,7 @@ Status OffloadOptimizer::Impl::allocate() {
   Result<void*> w = device.allocate_host(in_place ? 1 : std::max<std::size_t>(weight_offsets.back(), 1));
   if (!w.ok()) return w.status();
   weight_staging = w.value();
+  if (Status s = allocate_accumulation(); !s.ok()) return s;
   if (options.tier == Tier::nvme) {
     Result<std::unique_ptr<StateTier>> made = make_nvme_tier(*this, kStoreName);
     if (!made.ok()) return made.status();
@@ -107,17 +108,23 @@ Status OffloadOptimizer::Impl::enqueue_d2h(std::size_t i, int set, const PieceDo
   if (!produced.ok()) return produced.status();
   if (Status s = device.wait(Stream::d2h, produced.value()); !s.ok()) return s;
   const std::size_t elem = dtype_size(p.dtype);
+  // Accumulated: the step reads the fp32 sum on the host; its statistics are taken there.
+  const bool summed = in_accum(i, set);
   for (std::size_t k = first_piece[i]; k < first_piece[i + 1]; ++k) {
     const std::size_t at = pieces[k].begin * elem, bytes = pieces[k].n * elem;
     const void* from = static_cast<const unsigned char*>(p.device_grads) + at;
-    if (!in_place) {
-      void* to = static_cast<unsigned char*>(grad_of(i, set)) + at;
-      if (Status s = device.copy_to_host(to, from, bytes, Stream::d2h); !s.ok()) return s;
-    }
-    if (need_stats) {
-      if (Status s = device.grad_stats(from, p.dtype, pieces[k].n, &stats[set][k], Stream::d2h); !s.ok()) return s;
+    if (summed) {
+      stats[set][k] = host_grad_stats(accum[set].as<float>() + offsets[i] + pieces[k].begin, DType::f32, pieces[k].n);
     } else {
-      stats[set][k] = GradStats{};
+      if (!in_place) {
+        void* to = static_cast<unsigned char*>(grad_of(i, set)) + at;
+        if (Status s = device.copy_to_host(to, from, bytes, Stream::d2h); !s.ok()) return s;
+      }
+      if (need_stats) {
+        if (Status s = device.grad_stats(from, p.dtype, pieces[k].n, &stats[set][k], Stream::d2h); !s.ok()) return s;
+      } else {
+        stats[set][k] = GradStats{};
+      }
     }
     if (on_piece) {
       Result<EventId> copied = device.record(Stream::d2h);
@@ -125,7 +132,7 @@ Status OffloadOptimizer::Impl::enqueue_d2h(std::size_t i, int set, const PieceDo
       if (Status s = on_piece(k, copied.value()); !s.ok()) return s;
     }
   }
-  if (!in_place) stats_.d2h_bytes += staging_bytes(p);
+  if (!in_place && !summed) stats_.d2h_bytes += staging_bytes(p);
   return Status::success();
 }
 
@@ -143,9 +150,10 @@ Status OffloadOptimizer::Impl::grad_stats_in_place(int set) {
   }
   adam.parallel_for(pieces.size(), [&](std::size_t k) {
     const Piece& piece = pieces[k];
-    const ParamSpec& p = params[piece.param];
-    const void* grad = static_cast<const unsigned char*>(p.device_grads) + piece.begin * dtype_size(p.dtype);
-    out[k] = need_norm ? host_grad_stats(grad, p.dtype, piece.n) : host_non_finite(grad, p.dtype, piece.n);
+    DType dtype;
+    const void* grad = step_grad(piece.param, set, &dtype);
+    grad = static_cast<const unsigned char*>(grad) + piece.begin * dtype_size(dtype);
+    out[k] = need_norm ? host_grad_stats(grad, dtype, piece.n) : host_non_finite(grad, dtype, piece.n);
   });
   return Status::success();
 }

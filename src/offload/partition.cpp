@@ -38,6 +38,10 @@ Status OffloadOptimizer::Impl::partition_gather_weights() {
 Result<OffloadOptimizer> OffloadOptimizer::create(Device& device, std::vector<ParamGroup> groups,
                                                   std::vector<ParamSpec> params, const OffloadOptions& options,
                                                   Collectives* comm) {
+  if (comm != nullptr && comm->world() > 1 && options.gradient_accumulation_steps > 1) {
+    return Status(StatusCode::unsupported, "a partitioned optimizer does not accumulate micro-batches on the host yet: "
+                  "accumulate them in the device's gradients and report each step once (gradient_accumulation_steps = 1)");
+  }
   if (comm == nullptr || comm->world() == 1) return create(device, std::move(groups), std::move(params), options);
   if (Status s = check_inputs(groups, params, options); !s.ok()) return s;
   if (options.schedule != Schedule::sync) {

@@ -54,6 +54,8 @@ class DelayedSchedule final : public StepSchedule {
     return grad_set_;
   }
 
+  int current_set() const override { return grad_set_; }
+
   void retake() override {
     retake_ = true;
     taken_ = false;

@@ -43,7 +43,9 @@ class NvmeTier final : public StateTier {
     for (std::size_t i = 0; i < m_.params.size(); ++i) {
       const ParamSpec& p = m_.params[i];
       if (p.n == 0) continue;
-      segments.push_back({m_.offsets[i], p.n, &hyper[p.group].hyper, m_.grad_of(i, set), p.dtype, m_.weights_of(i), p.dtype});
+      DType grad_dtype;
+      const void* grad = m_.step_grad(i, set, &grad_dtype);
+      segments.push_back({m_.offsets[i], p.n, &hyper[p.group].hyper, grad, grad_dtype, m_.weights_of(i), p.dtype});
     }
     StepOptions o;
     o.step = m_.step_count.load() + 1;

@@ -107,14 +107,12 @@ class RamTier final : public StateTier {
  private:
   AdamTensor tensor(const Piece& k, int set) {
     const ParamSpec& p = m_.params[k.param];
-    const std::size_t elem = dtype_size(p.dtype);
     const PieceState st = piece(k);
     AdamTensor t;
     t.param = st.p;
     t.exp_avg = st.m;
     t.exp_avg_sq = st.v;
-    t.grad = static_cast<unsigned char*>(m_.grad_of(k.param, set)) + k.begin * elem;
-    t.grad_dtype = p.dtype;
+    t.grad = static_cast<const unsigned char*>(m_.step_grad(k.param, set, &t.grad_dtype)) + k.begin * dtype_size(t.grad_dtype);
     t.out = p.dtype == DType::f32 ? nullptr : static_cast<unsigned char*>(m_.weights_of(k.param)) + k.begin * 2;
     t.out_dtype = p.dtype == DType::f32 ? DType::bf16 : p.dtype;
     t.n = k.n;

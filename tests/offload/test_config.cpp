@@ -101,7 +101,7 @@ TEST(Config, DeepSpeedExampleValues) {
 
 TEST(Config, DeepSpeedExampleNotes) {
   const LoadedConfig c = parse_ok(kDeepSpeedExample);
-  for (const char* key : {"'train_batch_size'", "'gradient_accumulation_steps'", "'zero_optimization.sub_group_size'",
+  for (const char* key : {"'train_batch_size'", "'zero_optimization.sub_group_size'",
                           "'zero_optimization.offload_optimizer.pipeline_read'",
                           "'zero_optimization.offload_optimizer.pipeline_write'",
                           "'zero_optimization.offload_optimizer.fast_init'",
@@ -110,8 +110,17 @@ TEST(Config, DeepSpeedExampleNotes) {
     const std::string n = note_about(c, key);
     EXPECT_NE(n.find("test.json"), std::string::npos) << n;
   }
-  EXPECT_EQ(c.notes.size(), 11u) << all_notes(c);  // stage 2, pin_memory true, matching values: nothing to say
+  EXPECT_EQ(c.notes.size(), 10u) << all_notes(c);  // stage 2, pin_memory true, matching values: nothing to say
+  EXPECT_EQ(c.options.gradient_accumulation_steps, 1);
   EXPECT_EQ(all_notes(c).find("unknown key"), std::string::npos) << all_notes(c);
+}
+
+TEST(Config, GradientAccumulationStepsIsRead) {
+  EXPECT_EQ(parse_ok(R"({"gradient_accumulation_steps": 8})").options.gradient_accumulation_steps, 8);
+  for (const char* bad : {R"({"gradient_accumulation_steps": 0})", R"({"gradient_accumulation_steps": 2.5})",
+                          R"({"gradient_accumulation_steps": "4"})"}) {
+    EXPECT_FALSE(parse_config(bad, "test.json").ok()) << bad;
+  }
 }
 
 TEST(Config, EmptyObjectGivesZoeDefaults) {

@@ -57,6 +57,21 @@ TEST_F(NvmeTier, ChangedGradsAreTakenAgain) {
   }
 }
 
+// Accumulated micro-batches: the swap store's step reads the fp32 sums as tier ram's does.
+TEST_F(NvmeTier, AccumulationEqualsRam) {
+  OffloadOptions o;
+  o.gradient_accumulation_steps = 2;
+  test::Trainer ram(Schedule::sync, DType::bf16, o, 0);
+  ram.run_accumulating(1, 4, 2, test::random_grads(1e-2));
+  const test::RunResult reference = ram.result();
+  for (Schedule schedule : {Schedule::sync, Schedule::overlap}) {
+    SCOPED_TRACE(std::string(schedule_name(schedule)));
+    test::Trainer trainer(schedule, DType::bf16, nvme(o), 0);
+    trainer.run_accumulating(1, 4, 2, test::random_grads(1e-2));
+    test::expect_bitwise_equal(reference, trainer.result());
+  }
+}
+
 TEST_F(NvmeTier, EveryScheduleEqualsRamSyncBitwise) {
   OffloadOptions o;
   o.loss_scale.enabled = true;

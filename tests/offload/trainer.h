@@ -164,6 +164,35 @@ class Trainer {
     }
   }
 
+  // Iterations of k micro-batches (OffloadOptions::gradient_accumulation_steps = k): micro-batch j of
+  // iteration t writes the gradients grads(t * 100 + j) — into buffers the optimizer zeroed after the
+  // previous micro-batch, so writing equals a backward's accumulating — and reports the parameters that
+  // `reports(param, j)` picks (all by default).
+  void run_accumulating(int first, int last, int k, const GradFn& grads, const AfterBackward& after_backward = nullptr,
+                        const std::function<bool(std::size_t, int)>& reports = nullptr) {
+    for (int t = first; t <= last; ++t) {
+      ASSERT_TRUE(device_->synchronize().ok());
+      result_.scales.push_back(opt_->loss_scale());
+      for (int j = 1; j <= k; ++j) {
+        ASSERT_TRUE(device_->synchronize().ok());
+        if (j > 1) expect_zero_grads(reports, j - 1);
+        grads(model_, t * 100 + j, opt_->loss_scale());
+        for (std::size_t b = model_.specs.size(); b-- > 0;) {
+          if (reports && !reports(b, j)) continue;
+          ASSERT_TRUE(device_->simulate_compute(1e-5, Stream::compute).ok());
+          const Status s = opt_->grad_ready(b);
+          ASSERT_TRUE(s.ok()) << s.to_string();
+        }
+      }
+      if (after_backward) {
+        ASSERT_TRUE(device_->synchronize().ok());
+        after_backward(model_, *opt_);
+      }
+      const Status s = opt_->step();
+      ASSERT_TRUE(s.ok()) << s.to_string();
+    }
+  }
+
   std::vector<unsigned char> device_weights() {
     EXPECT_TRUE(opt_->wait().ok());
     return model_.weights();
@@ -186,7 +215,20 @@ class Trainer {
     return r;
   }
 
+  DeviceParams& model() { return model_; }
+  Device& device() { return *device_; }
+
  private:
+  // After a micro-batch that is not the last, every reported parameter's device gradients are zero.
+  void expect_zero_grads(const std::function<bool(std::size_t, int)>& reports, int j) {
+    for (std::size_t b = 0; b < model_.specs.size(); ++b) {
+      if (reports && !reports(b, j)) continue;
+      for (std::size_t i = 0; i < model_.specs[b].n; ++i) {
+        ASSERT_EQ(model_.get(model_.specs[b].device_grads, i), 0.0f) << "parameter " << b << " element " << i;
+      }
+    }
+  }
+
   std::unique_ptr<Device> device_;
   std::unique_ptr<Collectives> collectives_;
   DeviceParams model_;

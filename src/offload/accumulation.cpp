@@ -1,0 +1,120 @@
+// Gradient accumulation on the host (DESIGN.md "Gradient accumulation"): each micro-batch's gradient comes
+// down as it is reported and is added into an fp32 accumulator by the SIMD kernel (CpuAdam::accumulate);
+// the device's buffer is zeroed for the next micro-batch. On the last report the sum goes back into the
+// device's buffer rounded to its dtype — what a trainer that clips or logs p.grad must see — while the step
+// reads the fp32 sum itself, never a 16-bit one.
+//
+// The reports are synchronous: a micro-batch's gradient must be out of the device's buffer before the next
+// micro-batch's backward accumulates into it, and the trainer calls nothing in between.
+#include <cstring>
+#include <string>
+
+#include "src/offload/host_device.h"
+#include "src/offload/optimizer_impl.h"
+
+namespace zoe {
+namespace {
+
+// fp32 to the parameter's dtype, round to nearest even, on the engine's threads piece by piece.
+void round_into(CpuAdam& adam, const float* from, void* to, DType dtype, std::size_t n, std::size_t piece) {
+  if (dtype == DType::f32) {
+    std::memcpy(to, from, n * 4);
+    return;
+  }
+  auto* out = static_cast<std::uint16_t*>(to);
+  adam.parallel_for((n + piece - 1) / piece, [&](std::size_t k) {
+    const std::size_t end = std::min(n, (k + 1) * piece);
+    for (std::size_t e = k * piece; e < end; ++e) out[e] = dtype == DType::f16 ? float_to_f16(from[e]) : float_to_bf16(from[e]);
+  });
+}
+
+}  // namespace
+
+Status OffloadOptimizer::Impl::allocate_accumulation() {
+  if (!accumulates()) return Status::success();
+  reports.assign(params.size(), 0);
+  const int sets = options.schedule == Schedule::delayed ? 2 : 1;
+  for (int s = 0; s < sets; ++s) {
+    Result<AlignedBuffer> r = AlignedBuffer::allocate(std::max<std::size_t>(offsets.back(), 1) * 4);
+    if (!r.ok()) return r.status();
+    accum[s] = std::move(r).value();
+    added[s].assign(params.size(), 0);
+  }
+  return Status::success();
+}
+
+Status OffloadOptimizer::Impl::add_micro_batch(std::size_t i, int set, bool last) {
+  const ParamSpec& p = params[i];
+  const std::size_t bytes = p.n * dtype_size(p.dtype);
+  if (p.n == 0) {
+    ++added[set][i];
+    return Status::success();
+  }
+  // The gradient on the host: in place, or copied down once the compute stream has produced it.
+  void* grad = const_cast<void*>(p.device_grads);
+  if (!in_place) {
+    grad = grad_of(i, set);
+    Result<EventId> produced = device.record(Stream::compute);
+    if (!produced.ok()) return produced.status();
+    if (Status s = device.wait(Stream::d2h, produced.value()); !s.ok()) return s;
+    if (Status s = device.copy_to_host(grad, p.device_grads, bytes, Stream::d2h); !s.ok()) return s;
+    Result<EventId> copied = device.record(Stream::d2h);
+    if (!copied.ok()) return copied.status();
+    if (Status s = device.synchronize(copied.value()); !s.ok()) return s;
+    stats_.d2h_bytes += bytes;
+  } else {
+    Result<EventId> produced = device.record(Stream::compute);
+    if (!produced.ok()) return produced.status();
+    if (Status s = device.synchronize(produced.value()); !s.ok()) return s;
+  }
+  float* sum = accum[set].as<float>() + offsets[i];
+  AccumulateOptions ao;
+  ao.first = added[set][i] == 0;
+  ao.zero_source = in_place && !last;
+  if (Status s = adam.accumulate(AccumulateTensor{sum, grad, p.dtype, p.n}, ao); !s.ok()) {
+    return Status(s.code(), "gradient accumulation, parameter " + std::to_string(i) + ": " + s.message(), s.sys_errno());
+  }
+  ++added[set][i];
+  const std::size_t piece = std::max<std::size_t>(options.tile, 1);
+  if (in_place) {
+    if (last) round_into(adam, sum, grad, p.dtype, p.n, piece);
+    return Status::success();
+  }
+  // The device's buffer: zeroed for the next micro-batch, or the rounded sum; the compute stream (the next
+  // backward, or the trainer reading it) waits for it.
+  Stream stream = Stream::d2h;
+  if (last) {
+    round_into(adam, sum, grad, p.dtype, p.n, piece);
+    stream = Stream::h2d;
+    if (Status s = device.copy_to_device(const_cast<void*>(p.device_grads), grad, bytes, stream); !s.ok()) return s;
+    stats_.h2d_bytes += bytes;
+  } else if (Status s = device.fill_zero(const_cast<void*>(p.device_grads), bytes, stream); !s.ok()) {
+    return s;
+  }
+  Result<EventId> done = device.record(stream);
+  if (!done.ok()) return done.status();
+  return device.wait(Stream::compute, done.value());
+}
+
+Status OffloadOptimizer::Impl::finish_accumulation(int set) {
+  if (!accumulates()) return Status::success();
+  const int k = options.gradient_accumulation_steps;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (added[set][i] > 0 && reports[i] < k) {
+      if (Status s = add_micro_batch(i, set, true); !s.ok()) return s;
+    }
+  }
+  return Status::success();
+}
+
+void OffloadOptimizer::Impl::drop_accumulation(int set) {
+  if (accumulates()) std::fill(added[set].begin(), added[set].end(), 0);
+}
+
+void OffloadOptimizer::Impl::reset_accumulation(int set) {
+  if (!accumulates()) return;
+  std::fill(reports.begin(), reports.end(), 0);
+  std::fill(added[set].begin(), added[set].end(), 0);
+}
+
+}  // namespace zoe
