@@ -1,5 +1,6 @@
 """python -m zoe.bench — zoe's optimizer step against torch.optim.AdamW (foreach=True and fused=True) on the
-same CPU parameters in the same run, and the PyTorch adapter's Python overhead on the demo model.
+same CPU parameters in the same run, gradient accumulation on the host against the same traffic in torch,
+and the PyTorch adapter's Python overhead on the demo model.
 
 Reported, not asserted (BENCHMARKING.md): medians of --reps timed steps after a warm-up, with min and max.
 Every contender steps the same fp32 parameters with fp32 gradients; bytes counted per parameter are the 28 B
@@ -82,6 +83,48 @@ def bench_step(n: int, tensors: int, reps: int) -> list[dict]:
     return rows
 
 
+def bench_accumulate(n: int, tensors: int, reps: int) -> list[dict]:
+    """Gradient accumulation on the host, per micro-batch that is not the last: zoe's report of every bf16
+    gradient (added into the fp32 sum and zeroed in one pass, on the CPU in place) against the same traffic
+    in torch (acc.add_(g); g.zero_()) and against a copy of the gradients alone (what bringing them down costs
+    at memory speed). Bytes per parameter: read acc 4 + g 2, write acc 4 + g 2 = 12."""
+    ps = [torch.nn.Parameter(p.detach().bfloat16()) for p in _params(n, tensors)]
+    opt = OffloadOptimizer(ps, lr=1e-3, gradient_accumulation_steps=1 << 30)
+    for p in ps:
+        p.grad.normal_(0, 1e-3)
+    slots = opt._slots
+
+    def zoe_micro_batch():
+        for s in slots:
+            opt._report(s, last=False)
+
+    rows = [{"name": "zoe accumulate (fp32 sum, gradient zeroed)", **_time(zoe_micro_batch, reps)}]
+    accs = [torch.zeros(p.numel(), dtype=torch.float32) for p in ps]
+    grads = [p.grad.view(-1) for p in ps]
+
+    def torch_add():
+        for acc, g in zip(accs, grads):
+            acc.add_(g)
+            g.zero_()
+
+    rows.append({"name": "torch acc.add_(g); g.zero_()", **_time(torch_add, reps)})
+    outs = [torch.empty_like(g) for g in grads]
+
+    def copy():
+        for o, g in zip(outs, grads):
+            o.copy_(g)
+
+    copy_row = {"name": "copy of the bf16 gradients alone", **_time(copy, reps)}
+    for r in rows:
+        r["gbps"] = 12 * n / r["median_s"] / 1e9
+        r["vs_copy"] = r["median_s"] / copy_row["median_s"]
+    copy_row["gbps"] = 4 * n / copy_row["median_s"] / 1e9
+    rows.append(copy_row)
+    for r in rows:
+        r["n"] = n
+    return rows
+
+
 def bench_adapter(steps: int) -> dict:
     """The adapter's own Python time per step (grad bookkeeping, hyper-parameter sync) against the whole
     optimizer step, on the demo's model with bf16 weights, tier ram."""
@@ -127,10 +170,13 @@ def main(argv=None) -> int:
     if a.adapter_steps < 1:
         p.error(f"--adapter-steps {a.adapter_steps}: need at least 1 step")
     rows = bench_step(int(a.n), a.tensors, a.reps)
+    accumulate = bench_accumulate(int(a.n), a.tensors, a.reps)
     adapter = bench_adapter(a.adapter_steps)
     if a.json:
         for r in rows:
             print(json.dumps({"bench": "step_vs_torch", **r}))
+        for r in accumulate:
+            print(json.dumps({"bench": "accumulate", **r}))
         print(json.dumps({"bench": "adapter_overhead", **adapter}))
         return 0
     print(f"Adam step on {int(a.n) / 1e6:.0f}M fp32 CPU parameters in {a.tensors} tensors, {torch.get_num_threads()} "
@@ -139,6 +185,12 @@ def main(argv=None) -> int:
         extra = f"  x{r['speedup_vs_fused']:.2f} vs fused" if "speedup_vs_fused" in r else ""
         print(f"  {r['name']:<36} {1e3 * r['median_s']:8.1f} ms ({1e3 * r['min_s']:.1f}-{1e3 * r['max_s']:.1f})"
               f"  {r['gbps']:6.1f} GB/s  x{r['speedup_vs_foreach']:.2f} vs foreach{extra}")
+    print(f"Gradient accumulation, one micro-batch of {int(a.n) / 1e6:.0f}M bf16 gradients into fp32 sums "
+          "(GB/s at 12 B/param; the copy at 4 B/param)")
+    for r in accumulate:
+        extra = f"  x{r['vs_copy']:.2f} the copy's time" if "vs_copy" in r else ""
+        print(f"  {r['name']:<44} {1e3 * r['median_s']:8.1f} ms ({1e3 * r['min_s']:.1f}-{1e3 * r['max_s']:.1f})"
+              f"  {r['gbps']:6.1f} GB/s{extra}")
     print(f"Adapter overhead on the demo model ({adapter['model_params'] / 1e6:.2f}M params, bf16, tier ram): "
           f"{adapter['adapter_ms']:.3f} ms of a {adapter['step_ms']:.2f} ms step "
           f"({100 * adapter['adapter_fraction']:.2f}%)")

@@ -98,9 +98,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         loss_scale: ``None`` — dynamic fp16 loss scaling when any parameter is fp16, none otherwise;
             ``"dynamic"``; a number — a static scale; ``False`` — none. Multiply the loss by
             ``opt.loss_scale`` (or call ``opt.backward(loss)``); an overflow skips the step, as GradScaler does.
-        gradient_accumulation_steps: backward passes (micro-batches) per ``step()``. ``None``: the count
-            seen before the previous step (the first step runs as ``sync``). The overlap and delayed
-            schedules report gradients to the engine only during the last micro-batch's backward.
+        gradient_accumulation_steps: backward passes (micro-batches) per ``step()``. Declared (> 1), each
+            micro-batch's gradient is added into an fp32 sum on the host as backward produces it, ``p.grad``
+            is zeroed for the next one, and after the last ``p.grad`` holds the sum rounded to its dtype
+            (what a trainer that clips or logs it sees) while the step uses the fp32 sum — unless the
+            trainer changes ``p.grad``, whose edited values are then stepped. ``None``: gradients accumulate
+            in ``p.grad`` in its dtype, as with torch, and the count seen before the previous step tells
+            the overlap and delayed schedules which backward pass is the last (the first step runs as sync).
         process_group: the data-parallel group (default: the world, when torch.distributed is initialised).
         isa, threads, tile: the CPU kernel's instruction set, worker threads, elements per unit of work.
     """
@@ -152,6 +156,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # when the engine last took them — a later version means the trainer changed them.
         self._accumulation_steps = gradient_accumulation_steps
         self._reporting_pass = gradient_accumulation_steps
+        # Declared accumulation on one rank: the engine sums the micro-batches in fp32 on the host. Across
+        # ranks (zoe's own data-parallel mode) the gradients accumulate in p.grad, as with torch.
+        self._engine_accumulates = bool(gradient_accumulation_steps and gradient_accumulation_steps > 1
+                                        and not (dist.is_available() and dist.is_initialized()
+                                                 and dist.get_world_size(process_group) > 1))
         self._reported = False
         self._taken_versions: list[int] | None = None
         self._clip_once: float | None = None  # clip_grad_norm_'s max_norm for the coming step
@@ -230,7 +239,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     if self._reduce_scatter_available():
                         b.shard_grads = torch.zeros(b.shard_numel, dtype=b.dtype, device=self._device)
         self._make_engine()
-        if self._options["schedule"] in ("overlap", "delayed") and self._world == 1:
+        if (self._options["schedule"] in ("overlap", "delayed") or self._engine_accumulates) and self._world == 1:
             for s in self._slots:
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_hook(s)))
 
@@ -268,6 +277,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         opts.nvme_durability = o["durability"]
         opts.schedule = o["schedule"]
         opts.delayed_warmup_steps = o["delayed_warmup_steps"]
+        opts.gradient_accumulation_steps = self._accumulation_steps if self._engine_accumulates else 1
         # Across ranks the global norm is known only after the gradients are reduced: clipping then happens
         # here (see _clip_and_check), and the engine sees the clipped shard.
         max_norm = float(o["max_grad_norm"] or 0.0)
@@ -326,29 +336,44 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return hook
 
     def _on_grad_accumulated(self, slot: _Slot) -> None:
-        """After autograd accumulated this backward's gradient into ``slot``: on the reporting micro-batch the
-        engine is told (it copies and steps it during the rest of backward)."""
+        """After autograd accumulated this backward's gradient into ``slot``. With accumulation declared, every
+        micro-batch's gradient goes to the engine (added in fp32 on the host, the buffer zeroed); otherwise
+        the engine is told on the reporting micro-batch (overlap: it copies and steps it during the rest of
+        backward)."""
         self._adopt_grad(slot)
         slot.accumulated += 1
+        passes = self._reporting_pass
+        if self._engine_accumulates and slot.accumulated > passes:
+            raise RuntimeError(
+                f"zoe.torch.OffloadOptimizer: backward pass {slot.accumulated} since the last step, but "
+                f"gradient_accumulation_steps = {passes}: call step() after every {passes} backward passes, or "
+                "create the optimizer with the number you use")
         if self._reported:
-            if slot.accumulated > self._reporting_pass:
+            if slot.accumulated > passes:
                 raise RuntimeError(
                     f"zoe.torch.OffloadOptimizer: backward pass {slot.accumulated} since the last step, but the "
-                    f"{self._options['schedule']} schedule had started this step after backward pass "
-                    f"{self._reporting_pass} — its forward ran with weights that step already changed. Pass "
-                    "gradient_accumulation_steps=<micro-batches per step> to OffloadOptimizer, or call step() "
-                    "after the same number of backward passes each time")
+                    f"{self._options['schedule']} schedule had started this step after backward pass {passes} — "
+                    "its forward ran with weights that step already changed. Pass gradient_accumulation_steps="
+                    "<micro-batches per step> to OffloadOptimizer, or call step() after the same number of "
+                    "backward passes each time")
             # Every accumulation is followed by its hook: the last version seen here is the end of backward's.
             self._taken_versions = self._grad_versions()
-        if slot.accumulated != self._reporting_pass:
-            return
+        if self._engine_accumulates or slot.accumulated == passes:
+            self._report(slot, last=slot.accumulated == passes)
+
+    def _report(self, slot: _Slot, last: bool) -> None:
         if self._device.type == "cuda":
             # zoe's streams cannot yet wait on torch's; the gradient must exist before zoe copies it.
             torch.cuda.current_stream(self._device).synchronize()
-        self._reported = slot.taken = True
         for i in slot.engine_ids:
             self._engine.grad_ready(i)
-        self._taken_versions = self._grad_versions()
+        if self._engine_accumulates and self._device.type == "cuda":
+            # The engine zeroes the buffer (or writes the sum back) on its own stream, which torch's next
+            # backward or the trainer's clipping does not wait for.
+            self._zoe_device.synchronize()
+        if last:
+            self._reported = slot.taken = True
+            self._taken_versions = self._grad_versions()
 
     def _adopt_grads(self) -> None:
         """Every gradient into the flat buffers before the engine reads them all; one the engine had read
@@ -374,15 +399,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._grad_versions() == self._taken_versions:
             return
         self._take_again()
-        if self._reported and not self._warned_changed:
+        overlapped = self._options["schedule"] in ("overlap", "delayed")
+        if self._reported and (overlapped or self._engine_accumulates) and not self._warned_changed:
             self._warned_changed = True
+            cost = []
+            if overlapped:
+                cost.append(f"the {self._options['schedule']} schedule took them again, so this step is exact but "
+                            "not overlapped")
+            if self._engine_accumulates:
+                cost.append(f"the step uses p.grad as edited, in {self._buckets[0].dtype}, instead of zoe's fp32 "
+                            "sum of the micro-batches")
             warnings.warn(
                 "zoe.torch.OffloadOptimizer: the gradients changed after backward (the trainer clipped, unscaled "
-                f"or edited them); the {self._options['schedule']} schedule took them again, so this step is "
-                "exact but not overlapped. To keep the overlap, let zoe clip: OffloadOptimizer(max_grad_norm=...) "
-                "or opt.clip_grad_norm_(max_norm) in place of torch.nn.utils.clip_grad_norm_ (Hugging Face "
-                "Trainer: max_grad_norm=0 in TrainingArguments and max_grad_norm in zoe). This warning is shown once.",
-                stacklevel=3)
+                f"or edited them): {'; '.join(cost)}. To avoid this, let zoe clip: OffloadOptimizer("
+                "max_grad_norm=...) or opt.clip_grad_norm_(max_norm) in place of torch.nn.utils.clip_grad_norm_ "
+                "(Hugging Face Trainer: max_grad_norm=0 in TrainingArguments and max_grad_norm in zoe). This "
+                "warning is shown once.", stacklevel=3)
 
     # ---- the step -------------------------------------------------------------------------------------
 

@@ -48,8 +48,8 @@ def torch_adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
 
 
-def zoe_adamw(schedule):
-    return lambda model: OffloadOptimizer(model.parameters(), lr=LR, schedule=schedule, delayed_warmup_steps=3)
+def zoe_adamw(schedule, **kw):
+    return lambda model: OffloadOptimizer(model.parameters(), lr=LR, schedule=schedule, delayed_warmup_steps=3, **kw)
 
 
 def hf_trainer(make_opt, accumulation, tmp_path):
@@ -84,6 +84,18 @@ def test_hf_trainer_every_schedule(accumulation, tmp_path):
             assert diff < TORCH_TOL
         # The Trainer clips p.grad itself: overlap and delayed say once how to keep their overlap.
         assert len(told) == (0 if schedule == "sync" else 1)
+
+
+@pytest.mark.parametrize("schedule", ["sync", "overlap"])
+def test_hf_trainer_with_accumulation_declared_to_zoe(schedule, tmp_path):
+    # zoe sums the micro-batches in fp32 on the host and hands the Trainer the sum in p.grad to clip; for an
+    # fp32 model that is torch's own sum, bit for bit.
+    ref, _, _ = hf_trainer(torch_adamw, 2, tmp_path / "torch")
+    model, _, told = hf_trainer(zoe_adamw(schedule, gradient_accumulation_steps=2), 2, tmp_path / schedule)
+    diff = (flat(model) - flat(ref)).abs().max().item()
+    print(f"HF Trainer, gradient_accumulation_steps=2 declared to zoe, {schedule}: max weight difference to torch "
+          f"AdamW {diff:.2e}")
+    assert diff < TORCH_TOL
 
 
 def accelerate_loop(make_opt, accumulation):
