@@ -105,6 +105,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
             seen before the previous step (the first step runs as ``sync``). The overlap and delayed
             schedules report gradients to the engine only during the last micro-batch's backward.
         process_group: the data-parallel group (default: the world, when torch.distributed is initialised).
+            Each rank owns 1/W of the optimizer state: it steps that part and the weights are all-gathered.
+        reduce_grads: ``True``: zoe averages the gradients over ``process_group`` before stepping (each rank
+            ran backward on its own batch, with no wrapper). ``False``: they are averaged already — pass it
+            with ``DistributedDataParallel``, whose backward averages them; zoe then only partitions the
+            state (as ``ZeroRedundancyOptimizer`` does beside DDP). The first step checks the choice: unequal
+            gradients across ranks with ``False`` are an error, equal ones with ``True`` a warning (averaging
+            them again is right but costs an all-reduce per step).
         isa, threads, tile: the CPU kernel's instruction set, worker threads, elements per unit of work.
 
     With torch FSDP2 (``fully_shard``; the parameters are DTensors): pass ``model.parameters()`` after
@@ -125,7 +132,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                  min_loss_scale: float = 1.0, delayed_warmup_steps: int = 10, process_group=None,
                  isa: str = "auto", threads: int = 0, tile: int = 1 << 20, buffer_count: int = 4,
                  block_size: int = 1 << 20, queue_depth: int = 8, refuse_non_finite: bool = True,
-                 durability: str = "step", gradient_accumulation_steps: int | None = None):
+                 durability: str = "step", gradient_accumulation_steps: int | None = None,
+                 reduce_grads: bool = True):
         if not 0.0 <= lr:
             raise ValueError(f"lr = {lr} is invalid: need >= 0")
         if tier not in ("ram", "nvme"):
@@ -142,6 +150,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 or gradient_accumulation_steps < 1):
             raise ValueError(f"gradient_accumulation_steps = {gradient_accumulation_steps!r} is invalid: an int >= 1, "
                              "or None to count the backward passes before each step")
+        if not isinstance(reduce_grads, bool):
+            raise ValueError(f"reduce_grads = {reduce_grads!r} is invalid: True (zoe averages the gradients across "
+                             "ranks) or False (they are averaged already, e.g. by DistributedDataParallel)")
         if max_grad_norm is not None and not (max_grad_norm >= 0 and math.isfinite(max_grad_norm)):
             raise ValueError(f"max_grad_norm = {max_grad_norm} is invalid: need >= 0 (or None: no clipping)")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=adamw)
@@ -174,6 +185,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._clip_once: float | None = None  # clip_grad_norm_'s max_norm for the coming step
         self._warned_changed = False
         self._dp_reduced, self._dp_stats = False, None  # data-parallel: this iteration's reduction and statistics
+        self._reduce = reduce_grads
+        self._reduction_checked = False  # whether the gradients' equality across ranks agreed with reduce_grads
         self._check_changes = True  # tests turn the detection off to show that it matters
         self._hooks = []
         self._hyper_sent: list[tuple | None] = []
@@ -248,7 +261,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if self._world > 1:
                     # Every rank starts from rank 0's weights, as DistributedDataParallel does.
                     dist.broadcast(b.weights, src=dist.get_global_rank(self._group, 0), group=self._group)
-                    if self._reduce_scatter_available():
+                    if self._reduce and self._reduce_scatter_available():
                         b.shard_grads = torch.zeros(b.shard_numel, dtype=b.dtype, device=self._device)
         self._make_engine()
         if self._options["schedule"] in ("overlap", "delayed") and self._world == 1:
@@ -440,6 +453,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._hyper_sent[gi] = key
 
     def _reduce_grads(self) -> None:
+        if not self._reduction_checked:
+            self._check_reduction()
+        if not self._reduce:
+            return
         for b in self._buckets:
             if b.shard_grads is not None:
                 dist.reduce_scatter_tensor(b.shard_grads, b.grads, group=self._group)
@@ -447,6 +464,31 @@ class OffloadOptimizer(torch.optim.Optimizer):
             else:
                 dist.all_reduce(b.grads, group=self._group)
                 b.grads.div_(self._world)
+
+    def _check_reduction(self) -> None:
+        """Once: are the gradients equal on every rank (averaged already, as DistributedDataParallel leaves
+        them)? A fingerprint of each bucket (its 1- and 2-norms: sums of positive terms, so a sum in another
+        order moves them by rounding only), compared by all-reducing its maximum and minimum."""
+        fp = torch.stack([torch.linalg.vector_norm(b.grads, ord, dtype=torch.float64)
+                          for b in self._buckets for ord in (1, 2)])
+        if not bool(torch.isfinite(fp).all()):
+            return  # NaN/Inf compare unequal: decided at a finite step
+        both = torch.cat([fp, -fp])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._group)
+        hi, lo = both[:len(fp)], -both[len(fp):]
+        # Equal gradients give equal bits, but a rank may add them in another order (threads): 1e-9 of it.
+        equal = bool(((hi - lo) <= 1e-9 * hi).all())
+        self._reduction_checked = True
+        if not self._reduce and not equal:
+            raise RuntimeError(
+                "zoe.torch.OffloadOptimizer(reduce_grads=False): the gradients differ across ranks, so they were "
+                "not averaged before step() — wrap the model in DistributedDataParallel, or leave reduce_grads=True "
+                "for zoe to average them")
+        if self._reduce and equal:
+            warnings.warn(
+                "zoe.torch.OffloadOptimizer: the gradients are equal on every rank before zoe averages them — "
+                "averaged already (DistributedDataParallel?). Pass reduce_grads=False to skip zoe's all-reduce "
+                "of the gradients at every step; the results are the same.", stacklevel=4)
 
     def _shard_grads(self, b: _Bucket) -> torch.Tensor:
         if b.shard_grads is not None:

@@ -1,6 +1,6 @@
 """zoe under torch's own data parallelism on two gloo processes: FSDP2 (``fully_shard``; DTensor parameters,
-each rank's shards stepped in place, with and without CPUOffloadPolicy), against the same wrapper with
-torch.optim.AdamW.
+each rank's shards stepped in place, with and without CPUOffloadPolicy) and DistributedDataParallel, each
+against the same wrapper with torch.optim.AdamW.
 
 Spawning is most of the cost, so one spawn runs every case on both ranks (``_rank_main``) and the tests below
 read what each rank recorded."""
@@ -297,6 +297,39 @@ def _fsdp_fp16_overflow(rank, out):
         opt.zero_grad()
 
 
+def _ddp(rank, out):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zoe.torch import OffloadOptimizer
+
+    ref = DDP(make_mlp(seed=rank))  # DDP starts every rank from rank 0's weights
+    _train(ref, torch.optim.AdamW(ref.parameters(), **HYPER), rank, "torch")
+    all_reduce = dist.all_reduce
+    for reduce_grads in (False, True):
+        # What zoe all-reduces (DDP's own reduction is in C++, not seen here): statistics, or gradients too.
+        sizes = []
+
+        def counted(t, *args, **kwargs):
+            sizes.append(t.numel())
+            return all_reduce(t, *args, **kwargs)
+        mine = DDP(make_mlp(seed=rank))
+        dist.all_reduce = counted
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                opt = OffloadOptimizer(mine.parameters(), **HYPER, reduce_grads=reduce_grads)
+                _train(mine, opt, rank, "torch")
+        finally:
+            dist.all_reduce = all_reduce
+        out[f"ddp_reduce_grads_{reduce_grads}"] = _diff(_local(ref), _local(mine))
+        out[f"ddp_reduce_grads_{reduce_grads}_warnings"] = [str(w.message) for w in seen]
+        out[f"ddp_reduce_grads_{reduce_grads}_largest_all_reduce"] = max(sizes)
+    # reduce_grads=False promises averaged gradients; without DDP they are not.
+    model = make_mlp()
+    opt = OffloadOptimizer(model.parameters(), **HYPER, reduce_grads=False)
+    out["err_not_averaged"] = _error(lambda: _train(model, opt, rank, steps=1))
+
+
 def _rank_main(rank, init_file, out_dir):
     os.environ["HF_HUB_OFFLINE"] = "1"
     torch.set_num_threads(1)
@@ -304,7 +337,7 @@ def _rank_main(rank, init_file, out_dir):
     out = {}
     try:
         for case in (_fsdp_parity, _fsdp_llama, _fsdp_hsdp, _fsdp_state_dict, _fsdp_schedules, _fsdp_errors,
-                     _fsdp_fp16_overflow):
+                     _fsdp_fp16_overflow, _ddp):
             case(rank, out)
     finally:
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -383,6 +416,7 @@ def test_fsdp2_schedules_run_as_sync_with_one_warning(ranks, schedule):
     ("err_partial", "ValueError: .*Partial"),
     ("err_plain_grad", "RuntimeError: .*plain Tensor"),
     ("err_storage_replaced", "RuntimeError: .*no longer the storage zoe was given"),
+    ("err_not_averaged", "RuntimeError: .*reduce_grads=False.*differ across ranks"),
 ])
 def test_errors(ranks, case, message):
     import re
@@ -408,3 +442,19 @@ def test_fsdp2_fp16_overflow_on_one_rank_is_skipped_by_both(ranks):
     assert scales[1] == scales[0] / 2  # hysteresis=1: the first overflow halves it
     assert all(kept)  # the element shown to rank 1's engine as an overflow is put back
 
+
+# ---- DistributedDataParallel ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("reduce_grads", [False, True])
+def test_ddp_equals_ddp_with_torch_adamw(ranks, reduce_grads):
+    diff = _worst(ranks, f"ddp_reduce_grads_{reduce_grads}")
+    print(f"DDP, reduce_grads={reduce_grads}, torch clipping: max weight difference against DDP + torch.optim.AdamW "
+          f"{diff:.2e}")
+    assert diff <= TORCH_TOL
+    told = [w for r in ranks for w in r[f"ddp_reduce_grads_{reduce_grads}_warnings"] if "reduce_grads=False" in w]
+    # With True, zoe would average DDP's averages again: right, but told once per rank how to skip it.
+    assert len(told) == (WORLD if reduce_grads else 0)
+    largest = _worst(ranks, f"ddp_reduce_grads_{reduce_grads}_largest_all_reduce")
+    numel = sum(p.numel() for p in make_mlp().parameters())
+    # False: no gradient goes through zoe's all-reduce, only a few statistics.
+    assert largest >= numel if reduce_grads else largest <= 4
