@@ -20,6 +20,9 @@ How it meets torch:
 * With ``torch.distributed`` initialised, each rank owns 1/W of every flat buffer: gradients are averaged
   (reduce-scatter, or all-reduce where the backend lacks it, as gloo does), the rank steps its shard, and
   the weights are all-gathered.
+* DTensor parameters (torch FSDP2, ``fully_shard``) are partitioned already: each rank's engine steps its
+  local shards in place, and only the gradient norm and skip decisions are agreed across the mesh
+  (``_dtensor.py``).
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from . import _zoe
+from . import _dtensor, _zoe
 
 __all__ = ["OffloadOptimizer"]
 
@@ -55,7 +58,7 @@ class _Slot:
         self.index = index  # position in param-group order, as state_dict numbers parameters
         self.group = group
         self.offset = offset
-        self.numel = param.numel()
+        self.numel = _dtensor.local_numel(param)  # a DTensor's: this rank's shard
         self.grad_view = None
         self.engine_ids: list[int] = []
         self.accumulated = 0  # backward passes that accumulated into this gradient since the last step
@@ -106,7 +109,24 @@ class OffloadOptimizer(torch.optim.Optimizer):
             in ``p.grad`` in its dtype, as with torch, and the count seen before the previous step tells
             the overlap and delayed schedules which backward pass is the last (the first step runs as sync).
         process_group: the data-parallel group (default: the world, when torch.distributed is initialised).
+            Each rank owns 1/W of the optimizer state: it steps that part and the weights are all-gathered.
+        reduce_grads: ``True``: zoe averages the gradients over ``process_group`` before stepping (each rank
+            ran backward on its own batch, with no wrapper). ``False``: they are averaged already — pass it
+            with ``DistributedDataParallel``, whose backward averages them; zoe then only partitions the
+            state (as ``ZeroRedundancyOptimizer`` does beside DDP). The first step checks the choice: unequal
+            gradients across ranks with ``False`` are an error, equal ones with ``True`` a warning (averaging
+            them again is right but costs an all-reduce per step).
         isa, threads, tile: the CPU kernel's instruction set, worker threads, elements per unit of work.
+
+    With torch FSDP2 (``fully_shard``; the parameters are DTensors): pass ``model.parameters()`` after
+    ``fully_shard``, on every rank. zoe steps each rank's local shards in place (with ``CPUOffloadPolicy``
+    they are host memory already) and does not partition again; ``max_grad_norm``, ``clip_grad_norm_`` and
+    the NaN/Inf refusal act on the global norm over the mesh, as FSDP2's ``clip_grad_norm_`` does, which a
+    trainer may call instead. ``state_dict()`` holds this rank's shards: each rank saves and loads its own
+    (``torch.save``; ``torch.distributed.checkpoint`` cannot reshard zoe's state). The schedules run as
+    ``sync`` (a warning says so): torch's foreach ops on DTensor gradients do not bump version counters, so
+    a trainer's edit after backward could not be seen. Every parameter must be a DTensor on one mesh,
+    sharded or replicated alike; anything else is refused at construction.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -116,7 +136,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                  min_loss_scale: float = 1.0, delayed_warmup_steps: int = 10, process_group=None,
                  isa: str = "auto", threads: int = 0, tile: int = 1 << 20, buffer_count: int = 4,
                  block_size: int = 1 << 20, queue_depth: int = 8, refuse_non_finite: bool = True,
-                 durability: str = "step", gradient_accumulation_steps: int | None = None):
+                 durability: str = "step", gradient_accumulation_steps: int | None = None,
+                 reduce_grads: bool = True):
         if not 0.0 <= lr:
             raise ValueError(f"lr = {lr} is invalid: need >= 0")
         if tier not in ("ram", "nvme"):
@@ -133,6 +154,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 or gradient_accumulation_steps < 1):
             raise ValueError(f"gradient_accumulation_steps = {gradient_accumulation_steps!r} is invalid: an int >= 1, "
                              "or None to count the backward passes before each step")
+        if not isinstance(reduce_grads, bool):
+            raise ValueError(f"reduce_grads = {reduce_grads!r} is invalid: True (zoe averages the gradients across "
+                             "ranks) or False (they are averaged already, e.g. by DistributedDataParallel)")
         if max_grad_norm is not None and not (max_grad_norm >= 0 and math.isfinite(max_grad_norm)):
             raise ValueError(f"max_grad_norm = {max_grad_norm} is invalid: need >= 0 (or None: no clipping)")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=adamw)
@@ -144,9 +168,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
                              delayed_warmup_steps=delayed_warmup_steps, isa=isa, threads=threads, tile=tile,
                              buffer_count=buffer_count, block_size=block_size, queue_depth=queue_depth,
                              refuse_non_finite=refuse_non_finite, durability=durability)
+        # DTensor parameters (FSDP2) are partitioned already: the engine steps this rank's shards, world 1.
+        self._dtensor = _dtensor.ShardedParams.detect(self.param_groups, process_group)
+        if self._dtensor is not None:
+            self._options["schedule"] = self._dtensor.schedule(schedule)
         self._group = process_group
         self._world, self._rank = 1, 0
-        if dist.is_available() and dist.is_initialized():
+        if self._dtensor is None and dist.is_available() and dist.is_initialized():
             self._group = process_group if process_group is not None else dist.group.WORLD
             self._world = dist.get_world_size(self._group)
             self._rank = dist.get_rank(self._group)
@@ -166,6 +194,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._clip_once: float | None = None  # clip_grad_norm_'s max_norm for the coming step
         self._warned_changed = False
         self._dp_reduced, self._dp_stats = False, None  # data-parallel: this iteration's reduction and statistics
+        self._reduce = reduce_grads
+        self._reduction_checked = False  # whether the gradients' equality across ranks agreed with reduce_grads
         self._check_changes = True  # tests turn the detection off to show that it matters
         self._hooks = []
         self._hyper_sent: list[tuple | None] = []
@@ -223,6 +253,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     self._slots.append(slot)
                 index += 1
         self._param_count = index
+        if self._dtensor is not None:
+            self._buckets = self._dtensor.make_buckets(slots_by_dtype, self._device)
+            self._make_engine()
+            return
         self._buckets = [_Bucket(dt, self._device, slots, self._world) for dt, slots in slots_by_dtype.items()]
         with torch.no_grad():
             for b in self._buckets:
@@ -236,7 +270,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if self._world > 1:
                     # Every rank starts from rank 0's weights, as DistributedDataParallel does.
                     dist.broadcast(b.weights, src=dist.get_global_rank(self._group, 0), group=self._group)
-                    if self._reduce_scatter_available():
+                    if self._reduce and self._reduce_scatter_available():
                         b.shard_grads = torch.zeros(b.shard_numel, dtype=b.dtype, device=self._device)
         self._make_engine()
         if (self._options["schedule"] in ("overlap", "delayed") or self._engine_accumulates) and self._world == 1:
@@ -267,7 +301,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if paths is not None:
             paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
             # One swap folder per rank: ranks on one machine must not share files.
-            opts.nvme_paths = [os.path.join(os.fspath(pp), f"rank{self._rank}") if self._world > 1 else os.fspath(pp)
+            world, rank = self._partition()
+            opts.nvme_paths = [os.path.join(os.fspath(pp), f"rank{rank}") if world > 1 else os.fspath(pp)
                                for pp in paths]
             for pp in opts.nvme_paths:
                 os.makedirs(pp, exist_ok=True)
@@ -281,7 +316,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # Across ranks the global norm is known only after the gradients are reduced: clipping then happens
         # here (see _clip_and_check), and the engine sees the clipped shard.
         max_norm = float(o["max_grad_norm"] or 0.0)
-        opts.max_grad_norm = max_norm if self._world == 1 else 0.0
+        opts.max_grad_norm = max_norm if self._world == 1 and self._dtensor is None else 0.0
         self._max_grad_norm = max_norm
         opts.refuse_non_finite = bool(o["refuse_non_finite"])
         ls = self._loss_scale_options()
@@ -299,7 +334,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         specs = []
         for b in self._buckets:
             lo, hi = self._rank * b.shard_numel, (self._rank + 1) * b.shard_numel
-            esize = b.weights.element_size()
+            esize = b.grads.element_size()
             for s in b.slots:
                 a, z = max(lo, s.offset), min(hi, s.offset + s.numel)
                 if a >= z:
@@ -308,8 +343,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     grad_ptr = b.shard_grads.data_ptr() + (a - lo) * esize
                 else:
                     grad_ptr = b.grads.data_ptr() + a * esize
+                # A DTensor's shard is FSDP2's own storage, stepped in place.
+                weights_ptr = (self._dtensor.weights_ptr(s) if self._dtensor is not None
+                               else b.weights.data_ptr() + a * esize)
                 s.engine_ids.append(len(specs))
-                specs.append((z - a, _ZOE_DTYPES[b.dtype], b.weights.data_ptr() + a * esize, grad_ptr, s.group))
+                specs.append((z - a, _ZOE_DTYPES[b.dtype], weights_ptr, grad_ptr, s.group))
         self._engine = _zoe.Engine(self._zoe_device, [dict(h) for h in groups], specs, opts)
         self._hyper_sent = [self._hyper_key(h) for h in groups]
 
@@ -431,7 +469,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if g.is_sparse or g.layout != torch.strided:
                 raise RuntimeError(f"parameter {s.index} (shape {tuple(s.param.shape)}) has a sparse gradient; "
                                    "zoe steps dense gradients (use nn.Embedding(sparse=False))")
-            if g.data_ptr() != s.grad_view.data_ptr():
+            if self._dtensor is not None:
+                self._dtensor.copy_grad(s, g)  # a DTensor's data_ptr() is 0: its local tensor's tells
+            elif g.data_ptr() != s.grad_view.data_ptr():
                 s.grad_view.copy_(g)
         s.param.grad = s.grad_view
         return True
@@ -445,6 +485,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._hyper_sent[gi] = key
 
     def _reduce_grads(self) -> None:
+        if not self._reduction_checked:
+            self._check_reduction()
+        if not self._reduce:
+            return
         for b in self._buckets:
             if b.shard_grads is not None:
                 dist.reduce_scatter_tensor(b.shard_grads, b.grads, group=self._group)
@@ -452,6 +496,31 @@ class OffloadOptimizer(torch.optim.Optimizer):
             else:
                 dist.all_reduce(b.grads, group=self._group)
                 b.grads.div_(self._world)
+
+    def _check_reduction(self) -> None:
+        """Once: are the gradients equal on every rank (averaged already, as DistributedDataParallel leaves
+        them)? A fingerprint of each bucket (its 1- and 2-norms: sums of positive terms, so a sum in another
+        order moves them by rounding only), compared by all-reducing its maximum and minimum."""
+        fp = torch.stack([torch.linalg.vector_norm(b.grads, ord, dtype=torch.float64)
+                          for b in self._buckets for ord in (1, 2)])
+        if not bool(torch.isfinite(fp).all()):
+            return  # NaN/Inf compare unequal: decided at a finite step
+        both = torch.cat([fp, -fp])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._group)
+        hi, lo = both[:len(fp)], -both[len(fp):]
+        # Equal gradients give equal bits, but a rank may add them in another order (threads): 1e-9 of it.
+        equal = bool(((hi - lo) <= 1e-9 * hi).all())
+        self._reduction_checked = True
+        if not self._reduce and not equal:
+            raise RuntimeError(
+                "zoe.torch.OffloadOptimizer(reduce_grads=False): the gradients differ across ranks, so they were "
+                "not averaged before step() — wrap the model in DistributedDataParallel, or leave reduce_grads=True "
+                "for zoe to average them")
+        if self._reduce and equal:
+            warnings.warn(
+                "zoe.torch.OffloadOptimizer: the gradients are equal on every rank before zoe averages them — "
+                "averaged already (DistributedDataParallel?). Pass reduce_grads=False to skip zoe's all-reduce "
+                "of the gradients at every step; the results are the same.", stacklevel=4)
 
     def _shard_grads(self, b: _Bucket) -> torch.Tensor:
         if b.shard_grads is not None:
@@ -532,9 +601,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._note_changed_grads()
             self._adopt_grads()
             self._sync_hyper()
-            if self._world > 1:
+            if self._world > 1 or self._dtensor is not None:
                 tc = time.perf_counter()
-                self._clip_and_check()
+                if self._dtensor is None:
+                    self._clip_and_check()
+                else:
+                    self._dtensor.agree(self)
                 comm += time.perf_counter() - tc
             if self._device.type == "cuda":
                 torch.cuda.current_stream(self._device).synchronize()
@@ -569,9 +641,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._reported = False
         self._taken_versions = None
         self._dp_reduced, self._dp_stats = False, None
+        if self._dtensor is not None:
+            self._dtensor.end_iteration()
         if self._clip_once is not None:
             self._clip_once = None
-            if self._world == 1:
+            if self._world == 1 and self._dtensor is None:
                 self._engine.set_max_grad_norm(self._max_grad_norm)
 
     @torch.no_grad()
@@ -593,6 +667,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             s.taken = True
         if self._world > 1:
             norm = self._dp_norm()
+        elif self._dtensor is not None:
+            norm = self._dtensor.global_norm(self)
         else:
             self._engine.set_max_grad_norm(max_norm)
             norm = self._engine.grad_norm()
@@ -675,7 +751,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 parts[k].append(t)
         out = {k: torch.cat(v) if v else torch.empty(0) for k, v in parts.items()}
         if self._world == 1:
-            out = {k: v.view(param.shape) for k, v in out.items()}
+            shape = param._local_tensor.shape if self._dtensor is not None else param.shape
+            out = {k: v.view(shape) for k, v in out.items()}
         return out
 
     def _engine_numel(self, engine_id: int) -> int:
@@ -689,7 +766,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # ---- state_dict -----------------------------------------------------------------------------------
 
     def _layout(self) -> list:
-        return [[list(p.shape), str(p.dtype), bool(p.requires_grad)] for g in self.param_groups for p in g["params"]]
+        extra = self._dtensor.describe if self._dtensor is not None else lambda p: []
+        return [[list(p.shape), str(p.dtype), bool(p.requires_grad)] + extra(p)
+                for g in self.param_groups for p in g["params"]]
+
+    def _partition(self) -> tuple[int, int]:
+        """(world size, rank) of the state this rank holds: zoe's partition, or FSDP2's shards."""
+        return self._dtensor.ranks() if self._dtensor is not None else (self._world, self._rank)
 
     def state_dict(self) -> dict:
         """The standard ``{"state", "param_groups"}`` plus ``"zoe"``: the engine's checkpoint (master weights,
@@ -701,10 +784,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._engine.save(path)
             with open(path, "rb") as f:
                 blob = bytearray(f.read())
+        world, rank = self._partition()
         sd["zoe"] = {
             "format": _STATE_FORMAT,
-            "world_size": self._world,
-            "rank": self._rank,
+            "world_size": world,
+            "rank": rank,
             "layout": self._layout(),
             "checkpoint": torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8),
         }
@@ -719,11 +803,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "this state_dict was not written by zoe.torch.OffloadOptimizer (it has no 'zoe' entry of format "
                 f"{_STATE_FORMAT}); a torch.optim state_dict cannot be loaded — its moments are per-parameter "
                 "tensors on the device, zoe's live in its engine")
-        if (meta["world_size"], meta["rank"]) != (self._world, self._rank):
+        world, rank = self._partition()
+        if (meta["world_size"], meta["rank"]) != (world, rank):
             raise ValueError(
                 f"this state_dict holds the partition of rank {meta['rank']} of {meta['world_size']}; this "
-                f"optimizer is rank {self._rank} of {self._world}: load each rank's own state_dict, with the "
-                "same number of ranks")
+                f"optimizer is rank {rank} of {world}: load each rank's own state_dict, with the same number of "
+                "ranks")
         layout = self._layout()
         if meta["layout"] != layout:
             if len(meta["layout"]) != len(layout):
