@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from . import _dtensor, _zoe
+from . import _data_parallel, _dtensor, _zoe
 
 __all__ = ["OffloadOptimizer"]
 
@@ -193,9 +193,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._taken_versions: list[int] | None = None
         self._clip_once: float | None = None  # clip_grad_norm_'s max_norm for the coming step
         self._warned_changed = False
-        self._dp_reduced, self._dp_stats = False, None  # data-parallel: this iteration's reduction and statistics
         self._reduce = reduce_grads
-        self._reduction_checked = False  # whether the gradients' equality across ranks agreed with reduce_grads
+        self._dp: _data_parallel.DataParallel | None = None  # zoe's own data-parallel mode (_build)
         self._check_changes = True  # tests turn the detection off to show that it matters
         self._hooks = []
         self._hyper_sent: list[tuple | None] = []
@@ -258,6 +257,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._make_engine()
             return
         self._buckets = [_Bucket(dt, self._device, slots, self._world) for dt, slots in slots_by_dtype.items()]
+        if self._world > 1:
+            self._dp = _data_parallel.DataParallel(self._group, self._world, self._rank, self._reduce, self._device)
         with torch.no_grad():
             for b in self._buckets:
                 for s in b.slots:
@@ -270,16 +271,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if self._world > 1:
                     # Every rank starts from rank 0's weights, as DistributedDataParallel does.
                     dist.broadcast(b.weights, src=dist.get_global_rank(self._group, 0), group=self._group)
-                    if self._reduce and self._reduce_scatter_available():
+                    if self._dp.reduce and self._dp.reduce_scatter_available():
                         b.shard_grads = torch.zeros(b.shard_numel, dtype=b.dtype, device=self._device)
         self._make_engine()
         if (self._options["schedule"] in ("overlap", "delayed") or self._engine_accumulates) and self._world == 1:
             for s in self._slots:
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_hook(s)))
-
-    def _reduce_scatter_available(self) -> bool:
-        # gloo has no reduce-scatter; there the gradients are all-reduced and each rank reads its shard.
-        return self._world > 1 and dist.get_backend(self._group) != "gloo"
 
     def _loss_scale_options(self):
         ls = self._options["loss_scale"]
@@ -314,7 +311,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         opts.delayed_warmup_steps = o["delayed_warmup_steps"]
         opts.gradient_accumulation_steps = self._accumulation_steps if self._engine_accumulates else 1
         # Across ranks the global norm is known only after the gradients are reduced: clipping then happens
-        # here (see _clip_and_check), and the engine sees the clipped shard.
+        # in _data_parallel (DataParallel.clip_and_check), and the engine sees the clipped shard.
         max_norm = float(o["max_grad_norm"] or 0.0)
         opts.max_grad_norm = max_norm if self._world == 1 and self._dtensor is None else 0.0
         self._max_grad_norm = max_norm
@@ -422,7 +419,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _take_again(self) -> None:
         self._engine.grads_changed()
-        self._dp_reduced, self._dp_stats = False, None
+        if self._dp is not None:
+            self._dp.end_iteration()
         self._taken_versions = self._grad_versions()
 
     def _grad_versions(self) -> list[int]:
@@ -484,110 +482,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._engine.set_hyper(gi, **h)
                 self._hyper_sent[gi] = key
 
-    def _reduce_grads(self) -> None:
-        if not self._reduction_checked:
-            self._check_reduction()
-        if not self._reduce:
-            return
-        for b in self._buckets:
-            if b.shard_grads is not None:
-                dist.reduce_scatter_tensor(b.shard_grads, b.grads, group=self._group)
-                b.shard_grads.div_(self._world)
-            else:
-                dist.all_reduce(b.grads, group=self._group)
-                b.grads.div_(self._world)
-
-    def _check_reduction(self) -> None:
-        """Once: are the gradients equal on every rank (averaged already, as DistributedDataParallel leaves
-        them)? A fingerprint of each bucket (its 1- and 2-norms: sums of positive terms, so a sum in another
-        order moves them by rounding only), compared by all-reducing its maximum and minimum."""
-        fp = torch.stack([torch.linalg.vector_norm(b.grads, ord, dtype=torch.float64)
-                          for b in self._buckets for ord in (1, 2)])
-        if not bool(torch.isfinite(fp).all()):
-            return  # NaN/Inf compare unequal: decided at a finite step
-        both = torch.cat([fp, -fp])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._group)
-        hi, lo = both[:len(fp)], -both[len(fp):]
-        # Equal gradients give equal bits, but a rank may add them in another order (threads): 1e-9 of it.
-        equal = bool(((hi - lo) <= 1e-9 * hi).all())
-        self._reduction_checked = True
-        if not self._reduce and not equal:
-            raise RuntimeError(
-                "zoe.torch.OffloadOptimizer(reduce_grads=False): the gradients differ across ranks, so they were "
-                "not averaged before step() — wrap the model in DistributedDataParallel, or leave reduce_grads=True "
-                "for zoe to average them")
-        if self._reduce and equal:
-            warnings.warn(
-                "zoe.torch.OffloadOptimizer: the gradients are equal on every rank before zoe averages them — "
-                "averaged already (DistributedDataParallel?). Pass reduce_grads=False to skip zoe's all-reduce "
-                "of the gradients at every step; the results are the same.", stacklevel=4)
-
-    def _shard_grads(self, b: _Bucket) -> torch.Tensor:
-        if b.shard_grads is not None:
-            return b.shard_grads
-        return b.grads[self._rank * b.shard_numel:(self._rank + 1) * b.shard_numel]
-
-    def _dp_grad_stats(self) -> tuple[float, float]:
-        """Across ranks: the gradients reduced (once an iteration), and the sum of squares and NaN/Inf count
-        of the averaged gradients, which no rank's engine can see alone."""
-        if not self._dp_reduced:
-            self._reduce_grads()
-            self._dp_reduced = True
-        if self._dp_stats is None:
-            stats = torch.zeros(2, dtype=torch.float64, device=self._device)
-            for b in self._buckets:
-                g = self._shard_grads(b).double()
-                finite = torch.isfinite(g)
-                stats[0] += torch.where(finite, g, 0).square().sum()
-                stats[1] += (~finite).sum()
-            dist.all_reduce(stats, group=self._group)
-            self._dp_stats = tuple(stats.tolist())
-        return self._dp_stats
-
-    def _dp_norm(self) -> float:
-        sum_sq, non_finite = self._dp_grad_stats()
-        return math.nan if non_finite > 0 else math.sqrt(sum_sq) / self.loss_scale
-
-    def _clip_and_check(self) -> None:
-        """Across ranks: refusal, overflow agreement and clipping of the reduced shards."""
-        max_norm = self._clip_once if self._clip_once is not None else self._max_grad_norm
-        refuse = self._options["refuse_non_finite"] and not self._loss_scaling
-        if not self._dp_reduced:
-            self._reduce_grads()
-            self._dp_reduced = True
-        if not max_norm and not self._loss_scaling and not refuse:
-            return
-        sum_sq, non_finite = self._dp_grad_stats()
-        if non_finite > 0 and refuse:
-            # Every rank refuses together, before its engine changes anything.
-            raise _zoe.InvalidArgumentError(
-                f"step refused: {int(non_finite)} NaN/Inf gradient values across the ranks; no state changed "
-                "(refuse_non_finite=False lets them propagate as torch.optim does)")
-        if non_finite > 0:
-            if self._loss_scaling:
-                # Every rank must skip and back off together: a rank whose shard is clean is made to see the
-                # overflow too, so that its engine's loss scaler stays in step with the others.
-                for b in self._buckets:
-                    g = self._shard_grads(b)
-                    if g.numel():
-                        g[0] = float("inf")
-                        break
-            return
-        if max_norm:
-            norm = math.sqrt(sum_sq) / self.loss_scale
-            coef = max_norm / (norm + 1e-6)
-            if coef < 1.0:
-                for b in self._buckets:
-                    self._shard_grads(b).mul_(coef)
-
-    def _gather_weights(self) -> None:
-        for b in self._buckets:
-            shard = b.weights[self._rank * b.shard_numel:(self._rank + 1) * b.shard_numel]
-            if dist.get_backend(self._group) != "gloo":
-                dist.all_gather_into_tensor(b.weights, shard.clone(), group=self._group)
-            else:
-                dist.all_gather(list(b.weights.chunk(self._world)), shard.clone(), group=self._group)
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         """Applies one Adam step to every parameter; returns the closure's loss when given one."""
@@ -604,7 +498,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if self._world > 1 or self._dtensor is not None:
                 tc = time.perf_counter()
                 if self._dtensor is None:
-                    self._clip_and_check()
+                    max_norm = self._clip_once if self._clip_once is not None else self._max_grad_norm
+                    refuse = self._options["refuse_non_finite"] and not self._loss_scaling
+                    self._dp.clip_and_check(self._buckets, max_norm, refuse, self._loss_scaling, self.loss_scale)
                 else:
                     self._dtensor.agree(self)
                 comm += time.perf_counter() - tc
@@ -621,7 +517,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._end_iteration()  # a refused step ends the iteration too: the next one counts anew
         if self._world > 1 and not self._engine.last_step_skipped:
             tc = time.perf_counter()
-            self._gather_weights()
+            self._dp.gather_weights(self._buckets)
             comm += time.perf_counter() - tc
         total = time.perf_counter() - t0
         tm = self._timing
@@ -640,7 +536,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             s.taken = False
         self._reported = False
         self._taken_versions = None
-        self._dp_reduced, self._dp_stats = False, None
+        if self._dp is not None:
+            self._dp.end_iteration()
         if self._dtensor is not None:
             self._dtensor.end_iteration()
         if self._clip_once is not None:
@@ -666,7 +563,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for s in self._slots:
             s.taken = True
         if self._world > 1:
-            norm = self._dp_norm()
+            norm = self._dp.norm(self._buckets, self.loss_scale)
         elif self._dtensor is not None:
             norm = self._dtensor.global_norm(self)
         else:
@@ -827,7 +724,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._engine.load(path)
         self._hyper_sent = [None] * len(self.param_groups)
         if self._world > 1:
-            self._gather_weights()
+            self._dp.gather_weights(self._buckets)
 
     def __del__(self):
         for h in getattr(self, "_hooks", []):
