@@ -4,10 +4,14 @@
 // device's buffer rounded to its dtype — what a trainer that clips or logs p.grad must see — while the step
 // reads the fp32 sum itself, never a 16-bit one.
 //
-// The reports are synchronous: a micro-batch's gradient must be out of the device's buffer before the next
-// micro-batch's backward accumulates into it, and the trainer calls nothing in between.
+// A micro-batch's gradient must be out of the device's buffer before the next micro-batch's backward
+// accumulates into it, and the trainer calls nothing in between: in place (the CPU) a report adds and zeroes
+// before it returns. A device with its own memory copies the gradient down and zeroes it on its copy stream,
+// which the compute stream waits for, and the add runs on a worker while backward goes on. The last report
+// of a step is synchronous: the rounded sum must be in the device's buffer when it returns.
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "src/offload/host_device.h"
 #include "src/offload/optimizer_impl.h"
@@ -33,6 +37,10 @@ void round_into(CpuAdam& adam, const float* from, void* to, DType dtype, std::si
 Status OffloadOptimizer::Impl::allocate_accumulation() {
   if (!accumulates()) return Status::success();
   reports.assign(params.size(), 0);
+  if (!in_place) {
+    add_worker = std::make_unique<WorkQueue>();
+    add_queued.assign(params.size(), 0);
+  }
   const int sets = options.schedule == Schedule::delayed ? 2 : 1;
   for (int s = 0; s < sets; ++s) {
     Result<AlignedBuffer> r = AlignedBuffer::allocate(std::max<std::size_t>(offsets.back(), 1) * 4);
@@ -43,6 +51,13 @@ Status OffloadOptimizer::Impl::allocate_accumulation() {
   return Status::success();
 }
 
+Status OffloadOptimizer::Impl::drain_adds() {
+  if (!add_worker) return Status::success();
+  add_worker->drain();
+  std::fill(add_queued.begin(), add_queued.end(), 0);
+  return std::exchange(add_status, Status::success());
+}
+
 Status OffloadOptimizer::Impl::add_micro_batch(std::size_t i, int set, bool last) {
   const ParamSpec& p = params[i];
   const std::size_t bytes = p.n * dtype_size(p.dtype);
@@ -50,6 +65,10 @@ Status OffloadOptimizer::Impl::add_micro_batch(std::size_t i, int set, bool last
     ++added[set][i];
     return Status::success();
   }
+  if (!in_place && !last) return queue_micro_batch(i, set);
+  // The queued adds first: each element's additions stay in micro-batch order, and the step (or the
+  // overlap schedule's speculative steps) may use the engine's threads once they are done.
+  if (Status s = drain_adds(); !s.ok()) return s;
   // The gradient on the host: in place, or copied down once the compute stream has produced it.
   void* grad = const_cast<void*>(p.device_grads);
   if (!in_place) {
@@ -75,29 +94,53 @@ Status OffloadOptimizer::Impl::add_micro_batch(std::size_t i, int set, bool last
     return Status(s.code(), "gradient accumulation, parameter " + std::to_string(i) + ": " + s.message(), s.sys_errno());
   }
   ++added[set][i];
-  const std::size_t piece = std::max<std::size_t>(options.tile, 1);
-  if (in_place) {
-    if (last) round_into(adam, sum, grad, p.dtype, p.n, piece);
-    return Status::success();
-  }
-  // The device's buffer: zeroed for the next micro-batch, or the rounded sum; the compute stream (the next
-  // backward, or the trainer reading it) waits for it.
-  Stream stream = Stream::d2h;
-  if (last) {
-    round_into(adam, sum, grad, p.dtype, p.n, piece);
-    stream = Stream::h2d;
-    if (Status s = device.copy_to_device(const_cast<void*>(p.device_grads), grad, bytes, stream); !s.ok()) return s;
-    stats_.h2d_bytes += bytes;
-  } else if (Status s = device.fill_zero(const_cast<void*>(p.device_grads), bytes, stream); !s.ok()) {
-    return s;
-  }
-  Result<EventId> done = device.record(stream);
+  if (!last) return Status::success();  // in place: zeroed by the add
+  round_into(adam, sum, grad, p.dtype, p.n, std::max<std::size_t>(options.tile, 1));
+  if (in_place) return Status::success();
+  // The rounded sum back into the device's buffer; the compute stream (the trainer reading it, the next
+  // backward) waits for it.
+  if (Status s = device.copy_to_device(const_cast<void*>(p.device_grads), grad, bytes, Stream::h2d); !s.ok()) return s;
+  stats_.h2d_bytes += bytes;
+  Result<EventId> done = device.record(Stream::h2d);
   if (!done.ok()) return done.status();
   return device.wait(Stream::compute, done.value());
 }
 
+Status OffloadOptimizer::Impl::queue_micro_batch(std::size_t i, int set) {
+  const ParamSpec& p = params[i];
+  const std::size_t bytes = p.n * dtype_size(p.dtype);
+  if (add_queued[i]) {
+    if (Status s = drain_adds(); !s.ok()) return s;  // its staging still holds the previous micro-batch
+  }
+  void* grad = grad_of(i, set);
+  Result<EventId> produced = device.record(Stream::compute);
+  if (!produced.ok()) return produced.status();
+  if (Status s = device.wait(Stream::d2h, produced.value()); !s.ok()) return s;
+  if (Status s = device.copy_to_host(grad, p.device_grads, bytes, Stream::d2h); !s.ok()) return s;
+  Result<EventId> copied = device.record(Stream::d2h);
+  if (!copied.ok()) return copied.status();
+  // After the copy on the same stream: the next backward (which waits for it) starts from zeros.
+  if (Status s = device.fill_zero(const_cast<void*>(p.device_grads), bytes, Stream::d2h); !s.ok()) return s;
+  Result<EventId> zeroed = device.record(Stream::d2h);
+  if (!zeroed.ok()) return zeroed.status();
+  if (Status s = device.wait(Stream::compute, zeroed.value()); !s.ok()) return s;
+  stats_.d2h_bytes += bytes;
+  AccumulateOptions ao;
+  ao.first = added[set][i]++ == 0;
+  add_queued[i] = 1;
+  float* sum = accum[set].as<float>() + offsets[i];
+  add_worker->enqueue([this, i, sum, grad, ao, copied = copied.value()] {
+    if (!add_status.ok()) return;
+    Status s = device.synchronize(copied);
+    if (s.ok()) s = adam.accumulate(AccumulateTensor{sum, grad, params[i].dtype, params[i].n}, ao);
+    if (!s.ok()) add_status = Status(s.code(), "gradient accumulation, parameter " + std::to_string(i) + ": " + s.message(), s.sys_errno());
+  });
+  return Status::success();
+}
+
 Status OffloadOptimizer::Impl::finish_accumulation(int set) {
   if (!accumulates()) return Status::success();
+  if (Status s = drain_adds(); !s.ok()) return s;
   const int k = options.gradient_accumulation_steps;
   for (std::size_t i = 0; i < params.size(); ++i) {
     if (added[set][i] > 0 && reports[i] < k) {
@@ -108,7 +151,9 @@ Status OffloadOptimizer::Impl::finish_accumulation(int set) {
 }
 
 void OffloadOptimizer::Impl::drop_accumulation(int set) {
-  if (accumulates()) std::fill(added[set].begin(), added[set].end(), 0);
+  if (!accumulates()) return;
+  (void)drain_adds();  // what they added is dropped with the sums
+  std::fill(added[set].begin(), added[set].end(), 0);
 }
 
 void OffloadOptimizer::Impl::reset_accumulation(int set) {

@@ -15,6 +15,7 @@
 
 #include "src/aligned_buffer.h"
 #include "src/offload/loss_scaler.h"
+#include "src/offload/work_queue.h"
 #include "zoe/offload.h"
 #include "zoe/partition.h"
 
@@ -147,12 +148,19 @@ struct OffloadOptimizer::Impl {
   AlignedBuffer accum[2];
   std::vector<int> added[2];
   std::vector<int> reports;
+  // Staged devices: the adds of micro-batches before the last run here while backward goes on; a parameter
+  // with one queued (add_queued) waits for it before its staging is written again.
+  std::unique_ptr<WorkQueue> add_worker;
+  std::vector<char> add_queued;
+  Status add_status;  // the first failure of a queued add, read after drain_adds()
+  Status drain_adds();
   bool accumulates() const { return options.gradient_accumulation_steps > 1; }
   bool in_accum(std::size_t i, int set) const { return !added[set].empty() && added[set][i] > 0; }
   Status allocate_accumulation();
   // A micro-batch's gradient of parameter i reported final: added into accum[set]; the device's buffer is
   // zeroed (not the last) or receives the rounded sum (the last).
   Status add_micro_batch(std::size_t i, int set, bool last);
+  Status queue_micro_batch(std::size_t i, int set);  // staged, not the last: copied, zeroed, added on add_worker
   // At step(): the last micro-batch of every parameter reported fewer than k times is added.
   Status finish_accumulation(int set);
   // The trainer changed the device's gradients: they, not the sums, are this step's.

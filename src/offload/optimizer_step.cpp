@@ -34,6 +34,7 @@ OffloadOptimizer::Impl::Impl(Device& d, std::vector<ParamGroup> g, std::vector<P
     : device(d), options(o), groups(std::move(g)), params(std::move(p)), adam(std::move(a)), scaler(o.loss_scale) {}
 
 OffloadOptimizer::Impl::~Impl() {
+  add_worker.reset();  // joins the queued micro-batch adds before the buffers they use go
   schedule.reset();  // joins the delayed step or the overlap worker before the buffers they use go
   (void)device.synchronize();
   tier.reset();
