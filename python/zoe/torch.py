@@ -402,9 +402,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             torch.cuda.current_stream(self._device).synchronize()
         for i in slot.engine_ids:
             self._engine.grad_ready(i)
-        if self._engine_accumulates and self._device.type == "cuda":
-            # The engine zeroes the buffer (or writes the sum back) on its own stream, which torch's next
-            # backward or the trainer's clipping does not wait for.
+        if self._engine_accumulates:
+            # Unless it works in place, the engine zeroes the buffer (or writes the sum back) on its own copy
+            # stream — on the CPU too, with the delayed schedule — which torch's next backward or the
+            # trainer's clipping does not wait for.
             self._zoe_device.synchronize()
         if last:
             self._reported = slot.taken = True
