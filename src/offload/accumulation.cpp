@@ -51,6 +51,17 @@ Status OffloadOptimizer::Impl::allocate_accumulation() {
   return Status::success();
 }
 
+Result<EventId> OffloadOptimizer::Impl::copy_down(std::size_t i, int set) {
+  const ParamSpec& p = params[i];
+  const std::size_t bytes = p.n * dtype_size(p.dtype);
+  Result<EventId> produced = device.record(Stream::compute);
+  if (!produced.ok()) return produced.status();
+  if (Status s = device.wait(Stream::d2h, produced.value()); !s.ok()) return s;
+  if (Status s = device.copy_to_host(grad_of(i, set), p.device_grads, bytes, Stream::d2h); !s.ok()) return s;
+  stats_.d2h_bytes += bytes;
+  return device.record(Stream::d2h);
+}
+
 Status OffloadOptimizer::Impl::drain_adds() {
   if (!add_worker) return Status::success();
   add_worker->drain();
@@ -73,14 +84,9 @@ Status OffloadOptimizer::Impl::add_micro_batch(std::size_t i, int set, bool last
   void* grad = const_cast<void*>(p.device_grads);
   if (!in_place) {
     grad = grad_of(i, set);
-    Result<EventId> produced = device.record(Stream::compute);
-    if (!produced.ok()) return produced.status();
-    if (Status s = device.wait(Stream::d2h, produced.value()); !s.ok()) return s;
-    if (Status s = device.copy_to_host(grad, p.device_grads, bytes, Stream::d2h); !s.ok()) return s;
-    Result<EventId> copied = device.record(Stream::d2h);
+    Result<EventId> copied = copy_down(i, set);
     if (!copied.ok()) return copied.status();
     if (Status s = device.synchronize(copied.value()); !s.ok()) return s;
-    stats_.d2h_bytes += bytes;
   } else {
     Result<EventId> produced = device.record(Stream::compute);
     if (!produced.ok()) return produced.status();
@@ -113,18 +119,13 @@ Status OffloadOptimizer::Impl::queue_micro_batch(std::size_t i, int set) {
     if (Status s = drain_adds(); !s.ok()) return s;  // its staging still holds the previous micro-batch
   }
   void* grad = grad_of(i, set);
-  Result<EventId> produced = device.record(Stream::compute);
-  if (!produced.ok()) return produced.status();
-  if (Status s = device.wait(Stream::d2h, produced.value()); !s.ok()) return s;
-  if (Status s = device.copy_to_host(grad, p.device_grads, bytes, Stream::d2h); !s.ok()) return s;
-  Result<EventId> copied = device.record(Stream::d2h);
+  Result<EventId> copied = copy_down(i, set);
   if (!copied.ok()) return copied.status();
   // After the copy on the same stream: the next backward (which waits for it) starts from zeros.
   if (Status s = device.fill_zero(const_cast<void*>(p.device_grads), bytes, Stream::d2h); !s.ok()) return s;
   Result<EventId> zeroed = device.record(Stream::d2h);
   if (!zeroed.ok()) return zeroed.status();
   if (Status s = device.wait(Stream::compute, zeroed.value()); !s.ok()) return s;
-  stats_.d2h_bytes += bytes;
   AccumulateOptions ao;
   ao.first = added[set][i]++ == 0;
   add_queued[i] = 1;

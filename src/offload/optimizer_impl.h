@@ -161,6 +161,7 @@ struct OffloadOptimizer::Impl {
   // zeroed (not the last) or receives the rounded sum (the last).
   Status add_micro_batch(std::size_t i, int set, bool last);
   Status queue_micro_batch(std::size_t i, int set);  // staged, not the last: copied, zeroed, added on add_worker
+  Result<EventId> copy_down(std::size_t i, int set);  // parameter i's gradient into staging, once produced
   // At step(): the last micro-batch of every parameter reported fewer than k times is added.
   Status finish_accumulation(int set);
   // The trainer changed the device's gradients: they, not the sums, are this step's.
