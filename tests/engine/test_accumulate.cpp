@@ -9,23 +9,17 @@
 #include <vector>
 
 #include "simd/dispatch.h"
+#include "tests/engine/engine_isa.h"
 #include "tests/reference.h"
 #include "zoe/adam.h"
 
 namespace zoe {
 namespace {
 
+using test::make_engine;
+
 using test::Random;
 
-CpuAdam make_engine(const std::string& isa, int threads, std::size_t tile) {
-  CpuAdamOptions o;
-  o.isa = isa;
-  o.threads = threads;
-  o.tile = tile;
-  Result<CpuAdam> e = CpuAdam::create(o);
-  EXPECT_TRUE(e.ok()) << e.status().to_string();
-  return std::move(e).value();
-}
 
 // Accumulators and one micro-batch's gradients for tensors of the given sizes and gradient dtypes.
 struct Batch {
@@ -81,15 +75,7 @@ std::vector<unsigned char> accumulate_four(CpuAdam& engine, Batch& batch) {
   return batch.bytes();
 }
 
-class AccumulateIsa : public ::testing::TestWithParam<Isa> {
- protected:
-  void SetUp() override {
-    if (!simd::isa_supported(GetParam())) {
-      GTEST_SKIP() << "this CPU cannot run " << isa_name(GetParam()) << " code";
-    }
-  }
-  std::string isa() const { return std::string(isa_name(GetParam())); }
-};
+class AccumulateIsa : public test::EngineIsa {};
 
 // Each fp32 addition is one correctly rounded IEEE addition, and float(double(a) + double(b)) is that value
 // (double's 53 bits >= 2 x 24 + 2: Figueroa, "When is double rounding innocuous?", 1995), so the oracle
@@ -148,7 +134,7 @@ TEST_P(AccumulateIsa, StreamsPassCoversTheSameElements) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Isas, AccumulateIsa, ::testing::Values(Isa::scalar, Isa::avx2, Isa::avx512),
-                         [](const ::testing::TestParamInfo<Isa>& i) { return std::string(isa_name(i.param)); });
+                         test::isa_test_name);
 
 TEST(Accumulate, NanAndInfPropagateAsIeeeAddition) {
   CpuAdam engine = make_engine("auto", 2, 16);

@@ -9,11 +9,15 @@
 #include <vector>
 
 #include "simd/dispatch.h"
+#include "tests/engine/engine_isa.h"
 #include "tests/reference.h"
 #include "zoe/adam.h"
 
 namespace zoe {
 namespace {
+
+using test::EngineIsa;
+using test::make_engine;
 
 using test::Random;
 
@@ -64,15 +68,6 @@ struct Model {
   }
 };
 
-CpuAdam make_engine(const std::string& isa, int threads, std::size_t tile) {
-  CpuAdamOptions o;
-  o.isa = isa;
-  o.threads = threads;
-  o.tile = tile;
-  Result<CpuAdam> e = CpuAdam::create(o);
-  EXPECT_TRUE(e.ok()) << e.status().to_string();
-  return std::move(e).value();
-}
 
 std::vector<unsigned char> run_steps(CpuAdam& engine, Model& model, int steps) {
   AdamHyper h;
@@ -86,15 +81,6 @@ std::vector<unsigned char> run_steps(CpuAdam& engine, Model& model, int steps) {
   return model.bytes();
 }
 
-class EngineIsa : public ::testing::TestWithParam<Isa> {
- protected:
-  void SetUp() override {
-    if (!simd::isa_supported(GetParam())) {
-      GTEST_SKIP() << "this CPU cannot run " << isa_name(GetParam()) << " code";
-    }
-  }
-  std::string isa() const { return std::string(isa_name(GetParam())); }
-};
 
 TEST_P(EngineIsa, BitIdenticalForAnyThreadCountAndTile) {
   const std::vector<std::size_t> sizes = {100'003};
@@ -149,7 +135,7 @@ TEST_P(EngineIsa, ZoeIsaEnvironmentOverridesTheRequest) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Isas, EngineIsa, ::testing::Values(Isa::scalar, Isa::avx2, Isa::avx512),
-                         [](const ::testing::TestParamInfo<Isa>& i) { return std::string(isa_name(i.param)); });
+                         test::isa_test_name);
 
 TEST(Engine, AutoPicksTheBestSupportedIsa) {
   unsetenv("ZOE_ISA");
