@@ -89,6 +89,7 @@ def bench_accumulate(n: int, tensors: int, reps: int) -> list[dict]:
     in torch (acc.add_(g); g.zero_()) and against a copy of the gradients alone (what bringing them down costs
     at memory speed). Bytes per parameter: read acc 4 + g 2, write acc 4 + g 2 = 12."""
     ps = [torch.nn.Parameter(p.detach().bfloat16()) for p in _params(n, tensors)]
+    # Every timed micro-batch is one that is not the last (no step ever comes): more than the reps ever reach.
     opt = OffloadOptimizer(ps, lr=1e-3, gradient_accumulation_steps=1 << 30)
     for p in ps:
         p.grad.normal_(0, 1e-3)

@@ -54,11 +54,7 @@ class OverlapSchedule final : public StepSchedule {
   Status step() override;
 
   Result<int> take_grads() override {
-    for (std::size_t i = 0; i < m_.params.size(); ++i) {
-      if (!reported_[i]) {
-        if (Status s = grad_ready(i); !s.ok()) return s;
-      }
-    }
+    if (Status s = report_the_rest(); !s.ok()) return s;
     if (retake_) {
       if (Status s = undo_speculation(); !s.ok()) return s;
       if (Status s = take_all_grads(m_); !s.ok()) return s;
@@ -79,6 +75,15 @@ class OverlapSchedule final : public StepSchedule {
   // Waits for the speculative steps and puts back the state and weights they changed; no piece is then
   // stepped, and step() steps them all.
   Status undo_speculation();
+  // Every parameter the trainer did not report is reported now: its gradient is final at the end of backward.
+  Status report_the_rest() {
+    for (std::size_t i = 0; i < m_.params.size(); ++i) {
+      if (!reported_[i]) {
+        if (Status s = grad_ready(i); !s.ok()) return s;
+      }
+    }
+    return Status::success();
+  }
   void end_iteration();
   void save_undo(const Piece& k);
   void restore_undo(const Piece& k);
@@ -147,11 +152,7 @@ Status OverlapSchedule::step() {
     if (!taken.ok()) return taken.status();
     return finish_sync_step(m_);
   }
-  for (std::size_t i = 0; i < m_.params.size(); ++i) {
-    if (!reported_[i]) {
-      if (Status s = grad_ready(i); !s.ok()) return s;
-    }
-  }
+  if (Status s = report_the_rest(); !s.ok()) return s;
   worker_->drain();
   if (!worker_status_.ok()) return std::exchange(worker_status_, Status::success());
   const Impl::Decision d = m_.decide(0, m_.visible_scale);
