@@ -70,6 +70,20 @@ struct NvmeOptions {
   Durability durability = Durability::step;  // zoe config: zoe.nvme_durability
 };
 
+// How a partitioned optimizer (create() with a Collectives of world > 1) meets the trainer's buffers.
+struct PartitionOptions {
+  // The parameters of each dtype lie back to back, in the order given, in one weight buffer and one
+  // gradient buffer per dtype, each padded to a multiple of the world size (world x ceil(elements / world)
+  // elements; the padding's values are never used): gradients are reduced and weights gathered right
+  // there, without the two flat copies of the model the optimizer otherwise keeps on the device. A
+  // parameter that does not follow the one before it is refused at create().
+  bool flat_buffers = false;
+  // The gradients arrive averaged over the ranks already (DistributedDataParallel's backward did it): no
+  // reduction, each rank steps its shard of them. The global norm and the NaN/Inf check still span every
+  // rank.
+  bool grads_averaged = false;
+};
+
 struct OffloadOptions {
   Tier tier = Tier::ram;
   NvmeOptions nvme;
@@ -92,6 +106,7 @@ struct OffloadOptions {
   // than k times has its last micro-batch taken at step(). overlap steps speculatively only on the k-th
   // report. Costs 4 bytes per parameter of host RAM (8 with the delayed schedule).
   int gradient_accumulation_steps = 1;
+  PartitionOptions partition;  // with a Collectives of world > 1 only
   std::size_t tile = 1 << 20;          // elements per unit of pipelined work. DeepSpeed's sub_group_size is larger
   CpuAdamOptions cpu;
 };
@@ -134,8 +149,11 @@ class OffloadOptimizer {
   // ZeRO partitioning over `partition`'s ranks (zoe/partition.h): every rank passes the same parameters and
   // owns the optimizer state of its 1/W of their flattened elements. Gradients are reduce-scattered on the
   // device and averaged (divided by W in the fused grad scale, as DDP and DeepSpeed do); updated weights are
-  // all-gathered back into every parameter. All parameters share one dtype; schedule sync. `partition` must
-  // outlive the optimizer. read_state() then indexes this rank's pieces of the parameters, in flat order.
+  // all-gathered back into every parameter. Each dtype is flattened on its own (in the order its first
+  // parameter comes); options.partition says whether the trainer's buffers are flat already and whether the
+  // gradients come averaged. Schedule sync. `partition` must outlive the optimizer. read_state() then
+  // indexes this rank's pieces of the parameters, dtype by dtype in flat order. load() is collective: every
+  // rank loads its own checkpoint, and the weights are all-gathered.
   static Result<OffloadOptimizer> create(Device& device, std::vector<ParamGroup> groups,
                                          std::vector<ParamSpec> params, const OffloadOptions& options,
                                          Collectives* partition);

@@ -28,6 +28,7 @@
 #include "zoe/device.h"
 #include "zoe/dtype.h"
 #include "zoe/offload.h"
+#include "zoe/partition.h"
 #include "zoe/status.h"
 
 namespace nb = nanobind;
@@ -170,6 +171,8 @@ struct EngineOptions {
   std::string schedule = "sync";
   int delayed_warmup_steps = 10;
   int gradient_accumulation_steps = 1;
+  bool partition_flat_buffers = false;
+  bool partition_grads_averaged = false;
   float max_grad_norm = 0;
   bool refuse_non_finite = true;
   bool loss_scale = false;
@@ -204,6 +207,8 @@ OffloadOptions to_options(const EngineOptions& e) {
   o.schedule = schedule.value();
   o.delayed_warmup_steps = e.delayed_warmup_steps;
   o.gradient_accumulation_steps = e.gradient_accumulation_steps;
+  o.partition.flat_buffers = e.partition_flat_buffers;
+  o.partition.grads_averaged = e.partition_grads_averaged;
   o.max_grad_norm = e.max_grad_norm;
   o.refuse_non_finite = e.refuse_non_finite;
   LossScaleOptions& ls = o.loss_scale;
@@ -223,9 +228,63 @@ OffloadOptions to_options(const EngineOptions& e) {
   return o;
 }
 
+// Collectives implemented in Python (zoe/_data_parallel.py, over torch.distributed): an object with rank(),
+// world(), reduce_scatter(send, recv, count, dtype) and all_gather(send, recv, count, dtype) on addresses of
+// the device's memory, and all_reduce_host(values) -> values. Python enqueues on torch's streams, not on
+// zoe's: what zoe enqueued is finished before each call, and the call finishes its own work before it
+// returns.
+class PyCollectives final : public Collectives {
+ public:
+  PyCollectives(nb::object impl, Device& device)
+      : impl_(std::move(impl)), device_(device), rank_(nb::cast<int>(impl_.attr("rank")())),
+        world_(nb::cast<int>(impl_.attr("world")())) {}
+  ~PyCollectives() override {
+    nb::gil_scoped_acquire gil;  // the last reference to a Python object goes with the GIL held
+    impl_.reset();
+  }
+  int rank() const override { return rank_; }
+  int world() const override { return world_; }
+  Status reduce_scatter(const void* send, void* recv, std::size_t count, DType dtype, Stream) override {
+    return call("reduce_scatter", send, recv, count, dtype);
+  }
+  Status all_gather(const void* send, void* recv, std::size_t count, DType dtype, Stream) override {
+    return call("all_gather", send, recv, count, dtype);
+  }
+  Status all_reduce_host(double* values, std::size_t count) override {
+    nb::gil_scoped_acquire gil;
+    try {
+      nb::list in;
+      for (std::size_t i = 0; i < count; ++i) in.append(values[i]);
+      nb::object out = impl_.attr("all_reduce_host")(in);
+      for (std::size_t i = 0; i < count; ++i) values[i] = nb::cast<double>(out[i]);
+    } catch (const std::exception& e) {
+      return Status(StatusCode::internal, std::string("all_reduce_host over torch.distributed failed: ") + e.what());
+    }
+    return Status::success();
+  }
+
+ private:
+  Status call(const char* name, const void* send, void* recv, std::size_t count, DType dtype) {
+    if (Status s = device_.synchronize(); !s.ok()) return s;
+    nb::gil_scoped_acquire gil;
+    try {
+      impl_.attr(name)(reinterpret_cast<std::uintptr_t>(send), reinterpret_cast<std::uintptr_t>(recv), count,
+                       std::string(dtype_name(dtype)));
+    } catch (const std::exception& e) {
+      return Status(StatusCode::internal, std::string(name) + " over torch.distributed failed: " + e.what());
+    }
+    return Status::success();
+  }
+
+  nb::object impl_;
+  Device& device_;
+  int rank_, world_;
+};
+
 struct PyEngine {
   // Declared first so that it is destroyed last: the optimizer's destructor still talks to the device.
   nb::object device_owner;
+  std::unique_ptr<PyCollectives> collectives;  // outlives the optimizer, which holds its address
   std::optional<OffloadOptimizer> opt;
   std::size_t param_count = 0;
 
@@ -244,7 +303,8 @@ struct PyEngine {
 };
 
 std::unique_ptr<PyEngine> make_engine(nb::object device_obj, std::vector<nb::dict> groups,
-                                      std::vector<ParamTuple> params, const EngineOptions& options) {
+                                      std::vector<ParamTuple> params, const EngineOptions& options,
+                                      nb::object collectives) {
   PyDevice& device = nb::cast<PyDevice&>(device_obj);
   std::vector<ParamGroup> gs;
   for (nb::dict& g : groups) {
@@ -273,10 +333,11 @@ std::unique_ptr<PyEngine> make_engine(nb::object device_obj, std::vector<nb::dic
   auto engine = std::make_unique<PyEngine>();
   engine->device_owner = device_obj;
   engine->param_count = ps.size();
+  if (!collectives.is_none()) engine->collectives = std::make_unique<PyCollectives>(collectives, *device.device);
   Result<OffloadOptimizer> made = Status(StatusCode::internal, "not created");
   {
     nb::gil_scoped_release release;
-    made = OffloadOptimizer::create(*device.device, std::move(gs), std::move(ps), o);
+    made = OffloadOptimizer::create(*device.device, std::move(gs), std::move(ps), o, engine->collectives.get());
   }
   engine->opt.emplace(take(std::move(made)));
   return engine;
@@ -387,6 +448,8 @@ void bind_engine(nb::module_& m) {
       .def_rw("schedule", &EngineOptions::schedule)
       .def_rw("delayed_warmup_steps", &EngineOptions::delayed_warmup_steps)
       .def_rw("gradient_accumulation_steps", &EngineOptions::gradient_accumulation_steps)
+      .def_rw("partition_flat_buffers", &EngineOptions::partition_flat_buffers)
+      .def_rw("partition_grads_averaged", &EngineOptions::partition_grads_averaged)
       .def_rw("max_grad_norm", &EngineOptions::max_grad_norm)
       .def_rw("refuse_non_finite", &EngineOptions::refuse_non_finite)
       .def_rw("loss_scale", &EngineOptions::loss_scale)
@@ -406,8 +469,13 @@ void bind_engine(nb::module_& m) {
   nb::class_<PyEngine>(m, "Engine", "zoe's OffloadOptimizer over parameters given by address on a Device.")
       .def("__init__",
            [](PyEngine* self, nb::object device, std::vector<nb::dict> groups, std::vector<ParamTuple> params,
-              const EngineOptions& options) { new (self) PyEngine(std::move(*make_engine(device, groups, params, options))); },
-           nb::arg("device"), nb::arg("groups"), nb::arg("params"), nb::arg("options"))
+              const EngineOptions& options, nb::object collectives) {
+             new (self) PyEngine(std::move(*make_engine(device, groups, params, options, collectives)));
+           },
+           nb::arg("device"), nb::arg("groups"), nb::arg("params"), nb::arg("options"),
+           nb::arg("collectives").none() = nb::none(),
+           "collectives: None, or an object of rank(), world(), reduce_scatter, all_gather and all_reduce_host "
+           "(zoe/_data_parallel.py): with world > 1 the engine partitions the parameters over its ranks.")
       .def("grad_ready",
            [](PyEngine& e, std::size_t i) { e.call([i](OffloadOptimizer& o) { return o.grad_ready(i); }); })
       .def("step", [](PyEngine& e) { e.call([](OffloadOptimizer& o) { return o.step(); }); })

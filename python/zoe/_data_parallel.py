@@ -1,69 +1,112 @@
 """zoe's own data-parallel mode for plain parameters: with torch.distributed initialised, each of W ranks
-owns 1/W of every flat buffer. The gradients are averaged (reduce-scatter; all-reduce where the backend has
-no reduce-scatter, as gloo), each rank's engine steps its shard, and the weights are all-gathered. The
-decisions that need every shard — clipping by the global norm, the NaN/Inf refusal, fp16 overflow — are
-taken here, on the reduced shards, the same on every rank.
+owns 1/W of every dtype's flat buffer. The partitioning is the engine's (partition.cpp): it reduce-scatters
+the gradients, decides clipping, the NaN/Inf refusal and fp16 overflow on the global statistics, steps its
+shard and all-gathers the weights. This module gives it torch.distributed as its collectives, and checks
+once that the gradients are averaged where the trainer says they are.
 """
 from __future__ import annotations
 
-import math
+import ctypes
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from . import _zoe
+_TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+class _CudaMemory:
+    """Device memory the engine names by address, as torch.as_tensor reads it (__cuda_array_interface__
+    has no bfloat16: 16-bit elements travel as int16 and are viewed back)."""
+
+    def __init__(self, address: int, count: int, typestr: str):
+        self.__cuda_array_interface__ = {"data": (address, False), "shape": (count,), "typestr": typestr,
+                                         "version": 3, "strides": None}
+
+
+def _tensor_at(address: int, count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``count`` elements of ``dtype`` at ``address`` in ``device``'s memory, without a copy."""
+    if count == 0:
+        return torch.empty(0, dtype=dtype, device=device)
+    size = torch.empty(0, dtype=dtype).element_size()
+    if device.type == "cpu":
+        return torch.frombuffer((ctypes.c_byte * (count * size)).from_address(address), dtype=dtype)
+    typestr = "<f4" if size == 4 else "<i2"
+    return torch.as_tensor(_CudaMemory(address, count, typestr), device=device).view(dtype)
+
+
+class TorchCollectives:
+    """The engine's Collectives over a torch.distributed group. Each call finishes its work before it
+    returns (the engine's streams are not torch's)."""
+
+    def __init__(self, group, device: torch.device):
+        self.group = group
+        self.device = device
+        self._world = dist.get_world_size(group)
+        self._rank = dist.get_rank(group)
+        # gloo has no reduce-scatter: an all-reduce of a copy, of which this rank keeps its shard.
+        self._gloo = dist.get_backend(group) == "gloo"
+
+    def rank(self) -> int:
+        return self._rank
+
+    def world(self) -> int:
+        return self._world
+
+    def _finish(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def reduce_scatter(self, send: int, recv: int, count: int, dtype: str) -> None:
+        dt = _TORCH_DTYPES[dtype]
+        full = _tensor_at(send, count * self._world, dt, self.device)
+        mine = _tensor_at(recv, count, dt, self.device)
+        if self._gloo:
+            # A copy: the trainer's gradients (p.grad) keep this rank's own values.
+            summed = full.clone()
+            dist.all_reduce(summed, group=self.group)
+            mine.copy_(summed[self._rank * count:(self._rank + 1) * count])
+        else:
+            dist.reduce_scatter_tensor(mine, full, group=self.group)
+        self._finish()
+
+    def all_gather(self, send: int, recv: int, count: int, dtype: str) -> None:
+        dt = _TORCH_DTYPES[dtype]
+        everyone = _tensor_at(recv, count * self._world, dt, self.device)
+        # This rank's shard may be part of `everyone`: a copy of it is sent.
+        mine = _tensor_at(send, count, dt, self.device).clone()
+        if self._gloo:
+            dist.all_gather(list(everyone.chunk(self._world)), mine, group=self.group)
+        else:
+            dist.all_gather_into_tensor(everyone, mine, group=self.group)
+        self._finish()
+
+    def all_reduce_host(self, values: list[float]) -> list[float]:
+        where = "cpu" if self._gloo else self.device
+        t = torch.tensor(values, dtype=torch.float64, device=where)
+        dist.all_reduce(t, group=self.group)
+        return t.tolist()
 
 
 class DataParallel:
-    def __init__(self, group, world: int, rank: int, reduce: bool, device: torch.device):
-        self.group, self.world, self.rank = group, world, rank
+    def __init__(self, group, device: torch.device, reduce: bool):
+        self.collectives = TorchCollectives(group, device)
         self.reduce = reduce  # False: the gradients come averaged (DistributedDataParallel)
-        self.device = device
-        self._reduction_checked = False  # whether the gradients' equality across ranks agreed with `reduce`
-        self._reduced = False  # this iteration's gradients are reduced
-        self._stats: tuple[float, float] | None = None  # their global (sum of squares, NaN/Inf count)
+        self._reduction_checked = False
 
-    def reduce_scatter_available(self) -> bool:
-        return dist.get_backend(self.group) != "gloo"
-
-    def shard(self, b, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.rank * b.shard_numel:(self.rank + 1) * b.shard_numel]
-
-    def shard_grads(self, b) -> torch.Tensor:
-        return b.shard_grads if b.shard_grads is not None else self.shard(b, b.grads)
-
-    def end_iteration(self) -> None:
-        """The next gradients are new (a step ended, or the trainer changed them): reduce them again."""
-        self._reduced, self._stats = False, None
-
-    def reduce_grads(self, buckets) -> None:
-        """Once an iteration: the gradients averaged over the ranks (unless they come averaged)."""
-        if self._reduced:
-            return
-        self._reduced = True
-        if not self._reduction_checked:
-            self._check_reduction(buckets)
-        if not self.reduce:
-            return
-        for b in buckets:
-            if b.shard_grads is not None:
-                dist.reduce_scatter_tensor(b.shard_grads, b.grads, group=self.group)
-                b.shard_grads.div_(self.world)
-            else:
-                dist.all_reduce(b.grads, group=self.group)
-                b.grads.div_(self.world)
-
-    def _check_reduction(self, buckets) -> None:
+    def check_reduction(self, buckets) -> None:
         """Once: are the gradients equal on every rank (averaged already, as DistributedDataParallel leaves
         them)? A fingerprint of each bucket (its 1- and 2-norms: sums of positive terms, so a sum in another
         order moves them by rounding only), compared by all-reducing its maximum and minimum."""
+        if self._reduction_checked:
+            return
+        group = self.collectives.group
         fp = torch.stack([torch.linalg.vector_norm(b.grads, ord, dtype=torch.float64)
                           for b in buckets for ord in (1, 2)])
         if not bool(torch.isfinite(fp).all()):
             return  # NaN/Inf compare unequal: decided at a finite step
         both = torch.cat([fp, -fp])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         hi, lo = both[:len(fp)], -both[len(fp):]
         # Equal gradients give equal bits, but a rank may add them in another order (threads): 1e-9 of it.
         equal = bool(((hi - lo) <= 1e-9 * hi).all())
@@ -77,57 +120,4 @@ class DataParallel:
             warnings.warn(
                 "zoe.torch.OffloadOptimizer: the gradients are equal on every rank before zoe averages them — "
                 "averaged already (DistributedDataParallel?). Pass reduce_grads=False to skip zoe's all-reduce "
-                "of the gradients at every step; the results are the same.", stacklevel=5)
-
-    def grad_stats(self, buckets) -> tuple[float, float]:
-        """The sum of squares and NaN/Inf count of the averaged gradients over every rank's shard."""
-        self.reduce_grads(buckets)
-        if self._stats is None:
-            stats = torch.zeros(2, dtype=torch.float64, device=self.device)
-            for b in buckets:
-                g = self.shard_grads(b).double()
-                finite = torch.isfinite(g)
-                stats[0] += torch.where(finite, g, 0).square().sum()
-                stats[1] += (~finite).sum()
-            dist.all_reduce(stats, group=self.group)
-            self._stats = tuple(stats.tolist())
-        return self._stats
-
-    def norm(self, buckets, loss_scale: float) -> float:
-        sum_sq, non_finite = self.grad_stats(buckets)
-        return math.nan if non_finite > 0 else math.sqrt(sum_sq) / loss_scale
-
-    def clip_and_check(self, buckets, max_norm: float, refuse: bool, loss_scaling: bool, loss_scale: float) -> None:
-        """Refusal, overflow agreement and clipping of the reduced shards, before any engine steps."""
-        self.reduce_grads(buckets)
-        if not max_norm and not loss_scaling and not refuse:
-            return
-        sum_sq, non_finite = self.grad_stats(buckets)
-        if non_finite > 0 and refuse:
-            # Every rank refuses together, before its engine changes anything.
-            raise _zoe.InvalidArgumentError(
-                f"step refused: {int(non_finite)} NaN/Inf gradient values across the ranks; no state changed "
-                "(refuse_non_finite=False lets them propagate as torch.optim does)")
-        if non_finite > 0:
-            if loss_scaling:
-                # Every rank must skip and back off together: a rank whose shard is clean is made to see the
-                # overflow too, so that its engine's loss scaler stays in step with the others.
-                for b in buckets:
-                    g = self.shard_grads(b)
-                    if g.numel():
-                        g[0] = float("inf")
-                        break
-            return
-        if max_norm:
-            coef = max_norm / (math.sqrt(sum_sq) / loss_scale + 1e-6)
-            if coef < 1.0:
-                for b in buckets:
-                    self.shard_grads(b).mul_(coef)
-
-    def gather_weights(self, buckets) -> None:
-        for b in buckets:
-            shard = self.shard(b, b.weights)
-            if self.reduce_scatter_available():
-                dist.all_gather_into_tensor(b.weights, shard.clone(), group=self.group)
-            else:
-                dist.all_gather(list(b.weights.chunk(self.world)), shard.clone(), group=self.group)
+                "of the gradients at every step; the results are the same.", stacklevel=4)

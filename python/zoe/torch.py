@@ -74,9 +74,9 @@ class _Bucket:
         total = sum(s.numel for s in slots)
         self.shard_numel = -(-total // world) if total else 0
         padded = self.shard_numel * world
+        # Padded to W x shard_numel elements: the engine reduces and gathers in these buffers.
         self.weights = torch.zeros(padded, dtype=dtype, device=device)
         self.grads = torch.zeros(padded, dtype=dtype, device=device)
-        self.shard_grads = None  # a separate buffer where reduce-scatter writes; else a view of `grads`
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -109,7 +109,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             in ``p.grad`` in its dtype, as with torch, and the count seen before the previous step tells
             the overlap and delayed schedules which backward pass is the last (the first step runs as sync).
         process_group: the data-parallel group (default: the world, when torch.distributed is initialised).
-            Each rank owns 1/W of the optimizer state: it steps that part and the weights are all-gathered.
+            Each rank owns 1/W of the optimizer state: it steps that part and the weights are all-gathered
+            (the engine's partitioned step, over torch.distributed; schedule ``sync``).
         reduce_grads: ``True``: zoe averages the gradients over ``process_group`` before stepping (each rank
             ran backward on its own batch, with no wrapper). ``False``: they are averaged already — pass it
             with ``DistributedDataParallel``, whose backward averages them; zoe then only partitions the
@@ -178,6 +179,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._group = process_group if process_group is not None else dist.group.WORLD
             self._world = dist.get_world_size(self._group)
             self._rank = dist.get_rank(self._group)
+        if self._world > 1 and schedule != "sync":
+            warnings.warn(
+                f"zoe.torch.OffloadOptimizer: schedule='{schedule}' runs as 'sync' across {self._world} ranks — "
+                "zoe's partitioned step reduces the gradients once backward has ended, and overlapping it with "
+                "backward is not supported yet. The steps are exact, not overlapped.", stacklevel=2)
+            self._options["schedule"] = "sync"
         self._accumulating = False
         # Micro-batches: the backward pass whose gradients the overlap/delayed engine is told of (None: not
         # known yet), whether it has been told this iteration, and the version of each bucket's gradients
@@ -258,7 +265,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return
         self._buckets = [_Bucket(dt, self._device, slots, self._world) for dt, slots in slots_by_dtype.items()]
         if self._world > 1:
-            self._dp = _data_parallel.DataParallel(self._group, self._world, self._rank, self._reduce, self._device)
+            self._dp = _data_parallel.DataParallel(self._group, self._device, self._reduce)
         with torch.no_grad():
             for b in self._buckets:
                 for s in b.slots:
@@ -271,8 +278,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if self._world > 1:
                     # Every rank starts from rank 0's weights, as DistributedDataParallel does.
                     dist.broadcast(b.weights, src=dist.get_global_rank(self._group, 0), group=self._group)
-                    if self._dp.reduce and self._dp.reduce_scatter_available():
-                        b.shard_grads = torch.zeros(b.shard_numel, dtype=b.dtype, device=self._device)
         self._make_engine()
         if (self._options["schedule"] in ("overlap", "delayed") or self._engine_accumulates) and self._world == 1:
             for s in self._slots:
@@ -310,10 +315,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         opts.schedule = o["schedule"]
         opts.delayed_warmup_steps = o["delayed_warmup_steps"]
         opts.gradient_accumulation_steps = self._accumulation_steps if self._engine_accumulates else 1
-        # Across ranks the global norm is known only after the gradients are reduced: clipping then happens
-        # in _data_parallel (DataParallel.clip_and_check), and the engine sees the clipped shard.
+        # Across ranks the engine partitions the buckets in place (they are flat and padded) and reduces the
+        # gradients unless DistributedDataParallel averaged them.
+        opts.partition_flat_buffers = True
+        opts.partition_grads_averaged = not self._reduce
+        # FSDP2's global norm spans the mesh: _dtensor clips, and the engine sees the clipped shards.
         max_norm = float(o["max_grad_norm"] or 0.0)
-        opts.max_grad_norm = max_norm if self._world == 1 and self._dtensor is None else 0.0
+        opts.max_grad_norm = max_norm if self._dtensor is None else 0.0
         self._max_grad_norm = max_norm
         opts.refuse_non_finite = bool(o["refuse_non_finite"])
         ls = self._loss_scale_options()
@@ -329,23 +337,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
         groups = [self._group_hyper(g) for g in self.param_groups]
         specs = []
+        pieces = 0  # the engine's parameters, which read_state() names: this rank's pieces of the slots
         for b in self._buckets:
             lo, hi = self._rank * b.shard_numel, (self._rank + 1) * b.shard_numel
             esize = b.grads.element_size()
             for s in b.slots:
-                a, z = max(lo, s.offset), min(hi, s.offset + s.numel)
-                if a >= z:
-                    continue
-                if b.shard_grads is not None:
-                    grad_ptr = b.shard_grads.data_ptr() + (a - lo) * esize
-                else:
-                    grad_ptr = b.grads.data_ptr() + a * esize
                 # A DTensor's shard is FSDP2's own storage, stepped in place.
                 weights_ptr = (self._dtensor.weights_ptr(s) if self._dtensor is not None
-                               else b.weights.data_ptr() + a * esize)
-                s.engine_ids.append(len(specs))
-                specs.append((z - a, _ZOE_DTYPES[b.dtype], weights_ptr, grad_ptr, s.group))
-        self._engine = _zoe.Engine(self._zoe_device, [dict(h) for h in groups], specs, opts)
+                               else b.weights.data_ptr() + s.offset * esize)
+                specs.append((s.numel, _ZOE_DTYPES[b.dtype], weights_ptr, b.grads.data_ptr() + s.offset * esize,
+                              s.group))
+                if max(lo, s.offset) < min(hi, s.offset + s.numel):
+                    s.engine_ids.append(pieces)
+                    pieces += 1
+        collectives = self._dp.collectives if self._dp is not None else None
+        self._engine = _zoe.Engine(self._zoe_device, [dict(h) for h in groups], specs, opts, collectives)
         self._hyper_sent = [self._hyper_key(h) for h in groups]
 
     @staticmethod
@@ -420,8 +426,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _take_again(self) -> None:
         self._engine.grads_changed()
-        if self._dp is not None:
-            self._dp.end_iteration()
         self._taken_versions = self._grad_versions()
 
     def _grad_versions(self) -> list[int]:
@@ -496,14 +500,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._note_changed_grads()
             self._adopt_grads()
             self._sync_hyper()
-            if self._world > 1 or self._dtensor is not None:
+            if self._dp is not None:
+                self._dp.check_reduction(self._buckets)
+            if self._dtensor is not None:
                 tc = time.perf_counter()
-                if self._dtensor is None:
-                    max_norm = self._clip_once if self._clip_once is not None else self._max_grad_norm
-                    refuse = self._options["refuse_non_finite"] and not self._loss_scaling
-                    self._dp.clip_and_check(self._buckets, max_norm, refuse, self._loss_scaling, self.loss_scale)
-                else:
-                    self._dtensor.agree(self)
+                self._dtensor.agree(self)
                 comm += time.perf_counter() - tc
             if self._device.type == "cuda":
                 torch.cuda.current_stream(self._device).synchronize()
@@ -516,10 +517,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
             engine_s = time.perf_counter() - te
         finally:
             self._end_iteration()  # a refused step ends the iteration too: the next one counts anew
-        if self._world > 1 and not self._engine.last_step_skipped:
-            tc = time.perf_counter()
-            self._dp.gather_weights(self._buckets)
-            comm += time.perf_counter() - tc
         total = time.perf_counter() - t0
         tm = self._timing
         tm["engine_s"] += engine_s
@@ -537,13 +534,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             s.taken = False
         self._reported = False
         self._taken_versions = None
-        if self._dp is not None:
-            self._dp.end_iteration()
         if self._dtensor is not None:
             self._dtensor.end_iteration()
         if self._clip_once is not None:
             self._clip_once = None
-            if self._world == 1 and self._dtensor is None:
+            if self._dtensor is None:
                 self._engine.set_max_grad_norm(self._max_grad_norm)
 
     @torch.no_grad()
@@ -563,11 +558,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._adopt_grads()
         for s in self._slots:
             s.taken = True
-        if self._world > 1:
-            norm = self._dp.norm(self._buckets, self.loss_scale)
-        elif self._dtensor is not None:
+        if self._dtensor is not None:
             norm = self._dtensor.global_norm(self)
         else:
+            if self._dp is not None:
+                self._dp.check_reduction(self._buckets)
             self._engine.set_max_grad_norm(max_norm)
             norm = self._engine.grad_norm()
         self._clip_once = max_norm
@@ -625,8 +620,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def stats(self) -> dict:
         """The engine's counters (steps, skipped, last_grad_norm, adam_s, step_call_s, d2h/h2d bytes) and the
-        adapter's own time: ``engine_s`` inside the engine's step, ``comm_s`` in torch.distributed,
-        ``adapter_s`` the rest of step() (Python bookkeeping)."""
+        adapter's own time: ``engine_s`` inside the engine's step (zoe's own partitioning communicates there),
+        ``comm_s`` in torch.distributed outside it (FSDP2's global norm), ``adapter_s`` the rest of step()."""
         s = dict(self._engine.stats())
         s.update(self._timing)
         return s
@@ -722,10 +717,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             path = os.path.join(tmp, "optimizer.zoe")
             with open(path, "wb") as f:
                 f.write(blob.cpu().numpy().tobytes())
-            self._engine.load(path)
+            self._engine.load(path)  # across ranks collective: the loaded shards are all-gathered
         self._hyper_sent = [None] * len(self.param_groups)
-        if self._world > 1:
-            self._dp.gather_weights(self._buckets)
 
     def __del__(self):
         for h in getattr(self, "_hooks", []):

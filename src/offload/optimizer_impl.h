@@ -96,16 +96,24 @@ struct OffloadOptimizer::Impl {
   StepStats stats_;
 
   // ZeRO partitioning (partition.cpp): this optimizer's `params` are this rank's pieces of the trainer's
-  // parameters, whose weights live in flat_weights and whose gradients arrive in shard_grads (device memory).
+  // parameters. Each dtype's parameters are flattened into one vector padded to world x shard elements; the
+  // pieces' weights live in its flat weights and their gradients arrive in shard_grads (or, when they come
+  // averaged in flat buffers, in the flat gradients themselves).
   struct Partition {
+    struct Flat {
+      DType dtype = DType::bf16;
+      std::vector<std::size_t> members;  // indices into `user`, in flat order
+      std::vector<std::size_t> offsets;  // their first elements in the flat vector
+      std::size_t shard = 0;             // elements per rank
+      void* grads = nullptr;             // the flat vectors: the trainer's (flat_buffers) or ours
+      void* weights = nullptr;
+      void* shard_grads = nullptr;       // the reduction's output, ours; unused when the gradients come averaged
+    };
     Collectives* comm = nullptr;
-    std::vector<ParamSpec> user;           // the trainer's parameters
-    std::vector<std::size_t> user_offsets;  // their first elements in the flattened vector
-    DType dtype = DType::bf16;
-    std::size_t shard = 0;                  // elements per rank (the flattened vector padded to world x shard)
-    void* flat_grads = nullptr;
-    void* flat_weights = nullptr;
-    void* shard_grads = nullptr;
+    PartitionOptions options;
+    std::vector<ParamSpec> user;  // the trainer's parameters
+    std::vector<Flat> flats;
+    void release(Device& device);  // frees what is ours
   };
   std::unique_ptr<Partition> partition;
   bool grads_reduced = false;  // grad_norm() reduced this iteration's gradients already

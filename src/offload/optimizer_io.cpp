@@ -229,7 +229,9 @@ Status OffloadOptimizer::load(const std::string& path) {
   for (std::size_t i = 0; i < m.params.size(); ++i) {
     if (Status s = m.enqueue_h2d(i); !s.ok()) return s;
   }
-  return m.finish_h2d();
+  if (Status s = m.finish_h2d(); !s.ok()) return s;
+  // Partitioned: this rank set its shard of the weights; every rank's are gathered into every parameter.
+  return m.partition ? m.partition_gather_weights() : Status::success();
 }
 
 }  // namespace zoe

@@ -39,9 +39,7 @@ OffloadOptimizer::Impl::~Impl() {
   (void)device.synchronize();
   tier.reset();
   for (void* h : {grad_staging[0], grad_staging[1], weight_staging}) device.free_host(h);
-  if (partition) {
-    for (void* d : {partition->flat_grads, partition->flat_weights, partition->shard_grads}) device.free(d);
-  }
+  if (partition) partition->release(device);
 }
 
 Status OffloadOptimizer::Impl::allocate() {
@@ -206,7 +204,7 @@ OffloadOptimizer::Impl::Decision OffloadOptimizer::Impl::decide(int set, float s
     sum_sq += s.sum_sq;
     non_finite += s.non_finite;
   }
-  // Partitioned: the norm is over every rank's shard, and the summed gradients are averaged.
+  // Partitioned: the norm is over every rank's shard, and gradients summed over the ranks are averaged.
   double ranks = 1;
   if (partition) {
     double global[2] = {sum_sq, static_cast<double>(non_finite)};
@@ -216,7 +214,7 @@ OffloadOptimizer::Impl::Decision OffloadOptimizer::Impl::decide(int set, float s
     }
     sum_sq = global[0];
     non_finite = static_cast<std::uint64_t>(global[1]);
-    ranks = partition->comm->world();
+    if (!partition->options.grads_averaged) ranks = partition->comm->world();
   }
   Decision d{};
   d.overflow = options.loss_scale.enabled && non_finite > 0;

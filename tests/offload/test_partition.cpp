@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -102,13 +103,142 @@ TEST(Partition, RefusesWhatItCannotDo) {
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("sync"), std::string::npos) << r.status().to_string();
 
-  std::vector<ParamSpec> mixed = model.specs;
-  mixed[1].dtype = DType::f16;
-  r = OffloadOptimizer::create(*device, {ParamGroup{}}, mixed, {}, comm.get());
+  // Separate allocations are not flat buffers: refused, naming the parameter.
+  OffloadOptions flat;
+  flat.partition.flat_buffers = true;
+  r = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs, flat, comm.get());
   ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().message().find("one dtype"), std::string::npos) << r.status().to_string();
+  EXPECT_NE(r.status().message().find("parameter 1 (bf16) does not follow parameter 0"), std::string::npos)
+      << r.status().to_string();
 
   EXPECT_FALSE(make_host_collectives(group, *device, 2).ok()) << "rank 2 of 2";
+}
+
+// bf16 and f32 parameters, interleaved, as a trainer's model holds them: in separate allocations, or (flat)
+// back to back per dtype in buffers padded to a multiple of `world` elements.
+class MixedModel {
+ public:
+  MixedModel(Device& device, bool flat, std::size_t world) : device_(device) {
+    const std::vector<std::size_t> sizes = {1000, 4096, 37, 1, 513};
+    const std::vector<DType> dtypes = {DType::bf16, DType::f32, DType::bf16, DType::f32, DType::bf16};
+    std::size_t used[2] = {0, 0};  // elements per flat buffer so far: bf16, f32
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      ParamSpec p;
+      p.n = sizes[i];
+      p.dtype = dtypes[i];
+      p.group = static_cast<int>(i % 2);
+      specs.push_back(p);
+      used[p.dtype == DType::f32] += p.n;
+    }
+    if (flat) {
+      for (int k = 0; k < 2; ++k) {
+        const std::size_t padded = (used[k] + world - 1) / world * world, bytes = padded * (k == 1 ? 4 : 2);
+        for (void** buffer : {&weights_[k], &grads_[k]}) {
+          *buffer = device.allocate(bytes).value();
+          std::memset(*buffer, 0, bytes);
+        }
+      }
+    }
+    std::size_t at[2] = {0, 0};
+    Random rng(7);
+    for (ParamSpec& p : specs) {
+      const int k = p.dtype == DType::f32;
+      const std::size_t bytes = p.n * dtype_size(p.dtype);
+      if (flat) {
+        p.device_weights = static_cast<unsigned char*>(weights_[k]) + at[k] * dtype_size(p.dtype);
+        p.device_grads = static_cast<unsigned char*>(grads_[k]) + at[k] * dtype_size(p.dtype);
+        at[k] += p.n;
+      } else {
+        p.device_weights = device.allocate(bytes).value();
+        p.device_grads = device.allocate(bytes).value();
+        owned_.push_back(p.device_weights);
+        owned_.push_back(const_cast<void*>(p.device_grads));
+      }
+      for (std::size_t i = 0; i < p.n; ++i) set(p, p.device_weights, i, static_cast<float>(rng.uniform(-1, 1)));
+    }
+  }
+  ~MixedModel() {
+    for (void* b : owned_) device_.free(b);
+    for (void* b : {weights_[0], weights_[1], grads_[0], grads_[1]}) device_.free(b);
+  }
+  // Iteration t's gradients, the same on every rank.
+  void write_grads(int t) {
+    Random rng(1000 + t);
+    for (const ParamSpec& p : specs) {
+      for (std::size_t i = 0; i < p.n; ++i) set(p, const_cast<void*>(p.device_grads), i, static_cast<float>(rng.uniform(-1e-2, 1e-2)));
+    }
+  }
+  std::vector<unsigned char> weights() const {
+    std::vector<unsigned char> out;
+    for (const ParamSpec& p : specs) {
+      const auto* b = static_cast<const unsigned char*>(p.device_weights);
+      out.insert(out.end(), b, b + p.n * dtype_size(p.dtype));
+    }
+    return out;
+  }
+
+  std::vector<ParamSpec> specs;
+
+ private:
+  static void set(const ParamSpec& p, void* base, std::size_t i, float x) {
+    if (p.dtype == DType::f32) {
+      static_cast<float*>(base)[i] = x;
+    } else {
+      static_cast<std::uint16_t*>(base)[i] = float_to_bf16(x);
+    }
+  }
+  Device& device_;
+  void* weights_[2] = {nullptr, nullptr};
+  void* grads_[2] = {nullptr, nullptr};
+  std::vector<void*> owned_;
+};
+
+// The device weights of each of `world` ranks (world 1: one process, unpartitioned) after `steps` sync steps
+// on the mixed model, every rank with the same gradients.
+std::vector<std::vector<unsigned char>> run_mixed(int world, PartitionOptions partition, int steps) {
+  std::shared_ptr<HostGroup> group = make_host_group(world);
+  std::vector<std::vector<unsigned char>> out(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      std::unique_ptr<Device> device = make_host_device();
+      MixedModel model(*device, partition.flat_buffers, static_cast<std::size_t>(world));
+      std::unique_ptr<Collectives> comm;
+      if (world > 1) comm = make_host_collectives(group, *device, r).value();
+      OffloadOptions o;
+      o.partition = partition;
+      o.cpu.threads = 1;
+      std::vector<ParamGroup> groups(2);
+      groups[1].hyper.lr = 5e-3f;
+      groups[1].hyper.weight_decay = 0.1f;
+      Result<OffloadOptimizer> opt = OffloadOptimizer::create(*device, groups, model.specs, o, comm.get());
+      ASSERT_TRUE(opt.ok()) << opt.status().to_string();
+      for (int t = 1; t <= steps; ++t) {
+        model.write_grads(t);
+        const Status s = opt->step();
+        ASSERT_TRUE(s.ok()) << s.to_string();
+      }
+      ASSERT_TRUE(opt->wait().ok());
+      out[r] = model.weights();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return out;
+}
+
+TEST(Partition, MixedDtypesInFlatOrCopiedBuffersTrainAsOneProcessBitwise) {
+  const std::vector<unsigned char> whole = run_mixed(1, {}, 6)[0];
+  for (bool flat : {false, true}) {
+    for (bool averaged : {false, true}) {
+      SCOPED_TRACE(std::string(flat ? "flat buffers" : "copied buffers") + (averaged ? ", averaged" : ", summed"));
+      // Summed: each of the 2 ranks gives g, their sum 2g halved is g exactly. Averaged: g is the average.
+      PartitionOptions po;
+      po.flat_buffers = flat;
+      po.grads_averaged = averaged;
+      const std::vector<std::vector<unsigned char>> ranks = run_mixed(2, po, 6);
+      for (int r = 0; r < 2; ++r) EXPECT_EQ(ranks[r], whole) << "rank " << r;
+    }
+  }
 }
 
 TEST(Partition, CheckpointOfAnotherPartitioningIsRefused) {
