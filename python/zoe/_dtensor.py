@@ -52,7 +52,6 @@ class _LocalBucket:
         self.shard_numel = sum(s.numel for s in slots)
         self.weights = None
         self.grads = torch.zeros(self.shard_numel, dtype=dtype, device=device)
-        self.shard_grads = None
 
 
 class ShardedParams:
