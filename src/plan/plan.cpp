@@ -1,0 +1,351 @@
+// zoe plan's arithmetic (plan.h): the ZeRO memory formulas per placement, the fit check, the placement
+// order, the step estimate and the DeepSpeed-style config.
+#include "src/plan/plan.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <initializer_list>
+#include <utility>
+#include <nlohmann/json.hpp>
+
+namespace zoe::plan {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return b == 0 ? 0 : (a + b - 1) / b; }
+
+// A number with an optional decimal point and one suffix from `suffixes` (multipliers in `scales`).
+Result<std::uint64_t> parse_scaled(std::string_view text, std::string_view what, std::string_view suffixes,
+                                   std::initializer_list<double> scales, std::string_view example) {
+  std::string t(text);
+  double scale = 1;
+  if (!t.empty() && std::isalpha(static_cast<unsigned char>(t.back()))) {
+    const std::size_t k = suffixes.find(static_cast<char>(std::toupper(static_cast<unsigned char>(t.back()))));
+    if (k == std::string_view::npos) {
+      return invalid_argument(std::string(what) + ": unknown suffix '" + t.back() + "' in '" + t + "' (use " +
+                              std::string(example) + ")");
+    }
+    scale = scales.begin()[k];
+    t.pop_back();
+  }
+  char* end = nullptr;
+  const double v = t.empty() || !(std::isdigit(static_cast<unsigned char>(t[0])) || t[0] == '.')
+                       ? -1
+                       : std::strtod(t.c_str(), &end);
+  if (v < 0 || end == nullptr || *end != '\0' || !std::isfinite(v) || v * scale >= 1.8e19) {
+    return invalid_argument(std::string(what) + ": '" + std::string(text) + "' is not a size (use " +
+                            std::string(example) + ")");
+  }
+  return static_cast<std::uint64_t>(std::llround(v * scale));
+}
+
+// The first of `names` that `cfg` has, as a positive integer; 0 when none is there.
+Result<std::uint64_t> field(const Json& cfg, std::initializer_list<const char*> names, std::string_view source) {
+  for (const char* n : names) {
+    const auto it = cfg.find(n);
+    if (it == cfg.end() || it->is_null()) continue;
+    if (!it->is_number_integer() || it->get<std::int64_t>() <= 0) {
+      return invalid_argument(std::string(source) + ": '" + n + "' must be a positive integer, not " + it->dump());
+    }
+    return it->get<std::uint64_t>();
+  }
+  return std::uint64_t{0};
+}
+
+std::string billions(std::uint64_t n) {
+  char b[32];
+  if (n >= 1'000'000'000) {
+    std::snprintf(b, sizeof b, "%.2fB", n / 1e9);
+  } else {
+    std::snprintf(b, sizeof b, "%.2fM", n / 1e6);
+  }
+  return b;
+}
+
+std::string gib(std::uint64_t bytes) {
+  char b[32];
+  if (bytes >= (1ull << 40)) {
+    std::snprintf(b, sizeof b, "%.2f TiB", bytes / double(1ull << 40));
+  } else {
+    std::snprintf(b, sizeof b, "%.1f GiB", bytes / double(1ull << 30));
+  }
+  return b;
+}
+
+}  // namespace
+
+std::string_view offload_name(Offload o) {
+  switch (o) {
+    case Offload::none: return "none";
+    case Offload::cpu: return "cpu";
+    case Offload::nvme: return "nvme";
+  }
+  return "?";
+}
+
+std::string_view state_dtype_name(StateDtype d) {
+  switch (d) {
+    case StateDtype::fp32: return "fp32";
+    case StateDtype::bf16: return "bf16";
+    case StateDtype::int8: return "int8";
+  }
+  return "?";
+}
+
+Result<Offload> parse_offload(std::string_view text, std::string_view option) {
+  for (Offload o : {Offload::none, Offload::cpu, Offload::nvme}) {
+    if (offload_name(o) == text) return o;
+  }
+  return invalid_argument(std::string(option) + ": '" + std::string(text) + "' is not one of none, cpu, nvme");
+}
+
+Result<StateDtype> parse_state_dtype(std::string_view text) {
+  for (StateDtype d : {StateDtype::fp32, StateDtype::bf16, StateDtype::int8}) {
+    if (state_dtype_name(d) == text) return d;
+  }
+  return invalid_argument("--state-dtype: '" + std::string(text) + "' is not one of fp32, bf16, int8");
+}
+
+Result<std::uint64_t> parse_param_count(std::string_view text) {
+  return parse_scaled(text, "--params", "KMBGT", {1e3, 1e6, 1e9, 1e9, 1e12}, "e.g. 350M, 7.5B, 1T");
+}
+
+Result<std::uint64_t> parse_bytes(std::string_view text, std::string_view option) {
+  const double k = 1024;
+  return parse_scaled(text, option, "KMGT", {k, k * k, k * k * k, k * k * k * k}, "e.g. 80G, 1.5T");
+}
+
+Model model_from_params(std::uint64_t params) {
+  Model m;
+  m.params = params;
+  // Ψ = 12 L h² and L = h / 128: h = (128 Ψ / 12)^(1/3).
+  const double h = std::cbrt(128.0 * static_cast<double>(params) / 12.0);
+  m.hidden = std::max<std::uint64_t>(128, static_cast<std::uint64_t>(std::llround(h / 128)) * 128);
+  m.layers = std::max<std::uint64_t>(1, m.hidden / 128);
+  m.heads = std::max<std::uint64_t>(1, m.hidden / 128);
+  m.largest_tensor = std::min<std::uint64_t>(params, 4 * m.hidden * m.hidden);
+  m.shape_assumed = true;
+  m.description = billions(params) + " parameters (given; shape assumed GPT-like: " + std::to_string(m.layers) +
+                  " layers, hidden " + std::to_string(m.hidden) + ")";
+  return m;
+}
+
+Result<Model> model_from_config(std::string_view json_text, std::string_view source) {
+  const Json cfg = Json::parse(json_text, nullptr, false);
+  if (cfg.is_discarded() || !cfg.is_object()) return invalid_argument(std::string(source) + ": not a JSON object");
+  Result<std::uint64_t> layers = field(cfg, {"num_hidden_layers", "n_layer", "num_layers"}, source);
+  Result<std::uint64_t> hidden = field(cfg, {"hidden_size", "n_embd", "d_model"}, source);
+  Result<std::uint64_t> vocab = field(cfg, {"vocab_size"}, source);
+  Result<std::uint64_t> heads = field(cfg, {"num_attention_heads", "n_head"}, source);
+  Result<std::uint64_t> kv_heads = field(cfg, {"num_key_value_heads"}, source);
+  Result<std::uint64_t> head_dim = field(cfg, {"head_dim"}, source);
+  Result<std::uint64_t> inter = field(cfg, {"intermediate_size", "n_inner", "ffn_dim"}, source);
+  Result<std::uint64_t> positions = field(cfg, {"n_positions"}, source);
+  Result<std::uint64_t> experts = field(cfg, {"num_local_experts"}, source);
+  for (const auto* r : {&layers, &hidden, &vocab, &heads, &kv_heads, &head_dim, &inter, &positions, &experts}) {
+    if (!r->ok()) return r->status();
+  }
+  std::string missing;
+  for (auto [value, name] : {std::pair{*layers, "num_hidden_layers (or n_layer)"},
+                             std::pair{*hidden, "hidden_size (or n_embd, d_model)"}, std::pair{*vocab, "vocab_size"},
+                             std::pair{*heads, "num_attention_heads (or n_head)"}}) {
+    if (value == 0) missing += (missing.empty() ? "" : ", ") + std::string(name);
+  }
+  if (!missing.empty()) return invalid_argument(std::string(source) + ": missing " + missing);
+  const std::string type = cfg.value("model_type", std::string());
+  std::string act = cfg.value("hidden_act", cfg.value("activation_function", std::string()));
+  const bool gated = act == "silu" || act == "swiglu" || act == "swish" ||
+                     type == "llama" || type == "mistral" || type == "mixtral" || type.rfind("qwen", 0) == 0 ||
+                     type.rfind("gemma", 0) == 0;
+  const bool bias = cfg.contains("attention_bias") ? cfg.value("attention_bias", false)
+                                                  : (type == "gpt2" || type == "gpt_neo" || type == "gpt_neox" ||
+                                                     type == "opt" || type == "bert" || type == "phi");
+  const bool tied = cfg.value("tie_word_embeddings", true);
+  const std::uint64_t h = *hidden, L = *layers, V = *vocab, H = *heads;
+  const std::uint64_t kv = *kv_heads ? *kv_heads : H, hd = *head_dim ? *head_dim : h / H;
+  const std::uint64_t I = *inter ? *inter : 4 * h, E = *experts ? *experts : 1;
+  const std::uint64_t norm = bias ? 2 * h : h;  // LayerNorm has a bias, RMSNorm none
+  std::uint64_t attn = h * H * hd + 2 * h * kv * hd + H * hd * h;
+  if (bias) attn += H * hd + 2 * kv * hd + h;
+  std::uint64_t mlp = (gated ? 3 : 2) * h * I;
+  if (bias) mlp += (gated ? 2 : 1) * I + h;
+  mlp = mlp * E + (E > 1 ? h * E : 0);
+  Model m;
+  m.layers = L;
+  m.hidden = h;
+  m.heads = H;
+  m.params = L * (attn + mlp + 2 * norm) + V * h * (tied ? 1 : 2) + *positions * h + norm;
+  m.largest_tensor = std::max({V * h, h * I, h * H * hd});
+  m.description = std::string(source) + (type.empty() ? "" : " (" + type + ")") + ": " + std::to_string(L) +
+                  " layers, hidden " + std::to_string(h) + ", intermediate " + std::to_string(I) +
+                  (gated ? " (gated)" : "") + ", vocab " + std::to_string(V) + ", " + std::to_string(H) + " heads (" +
+                  std::to_string(kv) + " kv)" + (E > 1 ? ", " + std::to_string(E) + " experts" : "") +
+                  (tied ? ", tied embeddings" : ", untied embeddings") + " -> " + billions(m.params) + " parameters";
+  return m;
+}
+
+std::string placement_name(const Placement& p) {
+  return "stage " + std::to_string(p.stage) + ", optimizer " + std::string(offload_name(p.optimizer)) + ", params " +
+         std::string(offload_name(p.param));
+}
+
+std::string zoe_gap(const Placement& p) {
+  std::string gap;
+  auto add = [&gap](const std::string& s) { gap += (gap.empty() ? "" : "; ") + s; };
+  if (p.optimizer == Offload::none) add("the optimizer state stays on the GPU, where zoe is not needed");
+  if (p.param != Offload::none) add("zoe does not offload parameters yet");
+  if (p.stage == 3) add("zoe does not partition the 16-bit weights (stage 3) yet");
+  return gap;
+}
+
+std::uint64_t moment_bytes(std::uint64_t elements, StateDtype d) {
+  switch (d) {
+    case StateDtype::fp32: return 8 * elements;
+    case StateDtype::bf16: return 4 * elements;
+    case StateDtype::int8: return 2 * elements + 2 * 4 * ceil_div(elements, kInt8Block);
+  }
+  return 0;
+}
+
+Usage usage(const Model& m, const Cluster& c, const Placement& p, const Training& t) {
+  const std::uint64_t psi = m.params, part = ceil_div(psi, c.ranks()), n = c.gpus_per_node;
+  // The modules fetched to the GPU at once: the one computing and `prefetch` ahead (16-bit weights), and
+  // the gradient of the one in backward before it leaves.
+  const std::uint64_t window = (t.prefetch + 1) * m.largest_tensor * 2 + m.largest_tensor * 2;
+  const bool fetched = p.stage == 3 || p.param != Offload::none;
+  Usage u;
+  Bytes rank_host, rank_nvme;
+  Bytes& gpu = u.per_gpu;
+  if (p.param == Offload::none) {
+    gpu.weights16 = p.stage == 3 ? 2 * part : 2 * psi;
+    gpu.grads16 = p.stage >= 2 ? 2 * part : 2 * psi;
+  } else {
+    Bytes& home = p.param == Offload::cpu ? rank_host : rank_nvme;
+    home.weights16 = 2 * part;
+    home.grads16 = 2 * part;
+  }
+  if (fetched) gpu.buffers = window;
+  Bytes& state = p.optimizer == Offload::none ? gpu : p.optimizer == Offload::cpu ? rank_host : rank_nvme;
+  state.master32 = 4 * part;
+  state.moments = moment_bytes(part, t.state);
+  if (p.optimizer != Offload::none) {
+    // Pinned staging of the rank's gradient and weight partitions, unless they live on the host already.
+    if (p.param == Offload::none) rank_host.buffers += 2 * part + 2 * part;
+    if (t.grad_accumulation > 1) rank_host.buffers += 4 * part;  // the fp32 sums of the micro-batches
+    if (p.optimizer == Offload::nvme) rank_host.buffers += t.buffer_count * (4 * t.tile + moment_bytes(t.tile, t.state));
+  }
+  if (p.param == Offload::nvme) rank_host.buffers += window;  // the pinned pool between NVMe and the GPU
+  if (t.micro_batch > 0 && t.seq_len > 0) {
+    // Korthikanti et al., 2022 ("Reducing Activation Recomputation in Large Transformer Models"): a layer's
+    // 16-bit activations are s b h (34 + 5 a s / h) bytes; with full checkpointing only each layer's input
+    // (2 s b h) is kept, plus one layer's activations while it is recomputed.
+    const double s = static_cast<double>(t.seq_len), b = static_cast<double>(t.micro_batch);
+    const double h = static_cast<double>(m.hidden), a = static_cast<double>(m.heads);
+    const double layer = s * b * h * (34 + 5 * a * s / h);
+    const double all = t.activation_checkpointing ? static_cast<double>(m.layers) * 2 * s * b * h + layer
+                                                  : static_cast<double>(m.layers) * layer;
+    gpu.activations = static_cast<std::uint64_t>(all);
+  }
+  auto scale = [](const Bytes& x, std::uint64_t k, std::uint64_t divide) {
+    return Bytes{ceil_div(x.weights16 * k, divide), ceil_div(x.grads16 * k, divide), ceil_div(x.master32 * k, divide),
+                 ceil_div(x.moments * k, divide),   ceil_div(x.buffers * k, divide), ceil_div(x.activations * k, divide)};
+  };
+  u.per_host = scale(rank_host, n, 1);
+  u.per_nvme_path = scale(rank_nvme, n, std::max<std::uint64_t>(1, c.nvme_paths.size()));
+  return u;
+}
+
+std::uint64_t usable_gpu(const Cluster& c) { return c.gpu_mem / 100 * 95; }
+std::uint64_t usable_host(const Cluster& c) { return c.host_ram / 10 * 9; }
+
+Verdict check(const Usage& u, const Cluster& c) {
+  Verdict v;
+  if (u.per_gpu.total() > usable_gpu(c)) {
+    v.why = "GPU: needs " + gib(u.per_gpu.total()) + ", " + gib(usable_gpu(c)) + " usable of " + gib(c.gpu_mem);
+    return v;
+  }
+  if (u.per_host.total() > usable_host(c)) {
+    v.why = "host: needs " + gib(u.per_host.total()) + ", " + gib(usable_host(c)) + " usable of " + gib(c.host_ram);
+    return v;
+  }
+  if (u.per_nvme_path.total() > 0) {
+    if (c.nvme_paths.empty()) {
+      v.why = "NVMe: needs " + gib(u.per_nvme_path.total()) + " and no --nvme path was given";
+      return v;
+    }
+    for (std::size_t i = 0; i < c.nvme_paths.size(); ++i) {
+      if (u.per_nvme_path.total() > c.nvme_capacity[i]) {
+        v.why = "NVMe: " + c.nvme_paths[i] + " needs " + gib(u.per_nvme_path.total()) + ", holds " +
+                gib(c.nvme_capacity[i]);
+        return v;
+      }
+    }
+  }
+  v.fits = true;
+  return v;
+}
+
+std::vector<Placement> candidates() {
+  std::vector<Placement> out;
+  const std::pair<Offload, Offload> order[] = {{Offload::none, Offload::none}, {Offload::cpu, Offload::none},
+                                               {Offload::cpu, Offload::cpu},   {Offload::nvme, Offload::none},
+                                               {Offload::nvme, Offload::cpu},  {Offload::nvme, Offload::nvme}};
+  for (auto [opt, param] : order) {
+    for (int stage = param == Offload::none ? 1 : 3; stage <= 3; ++stage) out.push_back(Placement{stage, opt, param});
+  }
+  return out;
+}
+
+StepEstimate estimate_step(const Model& m, const Cluster& c, const Placement& p, const Training& t, const Rates& r) {
+  StepEstimate e;
+  const std::uint64_t part = ceil_div(m.params, c.ranks()), node = part * c.gpus_per_node;
+  if (p.optimizer != Offload::none && r.adam_params_per_s > 0) e.cpu_adam_s = node / r.adam_params_per_s;
+  if (p.optimizer == Offload::nvme) {
+    const std::uint64_t state = 4 * node + moment_bytes(node, t.state);
+    e.nvme_read_bytes = state;
+    e.nvme_write_bytes = state;
+  }
+  if (p.param == Offload::nvme) {
+    e.nvme_read_bytes += 2 * node;   // the 16-bit gradients backward wrote there
+    e.nvme_write_bytes += 2 * node;  // the updated 16-bit weights
+  }
+  const double paths = static_cast<double>(std::max<std::size_t>(1, c.nvme_paths.size()));
+  if (e.nvme_read_bytes > 0 && r.nvme_read_gbps > 0 && r.nvme_write_gbps > 0) {
+    e.nvme_s = e.nvme_read_bytes / (r.nvme_read_gbps * 1e9 * paths) + e.nvme_write_bytes / (r.nvme_write_gbps * 1e9 * paths);
+  }
+  // Around the step each GPU sends its gradient partition down and takes its updated weights back; with
+  // offloaded parameters both move during forward and backward instead.
+  if (p.optimizer != Offload::none && p.param == Offload::none) e.pcie_bytes = 2 * part + 2 * part;
+  if (r.pcie_gbps > 0) e.pcie_s = e.pcie_bytes / (r.pcie_gbps * 1e9);
+  e.total_s = std::max(e.cpu_adam_s, e.nvme_s) + e.pcie_s;
+  return e;
+}
+
+std::string deepspeed_config(const Placement& p, const Cluster& c, const Training& t) {
+  Json cfg = Json::object();
+  if (t.grad_accumulation > 1) cfg["gradient_accumulation_steps"] = t.grad_accumulation;
+  cfg["bf16"] = {{"enabled", true}};
+  Json zero = {{"stage", p.stage}};
+  Json opt = {{"device", offload_name(p.optimizer)}};
+  // One path as DeepSpeed writes it, several as the list zoe's reader also takes.
+  const Json paths = c.nvme_paths.size() == 1 ? Json(c.nvme_paths[0]) : Json(c.nvme_paths);
+  if (p.optimizer == Offload::nvme) opt["nvme_path"] = paths;
+  if (p.optimizer != Offload::none) {
+    opt["pin_memory"] = true;
+    if (p.optimizer == Offload::nvme) opt["buffer_count"] = t.buffer_count;
+  }
+  zero["offload_optimizer"] = opt;
+  if (p.param != Offload::none) {
+    Json param = {{"device", offload_name(p.param)}, {"pin_memory", true}};
+    if (p.param == Offload::nvme) param["nvme_path"] = paths;
+    zero["offload_param"] = param;
+  }
+  cfg["zero_optimization"] = zero;
+  return cfg.dump(2);
+}
+
+}  // namespace zoe::plan
