@@ -18,6 +18,9 @@
 #include "src/aligned_buffer.h"
 #include "src/cli/args.h"
 #include "src/cli/commands.h"
+#ifdef ZOE_HAVE_AIO
+#include "src/cli/probe.h"
+#endif
 #include "src/plan/plan.h"
 #include "zoe/adam.h"
 #include "zoe/config.h"
@@ -29,7 +32,7 @@ using Json = nlohmann::ordered_json;
 using namespace zoe::plan;  // NOLINT: the planner's vocabulary
 
 constexpr double kAssumedPcieGbps = 25;   // PCIe 4.0 x16, what a pinned copy reaches in practice
-constexpr double kAssumedNvmeGbps = 2;    // a single PCIe 3/4 NVMe drive, reading and writing
+constexpr double kAssumedNvmeGbps = 2;    // a single PCIe 3/4 NVMe drive, reading and writing (no libaio build)
 constexpr std::uint64_t kAssumedGpuMem = 80ull << 30;
 
 struct Figure {
@@ -157,7 +160,7 @@ void print_placement(const Inputs& in, const Evaluated& e, const Rates& rates, c
   row("master32", u.per_gpu.master32, u.per_host.master32, u.per_nvme_path.master32);
   row("moments", u.per_gpu.moments, u.per_host.moments, u.per_nvme_path.moments);
   row("buffers", u.per_gpu.buffers, u.per_host.buffers, u.per_nvme_path.buffers);
-  if (u.per_gpu.activations > 0) row("activations", u.per_gpu.activations, 0, 0);
+  if (u.per_gpu.activations > 0) row("activations", u.per_gpu.activations, 0, 0);  // an estimate, said below
   row("total", u.per_gpu.total(), u.per_host.total(), u.per_nvme_path.total());
   const std::uint64_t capacity = in.cluster.nvme_capacity.empty() ? 0 : in.cluster.nvme_capacity[0];
   row("usable", usable_gpu(in.cluster), usable_host(in.cluster), capacity);
@@ -225,7 +228,7 @@ int plan(std::span<char* const> args) {
       {"seq-len", &seq_len, nullptr, "tokens per sequence (activation estimate)"},
       {"activation-checkpointing", nullptr, &checkpointing, "full activation checkpointing (activation estimate)"},
       {"adam-rate", &adam_rate, nullptr, "CPU Adam parameters/s per node (default: measured here)"},
-      {"nvme-gbps", &nvme_gbps, nullptr, "NVMe GB/s per path, each direction (default 2, assumed; zoe probe PATH measures it)"},
+      {"nvme-gbps", &nvme_gbps, nullptr, "NVMe GB/s per path, each direction (default: measured on the --nvme paths)"},
       {"pcie-gbps", &pcie_gbps, nullptr, "host-GPU GB/s per GPU (default 25, assumed)"},
       {"json", nullptr, &json, "one JSON object on stdout"},
       {"help", nullptr, &help, "this text"},
@@ -370,13 +373,31 @@ int plan(std::span<char* const> args) {
   if (!pcie_gbps.empty()) {
     if (Status s = gbps(pcie_gbps, "--pcie-gbps", &pcie); !s.ok()) return fail(s);
   }
+  Figure nvme_write;
   if (!nvme_gbps.empty()) {
     if (Status s = gbps(nvme_gbps, "--nvme-gbps", &nvme); !s.ok()) return fail(s);
+    nvme_write = nvme;
   } else if (needs([](const Placement& p) { return p.optimizer == Offload::nvme || p.param == Offload::nvme; })) {
-    nvme = {kAssumedNvmeGbps, "assumed: one NVMe drive per path (pass --nvme-gbps, or measure with zoe probe)"};
+    nvme = nvme_write = {kAssumedNvmeGbps, "assumed: one NVMe drive per path (pass --nvme-gbps)"};
+#ifdef ZOE_HAVE_AIO
+    // zoe probe's test on each path (256 MiB); the estimate takes their mean per path.
+    if (!c.nvme_paths.empty()) {
+      if (!json) std::fprintf(stderr, "zoe plan: measuring the NVMe paths (pass --nvme-gbps to skip)...\n");
+      double read = 0, write = 0;
+      for (const std::string& p : c.nvme_paths) {
+        double w = 0, r = 0;
+        if (Status s = measure_path(p, 256 << 20, &w, &r); !s.ok()) return fail(s);
+        read += r / c.nvme_paths.size();
+        write += w / c.nvme_paths.size();
+      }
+      nvme = {read, "measured with zoe probe's test, 256 MiB per path"};
+      nvme_write = {write, nvme.how};
+    }
+#endif
   }
   rates.adam_params_per_s = adam.value;
-  rates.nvme_read_gbps = rates.nvme_write_gbps = nvme.value;
+  rates.nvme_read_gbps = nvme.value;
+  rates.nvme_write_gbps = nvme_write.value;
   rates.pcie_gbps = pcie.value;
 
   const Model& m = in.model;
@@ -405,8 +426,9 @@ int plan(std::span<char* const> args) {
                        {"why_not", e.verdict.why}});
     }
     out["candidates"] = cands;
-    out["rates"] = {{"adam_params_per_s", adam.value}, {"adam", adam.how}, {"nvme_gbps", nvme.value},
-                    {"nvme", nvme.how}, {"pcie_gbps", pcie.value}, {"pcie", pcie.how}};
+    out["rates"] = {{"adam_params_per_s", adam.value}, {"adam", adam.how}, {"nvme_read_gbps", nvme.value},
+                    {"nvme_write_gbps", nvme_write.value}, {"nvme", nvme.how}, {"pcie_gbps", pcie.value},
+                    {"pcie", pcie.how}};
     std::printf("%s\n", out.dump().c_str());
     return 0;
   }
@@ -423,13 +445,18 @@ int plan(std::span<char* const> args) {
   print_placement(in, shown, rates,
                   requested ? "requested" : cheapest != all.end() ? "cheapest placement that fits" : "nothing fits; the most offloaded");
   if (adam.value > 0) std::printf("  CPU Adam: %.2f billion parameters/s per node (%s)\n", adam.value / 1e9, adam.how.c_str());
-  if (nvme.value > 0) std::printf("  NVMe: %.3g GB/s per path (%s)\n", nvme.value, nvme.how.c_str());
+  if (nvme.value > 0) {
+    std::printf("  NVMe: %.2f GB/s read, %.2f GB/s write per path (%s)\n", nvme.value, nvme_write.value, nvme.how.c_str());
+  }
   std::printf("  PCIe: %.3g GB/s per GPU (%s)\n", pcie.value, pcie.how.c_str());
   if (m.shape_assumed) {
     std::printf("  the fetch window (buffers per GPU) uses the assumed shape's largest tensor: --model gives the real one\n");
   }
   if (t.micro_batch == 0 || t.seq_len == 0) {
     std::printf("  activations are not included: --micro-batch and --seq-len give an estimate\n");
+  } else {
+    std::printf("  activations are an estimate (Korthikanti et al., 2022: s b h (34 + 5 a s / h) bytes a layer%s)\n",
+                t.activation_checkpointing ? "; checkpointed: each layer's input and one layer's" : "");
   }
   if (requested && cheapest != all.end()) {
     std::printf("\ncheapest placement that fits: %s\n", placement_name(cheapest->placement).c_str());

@@ -16,6 +16,7 @@
 #include "src/aligned_buffer.h"
 #include "src/cli/args.h"
 #include "src/cli/commands.h"
+#include "src/cli/probe.h"
 
 namespace zoe::cli {
 namespace {
@@ -184,6 +185,14 @@ void print_text(const Probe& p, std::size_t measured_bytes) {
 }
 
 }  // namespace
+
+Status measure_path(const std::string& path, std::size_t bytes, double* write_gbps, double* read_gbps) {
+  const Probe p = probe_one(path, bytes);
+  if (!p.usable) return invalid_argument(path + ": " + p.verdict);
+  *write_gbps = p.write_gbps;
+  *read_gbps = p.read_gbps;
+  return Status::success();
+}
 
 int probe(std::span<char* const> args) {
   std::string bytes_text = "256M";
