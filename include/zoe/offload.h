@@ -195,8 +195,18 @@ class OffloadOptimizer {
   std::int64_t step_count() const;  // steps applied, as torch's state["step"]
   bool last_step_skipped() const;
   const StepStats& stats() const;  // exact after wait(); the delayed schedule updates it in the background
+  // Elements of each parameter read_state() and write_state() take (partitioned: of each piece).
+  std::vector<std::size_t> state_sizes() const;
   // The fp32 master weights / moments of a parameter (after wait()).
   Status read_state(std::size_t param, float* master, float* exp_avg, float* exp_avg_sq) const;
+  // Replaces them (state taken over from another optimizer, or another partitioning); the device weights
+  // become the master rounded to their dtype, as after a step. A null array leaves that one as it is.
+  // Refused, changing nothing, unless every value is finite and exp_avg_sq >= 0. Waits for work in flight.
+  // Partitioned: `param` is this rank's piece, as in read_state(); the other ranks' weights are not
+  // gathered (step() or load() does that).
+  Status write_state(std::size_t param, const float* master, const float* exp_avg, const float* exp_avg_sq);
+  // Sets the number of steps applied (Adam's bias correction continues from it), as after load().
+  Status set_step_count(std::int64_t steps);
 
   struct Impl;  // opaque; defined in src/offload/ (named here so the engine's schedules and tiers can take it)
 

@@ -290,6 +290,21 @@ struct PyEngine {
 
   OffloadOptimizer& get() { return *opt; }
 
+  // A state array of parameter i, checked against its size (null when not given).
+  float* state_array(std::size_t i, std::optional<F32Array>& a, const char* what) {
+    if (!a) return nullptr;
+    const std::vector<std::size_t> sizes = opt->state_sizes();
+    if (i >= sizes.size()) {
+      throw std::invalid_argument("parameter " + std::to_string(i) + " does not exist (" + std::to_string(sizes.size()) +
+                                  " parameters)");
+    }
+    if (a->size() != sizes[i]) {
+      throw std::invalid_argument(std::string(what) + " has " + std::to_string(a->size()) + " elements, parameter " +
+                                  std::to_string(i) + " has " + std::to_string(sizes[i]));
+    }
+    return a->data();
+  }
+
   // Runs a call on the optimizer with the GIL released and raises on failure.
   template <typename F>
   void call(F&& f) {
@@ -517,12 +532,26 @@ void bind_engine(nb::module_& m) {
       .def("read_state",
            [](PyEngine& e, std::size_t i, std::optional<F32Array> master, std::optional<F32Array> exp_avg,
               std::optional<F32Array> exp_avg_sq) {
-             float* ptrs[3] = {master ? master->data() : nullptr, exp_avg ? exp_avg->data() : nullptr,
-                               exp_avg_sq ? exp_avg_sq->data() : nullptr};
+             float* ptrs[3] = {e.state_array(i, master, "master"), e.state_array(i, exp_avg, "exp_avg"),
+                               e.state_array(i, exp_avg_sq, "exp_avg_sq")};
              e.call([&](OffloadOptimizer& o) { return o.read_state(i, ptrs[0], ptrs[1], ptrs[2]); });
            },
            nb::arg("param"), nb::arg("master").none(), nb::arg("exp_avg").none(), nb::arg("exp_avg_sq").none(),
-           "Copies a parameter's fp32 master weights and moments into the given arrays (call wait() first).");
+           "Copies a parameter's fp32 master weights and moments into the given arrays (call wait() first).")
+      .def("write_state",
+           [](PyEngine& e, std::size_t i, std::optional<F32Array> master, std::optional<F32Array> exp_avg,
+              std::optional<F32Array> exp_avg_sq) {
+             const float* ptrs[3] = {e.state_array(i, master, "master"), e.state_array(i, exp_avg, "exp_avg"),
+                                     e.state_array(i, exp_avg_sq, "exp_avg_sq")};
+             e.call([&](OffloadOptimizer& o) { return o.write_state(i, ptrs[0], ptrs[1], ptrs[2]); });
+           },
+           nb::arg("param"), nb::arg("master").none(), nb::arg("exp_avg").none(), nb::arg("exp_avg_sq").none(),
+           "Replaces a parameter's fp32 master weights and moments (None: kept); the device weights follow.")
+      .def_prop_ro("state_sizes", [](PyEngine& e) { return e.get().state_sizes(); },
+                   "Elements of each parameter (partitioned: each piece) read_state/write_state take.")
+      .def("set_step_count",
+           [](PyEngine& e, std::int64_t steps) { e.call([steps](OffloadOptimizer& o) { return o.set_step_count(steps); }); },
+           nb::arg("steps"));
 
   m.def("parse_config",
         [](const std::string& text, const std::string& source) { return config_dict(take(parse_config(text, source))); },

@@ -220,10 +220,55 @@ std::int64_t OffloadOptimizer::step_count() const { return impl_->step_count.loa
 bool OffloadOptimizer::last_step_skipped() const { return impl_->last_skipped.load(); }
 const StepStats& OffloadOptimizer::stats() const { return impl_->stats_; }
 
+std::vector<std::size_t> OffloadOptimizer::state_sizes() const {
+  std::vector<std::size_t> n;
+  for (const ParamSpec& p : impl_->params) n.push_back(p.n);
+  return n;
+}
+
 Status OffloadOptimizer::read_state(std::size_t param, float* master, float* exp_avg, float* exp_avg_sq) const {
   Impl& m = *impl_;
   if (param >= m.params.size()) return invalid_argument("read_state: parameter " + std::to_string(param) + " does not exist");
   return m.tier->read(m.offsets[param], m.params[param].n, master, exp_avg, exp_avg_sq);
+}
+
+Status OffloadOptimizer::write_state(std::size_t param, const float* master, const float* exp_avg,
+                                     const float* exp_avg_sq) {
+  Impl& m = *impl_;
+  if (param >= m.params.size()) {
+    return invalid_argument("write_state: parameter " + std::to_string(param) + " does not exist (" +
+                            std::to_string(m.params.size()) + " parameters)");
+  }
+  const ParamSpec& p = m.params[param];
+  const char* names[3] = {"master", "exp_avg", "exp_avg_sq"};
+  const float* arrays[3] = {master, exp_avg, exp_avg_sq};
+  for (int k = 0; k < 3; ++k) {
+    if (arrays[k] == nullptr) continue;
+    for (std::size_t j = 0; j < p.n; ++j) {
+      if (!std::isfinite(arrays[k][j]) || (k == 2 && arrays[k][j] < 0)) {
+        return invalid_argument("write_state: parameter " + std::to_string(param) + ": " + names[k] + "[" +
+                                std::to_string(j) + "] = " + std::to_string(arrays[k][j]) +
+                                (k == 2 ? " (need finite and >= 0)" : " (need finite)") + "; nothing changed");
+      }
+    }
+  }
+  if (Status s = wait(); !s.ok()) return s;
+  if (Status s = m.tier->write(m.offsets[param], p.n, master, exp_avg, exp_avg_sq); !s.ok()) return s;
+  if (master == nullptr || p.n == 0) return Status::success();
+  // The device weights follow the master: rounded into the 16-bit copy, sent up unless it is the device's.
+  if (p.dtype != DType::f32) {
+    auto* w = static_cast<std::uint16_t*>(m.weights_of(param));
+    for (std::size_t j = 0; j < p.n; ++j) w[j] = p.dtype == DType::f16 ? float_to_f16(master[j]) : float_to_bf16(master[j]);
+  }
+  if (Status s = m.enqueue_h2d(param); !s.ok()) return s;
+  return m.finish_h2d();
+}
+
+Status OffloadOptimizer::set_step_count(std::int64_t steps) {
+  if (steps < 0) return invalid_argument("set_step_count: " + std::to_string(steps) + " steps (need >= 0)");
+  if (Status s = wait(); !s.ok()) return s;
+  impl_->step_count = steps;
+  return Status::success();
 }
 
 }  // namespace zoe

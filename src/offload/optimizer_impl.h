@@ -49,6 +49,7 @@ class StateTier {
                       const std::vector<ParamGroup>& hyper) = 0;
   // [offset, offset + count) of the flattened p, m, v, wherever they live; a null array is skipped.
   virtual Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v) = 0;
+  virtual Status write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v) = 0;
   // Replaces the whole state with the checkpoint's arrays "master", "exp_avg", "exp_avg_sq", now at `step`.
   virtual Status load(const CheckpointReader& reader, const std::string& path, std::int64_t step) = 0;
   // Makes the state as durable as the tier can (tier nvme: fdatasync and tile table); save() calls it.

@@ -64,6 +64,9 @@ class NvmeTier final : public StateTier {
   Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v) override {
     return store_.read(offset, count, p, m, v);
   }
+  Status write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v) override {
+    return store_.write(offset, count, p, m, v);
+  }
 
   // The state does not fit in RAM: verify every blob first, then stream it into the swap store.
   Status load(const CheckpointReader& reader, const std::string& path, std::int64_t step) override {

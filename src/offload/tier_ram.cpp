@@ -73,6 +73,18 @@ class RamTier final : public StateTier {
     return Status::success();
   }
 
+  // A single parameter's range (write_state), so the master is its own.
+  Status write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v) override {
+    if (m != nullptr) std::memcpy(exp_avg_.as<float>() + offset, m, count * 4);
+    if (v != nullptr) std::memcpy(exp_avg_sq_.as<float>() + offset, v, count * 4);
+    if (p != nullptr && count > 0) {
+      const std::vector<std::size_t>& offsets = m_.offsets;
+      const std::size_t i = static_cast<std::size_t>(std::upper_bound(offsets.begin(), offsets.end(), offset) - offsets.begin()) - 1;
+      std::memcpy(m_.master_of(i) + (offset - offsets[i]), p, count * 4);
+    }
+    return Status::success();
+  }
+
   // Read whole into new arrays first: a corrupt checkpoint leaves the state as it was.
   Status load(const CheckpointReader& reader, const std::string&, std::int64_t) override {
     const std::size_t total = m_.offsets.back();

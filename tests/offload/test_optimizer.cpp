@@ -449,5 +449,52 @@ TEST(LossScaler, FollowsDeepSpeedHysteresisAndGrowth) {
   EXPECT_EQ(LossScaler(LossScaleOptions{}).scale(), 1.0f);
 }
 
+// State taken over from elsewhere (torch's optimizer, another partitioning): written where each tier keeps
+// it, the device weights follow the master, bad values change nothing.
+TEST(OffloadOptimizer, WriteStateReplacesTheStateAndTheDeviceWeightsFollow) {
+  for (bool in_place : {false, true}) {
+    for (DType dtype : {DType::bf16, DType::f32}) {
+      SCOPED_TRACE(std::string(in_place ? "in place" : "staged") + ", " + std::string(dtype_name(dtype)));
+      Trainer t(Schedule::sync, dtype, {}, 0, {1000, 37, 4096, 1}, nullptr, 0, in_place);
+      ASSERT_TRUE(t.created());
+      t.run(1, 2, random_grads(1e-2));
+      const std::vector<std::size_t> sizes = t.opt().state_sizes();
+      ASSERT_EQ(sizes, (std::vector<std::size_t>{1000, 37, 4096, 1}));
+      const std::size_t n = sizes[2];
+      std::vector<float> p(n), m(n), v(n);
+      for (std::size_t j = 0; j < n; ++j) {
+        p[j] = 0.25f + 1e-3f * static_cast<float>(j);  // not representable in bf16: the device rounds it
+        m[j] = -1e-4f * static_cast<float>(j);
+        v[j] = 1e-6f * static_cast<float>(j);
+      }
+      ASSERT_TRUE(t.opt().write_state(2, p.data(), m.data(), v.data()).ok());
+      std::vector<float> p2(n), m2(n), v2(n);
+      ASSERT_TRUE(t.opt().read_state(2, p2.data(), m2.data(), v2.data()).ok());
+      EXPECT_EQ(p2, p);
+      EXPECT_EQ(m2, m);
+      EXPECT_EQ(v2, v);
+      ASSERT_TRUE(t.device_synchronize().ok());
+      for (std::size_t j = 0; j < n; ++j) {
+        const float expected = dtype == DType::f32 ? p[j] : bf16_to_float(float_to_bf16(p[j]));
+        ASSERT_EQ(t.model().get(t.model().specs[2].device_weights, j), expected) << "element " << j;
+      }
+      // A negative second moment is refused and nothing changes.
+      std::vector<float> bad = v;
+      bad[7] = -1.0f;
+      const Status s = t.opt().write_state(2, p.data(), m.data(), bad.data());
+      EXPECT_EQ(s.code(), StatusCode::invalid_argument);
+      EXPECT_NE(s.message().find("exp_avg_sq[7]"), std::string::npos) << s.to_string();
+      ASSERT_TRUE(t.opt().read_state(2, nullptr, nullptr, v2.data()).ok());
+      EXPECT_EQ(v2, v);
+      EXPECT_EQ(t.opt().write_state(9, p.data(), nullptr, nullptr).code(), StatusCode::invalid_argument);
+      // The step count continues Adam's bias correction from where the state came from.
+      ASSERT_TRUE(t.opt().set_step_count(40).ok());
+      t.run(3, 3, random_grads(1e-2));
+      EXPECT_EQ(t.opt().step_count(), 41);
+      EXPECT_EQ(t.opt().set_step_count(-1).code(), StatusCode::invalid_argument);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace zoe
