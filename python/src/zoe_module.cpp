@@ -14,6 +14,7 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -23,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "src/offload/checkpoint.h"
 #include "src/offload/config.h"
 #include "zoe/adam.h"
 #include "zoe/device.h"
@@ -553,6 +555,31 @@ void bind_engine(nb::module_& m) {
            [](PyEngine& e, std::int64_t steps) { e.call([steps](OffloadOptimizer& o) { return o.set_step_count(steps); }); },
            nb::arg("steps"));
 
+  m.def("read_checkpoint",
+        [](const std::string& path) {
+          Result<CheckpointReader> r = Status(StatusCode::internal, "not read");
+          {
+            nb::gil_scoped_release release;
+            r = CheckpointReader::open(path);
+          }
+          const CheckpointReader& reader = take(std::move(r));
+          nb::dict blobs;
+          for (const std::string& name : reader.names()) {
+            const std::size_t bytes = take(reader.size(name));
+            auto* data = new std::uint8_t[std::max<std::size_t>(bytes, 1)];
+            nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<std::uint8_t*>(p); });
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              s = reader.read(name, data, bytes);
+            }
+            check(s);
+            blobs[name.c_str()] = nb::ndarray<nb::numpy, std::uint8_t, nb::ndim<1>>(data, {bytes}, owner);
+          }
+          return nb::make_tuple(reader.manifest(), blobs);
+        },
+        nb::arg("path"),
+        "A zoe checkpoint file, every blob's checksum verified: (manifest JSON text, {blob name: uint8 array}).");
   m.def("parse_config",
         [](const std::string& text, const std::string& source) { return config_dict(take(parse_config(text, source))); },
         nb::arg("text"), nb::arg("source") = "<string>");

@@ -38,12 +38,12 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from . import _data_parallel, _dtensor, _zoe
+from . import _data_parallel, _dtensor, _interop, _zoe
 
 __all__ = ["OffloadOptimizer"]
 
 _ZOE_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-_STATE_FORMAT = "zoe.torch.OffloadOptimizer/1"
+_STATE_FORMAT = _interop.STATE_FORMAT
 # Keys of torch.optim.AdamW's groups whose non-default values zoe cannot honour.
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 
@@ -683,25 +683,43 @@ class OffloadOptimizer(torch.optim.Optimizer):
             "world_size": world,
             "rank": rank,
             "layout": self._layout(),
+            # The engine's parameters: (parameter index, first element, elements), for consolidate_state_dicts.
+            "pieces": [[s.index, begin, n] for s, begin, n in _interop.pieces(self)] if self._dtensor is None else None,
             "checkpoint": torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8),
         }
         return sd
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Loads a state_dict made by ``state_dict()`` of an optimizer over the same model, dtypes and
-        partitioning. The model's weights are set from the master weights it holds."""
-        meta = state_dict.get("zoe") if isinstance(state_dict, dict) else None
-        if meta is None or meta.get("format") != _STATE_FORMAT:
-            raise ValueError(
-                "this state_dict was not written by zoe.torch.OffloadOptimizer (it has no 'zoe' entry of format "
-                f"{_STATE_FORMAT}); a torch.optim state_dict cannot be loaded — its moments are per-parameter "
-                "tensors on the device, zoe's live in its engine")
+    def load_state_dict(self, state_dict) -> None:
+        """Loads, over the same model:
+
+        - a state_dict made by ``state_dict()`` of an optimizer with the same partitioning (each rank its own);
+          the model's weights are set from the master weights it holds;
+        - the list of every rank's ``state_dict()`` of a run of any number of ranks (or its
+          ``consolidate_state_dicts``), on any number of ranks: each takes its partition;
+        - a ``torch.optim.AdamW`` / ``Adam`` state_dict (or ``torch_state_dict()``'s): moments and step taken
+          over, the master weights from ``zoe_masters`` when it has them, else the model's weights.
+
+        A state that does not fit raises before anything changes."""
+        if isinstance(state_dict, (list, tuple)):
+            state_dict = _interop.consolidate(state_dict)
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"load_state_dict takes a dict (or a list of every rank's), not {type(state_dict).__name__}")
+        meta = state_dict.get("zoe")
+        if meta is None:
+            if "state" not in state_dict or "param_groups" not in state_dict:
+                raise ValueError("this is not an optimizer state_dict: it has no 'state' and 'param_groups' (nor "
+                                 "zoe's 'zoe' entry)")
+            self._load_torch_state_dict(state_dict)
+            return
+        if meta.get("format") != _STATE_FORMAT:
+            raise ValueError(f"this state_dict's 'zoe' entry is of format {meta.get('format')!r}, not {_STATE_FORMAT}")
         world, rank = self._partition()
         if (meta["world_size"], meta["rank"]) != (world, rank):
             raise ValueError(
                 f"this state_dict holds the partition of rank {meta['rank']} of {meta['world_size']}; this "
-                f"optimizer is rank {rank} of {world}: load each rank's own state_dict, with the same number of "
-                "ranks")
+                f"optimizer is rank {rank} of {world}: load each rank's own state_dict, or pass the list of all "
+                f"{meta['world_size']} ranks' state_dicts (zoe.torch.consolidate_state_dicts) to load it on "
+                "another number of ranks")
         layout = self._layout()
         if meta["layout"] != layout:
             if len(meta["layout"]) != len(layout):
@@ -720,6 +738,31 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._engine.load(path)  # across ranks collective: the loaded shards are all-gathered
         self._hyper_sent = [None] * len(self.param_groups)
 
+    def _load_torch_state_dict(self, state_dict: dict) -> None:
+        for gi, g in enumerate(state_dict["param_groups"]):
+            for flag in _UNSUPPORTED_FLAGS:
+                if g.get(flag, False):
+                    raise ValueError(f"param group {gi} of this state_dict has {flag}=True, which zoe does not run")
+        full, step = _interop.read_torch_state(self, state_dict)
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        for g in self.param_groups:
+            if "decoupled_weight_decay" in g:  # torch.optim.Adam(W)'s name for zoe's adamw
+                g["adamw"] = bool(g["decoupled_weight_decay"])
+        _interop.write_torch_state(self, full, step)
+        self._hyper_sent = [None] * len(self.param_groups)
+
+    def torch_state_dict(self) -> dict:
+        """This optimizer's state as ``torch.optim.AdamW.load_state_dict`` takes it: full-size moments and the
+        step per parameter, torch's param_groups, and zoe's fp32 masters as ``zoe_masters`` (torch ignores
+        them; zoe's ``load_state_dict`` takes them, on any number of ranks). Partitioned: collective, every
+        rank gets the whole."""
+        return _interop.torch_state(self)
+
     def __del__(self):
         for h in getattr(self, "_hooks", []):
             h.remove()
+
+
+# Checkpoints across runs of different sizes and out of zoe (_interop.py).
+consolidate_state_dicts = _interop.consolidate
+export_fp32 = _interop.export_fp32
