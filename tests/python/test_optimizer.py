@@ -277,8 +277,9 @@ def test_error_state_dict_of_another_model():
     ob = OffloadOptimizer(b.parameters())
     with pytest.raises(ValueError, match="different model"):
         ob.load_state_dict(oa.state_dict())
-    with pytest.raises(ValueError, match="not written by zoe"):
-        oa.load_state_dict(torch.optim.AdamW(a.parameters()).state_dict())
+    # A torch.optim state_dict is taken over (test_checkpoint_interop.py), but only for its own model.
+    with pytest.raises(ValueError, match="size"):
+        ob.load_state_dict(torch.optim.AdamW(a.parameters()).state_dict())
 
 
 def test_error_state_dict_of_another_partitioning():
