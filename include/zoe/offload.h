@@ -123,6 +123,10 @@ struct ParamSpec {
   void* device_weights = nullptr;  // updated by the optimizer (H2D) after each step
   const void* device_grads = nullptr;
   int group = 0;
+  // Recorded in checkpoints, for `zoe export` (optional: unnamed parameters are exported as param.<i>, and
+  // without a shape as one dimension of n).
+  std::string name;
+  std::vector<std::int64_t> shape;
 };
 
 struct StepStats {

@@ -160,8 +160,10 @@ struct PyDevice {
   }
 };
 
-// One parameter as (n, dtype name, device weights address, device gradients address, group).
-using ParamTuple = std::tuple<std::size_t, std::string, std::uintptr_t, std::uintptr_t, int>;
+// One parameter as (n, dtype name, device weights address, device gradients address, group, name, shape);
+// the name and shape are recorded in checkpoints (zoe export).
+using ParamTuple = std::tuple<std::size_t, std::string, std::uintptr_t, std::uintptr_t, int, std::string,
+                              std::vector<std::int64_t>>;
 
 struct EngineOptions {
   std::string tier = "ram";
@@ -337,13 +339,15 @@ std::unique_ptr<PyEngine> make_engine(nb::object device_obj, std::vector<nb::dic
   }
   std::vector<ParamSpec> ps;
   ps.reserve(params.size());
-  for (const auto& [n, dtype, weights, grads, group] : params) {
+  for (const auto& [n, dtype, weights, grads, group, name, shape] : params) {
     ParamSpec p;
     p.n = n;
     p.dtype = parse_dtype_or_throw(dtype);
     p.device_weights = reinterpret_cast<void*>(weights);
     p.device_grads = reinterpret_cast<const void*>(grads);
     p.group = group;
+    p.name = name;
+    p.shape = shape;
     ps.push_back(p);
   }
   const OffloadOptions o = to_options(options);

@@ -337,6 +337,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
         groups = [self._group_hyper(g) for g in self.param_groups]
         specs = []
+        # Recorded in zoe's checkpoints for zoe export: the names of an optimizer built from named_parameters().
+        names = {}
+        index = 0
+        for g in self.param_groups:
+            for k, _ in enumerate(g["params"]):
+                if "param_names" in g:
+                    names[index] = g["param_names"][k]
+                index += 1
         pieces = 0  # the engine's parameters, which read_state() names: this rank's pieces of the slots
         for b in self._buckets:
             lo, hi = self._rank * b.shard_numel, (self._rank + 1) * b.shard_numel
@@ -345,8 +353,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 # A DTensor's shard is FSDP2's own storage, stepped in place.
                 weights_ptr = (self._dtensor.weights_ptr(s) if self._dtensor is not None
                                else b.weights.data_ptr() + s.offset * esize)
+                shape = list(s.param._local_tensor.shape if self._dtensor is not None else s.param.shape)
                 specs.append((s.numel, _ZOE_DTYPES[b.dtype], weights_ptr, b.grads.data_ptr() + s.offset * esize,
-                              s.group))
+                              s.group, names.get(s.index, ""), shape))
                 if max(lo, s.offset) < min(hi, s.offset + s.numel):
                     s.engine_ids.append(pieces)
                     pieces += 1
@@ -750,6 +759,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 g["adamw"] = bool(g["decoupled_weight_decay"])
         _interop.write_torch_state(self, full, step)
         self._hyper_sent = [None] * len(self.param_groups)
+
+    def save_checkpoint(self, path: str) -> None:
+        """Writes this rank's state as a zoe checkpoint file (atomic, checksummed) — what ``state_dict()``
+        carries — for ``zoe export``, which joins every rank's into safetensors by parameter name."""
+        self._engine.save(os.fspath(path))
 
     def torch_state_dict(self) -> dict:
         """This optimizer's state as ``torch.optim.AdamW.load_state_dict`` takes it: full-size moments and the

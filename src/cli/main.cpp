@@ -35,6 +35,7 @@ const Command kCommands[] = {
     {"bench", "nvme", zoe::cli::bench_nvme, "one optimizer step streamed from NVMe against raw O_DIRECT I/O"},
     {"", "probe", zoe::cli::probe, "check swap paths: filesystem, O_DIRECT, block size, space, bandwidth"},
 #endif
+    {"", "export", zoe::cli::export_checkpoint, "a checkpoint's fp32 master weights (all ranks joined) as safetensors"},
     {"", "plan", zoe::cli::plan, "size a run: memory per GPU, host and NVMe path, placement, step time, config"},
     {"", "info", info, "the ISAs and CPU features zoe sees"},
 };

@@ -114,6 +114,7 @@ struct OffloadOptimizer::Impl {
     PartitionOptions options;
     std::vector<ParamSpec> user;  // the trainer's parameters
     std::vector<Flat> flats;
+    std::vector<Piece> origin;    // where each of this optimizer's params (pieces) lies in `user`
     void release(Device& device);  // frees what is ours
   };
   std::unique_ptr<Partition> partition;

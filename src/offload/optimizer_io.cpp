@@ -19,6 +19,13 @@ namespace {
 constexpr const char* kFormat = "zoe-offload-optimizer";
 constexpr int kManifestVersion = 1;
 
+nlohmann::json param_json(const ParamSpec& p) {
+  nlohmann::json j = {{"n", p.n}, {"dtype", std::string(dtype_name(p.dtype))}, {"group", p.group}};
+  if (!p.name.empty()) j["name"] = p.name;
+  if (!p.shape.empty()) j["shape"] = p.shape;
+  return j;
+}
+
 nlohmann::json hyper_json(const AdamHyper& h) {
   return {{"lr", h.lr}, {"beta1", h.beta1}, {"beta2", h.beta2}, {"eps", h.eps}, {"weight_decay", h.weight_decay},
           {"adamw", h.adamw}, {"bias_correction", h.bias_correction}};
@@ -86,8 +93,13 @@ Status OffloadOptimizer::save(const std::string& path) {
   manifest["partition"] = {{"rank", m.partition ? m.partition->comm->rank() : 0},
                            {"world", m.partition ? m.partition->comm->world() : 1}};
   for (const ParamGroup& g : m.groups) manifest["groups"].push_back(hyper_json(g.hyper));
-  for (const ParamSpec& p : m.params) {
-    manifest["params"].push_back({{"n", p.n}, {"dtype", std::string(dtype_name(p.dtype))}, {"group", p.group}});
+  for (const ParamSpec& p : m.params) manifest["params"].push_back(param_json(p));
+  if (m.partition) {
+    // The trainer's parameters and where each of ours lies in them: every rank's checkpoint together
+    // holds each parameter whole (zoe export joins them).
+    nlohmann::json& part = manifest["partition"];
+    for (const ParamSpec& p : m.partition->user) part["params"].push_back(param_json(p));
+    for (const Piece& k : m.partition->origin) part["pieces"].push_back({{"param", k.param}, {"begin", k.begin}, {"n", k.n}});
   }
   manifest["tier"] = std::string(tier_name(m.options.tier));
   Result<CheckpointWriter> writer = CheckpointWriter::create(path);

@@ -194,6 +194,7 @@ Result<OffloadOptimizer> OffloadOptimizer::create(Device& device, std::vector<Pa
       piece.device_weights = at(f.weights, begin, f.dtype);
       piece.device_grads = f.shard_grads != nullptr ? at(f.shard_grads, begin - lo, f.dtype) : at(f.grads, begin, f.dtype);
       pieces.push_back(piece);
+      part->origin.push_back(Piece{f.members[k], begin - f.offsets[k], end - begin});
     }
   }
   part->user = std::move(params);

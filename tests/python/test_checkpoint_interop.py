@@ -125,7 +125,7 @@ def _rank_main(rank, world, init_file, out_dir, job):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     # Rank 0's weights are broadcast; a resumed run takes the checkpoint's.
     model = (_mixed_mlp if job["mixed"] else make_mlp)(seed=rank + 20)
-    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    opt = OffloadOptimizer(model.named_parameters(), **HYPER)
     if job["load"]:
         opt.load_state_dict([torch.load(p, weights_only=False) for p in job["load"]])
     data = batches(15, batch=BATCH)[job["first"]:job["last"]]
@@ -135,6 +135,7 @@ def _rank_main(rank, world, init_file, out_dir, job):
         _loss(model, x[rank * part:(rank + 1) * part], y[rank * part:(rank + 1) * part]).backward()
         opt.step()
     torch.save(opt.state_dict(), os.path.join(out_dir, f"state{rank}.pt"))
+    opt.save_checkpoint(os.path.join(out_dir, f"rank{rank}.zoe"))
     torch.save([p.detach().clone() for p in model.parameters()], os.path.join(out_dir, f"weights{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -239,3 +240,55 @@ def test_bad_partition_sets_are_refused(two_rank_runs):
         opt.load_state_dict([s0, damaged])
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert opt.step_count == 0
+
+
+# ---- zoe export: the command line joins every rank's checkpoint file ------------------------------------------
+
+ZOE = __import__("pathlib").Path(__file__).resolve().parents[2] / "build" / "zoe"
+
+
+def _export(*args):
+    import subprocess
+
+    return subprocess.run([str(ZOE), "export", *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(not ZOE.exists(), reason="build/zoe is not built")
+def test_zoe_export_joins_the_ranks_into_safetensors(two_rank_runs, tmp_path):
+    from safetensors.torch import load_file
+    from zoe.torch import consolidate_state_dicts
+
+    first = two_rank_runs["first"]
+    r = _export(first / "rank1.zoe", first / "rank0.zoe", "--out", tmp_path, "--moments")
+    assert r.returncode == 0, r.stderr
+    print(r.stdout.strip())
+    masters = load_file(tmp_path / "model.safetensors")
+    joined = consolidate_state_dicts([torch.load(p, weights_only=False) for p in _states(first, 2)])
+    names = [n for n, _ in _mixed_mlp(0).named_parameters()]
+    assert sorted(masters) == sorted(names)
+    for i, name in enumerate(names):
+        assert torch.equal(masters[name], joined["zoe_masters"][i]), name
+    exp_avg = load_file(tmp_path / "exp_avg.safetensors")
+    assert torch.equal(exp_avg["2.weight"], joined["state"][2]["exp_avg"])
+    fresh = make_mlp(seed=5)  # loads into a model's state_dict by name
+    fresh.load_state_dict(masters)
+
+
+@pytest.mark.skipif(not ZOE.exists(), reason="build/zoe is not built")
+def test_zoe_export_refuses_what_is_not_one_runs_ranks(two_rank_runs, tmp_path):
+    first, whole = two_rank_runs["first"], two_rank_runs["whole"]
+    cases = [
+        ([first / "rank0.zoe"], 2, "rank 1 of 2 is missing"),
+        ([first / "rank0.zoe", first / "rank0.zoe"], 2, "are both rank 0"),
+        ([first / "rank0.zoe", whole / "rank1.zoe"], 2, "not of one run"),
+    ]
+    damaged = tmp_path / "damaged.zoe"
+    data = bytearray((first / "rank1.zoe").read_bytes())
+    data[len(data) // 3] ^= 0xFF  # in one of the state blobs: every one is checked before anything is written
+    damaged.write_bytes(bytes(data))
+    cases.append(([first / "rank0.zoe", damaged], 1, str(damaged)))
+    for files, code, message in cases:
+        r = _export(*files, "--out", tmp_path / "out", "--moments")
+        assert r.returncode == code, (files, r.stderr)
+        assert message in r.stderr, r.stderr
+        assert not (tmp_path / "out" / "model.safetensors").exists()
