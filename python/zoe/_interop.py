@@ -11,6 +11,7 @@ carried: it starts again from ``initial_scale``.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 import torch
@@ -19,6 +20,44 @@ import torch.distributed as dist
 from . import _zoe
 
 STATE_FORMAT = "zoe.torch.OffloadOptimizer/1"
+
+
+def rank_file(folder: str, rank: int, world: int) -> str:
+    """Where ``OffloadOptimizer.save_to(folder)`` puts a rank's state."""
+    return os.path.join(folder, "zoe", f"rank{rank}-of-{world}.zoe")
+
+
+def _callers(depth: int = 10) -> list[tuple[str, str]]:
+    """(module, function) of the frames above the caller, nearest first."""
+    out, frame = [], sys._getframe(1)
+    while frame is not None and len(out) < depth:
+        out.append((frame.f_globals.get("__name__", ""), frame.f_code.co_name))
+        frame = frame.f_back
+    return out
+
+
+def called_by_accelerate_prepare() -> bool:
+    """state_dict() called by Accelerate's AcceleratedOptimizer (prepare()), which moves it to the device and
+    loads it straight back: a round trip that needs no copy of the state (and must not put it on a GPU)."""
+    return any(module == "accelerate.optimizer" and name == "__init__" for module, name in _callers())
+
+
+# The trainers' save paths that call state_dict() on rank 0 only (transformers' Trainer; Accelerate's
+# save_state, which writes the main process's state_dict).
+_RANK0_SAVERS = {("transformers.trainer", "_save_optimizer_and_scheduler"),
+                 ("accelerate.checkpointing", "save_accelerator_state")}
+
+
+def refuse_rank0_only_save(world: int) -> None:
+    """A partitioned optimizer's state_dict() holds one rank's partition: saved from rank 0 alone, the others'
+    would be lost. Refused at save time, naming the fix."""
+    if world > 1 and any(caller in _RANK0_SAVERS for caller in _callers()):
+        raise RuntimeError(
+            f"zoe.torch.OffloadOptimizer: the trainer saves state_dict() from rank 0 only, but each of the {world} "
+            "ranks holds its own partition of the optimizer state, so the checkpoint would lack the others'. With "
+            "transformers' Trainer add the callback: Trainer(..., callbacks=[zoe.hf.ZoeCheckpointCallback(opt)]); "
+            "with Accelerate: zoe.hf.register_accelerator_hooks(accelerator, opt). Each rank then saves its own "
+            "file beside the checkpoint.")
 
 
 def pieces(opt) -> list[tuple]:
@@ -175,7 +214,10 @@ def consolidate(state_dicts) -> dict:
         raise ValueError("the state_dicts are of different models (their parameter layouts differ)")
     full, filled, steps = {}, {}, set()
     for sd, meta in zip(sds, metas):
-        manifest, blobs = _read_blob(meta["checkpoint"])
+        try:
+            manifest, blobs = _read_blob(meta["checkpoint"])
+        except _zoe.ZoeError as e:
+            raise type(e)(f"rank {meta['rank']}'s state_dict: its zoe checkpoint is damaged: {e}") from e
         steps.add(manifest["step"])
         arrays = [blobs[name].view("<f4") for name in ("master", "exp_avg", "exp_avg_sq")]
         at = 0

@@ -203,6 +203,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._reduce = reduce_grads
         self._dp: _data_parallel.DataParallel | None = None  # zoe's own data-parallel mode (_build)
         self._check_changes = True  # tests turn the detection off to show that it matters
+        self._saved_to: str | None = None  # save_to(): the next state_dict() refers to each rank's file there
+        self._load_folder: str | None = None  # load_from(): where the next load_state_dict() finds them
         self._hooks = []
         self._hyper_sent: list[tuple | None] = []
         self._timing = {"engine_s": 0.0, "adapter_s": 0.0, "comm_s": 0.0, "steps": 0}
@@ -679,14 +681,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """The standard ``{"state", "param_groups"}`` plus ``"zoe"``: the engine's checkpoint (master weights,
         moments, step, loss-scale state; this rank's partition) as a uint8 tensor, and the layout it fits.
-        Round-trips through ``torch.save`` / ``torch.load``."""
-        sd = super().state_dict()
-        with tempfile.TemporaryDirectory(prefix="zoe-state-") as tmp:
-            path = os.path.join(tmp, "optimizer.zoe")
-            self._engine.save(path)
-            with open(path, "rb") as f:
-                blob = bytearray(f.read())
+        Round-trips through ``torch.save`` / ``torch.load``. After ``save_to(folder)`` the next one carries
+        no state, only where each rank's file is (what a trainer that saves on rank 0 alone needs)."""
         world, rank = self._partition()
+        folder, self._saved_to = self._saved_to, None
+        live = folder is None and _interop.called_by_accelerate_prepare()
+        if folder is None and not live:
+            _interop.refuse_rank0_only_save(world)
+        sd = super().state_dict()
+        empty = torch.empty(0, dtype=torch.uint8)
         sd["zoe"] = {
             "format": _STATE_FORMAT,
             "world_size": world,
@@ -694,9 +697,45 @@ class OffloadOptimizer(torch.optim.Optimizer):
             "layout": self._layout(),
             # The engine's parameters: (parameter index, first element, elements), for consolidate_state_dicts.
             "pieces": [[s.index, begin, n] for s, begin, n in _interop.pieces(self)] if self._dtensor is None else None,
-            "checkpoint": torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8),
+            "checkpoint": empty,
         }
+        if folder is not None:
+            sd["zoe"]["folder"] = folder
+        elif live:
+            # Accelerate's prepare() hands this straight back to load_state_dict() (after moving its tensors
+            # to the device): it names this optimizer at this step instead of copying the state.
+            sd["zoe"]["live"] = [id(self), self.step_count]
+        else:
+            sd["zoe"]["checkpoint"] = self._engine_blob()
         return sd
+
+    def _engine_blob(self) -> torch.Tensor:
+        with tempfile.TemporaryDirectory(prefix="zoe-state-") as tmp:
+            path = os.path.join(tmp, "optimizer.zoe")
+            self._engine.save(path)
+            blob = bytearray(os.path.getsize(path))  # read into its final buffer: one copy of the state
+            with open(path, "rb") as f:
+                f.readinto(blob)
+        return torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+
+    def save_to(self, folder) -> str:
+        """On every rank: writes this rank's state as ``folder/zoe/rank<r>-of-<W>.zoe`` (atomic, checksummed),
+        and makes the next ``state_dict()`` refer to these files instead of carrying the state — the
+        Hugging Face Trainer and Accelerate save the optimizer's state_dict from rank 0 only
+        (``zoe.hf.ZoeCheckpointCallback`` and ``zoe.hf.register_accelerator_hooks`` call this). Returns the
+        file written."""
+        world, rank = self._partition()
+        folder = os.path.abspath(os.fspath(folder))
+        path = _interop.rank_file(folder, rank, world)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._engine.save(path)
+        self._saved_to = folder
+        return path
+
+    def load_from(self, folder) -> None:
+        """The folder the next ``load_state_dict()`` of a ``save_to`` state_dict reads this rank's file from,
+        when it is no longer where it was saved (Accelerate's ``load_state(dir)`` passes it)."""
+        self._load_folder = os.path.abspath(os.fspath(folder))
 
     def load_state_dict(self, state_dict) -> None:
         """Loads, over the same model:
@@ -714,6 +753,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if not isinstance(state_dict, dict):
             raise ValueError(f"load_state_dict takes a dict (or a list of every rank's), not {type(state_dict).__name__}")
         meta = state_dict.get("zoe")
+        if isinstance(meta, dict) and "live" in meta:
+            if meta["live"] != [id(self), self.step_count]:
+                raise ValueError("this state_dict names another optimizer's live state (Accelerate's prepare() round "
+                                 "trip): it carries no state of its own")
+            return  # our own state, unchanged
         if meta is None:
             if "state" not in state_dict or "param_groups" not in state_dict:
                 raise ValueError("this is not an optimizer state_dict: it has no 'state' and 'param_groups' (nor "
@@ -723,6 +767,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if meta.get("format") != _STATE_FORMAT:
             raise ValueError(f"this state_dict's 'zoe' entry is of format {meta.get('format')!r}, not {_STATE_FORMAT}")
         world, rank = self._partition()
+        if "folder" in meta:
+            self._load_rank_file(state_dict, world, rank)
+            return
         if (meta["world_size"], meta["rank"]) != (world, rank):
             raise ValueError(
                 f"this state_dict holds the partition of rank {meta['rank']} of {meta['world_size']}; this "
@@ -745,6 +792,26 @@ class OffloadOptimizer(torch.optim.Optimizer):
             with open(path, "wb") as f:
                 f.write(blob.cpu().numpy().tobytes())
             self._engine.load(path)  # across ranks collective: the loaded shards are all-gathered
+        self._hyper_sent = [None] * len(self.param_groups)
+
+    def _load_rank_file(self, state_dict: dict, world: int, rank: int) -> None:
+        """A ``save_to`` state_dict: this rank's own file from the folder (each rank reads its own, whichever
+        rank's state_dict the trainer loaded)."""
+        meta = state_dict["zoe"]
+        folder, self._load_folder = self._load_folder or meta["folder"], None
+        if meta["world_size"] != world:
+            raise ValueError(f"this checkpoint was saved by {meta['world_size']} ranks and this run has {world}: "
+                             "load every rank's state_dict as a list (see load_state_dict) to change the number")
+        if meta["layout"] != self._layout():
+            raise ValueError("this state_dict is for a different model (its parameter layout differs)")
+        path = _interop.rank_file(folder, rank, world)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"rank {rank}'s optimizer state {path} is missing: the checkpoint was saved with "
+                "OffloadOptimizer.save_to (zoe.hf's callback or hooks) and each rank's file must stay beside it; if "
+                "the folder moved, call opt.load_from(new_folder) before loading")
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        self._engine.load(path)  # across ranks collective: the loaded shards are all-gathered
         self._hyper_sent = [None] * len(self.param_groups)
 
     def _load_torch_state_dict(self, state_dict: dict) -> None:

@@ -1,0 +1,165 @@
+"""A Hugging Face Trainer run on 2 gloo ranks (DistributedDataParallel, zoe partitioned across the ranks) saved
+at step 4 and resumed equals the uninterrupted run at step 8 — with torch.optim.AdamW as the control in the
+same test. Without zoe.hf.ZoeCheckpointCallback the save fails at once, naming the fix, instead of writing a
+checkpoint that lacks rank 1's partition. Accelerate's prepare() round trip carries no state."""
+import os
+import socket
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(__file__))
+from test_hf import LR, Tokens, flat, tiny_llama  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world, port, out_dir, job):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from transformers import Trainer, TrainingArguments
+
+    from zoe.hf import ZoeCheckpointCallback
+    from zoe.torch import OffloadOptimizer
+
+    args = TrainingArguments(output_dir=os.path.join(out_dir, "run"), max_steps=8, per_device_train_batch_size=4,
+                             learning_rate=LR, use_cpu=True, ddp_backend="gloo", save_strategy="steps", save_steps=4,
+                             report_to=[], seed=0, disable_tqdm=True, dataloader_num_workers=0, logging_steps=1)
+    assert args.world_size == world  # the process group exists: zoe's optimizer partitions across it
+    model = tiny_llama()
+    if job["zoe"]:
+        tier = {}
+        if job.get("nvme"):  # the NVMe tier keeps 16-bit weights on the device
+            model = model.to(torch.bfloat16)
+            tier = dict(tier="nvme", nvme_path=os.path.join(out_dir, "swap"))
+        opt = OffloadOptimizer(model.parameters(), lr=LR, reduce_grads=False, **tier)  # DDP averages the gradients
+        callbacks = [ZoeCheckpointCallback(opt)] if job["callback"] else []
+    else:
+        opt, callbacks = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0), []
+    calls = [0]  # the steps this process runs: a resumed run must run only the rest
+    step = opt.step
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return step(*a, **k)
+
+    opt.step = counted
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(opt, None), callbacks=callbacks)
+    result = {"error": None}
+    try:
+        trainer.train(resume_from_checkpoint=job["resume"])
+    except RuntimeError as e:
+        result["error"] = str(e)
+    result["weights"] = flat(model)
+    result["step"] = trainer.state.global_step
+    result["steps_run"] = calls[0]
+    torch.save(result, os.path.join(out_dir, f"result{rank}.pt"))
+
+
+def _run(out, **job):
+    out.mkdir(exist_ok=True)
+    mp.spawn(_rank_main, args=(2, _free_port(), str(out), job), nprocs=2, join=True)
+    return [torch.load(out / f"result{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("optimizer", ["torch", "zoe", "zoe-nvme"])
+def test_hf_trainer_two_ranks_resume_equals_the_uninterrupted_run(optimizer, tmp_path):
+    zoe, nvme = optimizer.startswith("zoe"), optimizer == "zoe-nvme"
+    whole = _run(tmp_path, zoe=zoe, callback=True, resume=None, nvme=nvme)  # saves checkpoint-4 and checkpoint-8
+    checkpoint = tmp_path / "run" / "checkpoint-4"
+    if zoe:
+        assert sorted(os.listdir(checkpoint / "zoe")) == ["rank0-of-2.zoe", "rank1-of-2.zoe"]
+        sd = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+        carried = sum(t.numel() * t.element_size() for t in sd["zoe"].values() if isinstance(t, torch.Tensor))
+        assert carried == 0, "optimizer.pt names the rank files, it does not carry the state"
+    resumed = _run(tmp_path / "resumed", zoe=zoe, callback=True, resume=str(checkpoint), nvme=nvme)
+    for w, r in zip(whole, resumed):
+        assert w["error"] is None and r["error"] is None, (w["error"], r["error"])
+        assert w["step"] == r["step"] == 8
+        assert (w["steps_run"], r["steps_run"]) == (8, 4)
+        diff = (w["weights"] - r["weights"]).abs().max().item()
+        print(f"HF Trainer, 2 ranks, {optimizer}: resumed at step 4 against uninterrupted, step 8: max weight "
+              f"difference {diff:.2e}")
+        assert torch.equal(w["weights"], r["weights"])
+
+
+def test_hf_trainer_without_the_callback_fails_at_save(tmp_path):
+    ranks = _run(tmp_path, zoe=True, callback=False, resume=None)
+    assert "ZoeCheckpointCallback" in ranks[0]["error"]
+    assert ranks[0]["step"] == 4, "the first save stopped the run"
+    assert not (tmp_path / "run" / "checkpoint-4" / "optimizer.pt").exists()
+
+
+def test_accelerate_prepare_carries_no_state(tmp_path):
+    from accelerate import Accelerator
+
+    from zoe.torch import OffloadOptimizer
+
+    model = tiny_llama()
+    opt = OffloadOptimizer(model.parameters(), lr=LR)
+    seen = []
+    original = type(opt).load_state_dict
+
+    def spy(self, sd):
+        seen.append(sum(t.numel() * t.element_size() for t in sd["zoe"].values() if isinstance(t, torch.Tensor)))
+        return original(self, sd)
+
+    type(opt).load_state_dict = spy
+    try:
+        accelerator = Accelerator(cpu=True)
+        model, prepared = accelerator.prepare(model, opt)
+    finally:
+        type(opt).load_state_dict = original
+    params = sum(p.numel() for p in model.parameters())
+    print(f"Accelerate prepare(): the state_dict round trip carried {seen} bytes of tensors for {params} parameters")
+    assert seen and max(seen) < params  # less than one byte per parameter (none)
+
+
+def _accelerate_steps(accelerator, model, opt, batches):
+    for batch in batches:
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+
+def test_accelerate_save_state_load_state_resume_exactly(tmp_path):
+    from accelerate import Accelerator
+
+    from zoe.hf import register_accelerator_hooks
+    from zoe.torch import OffloadOptimizer
+
+    data = Tokens()
+    batches = [{k: v.unsqueeze(0) for k, v in data[i].items()} for i in range(6)]
+
+    def setup():
+        accelerator = Accelerator(cpu=True)
+        model = tiny_llama()
+        opt = OffloadOptimizer(model.parameters(), lr=LR)
+        register_accelerator_hooks(accelerator, opt)
+        model, prepared = accelerator.prepare(model, opt)
+        return accelerator, model, prepared, opt
+
+    accelerator, model, prepared, opt = setup()
+    _accelerate_steps(accelerator, model, prepared, batches[:3])
+    # safetensors refuses parameters that are views of one storage, as zoe's flat buffers make them: the model
+    # is saved with torch.save instead (README, "Checkpoints that move").
+    accelerator.save_state(str(tmp_path / "state"), safe_serialization=False)
+    assert os.path.isfile(tmp_path / "state" / "zoe" / "rank0-of-1.zoe")
+    _accelerate_steps(accelerator, model, prepared, batches[3:])
+    whole = flat(model)
+
+    accelerator, model, prepared, opt = setup()
+    _accelerate_steps(accelerator, model, prepared, batches[:1])  # state that the load must replace
+    accelerator.load_state(str(tmp_path / "state"))
+    assert opt.step_count == 3
+    _accelerate_steps(accelerator, model, prepared, batches[3:])
+    assert torch.equal(flat(model), whole)
