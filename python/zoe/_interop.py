@@ -252,7 +252,7 @@ def _read_blob(blob: torch.Tensor):
     with tempfile.TemporaryDirectory(prefix="zoe-state-") as tmp:
         path = os.path.join(tmp, "optimizer.zoe")
         with open(path, "wb") as f:
-            f.write(blob.cpu().numpy().tobytes())
+            f.write(memoryview(blob.cpu().numpy()))  # no copy of the blob
         manifest, blobs = _zoe.read_checkpoint(path)
     return json.loads(manifest), blobs
 

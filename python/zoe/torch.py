@@ -790,7 +790,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         with tempfile.TemporaryDirectory(prefix="zoe-state-") as tmp:
             path = os.path.join(tmp, "optimizer.zoe")
             with open(path, "wb") as f:
-                f.write(blob.cpu().numpy().tobytes())
+                f.write(memoryview(blob.cpu().numpy()))  # no copy of the blob
             self._engine.load(path)  # across ranks collective: the loaded shards are all-gathered
         self._hyper_sent = [None] * len(self.param_groups)
 
