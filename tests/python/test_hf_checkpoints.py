@@ -163,3 +163,39 @@ def test_accelerate_save_state_load_state_resume_exactly(tmp_path):
     assert opt.step_count == 3
     _accelerate_steps(accelerator, model, prepared, batches[3:])
     assert torch.equal(flat(model), whole)
+
+
+def _one_process_trainer(out, schedule, tier, resume, callback):
+    from transformers import Trainer, TrainingArguments
+
+    from zoe.hf import ZoeCheckpointCallback
+    from zoe.torch import OffloadOptimizer
+
+    model = tiny_llama()
+    extra = {}
+    if tier == "nvme":
+        model = model.to(torch.bfloat16)
+        extra = dict(tier="nvme", nvme_path=str(out / "swap"))
+    opt = OffloadOptimizer(model.parameters(), lr=LR, schedule=schedule, **extra)
+    args = TrainingArguments(output_dir=str(out / "run"), max_steps=8, per_device_train_batch_size=4,
+                             learning_rate=LR, use_cpu=True, save_strategy="steps", save_steps=4, report_to=[],
+                             seed=0, disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=0.0)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(opt, None),
+                      callbacks=[ZoeCheckpointCallback(opt)] if callback else [])
+    trainer.train(resume_from_checkpoint=resume)
+    return flat(model)
+
+
+@pytest.mark.parametrize("tier", ["ram", "nvme"])
+@pytest.mark.parametrize("schedule", ["sync", "overlap"])
+def test_hf_trainer_one_process_resume_every_schedule_and_tier(schedule, tier, tmp_path):
+    # One rank: the Trainer's own optimizer.pt carries the state (no callback needed); with the callback, the
+    # rank file beside it does. Both resume exactly.
+    whole = _one_process_trainer(tmp_path, schedule, tier, None, callback=False)
+    resumed = _one_process_trainer(tmp_path / "resumed", schedule, tier, str(tmp_path / "run" / "checkpoint-4"),
+                                   callback=False)
+    assert torch.equal(whole, resumed)
+    with_files = _one_process_trainer(tmp_path / "files", schedule, tier, None, callback=True)
+    resumed = _one_process_trainer(tmp_path / "files2", schedule, tier, str(tmp_path / "files" / "run" / "checkpoint-4"),
+                                   callback=True)
+    assert torch.equal(with_files, resumed) and torch.equal(with_files, whole)
