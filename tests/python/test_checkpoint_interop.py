@@ -125,7 +125,11 @@ def _rank_main(rank, world, init_file, out_dir, job):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     # Rank 0's weights are broadcast; a resumed run takes the checkpoint's.
     model = (_mixed_mlp if job["mixed"] else make_mlp)(seed=rank + 20)
-    opt = OffloadOptimizer(model.named_parameters(), **HYPER)
+    tier = {}
+    if job.get("nvme"):  # the NVMe tier keeps 16-bit weights on the device
+        model = model.to(torch.bfloat16)
+        tier = dict(tier="nvme", nvme_path=os.path.join(out_dir, "swap"))
+    opt = OffloadOptimizer(model.named_parameters(), **HYPER, **tier)
     if job["load"]:
         opt.load_state_dict([torch.load(p, weights_only=False) for p in job["load"]])
     data = batches(15, batch=BATCH)[job["first"]:job["last"]]
@@ -141,23 +145,27 @@ def _rank_main(rank, world, init_file, out_dir, job):
     dist.destroy_process_group()
 
 
-def _run(tmp_path, name, world, first, last, load=(), mixed=True):
+def _run(tmp_path, name, world, first, last, load=(), mixed=True, nvme=False):
     out = tmp_path / name
     out.mkdir()
     if world == 1:
-        _single(out, first, last, load)
+        _single(out, first, last, load, nvme)
     else:
-        job = {"first": first, "last": last, "load": list(load), "mixed": mixed}
+        job = {"first": first, "last": last, "load": list(load), "mixed": mixed, "nvme": nvme}
         mp.spawn(_rank_main, args=(world, str(out / "init"), str(out), job), nprocs=world, join=True)
     return out
 
 
-def _single(out, first, last, load):
+def _single(out, first, last, load, nvme=False):
     """One process stepping on the average of two halves' gradients: what 2 ranks give, bitwise."""
     from zoe.torch import OffloadOptimizer
 
     model = _mixed_mlp(seed=20)
-    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    tier = {}
+    if nvme:
+        model = model.to(torch.bfloat16)
+        tier = dict(tier="nvme", nvme_path=str(out / "swap"))
+    opt = OffloadOptimizer(model.parameters(), **HYPER, **tier)
     if load:
         opt.load_state_dict([torch.load(p, weights_only=False) for p in load])
     for x, y in batches(15, batch=BATCH)[first:last]:
@@ -201,6 +209,20 @@ def test_reshard_1_to_2_equals_the_uninterrupted_run(two_rank_runs):
     resumed = _run(r["tmp"], "to2", 2, 8, 15, load=_states(single, 1))
     for rank in range(2):
         for a, b in zip(_weights(resumed, rank), _weights(r["whole"])):
+            assert torch.equal(a, b)
+
+
+def test_reshard_on_the_nvme_tier_2_to_1_and_1_to_2(tmp_path):
+    # bf16 weights, fp32 masters and moments in swap files: resharded through write_state into each tier.
+    whole = _run(tmp_path, "whole", 2, 0, 15, nvme=True)
+    first = _run(tmp_path, "first", 2, 0, 8, nvme=True)
+    to1 = _run(tmp_path, "to1", 1, 8, 15, load=_states(first, 2), nvme=True)
+    for a, b in zip(_weights(to1), _weights(whole)):
+        assert torch.equal(a, b)
+    single = _run(tmp_path, "single8", 1, 0, 8, nvme=True)
+    to2 = _run(tmp_path, "to2", 2, 8, 15, load=_states(single, 1), nvme=True)
+    for rank in range(2):
+        for a, b in zip(_weights(to2, rank), _weights(whole)):
             assert torch.equal(a, b)
 
 
