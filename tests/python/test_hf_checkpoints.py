@@ -66,7 +66,14 @@ def _rank_main(rank, world, port, out_dir, job):
 
 def _run(out, **job):
     out.mkdir(exist_ok=True)
-    mp.spawn(_rank_main, args=(2, _free_port(), str(out), job), nprocs=2, join=True)
+    for attempt in range(3):
+        try:
+            mp.spawn(_rank_main, args=(2, _free_port(), str(out), job), nprocs=2, join=True)
+            break
+        except mp.ProcessRaisedException as e:
+            # The free port may be taken by another process between our probe and rank 0's bind.
+            if "address already in use" not in str(e).lower() or attempt == 2:
+                raise
     return [torch.load(out / f"result{r}.pt", weights_only=False) for r in range(2)]
 
 
