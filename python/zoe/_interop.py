@@ -60,6 +60,33 @@ def refuse_rank0_only_save(world: int) -> None:
             "file beside the checkpoint.")
 
 
+def refuse_trainer_without_callback(opt) -> None:
+    """On every rank at the first step of a partitioned optimizer under transformers' Trainer that will save
+    checkpoints: without zoe.hf.ZoeCheckpointCallback only rank 0's partition would be saved. Refused here,
+    where every rank can stop together, rather than at the first save, where rank 0 alone would."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "transformers.trainer" and frame.f_code.co_name == "_inner_training_loop":
+            break
+        frame = frame.f_back
+    if frame is None:
+        return
+    trainer = frame.f_locals.get("self")
+    strategy = str(getattr(getattr(trainer, "args", None), "save_strategy", "no"))
+    if strategy.lower().endswith("no"):
+        return
+    from .hf import ZoeCheckpointCallback
+
+    callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", [])
+    if any(isinstance(c, ZoeCheckpointCallback) and c.optimizer is opt for c in callbacks):
+        return
+    raise RuntimeError(
+        f"zoe.torch.OffloadOptimizer: transformers' Trainer saves the optimizer's state_dict() from rank 0 only, "
+        f"but each of the {opt._world} ranks holds its own partition of the optimizer state, so its checkpoints "
+        "would lack the others'. Add the callback: Trainer(..., callbacks=[zoe.hf.ZoeCheckpointCallback(opt)]); "
+        "each rank then saves its own file beside the checkpoint.")
+
+
 def pieces(opt) -> list[tuple]:
     """The engine's parameters in its order (OffloadOptimizer._make_engine's): (slot, first element within the
     parameter, elements) of each slot's part of this rank's shard of its bucket."""

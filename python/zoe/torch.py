@@ -505,6 +505,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._dp is not None and self._timing["steps"] == 0:
+            _interop.refuse_trainer_without_callback(self)
         t0 = time.perf_counter()
         comm = engine_s = 0.0
         try:
