@@ -1,0 +1,187 @@
+"""OffloadOptimizer's state_dict and load_state_dict (mixed into zoe.torch.OffloadOptimizer): zoe's own format
+(this rank's engine checkpoint, inline or as a file beside a trainer's checkpoint), torch.optim's format, and
+every rank's state_dicts of a run of another size (_interop.py)."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+from . import _interop
+
+_STATE_FORMAT = _interop.STATE_FORMAT
+# Keys of torch.optim.AdamW's groups whose non-default values zoe cannot honour.
+UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+class StateDictMethods:
+    def _layout(self) -> list:
+        extra = self._dtensor.describe if self._dtensor is not None else lambda p: []
+        return [[list(p.shape), str(p.dtype), bool(p.requires_grad)] + extra(p)
+                for g in self.param_groups for p in g["params"]]
+
+    def _partition(self) -> tuple[int, int]:
+        """(world size, rank) of the state this rank holds: zoe's partition, or FSDP2's shards."""
+        return self._dtensor.ranks() if self._dtensor is not None else (self._world, self._rank)
+
+    def state_dict(self) -> dict:
+        """The standard ``{"state", "param_groups"}`` plus ``"zoe"``: the engine's checkpoint (master weights,
+        moments, step, loss-scale state; this rank's partition) as a uint8 tensor, and the layout it fits.
+        Round-trips through ``torch.save`` / ``torch.load``. After ``save_to(folder)`` the next one carries
+        no state, only where each rank's file is (what a trainer that saves on rank 0 alone needs)."""
+        world, rank = self._partition()
+        folder, self._saved_to = self._saved_to, None
+        live = folder is None and _interop.called_by_accelerate_prepare()
+        if folder is None and not live:
+            _interop.refuse_rank0_only_save(world)
+        sd = super().state_dict()
+        empty = torch.empty(0, dtype=torch.uint8)
+        sd["zoe"] = {
+            "format": _STATE_FORMAT,
+            "world_size": world,
+            "rank": rank,
+            "layout": self._layout(),
+            # The engine's parameters: (parameter index, first element, elements), for consolidate_state_dicts.
+            "pieces": [[s.index, begin, n] for s, begin, n in _interop.pieces(self)] if self._dtensor is None else None,
+            "checkpoint": empty,
+        }
+        if folder is not None:
+            sd["zoe"]["folder"] = folder
+        elif live:
+            # Accelerate's prepare() hands this straight back to load_state_dict() (after moving its tensors
+            # to the device): it names this optimizer at this step instead of copying the state.
+            sd["zoe"]["live"] = [id(self), self.step_count]
+        else:
+            sd["zoe"]["checkpoint"] = self._engine_blob()
+        return sd
+
+    def _engine_blob(self) -> torch.Tensor:
+        with tempfile.TemporaryDirectory(prefix="zoe-state-") as tmp:
+            path = os.path.join(tmp, "optimizer.zoe")
+            self._engine.save(path)
+            blob = bytearray(os.path.getsize(path))  # read into its final buffer: one copy of the state
+            with open(path, "rb") as f:
+                f.readinto(blob)
+        return torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+
+    def save_to(self, folder) -> str:
+        """On every rank: writes this rank's state as ``folder/zoe/rank<r>-of-<W>.zoe`` (atomic, checksummed),
+        and makes the next ``state_dict()`` refer to these files instead of carrying the state — the
+        Hugging Face Trainer and Accelerate save the optimizer's state_dict from rank 0 only
+        (``zoe.hf.ZoeCheckpointCallback`` and ``zoe.hf.register_accelerator_hooks`` call this). Returns the
+        file written."""
+        world, rank = self._partition()
+        folder = os.path.abspath(os.fspath(folder))
+        path = _interop.rank_file(folder, rank, world)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._engine.save(path)
+        self._saved_to = folder
+        return path
+
+    def load_from(self, folder) -> None:
+        """The folder the next ``load_state_dict()`` of a ``save_to`` state_dict reads this rank's file from,
+        when it is no longer where it was saved (Accelerate's ``load_state(dir)`` passes it)."""
+        self._load_folder = os.path.abspath(os.fspath(folder))
+
+    def load_state_dict(self, state_dict) -> None:
+        """Loads, over the same model:
+
+        - a state_dict made by ``state_dict()`` of an optimizer with the same partitioning (each rank its own);
+          the model's weights are set from the master weights it holds;
+        - the list of every rank's ``state_dict()`` of a run of any number of ranks (or its
+          ``consolidate_state_dicts``), on any number of ranks: each takes its partition;
+        - a ``torch.optim.AdamW`` / ``Adam`` state_dict (or ``torch_state_dict()``'s): moments and step taken
+          over, the master weights from ``zoe_masters`` when it has them, else the model's weights.
+
+        A state that does not fit raises before anything changes."""
+        if isinstance(state_dict, (list, tuple)):
+            state_dict = _interop.consolidate(state_dict)
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"load_state_dict takes a dict (or a list of every rank's), not {type(state_dict).__name__}")
+        meta = state_dict.get("zoe")
+        if isinstance(meta, dict) and "live" in meta:
+            if meta["live"] != [id(self), self.step_count]:
+                raise ValueError("this state_dict names another optimizer's live state (Accelerate's prepare() round "
+                                 "trip): it carries no state of its own")
+            return  # our own state, unchanged
+        if meta is None:
+            if "state" not in state_dict or "param_groups" not in state_dict:
+                raise ValueError("this is not an optimizer state_dict: it has no 'state' and 'param_groups' (nor "
+                                 "zoe's 'zoe' entry)")
+            self._load_torch_state_dict(state_dict)
+            return
+        if meta.get("format") != _STATE_FORMAT:
+            raise ValueError(f"this state_dict's 'zoe' entry is of format {meta.get('format')!r}, not {_STATE_FORMAT}")
+        world, rank = self._partition()
+        if "folder" in meta:
+            self._load_rank_file(state_dict, world, rank)
+            return
+        if (meta["world_size"], meta["rank"]) != (world, rank):
+            raise ValueError(
+                f"this state_dict holds the partition of rank {meta['rank']} of {meta['world_size']}; this "
+                f"optimizer is rank {rank} of {world}: load each rank's own state_dict, or pass the list of all "
+                f"{meta['world_size']} ranks' state_dicts (zoe.torch.consolidate_state_dicts) to load it on "
+                "another number of ranks")
+        layout = self._layout()
+        if meta["layout"] != layout:
+            if len(meta["layout"]) != len(layout):
+                why = f"it holds {len(meta['layout'])} parameters, this optimizer {len(layout)}"
+            else:
+                i = next(k for k, (x, y) in enumerate(zip(meta["layout"], layout)) if x != y)
+                why = f"parameter {i} is {meta['layout'][i]} there and {layout[i]} here (shape, dtype, requires_grad)"
+            raise ValueError(f"this state_dict is for a different model: {why}")
+        rest = {k: v for k, v in state_dict.items() if k != "zoe"}
+        super().load_state_dict(rest)
+        blob = meta["checkpoint"]
+        with tempfile.TemporaryDirectory(prefix="zoe-state-") as tmp:
+            path = os.path.join(tmp, "optimizer.zoe")
+            with open(path, "wb") as f:
+                f.write(memoryview(blob.cpu().numpy()))  # no copy of the blob
+            self._engine.load(path)  # across ranks collective: the loaded shards are all-gathered
+        self._hyper_sent = [None] * len(self.param_groups)
+
+    def _load_rank_file(self, state_dict: dict, world: int, rank: int) -> None:
+        """A ``save_to`` state_dict: this rank's own file from the folder (each rank reads its own, whichever
+        rank's state_dict the trainer loaded)."""
+        meta = state_dict["zoe"]
+        folder, self._load_folder = self._load_folder or meta["folder"], None
+        if meta["world_size"] != world:
+            raise ValueError(f"this checkpoint was saved by {meta['world_size']} ranks and this run has {world}: "
+                             "load every rank's state_dict as a list (see load_state_dict) to change the number")
+        if meta["layout"] != self._layout():
+            raise ValueError("this state_dict is for a different model (its parameter layout differs)")
+        path = _interop.rank_file(folder, rank, world)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"rank {rank}'s optimizer state {path} is missing: the checkpoint was saved with "
+                "OffloadOptimizer.save_to (zoe.hf's callback or hooks) and each rank's file must stay beside it; if "
+                "the folder moved, call opt.load_from(new_folder) before loading")
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        self._engine.load(path)  # across ranks collective: the loaded shards are all-gathered
+        self._hyper_sent = [None] * len(self.param_groups)
+
+    def _load_torch_state_dict(self, state_dict: dict) -> None:
+        for gi, g in enumerate(state_dict["param_groups"]):
+            for flag in UNSUPPORTED_FLAGS:
+                if g.get(flag, False):
+                    raise ValueError(f"param group {gi} of this state_dict has {flag}=True, which zoe does not run")
+        full, step = _interop.read_torch_state(self, state_dict)
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        for g in self.param_groups:
+            if "decoupled_weight_decay" in g:  # torch.optim.Adam(W)'s name for zoe's adamw
+                g["adamw"] = bool(g["decoupled_weight_decay"])
+        _interop.write_torch_state(self, full, step)
+        self._hyper_sent = [None] * len(self.param_groups)
+
+    def save_checkpoint(self, path: str) -> None:
+        """Writes this rank's state as a zoe checkpoint file (atomic, checksummed) — what ``state_dict()``
+        carries — for ``zoe export``, which joins every rank's into safetensors by parameter name."""
+        self._engine.save(os.fspath(path))
+
+    def torch_state_dict(self) -> dict:
+        """This optimizer's state as ``torch.optim.AdamW.load_state_dict`` takes it: full-size moments and the
+        step per parameter, torch's param_groups, and zoe's fp32 masters as ``zoe_masters`` (torch ignores
+        them; zoe's ``load_state_dict`` takes them, on any number of ranks). Partitioned: collective, every
+        rank gets the whole."""
+        return _interop.torch_state(self)
