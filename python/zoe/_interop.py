@@ -42,6 +42,18 @@ def called_by_accelerate_prepare() -> bool:
     return any(module == "accelerate.optimizer" and name == "__init__" for module, name in _callers())
 
 
+def refuse_distributed_checkpoint() -> None:
+    """torch.distributed.checkpoint's get/set_optimizer_state_dict keep only torch's per-parameter "state"
+    and "param_groups" of an optimizer's state_dict: zoe's state would be dropped on save and, on load, zero
+    moments taken for a fresh start. Refused, both ways, rather than losing the state silently."""
+    if any(module.startswith("torch.distributed.checkpoint") for module, _ in _callers(16)):
+        raise RuntimeError(
+            "zoe.torch.OffloadOptimizer: torch.distributed.checkpoint (get_/set_optimizer_state_dict) cannot carry "
+            "zoe's optimizer state yet — it keeps only torch's per-parameter state. Save and load each rank's "
+            "opt.state_dict() with torch.save / torch.load (or opt.save_to(folder) on every rank) beside the DCP "
+            "checkpoint of the model.")
+
+
 # The trainers' save paths that call state_dict() on rank 0 only (transformers' Trainer; Accelerate's
 # save_state, which writes the main process's state_dict).
 _RANK0_SAVERS = {("transformers.trainer", "_save_optimizer_and_scheduler"),

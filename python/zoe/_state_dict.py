@@ -30,6 +30,7 @@ class StateDictMethods:
         moments, step, loss-scale state; this rank's partition) as a uint8 tensor, and the layout it fits.
         Round-trips through ``torch.save`` / ``torch.load``. After ``save_to(folder)`` the next one carries
         no state, only where each rank's file is (what a trainer that saves on rank 0 alone needs)."""
+        _interop.refuse_distributed_checkpoint()
         world, rank = self._partition()
         folder, self._saved_to = self._saved_to, None
         live = folder is None and _interop.called_by_accelerate_prepare()
@@ -95,6 +96,7 @@ class StateDictMethods:
           over, the master weights from ``zoe_masters`` when it has them, else the model's weights.
 
         A state that does not fit raises before anything changes."""
+        _interop.refuse_distributed_checkpoint()
         if isinstance(state_dict, (list, tuple)):
             state_dict = _interop.consolidate(state_dict)
         if not isinstance(state_dict, dict):

@@ -503,6 +503,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        _interop.refuse_distributed_checkpoint()  # its state initialisation steps with zero gradients
         if self._dp is not None and self._timing["steps"] == 0:
             _interop.refuse_trainer_without_callback(self)
         t0 = time.perf_counter()

@@ -93,6 +93,26 @@ def test_a_torch_state_dict_of_another_model_changes_nothing():
         opt.load_state_dict({"weights": 1})
 
 
+def test_torch_distributed_checkpoint_is_refused_without_changing_the_state():
+    # DCP keeps only torch's per-parameter state: zoe's would be dropped on save and zeroed on load. Its
+    # state initialisation would also step the optimizer with zero gradients (lr 0): refused too.
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from zoe.torch import OffloadOptimizer
+
+    model = make_mlp(seed=4)
+    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    _torch_steps(model, opt, batches(2, batch=BATCH))
+    model.zero_grad(set_to_none=True)  # no gradients: DCP would run its initialising step
+    before = {k: v.clone() for k, v in opt.read_state(model[0].weight).items()}
+    with pytest.raises(RuntimeError, match="torch.distributed.checkpoint"):
+        get_optimizer_state_dict(model, opt)
+    with pytest.raises(RuntimeError, match="torch.distributed.checkpoint"):
+        set_optimizer_state_dict(model, opt, {"state": {}, "param_groups": opt.state_dict()["param_groups"]})
+    assert opt.step_count == 2
+    after = opt.read_state(model[0].weight)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_export_fp32_loads_into_a_fresh_model_equal_to_zoes_masters(tmp_path):
     from safetensors.torch import load_file
     from zoe.torch import OffloadOptimizer, export_fp32
