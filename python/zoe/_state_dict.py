@@ -16,6 +16,8 @@ UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 
 
 class StateDictMethods:
+    """state_dict() and load_state_dict() of OffloadOptimizer, and the file-based save_to()/load_from()."""
+
     def _layout(self) -> list:
         extra = self._dtensor.describe if self._dtensor is not None else lambda p: []
         return [[list(p.shape), str(p.dtype), bool(p.requires_grad)] + extra(p)
