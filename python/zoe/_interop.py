@@ -10,6 +10,8 @@ carried: it starts again from ``initial_scale``.
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -252,7 +254,7 @@ def consolidate(state_dicts) -> dict:
     if any(m["layout"] != layout for m in metas):
         raise ValueError("the state_dicts are of different models (their parameter layouts differ)")
     full, filled, steps = {}, {}, set()
-    for sd, meta in zip(sds, metas):
+    for meta in metas:
         try:
             manifest, blobs = _read_blob(meta["checkpoint"])
         except _zoe.ZoeError as e:
@@ -261,8 +263,7 @@ def consolidate(state_dicts) -> dict:
         arrays = [blobs[name].view("<f4") for name in ("master", "exp_avg", "exp_avg_sq")]
         at = 0
         for index, begin, n in meta["pieces"]:
-            shape, _, trainable = layout[index][:3]
-            numel = int(torch.Size(shape).numel())
+            numel = int(torch.Size(layout[index][0]).numel())
             if index not in full:
                 full[index] = torch.zeros(3, numel, dtype=torch.float32)
                 filled[index] = 0
@@ -285,13 +286,18 @@ def consolidate(state_dicts) -> dict:
     return {"state": state, "param_groups": sds[0]["param_groups"], "zoe_masters": masters}
 
 
-def _read_blob(blob: torch.Tensor):
-    import json
-
+@contextlib.contextmanager
+def blob_file(blob: torch.Tensor):
+    """A state_dict's engine checkpoint (uint8 tensor) as a temporary file, for the engine's readers."""
     with tempfile.TemporaryDirectory(prefix="zoe-state-") as tmp:
         path = os.path.join(tmp, "optimizer.zoe")
         with open(path, "wb") as f:
             f.write(memoryview(blob.cpu().numpy()))  # no copy of the blob
+        yield path
+
+
+def _read_blob(blob: torch.Tensor):
+    with blob_file(blob) as path:
         manifest, blobs = _zoe.read_checkpoint(path)
     return json.loads(manifest), blobs
 

@@ -127,23 +127,24 @@ class StateDictMethods:
                 f"optimizer is rank {rank} of {world}: load each rank's own state_dict, or pass the list of all "
                 f"{meta['world_size']} ranks' state_dicts (zoe.torch.consolidate_state_dicts) to load it on "
                 "another number of ranks")
-        layout = self._layout()
-        if meta["layout"] != layout:
-            if len(meta["layout"]) != len(layout):
-                why = f"it holds {len(meta['layout'])} parameters, this optimizer {len(layout)}"
-            else:
-                i = next(k for k, (x, y) in enumerate(zip(meta["layout"], layout)) if x != y)
-                why = f"parameter {i} is {meta['layout'][i]} there and {layout[i]} here (shape, dtype, requires_grad)"
-            raise ValueError(f"this state_dict is for a different model: {why}")
+        self._check_layout(meta)
         rest = {k: v for k, v in state_dict.items() if k != "zoe"}
         super().load_state_dict(rest)
         blob = meta["checkpoint"]
-        with tempfile.TemporaryDirectory(prefix="zoe-state-") as tmp:
-            path = os.path.join(tmp, "optimizer.zoe")
-            with open(path, "wb") as f:
-                f.write(memoryview(blob.cpu().numpy()))  # no copy of the blob
+        with _interop.blob_file(blob) as path:
             self._engine.load(path)  # across ranks collective: the loaded shards are all-gathered
         self._hyper_sent = [None] * len(self.param_groups)
+
+    def _check_layout(self, meta: dict) -> None:
+        layout = self._layout()
+        if meta["layout"] == layout:
+            return
+        if len(meta["layout"]) != len(layout):
+            why = f"it holds {len(meta['layout'])} parameters, this optimizer {len(layout)}"
+        else:
+            i = next(k for k, (x, y) in enumerate(zip(meta["layout"], layout)) if x != y)
+            why = f"parameter {i} is {meta['layout'][i]} there and {layout[i]} here (shape, dtype, requires_grad)"
+        raise ValueError(f"this state_dict is for a different model: {why}")
 
     def _load_rank_file(self, state_dict: dict, world: int, rank: int) -> None:
         """A ``save_to`` state_dict: this rank's own file from the folder (each rank reads its own, whichever
@@ -153,8 +154,7 @@ class StateDictMethods:
         if meta["world_size"] != world:
             raise ValueError(f"this checkpoint was saved by {meta['world_size']} ranks and this run has {world}: "
                              "load every rank's state_dict as a list (see load_state_dict) to change the number")
-        if meta["layout"] != self._layout():
-            raise ValueError("this state_dict is for a different model (its parameter layout differs)")
+        self._check_layout(meta)
         path = _interop.rank_file(folder, rank, world)
         if not os.path.isfile(path):
             raise FileNotFoundError(

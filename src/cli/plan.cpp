@@ -78,18 +78,7 @@ std::uint64_t physical_ram() {
   return pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) : 0;
 }
 
-std::string human(std::uint64_t bytes) {
-  char b[32];
-  if (bytes == 0) return "-";
-  if (bytes >= (1ull << 40)) {
-    std::snprintf(b, sizeof b, "%.2f TiB", bytes / double(1ull << 40));
-  } else if (bytes >= (1ull << 30)) {
-    std::snprintf(b, sizeof b, "%.2f GiB", bytes / double(1ull << 30));
-  } else {
-    std::snprintf(b, sizeof b, "%.1f MiB", bytes / double(1ull << 20));
-  }
-  return b;
-}
+std::string human(std::uint64_t bytes) { return bytes == 0 ? "-" : format_bytes(bytes); }
 
 Json bytes_json(const Bytes& b) {
   return Json{{"weights16", b.weights16}, {"grads16", b.grads16}, {"master32", b.master32}, {"moments", b.moments},
@@ -283,23 +272,22 @@ int plan(std::span<char* const> args) {
   Result<StateDtype> sd = parse_state_dtype(state_dtype);
   if (!sd.ok()) return fail(sd.status());
   t.state = *sd;
-  c.gpu_mem = kAssumedGpuMem;
-  in.gpu_mem_how = "assumed";
-  if (!gpu_mem.empty()) {
-    Result<std::uint64_t> b = parse_bytes(gpu_mem, "--gpu-mem");
-    if (!b.ok()) return fail(b.status());
-    if (*b == 0) return fail(invalid_argument("--gpu-mem: 0 bytes"));
-    c.gpu_mem = *b;
-    in.gpu_mem_how = "given";
-  }
-  c.host_ram = physical_ram();
-  in.host_ram_how = "this machine's";
-  if (!host_ram.empty()) {
-    Result<std::uint64_t> b = parse_bytes(host_ram, "--host-ram");
-    if (!b.ok()) return fail(b.status());
-    if (*b == 0) return fail(invalid_argument("--host-ram: 0 bytes"));
-    c.host_ram = *b;
-    in.host_ram_how = "given";
+  // A size given on the command line, else the default and how it was obtained.
+  auto size = [](const std::string& text, const char* option, std::uint64_t fallback, const char* fallback_how,
+                 std::uint64_t* out, std::string* how) {
+    *out = fallback;
+    *how = fallback_how;
+    if (text.empty()) return Status::success();
+    Result<std::uint64_t> b = parse_bytes(text, option);
+    if (!b.ok()) return b.status();
+    if (*b == 0) return invalid_argument(std::string(option) + ": 0 bytes");
+    *out = *b;
+    *how = "given";
+    return Status::success();
+  };
+  for (Status s : {size(gpu_mem, "--gpu-mem", kAssumedGpuMem, "assumed", &c.gpu_mem, &in.gpu_mem_how),
+                   size(host_ram, "--host-ram", physical_ram(), "this machine's", &c.host_ram, &in.host_ram_how)}) {
+    if (!s.ok()) return fail(s);
   }
   c.nvme_paths = nvme_paths;
   std::uint64_t capacity = 0;

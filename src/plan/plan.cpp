@@ -66,17 +66,19 @@ std::string billions(std::uint64_t n) {
   return b;
 }
 
-std::string gib(std::uint64_t bytes) {
+}  // namespace
+
+std::string format_bytes(std::uint64_t bytes) {
   char b[32];
   if (bytes >= (1ull << 40)) {
     std::snprintf(b, sizeof b, "%.2f TiB", bytes / double(1ull << 40));
-  } else {
+  } else if (bytes >= (1ull << 30)) {
     std::snprintf(b, sizeof b, "%.1f GiB", bytes / double(1ull << 30));
+  } else {
+    std::snprintf(b, sizeof b, "%.1f MiB", bytes / double(1ull << 20));
   }
   return b;
 }
-
-}  // namespace
 
 std::string_view offload_name(Offload o) {
   switch (o) {
@@ -265,22 +267,22 @@ std::uint64_t usable_host(const Cluster& c) { return c.host_ram / 10 * 9; }
 Verdict check(const Usage& u, const Cluster& c) {
   Verdict v;
   if (u.per_gpu.total() > usable_gpu(c)) {
-    v.why = "GPU: needs " + gib(u.per_gpu.total()) + ", " + gib(usable_gpu(c)) + " usable of " + gib(c.gpu_mem);
+    v.why = "GPU: needs " + format_bytes(u.per_gpu.total()) + ", " + format_bytes(usable_gpu(c)) + " usable of " + format_bytes(c.gpu_mem);
     return v;
   }
   if (u.per_host.total() > usable_host(c)) {
-    v.why = "host: needs " + gib(u.per_host.total()) + ", " + gib(usable_host(c)) + " usable of " + gib(c.host_ram);
+    v.why = "host: needs " + format_bytes(u.per_host.total()) + ", " + format_bytes(usable_host(c)) + " usable of " + format_bytes(c.host_ram);
     return v;
   }
   if (u.per_nvme_path.total() > 0) {
     if (c.nvme_paths.empty()) {
-      v.why = "NVMe: needs " + gib(u.per_nvme_path.total()) + " and no --nvme path was given";
+      v.why = "NVMe: needs " + format_bytes(u.per_nvme_path.total()) + " and no --nvme path was given";
       return v;
     }
     for (std::size_t i = 0; i < c.nvme_paths.size(); ++i) {
       if (u.per_nvme_path.total() > c.nvme_capacity[i]) {
-        v.why = "NVMe: " + c.nvme_paths[i] + " needs " + gib(u.per_nvme_path.total()) + ", holds " +
-                gib(c.nvme_capacity[i]);
+        v.why = "NVMe: " + c.nvme_paths[i] + " needs " + format_bytes(u.per_nvme_path.total()) + ", holds " +
+                format_bytes(c.nvme_capacity[i]);
         return v;
       }
     }

@@ -65,6 +65,8 @@ struct Placement {
   Offload optimizer = Offload::none, param = Offload::none;
 };
 std::string placement_name(const Placement& p);
+// "14.0 GiB", "1.82 TiB", "578.0 MiB": binary units, as the plan prints them.
+std::string format_bytes(std::uint64_t bytes);
 // What zoe cannot run of this placement yet ("" when it runs it).
 std::string zoe_gap(const Placement& p);
 
