@@ -18,6 +18,7 @@
 namespace zoe {
 
 class Collectives;  // zoe/partition.h
+class ParamTier;    // zoe/param_tier.h
 
 enum class Tier { ram, nvme };
 enum class Schedule { sync, overlap, delayed };
@@ -122,6 +123,12 @@ struct ParamSpec {
   DType dtype = DType::bf16;       // of the device weights and gradients: f16, bf16 or f32
   void* device_weights = nullptr;  // updated by the optimizer (H2D) after each step
   const void* device_grads = nullptr;
+  // Parameter offload: the 16-bit weights live in entry `tier_entry` of block `tier_block` of a parameter
+  // tier (zoe/param_tier.h; not owned, it must outlive the optimizer) instead of at device_weights (null
+  // then). They are read from it at create() and each step writes the updated weights into it, not to the
+  // device. Schedules sync and overlap; not partitioned.
+  ParamTier* tier = nullptr;
+  std::size_t tier_block = 0, tier_entry = 0;
   int group = 0;
   // Recorded in checkpoints, for `zoe export` (optional: unnamed parameters are exported as param.<i>, and
   // without a shape as one dimension of n).

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "src/offload/optimizer_impl.h"
+#include "zoe/param_tier.h"
 
 namespace zoe {
 
@@ -51,6 +52,26 @@ Result<Schedule> parse_schedule(std::string_view name) {
   return invalid_argument("schedule '" + std::string(name) + "' is unknown: use sync, overlap or delayed");
 }
 
+// A parameter in a parameter tier: its entry exists and holds exactly the parameter's weights.
+Status check_tier_entry(const ParamSpec& p, const std::string& where) {
+  if (p.tier_block >= p.tier->blocks()) {
+    return invalid_argument(where + ": parameter tier block " + std::to_string(p.tier_block) + " does not exist (" +
+                            std::to_string(p.tier->blocks()) + " blocks)");
+  }
+  if (p.tier_entry >= p.tier->entries(p.tier_block)) {
+    return invalid_argument(where + ": block '" + p.tier->block_name(p.tier_block) + "' of the parameter tier has no entry " +
+                            std::to_string(p.tier_entry));
+  }
+  const std::size_t bytes = p.n * dtype_size(p.dtype);
+  if (p.tier->entry_bytes(p.tier_block, p.tier_entry) != bytes) {
+    return invalid_argument(where + ": entry " + std::to_string(p.tier_entry) + " of block '" +
+                            p.tier->block_name(p.tier_block) + "' holds " +
+                            std::to_string(p.tier->entry_bytes(p.tier_block, p.tier_entry)) + " bytes, the parameter " +
+                            std::to_string(bytes));
+  }
+  return Status::success();
+}
+
 Status check_inputs(const std::vector<ParamGroup>& groups, const std::vector<ParamSpec>& params,
                     const OffloadOptions& options) {
   if (groups.empty()) return invalid_argument("no param groups: pass at least one");
@@ -62,8 +83,15 @@ Status check_inputs(const std::vector<ParamGroup>& groups, const std::vector<Par
       return invalid_argument(where + ": group " + std::to_string(p.group) + " does not exist (" +
                               std::to_string(groups.size()) + " groups)");
     }
-    if (p.n > 0 && (p.device_weights == nullptr || p.device_grads == nullptr)) {
+    if (p.n > 0 && ((p.device_weights == nullptr && p.tier == nullptr) || p.device_grads == nullptr)) {
       return invalid_argument(where + ": device weights or gradients are null with n = " + std::to_string(p.n));
+    }
+    if (p.tier != nullptr) {
+      if (Status s = check_tier_entry(p, where); !s.ok()) return s;
+      if (options.schedule == Schedule::delayed) {
+        return invalid_argument(where + " lives in a parameter tier: the delayed schedule would rewrite its block "
+                                "while the next forward reads it; use schedule sync or overlap");
+      }
     }
   }
   if (!(options.max_grad_norm >= 0) || !std::isfinite(options.max_grad_norm)) {
@@ -154,7 +182,9 @@ Status OffloadOptimizer::step() {
   Impl& m = *impl_;
   const auto start = std::chrono::steady_clock::now();
   Status s;
-  if (m.partition) {
+  if (m.weights_pending) {
+    s = m.send_pending_weights();
+  } else if (m.partition) {
     if (!std::exchange(m.grads_reduced, false)) s = m.partition_reduce_grads();
     if (s.ok()) s = m.schedule->step();
     if (s.ok() && !m.last_skipped) s = m.partition_gather_weights();

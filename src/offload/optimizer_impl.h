@@ -220,6 +220,15 @@ struct OffloadOptimizer::Impl {
   Status non_finite_error(int set) const;
   Decision decide(int set, float scale_used) const;
   void record_outcome(const Decision& d);
+  // Parameter offload (ParamSpec::tier): the updated weights of a tiered parameter are written to its tier
+  // once the step is decided (overlap does not send them speculatively). A write that fails leaves the step
+  // applied and its weights pending: the next step() call writes them all and does nothing else, so a
+  // retried step gives the uninterrupted result.
+  bool weights_pending = false;
+  Decision pending_decision{};
+  Status write_tier_weights();
+  Status weights_not_sent(const Decision& d, const Status& cause);
+  Status send_pending_weights();
 };
 
 using Impl = OffloadOptimizer::Impl;

@@ -19,6 +19,7 @@
 
 #include "src/offload/host_device.h"
 #include "src/offload/optimizer_impl.h"
+#include "zoe/param_tier.h"
 
 namespace zoe {
 namespace {
@@ -58,7 +59,9 @@ Status OffloadOptimizer::Impl::allocate() {
     for (std::size_t b = 0; b < params[i].n; b += piece) pieces.push_back({i, b, std::min(piece, params[i].n - b)});
   }
   first_piece.back() = pieces.size();
-  in_place = device.host_memory() && options.tier == Tier::ram && options.schedule != Schedule::delayed;
+  // Weights in a parameter tier are written there from the staging, never in place.
+  const bool tiered = std::any_of(params.begin(), params.end(), [](const ParamSpec& p) { return p.tier != nullptr; });
+  in_place = device.host_memory() && options.tier == Tier::ram && options.schedule != Schedule::delayed && !tiered;
   need_norm = !in_place || options.max_grad_norm > 0 || options.loss_scale.enabled;
   need_stats = need_norm || options.refuse_non_finite;
   if (options.tier == Tier::ram) {
@@ -91,6 +94,10 @@ Status OffloadOptimizer::Impl::load_initial_weights() {
     const ParamSpec& p = params[i];
     if (p.n == 0) continue;
     void* dst = p.dtype == DType::f32 ? static_cast<void*>(master_of(i)) : weights_of(i);
+    if (p.tier != nullptr) {
+      if (Status s = p.tier->read(p.tier_block, p.tier_entry, dst, 0, staging_bytes(p)); !s.ok()) return s;
+      continue;
+    }
     if (Status s = device.copy_to_host(dst, p.device_weights, staging_bytes(p), Stream::d2h); !s.ok()) return s;
   }
   Result<EventId> e = device.record(Stream::d2h);
@@ -161,6 +168,7 @@ Status OffloadOptimizer::Impl::enqueue_h2d(std::size_t i) {
   const ParamSpec& p = params[i];
   if (p.n == 0 || in_place) return Status::success();  // in place: the step wrote the device's weights
   const void* src = p.dtype == DType::f32 ? static_cast<const void*>(master_of(i)) : weights_of(i);
+  if (p.tier != nullptr) return p.tier->write(p.tier_block, p.tier_entry, src, 0, staging_bytes(p));
   stats_.h2d_bytes += staging_bytes(p);
   return device.copy_to_device(p.device_weights, src, staging_bytes(p), Stream::h2d);
 }
@@ -171,6 +179,7 @@ Status OffloadOptimizer::Impl::enqueue_h2d(const Piece& k) {
   const std::size_t elem = dtype_size(p.dtype), at = k.begin * elem, bytes = k.n * elem;
   const void* src = p.dtype == DType::f32 ? static_cast<const void*>(master_of(k.param) + k.begin)
                                           : static_cast<const unsigned char*>(weights_of(k.param)) + at;
+  if (p.tier != nullptr) return Status::success();  // written whole once the step is decided
   stats_.h2d_bytes += bytes;
   return device.copy_to_device(static_cast<unsigned char*>(p.device_weights) + at, src, bytes, Stream::h2d);
 }
@@ -244,6 +253,34 @@ Status OffloadOptimizer::Impl::non_finite_error(int set) const {
   return invalid_argument("step refused: NaN/Inf gradients in parameter(s) " + which +
                           "; no state changed (fp16 loss scaling would skip such a step; refuse_non_finite = false "
                           "lets them propagate as torch.optim does)");
+}
+
+Status OffloadOptimizer::Impl::write_tier_weights() {
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (params[i].tier == nullptr) continue;
+    if (Status s = enqueue_h2d(i); !s.ok()) return s;
+  }
+  return Status::success();
+}
+
+Status OffloadOptimizer::Impl::weights_not_sent(const Decision& d, const Status& cause) {
+  weights_pending = true;
+  pending_decision = d;
+  return Status(cause.code(), "the step was applied, but its updated weights did not all reach their place: " +
+                                  cause.message() + "; call step() again once the fault is cleared: it writes them "
+                                  "and does nothing else",
+                cause.sys_errno());
+}
+
+Status OffloadOptimizer::Impl::send_pending_weights() {
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (Status s = enqueue_h2d(i); !s.ok()) return weights_not_sent(pending_decision, s);
+  }
+  if (Status s = finish_h2d(); !s.ok()) return weights_not_sent(pending_decision, s);
+  weights_pending = false;
+  record_outcome(pending_decision);
+  visible_scale = scaler.scale();
+  return Status::success();
 }
 
 void OffloadOptimizer::Impl::record_outcome(const Decision& d) {

@@ -150,6 +150,12 @@ Result<OffloadOptimizer> OffloadOptimizer::create(Device& device, std::vector<Pa
   }
   if (comm == nullptr || comm->world() == 1) return create(device, std::move(groups), std::move(params), options);
   if (Status s = check_inputs(groups, params, options); !s.ok()) return s;
+  for (const ParamSpec& p : params) {
+    if (p.tier != nullptr) {
+      return Status(StatusCode::unsupported, "parameter '" + p.name + "' lives in a parameter tier: a partitioned "
+                    "optimizer cannot gather weights into a tier yet; offload parameters with world size 1");
+    }
+  }
   if (options.schedule != Schedule::sync) {
     return invalid_argument("a partitioned optimizer (world " + std::to_string(comm->world()) +
                             ") runs schedule sync; " + std::string(schedule_name(options.schedule)) +

@@ -176,8 +176,11 @@ Status OverlapSchedule::step() {
       if (Status s = m_.enqueue_h2d(m_.pieces[k]); !s.ok()) return s;
     }
   }
-  if (Status s = m_.finish_h2d(); !s.ok()) return s;
   end_iteration();
+  if (!skip) {
+    if (Status s = m_.write_tier_weights(); !s.ok()) return m_.weights_not_sent(d, s);
+  }
+  if (Status s = m_.finish_h2d(); !s.ok()) return s;
   if (d.refused) return m_.non_finite_error(0);
   m_.record_outcome(d);
   m_.visible_scale = m_.scaler.scale();

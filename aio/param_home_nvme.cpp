@@ -1,0 +1,242 @@
+// The NVMe home of a parameter tier (zoe/param_tier.h): one file per path, `<name>.zoe-params`, block b on
+// path b % P. Every entry has two slots of its aligned size; a write goes to the slot that does not hold the
+// valid copy and the entry flips to it only once the write completed, so a failed write (EIO, ENOSPC, a
+// short transfer) leaves the valid copy as it was and the caller can retry. Every read is checked against
+// the entry's CRC-32C. The file is scratch for one run (the checkpoint's fp32 masters outlive it): created
+// anew, replacing one a crashed run left, preallocated so that a full path fails at set-up, and removed
+// with the tier.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+
+#include "aio/files.h"
+#include "aio/io_engine.h"
+#include "src/aligned_buffer.h"
+#include "src/crc32c.h"
+#include "src/param/param_home.h"
+
+namespace zoe {
+namespace {
+
+struct EntrySlots {
+  std::uint64_t offset[2] = {0, 0};  // file offsets of the two slots
+  int slot = 0;
+  bool written = false;
+  std::uint32_t crc = 0;  // of the entry's bytes (padding excluded)
+};
+
+class NvmeParamHome final : public ParamHomeStore {
+ public:
+  NvmeParamHome(const std::vector<ParamBlockLayout>& blocks, const ParamTierOptions& options, std::size_t alignment)
+      : blocks_(blocks), options_(options), alignment_(alignment) {}
+
+  ~NvmeParamHome() override {
+    if (engine_) (void)engine_->wait_all();
+    engine_.reset();
+    for (File& f : files_) {
+      f.fd.reset();
+      ::unlink(f.path.c_str());
+    }
+  }
+
+  Status open() {
+    if (options_.nvme_paths.empty()) return invalid_argument("parameter tier nvme: no nvme_path given");
+    for (const std::string& dir : options_.nvme_paths) {
+      if (Status s = aio::check_swap_dir(dir); !s.ok()) return s;
+      files_.push_back(File{dir + "/" + options_.name + ".zoe-params", {}, false, -1, 0});
+    }
+    entries_.resize(blocks_.size());
+    std::size_t largest = 0;
+    for (std::size_t b = 0; b < blocks_.size(); ++b) {
+      File& f = files_[b % files_.size()];
+      for (std::size_t e = 0; e < blocks_[b].entry_bytes.size(); ++e) {
+        const std::size_t slot = round_up(blocks_[b].entry_bytes[e]);
+        EntrySlots es;
+        es.offset[0] = f.bytes;
+        es.offset[1] = f.bytes + slot;
+        f.bytes += 2 * slot;
+        entries_[b].push_back(es);
+        largest = std::max(largest, slot);
+      }
+    }
+    for (File& f : files_) {
+      ::unlink(f.path.c_str());  // a crashed run's scratch file: nothing in it outlives a run
+      Result<aio::OpenedFile> opened = aio::open_swap_file(f.path, true, options_.fault_hook);
+      if (!opened.ok()) return opened.status();
+      f.fd = std::move(opened->fd);
+      f.direct = opened->direct;
+      const auto [offset_align, mem_align] = aio::dio_alignment(f.fd.get());
+      if (std::max<std::size_t>(offset_align, mem_align) > alignment_) {
+        return invalid_argument("parameter file " + f.path + " needs O_DIRECT alignment " +
+                                std::to_string(std::max(offset_align, mem_align)) + " > " +
+                                std::to_string(alignment_) + " bytes; set the alignment option to it");
+      }
+      if (Status s = aio::allocate_file(f.fd.get(), f.path, f.bytes, options_.fault_hook); !s.ok()) return s;
+    }
+    aio::EngineOptions eo;
+    eo.queue_depth = static_cast<unsigned>(std::max(1, options_.queue_depth));
+    eo.request_bytes = std::max(alignment_, options_.request_bytes / alignment_ * alignment_);
+    eo.alignment = alignment_;
+    eo.fault_hook = options_.fault_hook;
+    Result<std::unique_ptr<aio::IoEngine>> engine = aio::IoEngine::create(eo);
+    if (!engine.ok()) return engine.status();
+    engine_ = std::move(engine.value());
+    for (File& f : files_) f.engine_file = engine_->add_file(f.fd.get(), f.path);
+    Result<AlignedBuffer> bounce = AlignedBuffer::allocate(std::max(largest, alignment_), alignment_);
+    if (!bounce.ok()) return bounce.status();
+    bounce_ = std::move(bounce.value());
+    return Status::success();
+  }
+
+  Status write(std::size_t block, std::size_t entry, const void* src, std::size_t offset, std::size_t bytes) override {
+    std::lock_guard lock(mutex_);
+    EntrySlots& es = entries_[block][entry];
+    const std::size_t n = blocks_[block].entry_bytes[entry];
+    const std::size_t slot = round_up(n);
+    if (offset != 0 || bytes != n) {
+      // A part of the entry: the rest comes from the valid copy (zeros if there is none yet).
+      if (es.written) {
+        if (Status s = read_slot(block, entry, bounce_.data()); !s.ok()) return s;
+      } else {
+        std::memset(bounce_.data(), 0, slot);
+      }
+    }
+    std::memcpy(bounce_.as<unsigned char>() + offset, src, bytes);
+    if (slot > n) std::memset(bounce_.as<unsigned char>() + n, 0, slot - n);
+    const int target = es.written ? 1 - es.slot : 0;
+    const File& f = files_[block % files_.size()];
+    Status s = transfer(IoOp::write, f, es.offset[target], bounce_.data(), slot);
+    if (!s.ok()) return located(s, "writing", block, entry, f, es.offset[target]);
+    es.crc = crc32c(bounce_.data(), n);
+    es.slot = target;
+    es.written = true;
+    return Status::success();
+  }
+
+  Status read(std::size_t block, std::size_t entry, void* dst, std::size_t offset, std::size_t bytes) override {
+    std::lock_guard lock(mutex_);
+    if (Status s = read_slot(block, entry, bounce_.data()); !s.ok()) return s;
+    std::memcpy(dst, bounce_.as<unsigned char>() + offset, bytes);
+    return Status::success();
+  }
+
+  const void* block_memory(std::size_t) override { return nullptr; }
+
+  Status read_block(std::size_t block, void* dst) override {
+    std::lock_guard lock(mutex_);
+    const ParamBlockLayout& layout = blocks_[block];
+    const File& f = files_[block % files_.size()];
+    // Every entry's request in flight at once, then each checked.
+    std::vector<aio::IoEngine::Ticket> tickets;
+    Status first;
+    for (std::size_t e = 0; e < layout.entry_bytes.size(); ++e) {
+      const EntrySlots& es = entries_[block][e];
+      if (!es.written) {
+        first = invalid_argument(describe_entry(layout, block, e) + " was never written to the parameter tier");
+        break;
+      }
+      auto* at = static_cast<unsigned char*>(dst) + layout.offsets[e];
+      Result<aio::IoEngine::Ticket> t =
+          engine_->submit(IoOp::read, f.engine_file, es.offset[es.slot], at, round_up(layout.entry_bytes[e]));
+      if (!t.ok()) {
+        first = located(t.status(), "reading", block, e, f, es.offset[es.slot]);
+        break;
+      }
+      tickets.push_back(t.value());
+    }
+    for (std::size_t e = 0; e < tickets.size(); ++e) {
+      const EntrySlots& es = entries_[block][e];
+      Status s = engine_->wait(tickets[e]);
+      if (!s.ok() && first.ok()) first = located(s, "reading", block, e, f, es.offset[es.slot]);
+      if (s.ok() && first.ok()) first = verify(block, e, static_cast<unsigned char*>(dst) + layout.offsets[e]);
+    }
+    return first;
+  }
+
+  void add_stats(ParamTierStats& st) const override {
+    const aio::EngineCounters c = engine_->counters();
+    st.read_bytes = c.read_bytes;
+    st.write_bytes = c.write_bytes;
+    st.read_busy_s = c.read_busy_s;
+    st.write_busy_s = c.write_busy_s;
+  }
+  std::vector<std::string> files() const override {
+    std::vector<std::string> out;
+    for (const File& f : files_) out.push_back(f.path);
+    return out;
+  }
+  bool direct_io() const override {
+    return std::all_of(files_.begin(), files_.end(), [](const File& f) { return f.direct; });
+  }
+
+ private:
+  struct File {
+    std::string path;
+    aio::FileHandle fd;
+    bool direct = false;
+    int engine_file = -1;
+    std::uint64_t bytes = 0;
+  };
+
+  std::size_t round_up(std::size_t n) const { return (n + alignment_ - 1) / alignment_ * alignment_; }
+
+  Status transfer(IoOp op, const File& f, std::uint64_t offset, void* buffer, std::size_t bytes) {
+    Result<aio::IoEngine::Ticket> t = engine_->submit(op, f.engine_file, offset, buffer, bytes);
+    if (!t.ok()) return t.status();
+    return engine_->wait(t.value());
+  }
+
+  Status read_slot(std::size_t block, std::size_t entry, void* dst) {
+    const EntrySlots& es = entries_[block][entry];
+    if (!es.written) {
+      return invalid_argument(describe_entry(blocks_[block], block, entry) + " was never written to the parameter tier");
+    }
+    const File& f = files_[block % files_.size()];
+    Status s = transfer(IoOp::read, f, es.offset[es.slot], dst, round_up(blocks_[block].entry_bytes[entry]));
+    if (!s.ok()) return located(s, "reading", block, entry, f, es.offset[es.slot]);
+    return verify(block, entry, dst);
+  }
+
+  Status verify(std::size_t block, std::size_t entry, const void* data) const {
+    const EntrySlots& es = entries_[block][entry];
+    const std::uint32_t crc = crc32c(data, blocks_[block].entry_bytes[entry]);
+    if (crc == es.crc) return Status::success();
+    const File& f = files_[block % files_.size()];
+    return Status(StatusCode::corrupt, describe_entry(blocks_[block], block, entry) + ": the copy in " + f.path +
+                                           " at offset " + std::to_string(es.offset[es.slot]) +
+                                           " fails its CRC-32C (the file was changed under the run, or the disk "
+                                           "returned wrong data); the copy was not used");
+  }
+
+  Status located(const Status& s, const char* doing, std::size_t block, std::size_t entry, const File& f,
+                 std::uint64_t offset) const {
+    return Status(s.code(), std::string(doing) + " " + describe_entry(blocks_[block], block, entry) + " in " + f.path +
+                                " at offset " + std::to_string(offset) + ": " + s.message() +
+                                (std::strcmp(doing, "writing") == 0 ? " (the entry keeps its previous copy; retry "
+                                                                      "once the fault is cleared)"
+                                                                    : ""),
+                  s.sys_errno());
+  }
+
+  std::vector<ParamBlockLayout> blocks_;
+  ParamTierOptions options_;
+  std::size_t alignment_;
+  std::vector<File> files_;
+  std::vector<std::vector<EntrySlots>> entries_;
+  std::unique_ptr<aio::IoEngine> engine_;
+  AlignedBuffer bounce_;  // one entry, for writes and single-entry reads
+  std::mutex mutex_;      // one request sequence at a time: the bounce, the slot table
+};
+
+}  // namespace
+
+Result<std::unique_ptr<ParamHomeStore>> make_nvme_param_home(const std::vector<ParamBlockLayout>& blocks,
+                                                             const ParamTierOptions& options, std::size_t alignment) {
+  auto home = std::make_unique<NvmeParamHome>(blocks, options, alignment);
+  if (Status s = home->open(); !s.ok()) return s;
+  return std::unique_ptr<ParamHomeStore>(std::move(home));
+}
+
+}  // namespace zoe

@@ -1,0 +1,548 @@
+// The parameter tier (zoe/param_tier.h): a device pool of resident blocks, their copies and prefetches. The
+// pool is one device allocation cut first-fit; residency, uses and events are kept per block under one
+// mutex. Ordering rides on device events, so that the host waits only where it must:
+//  - `ready`   (h2d, after the block's copy): the compute stream waits for it at the block's first fetch;
+//  - `home_read` (h2d, RAM home): a write of the home waits for it on the host, so a copy never reads a
+//    half-written block;
+//  - `released` (compute, at the last release): when the block's room is given to another, the h2d stream
+//    waits for it before copying there (a "fence" on that range).
+// NVMe loads run on a worker thread into pinned bounce buffers and are then copied like RAM blocks.
+#include "zoe/param_tier.h"
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <iterator>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include "src/offload/work_queue.h"
+#include "src/param/param_home.h"
+
+namespace zoe {
+
+std::string_view param_home_name(ParamHome home) { return home == ParamHome::nvme ? "nvme" : "cpu"; }
+
+Result<ParamHome> parse_param_home(std::string_view name) {
+  if (name == "cpu" || name == "ram") return ParamHome::ram;
+  if (name == "nvme") return ParamHome::nvme;
+  return invalid_argument("parameter tier device '" + std::string(name) + "' is unknown: cpu or nvme");
+}
+
+std::string describe_entry(const ParamBlockLayout& block, std::size_t b, std::size_t entry) {
+  return "block '" + block.name + "' (" + std::to_string(b) + ") entry " + std::to_string(entry);
+}
+
+namespace {
+
+constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
+constexpr std::size_t kDeviceAlignment = 256;
+
+class RamParamHome final : public ParamHomeStore {
+ public:
+  RamParamHome(Device& device, const std::vector<ParamBlockLayout>& blocks) : device_(device), blocks_(blocks) {}
+  ~RamParamHome() override {
+    if (memory_ != nullptr) device_.free_host(memory_);
+  }
+  Status allocate() {
+    std::size_t total = 0;
+    for (const ParamBlockLayout& b : blocks_) {
+      starts_.push_back(total);
+      total += b.bytes;
+    }
+    if (total == 0) return Status::success();
+    Result<void*> m = device_.allocate_host(total);
+    if (!m.ok()) return m.status();
+    memory_ = static_cast<unsigned char*>(m.value());
+    return Status::success();
+  }
+  Status write(std::size_t block, std::size_t entry, const void* src, std::size_t offset, std::size_t bytes) override {
+    std::memcpy(at(block, entry) + offset, src, bytes);
+    return Status::success();
+  }
+  Status read(std::size_t block, std::size_t entry, void* dst, std::size_t offset, std::size_t bytes) override {
+    std::memcpy(dst, at(block, entry) + offset, bytes);
+    return Status::success();
+  }
+  const void* block_memory(std::size_t block) override { return memory_ + starts_[block]; }
+  Status read_block(std::size_t block, void* dst) override {
+    std::memcpy(dst, memory_ + starts_[block], blocks_[block].bytes);
+    return Status::success();
+  }
+
+ private:
+  unsigned char* at(std::size_t block, std::size_t entry) { return memory_ + starts_[block] + blocks_[block].offsets[entry]; }
+  Device& device_;
+  std::vector<ParamBlockLayout> blocks_;
+  std::vector<std::size_t> starts_;
+  unsigned char* memory_ = nullptr;  // pinned: the device copies from it asynchronously
+};
+
+}  // namespace
+
+Result<std::unique_ptr<ParamHomeStore>> make_ram_param_home(Device& device, const std::vector<ParamBlockLayout>& blocks) {
+  auto home = std::make_unique<RamParamHome>(device, blocks);
+  if (Status s = home->allocate(); !s.ok()) return s;
+  return std::unique_ptr<ParamHomeStore>(std::move(home));
+}
+
+#ifndef ZOE_HAVE_AIO
+Result<std::unique_ptr<ParamHomeStore>> make_nvme_param_home(const std::vector<ParamBlockLayout>&,
+                                                             const ParamTierOptions&, std::size_t) {
+  return Status(StatusCode::unsupported, "parameter tier nvme: this build of zoe has no libaio NVMe tier");
+}
+#endif
+
+struct ParamTier::Impl {
+  enum class State { absent, loading, loaded };
+  struct BlockState {
+    State state = State::absent;
+    std::size_t pool_offset = kNone;
+    EventId ready = 0, home_read = 0, released = 0;
+    int uses = 0;
+    bool writing = false;    // the home is being rewritten: no load may read it meanwhile
+    bool stale = false;      // rewritten while in use: the pooled copy goes at the last release
+    std::uint64_t last_use = 0;
+    Status load_error;       // of the last load, when it failed
+  };
+  struct Fence {
+    std::size_t offset, bytes;
+    EventId released;
+  };
+  struct Bounce {
+    void* host = nullptr;
+    EventId copied = 0;
+  };
+
+  Impl(Device& d, const ParamTierOptions& o) : device(d), options(o) {}
+  ~Impl() {
+    loader.reset();  // finishes the loads queued
+    (void)device.synchronize();
+    if (pool != nullptr) device.free(pool);
+    for (Bounce& b : bounces) device.free_host(b.host);
+  }
+
+  Device& device;
+  ParamTierOptions options;
+  std::vector<ParamBlockLayout> layout;
+  std::unique_ptr<ParamHomeStore> home;
+  unsigned char* pool = nullptr;
+  std::size_t budget = 0;
+  std::map<std::size_t, std::size_t> free_ranges;  // offset -> bytes, coalesced
+  std::vector<Fence> fences;
+  std::vector<BlockState> blocks;
+  std::vector<std::size_t> order, position;
+  std::size_t pool_used = 0;
+  std::uint64_t clock = 0;
+  ParamTierStats stats;
+  mutable std::mutex mutex;
+  std::condition_variable changed;  // a load finished, or a write did
+  std::unique_ptr<WorkQueue> loader;  // NVMe reads
+  std::vector<Bounce> bounces;        // the loader's alone
+  std::size_t next_bounce = 0;
+
+  // Device events recorded on h2d that nobody else needs: an h2d wait on them is a no-op for ordering and
+  // lets the device forget them.
+  void drop_h2d_event(EventId& e) {
+    if (e != 0) (void)device.wait(Stream::h2d, e);
+    e = 0;
+  }
+
+  bool take_range(std::size_t bytes, std::size_t* offset) {
+    for (auto it = free_ranges.begin(); it != free_ranges.end(); ++it) {
+      if (it->second < bytes) continue;
+      *offset = it->first;
+      const std::size_t rest = it->second - bytes;
+      free_ranges.erase(it);
+      if (rest > 0) free_ranges[*offset + bytes] = rest;
+      return true;
+    }
+    return false;
+  }
+  void give_range(std::size_t offset, std::size_t bytes) {
+    auto next = free_ranges.lower_bound(offset);
+    if (next != free_ranges.end() && next->first == offset + bytes) {
+      bytes += next->second;
+      next = free_ranges.erase(next);
+    }
+    if (next != free_ranges.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == offset) {
+        prev->second += bytes;
+        return;
+      }
+    }
+    free_ranges[offset] = bytes;
+  }
+
+  // Block b's room goes back to the pool; whoever gets it next copies there only after the compute stream
+  // passed b's last release.
+  void evict(std::size_t b) {
+    BlockState& s = blocks[b];
+    drop_h2d_event(s.ready);
+    drop_h2d_event(s.home_read);
+    if (s.released != 0) fences.push_back({s.pool_offset, layout[b].bytes, s.released});
+    s.released = 0;
+    give_range(s.pool_offset, layout[b].bytes);
+    pool_used -= layout[b].bytes;
+    s.pool_offset = kNone;
+    s.state = State::absent;
+    ++stats.evictions;
+  }
+
+  // Room for `bytes`, evicting blocks not in use, least recently used first; false when the blocks in use
+  // (or on their way) leave none.
+  bool make_room(std::size_t bytes, std::size_t* offset) {
+    while (!take_range(bytes, offset)) {
+      std::size_t victim = kNone;
+      for (std::size_t b = 0; b < blocks.size(); ++b) {
+        const BlockState& s = blocks[b];
+        if (s.state != State::loaded || s.uses > 0) continue;
+        if (victim == kNone || s.last_use < blocks[victim].last_use) victim = b;
+      }
+      if (victim == kNone) return false;
+      evict(victim);
+    }
+    return true;
+  }
+
+  std::string in_use_list() const {
+    std::string out;
+    for (std::size_t b = 0; b < blocks.size(); ++b) {
+      if (blocks[b].uses == 0 && blocks[b].state != State::loading) continue;
+      out += (out.empty() ? "" : ", ") + ("'" + layout[b].name + "' (" + std::to_string(layout[b].bytes) + " bytes)");
+    }
+    return out.empty() ? "none" : out;
+  }
+
+  // Starts bringing absent block b into the pool (lock held). False, with *error set only for a fetch,
+  // when there is no room.
+  bool start_load(std::size_t b, Status* error) {
+    BlockState& s = blocks[b];
+    std::size_t offset = 0;
+    if (!make_room(layout[b].bytes, &offset)) {
+      if (error != nullptr) {
+        *error = Status(StatusCode::out_of_memory,
+                        "parameter tier: no room in the device pool of " + std::to_string(budget) + " bytes for block '" +
+                            layout[b].name + "' (" + std::to_string(layout[b].bytes) +
+                            " bytes): blocks in use or on their way: " + in_use_list() +
+                            "; release blocks after use, or give a larger budget");
+      }
+      return false;
+    }
+    // The room's previous occupants must be done with before the copy lands there.
+    for (auto it = fences.begin(); it != fences.end();) {
+      if (it->offset < offset + layout[b].bytes && offset < it->offset + it->bytes) {
+        (void)device.wait(Stream::h2d, it->released);
+        it = fences.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    s.pool_offset = offset;
+    s.load_error = Status::success();
+    pool_used += layout[b].bytes;
+    stats.pool_peak_bytes = std::max(stats.pool_peak_bytes, pool_used);
+    ++stats.loads;
+    stats.loaded_bytes += layout[b].bytes;
+    s.last_use = ++clock;
+    if (const void* memory = home->block_memory(b)) {
+      Status st = device.copy_to_device(pool + offset, memory, layout[b].bytes, Stream::h2d);
+      Result<EventId> ready = st.ok() ? device.record(Stream::h2d) : Result<EventId>(st);
+      Result<EventId> read = ready.ok() ? device.record(Stream::h2d) : ready;
+      if (!read.ok()) {
+        if (ready.ok()) drop_h2d_event(ready.value());
+        s.load_error = read.status();
+        give_range(offset, layout[b].bytes);
+        pool_used -= layout[b].bytes;
+        s.pool_offset = kNone;
+        if (error != nullptr) *error = read.status();
+        return false;
+      }
+      s.ready = ready.value();
+      s.home_read = read.value();
+      s.state = State::loaded;
+      return true;
+    }
+    s.state = State::loading;
+    loader->enqueue([this, b, offset] { load_from_home(b, offset); });
+    return true;
+  }
+
+  // On the loader thread: the block read into a bounce buffer, checked, and copied to its room.
+  void load_from_home(std::size_t b, std::size_t offset) {
+    Bounce& bounce = bounces[next_bounce++ % bounces.size()];
+    Status s;
+    if (bounce.copied != 0) s = device.synchronize(bounce.copied);  // its previous copy has left it
+    bounce.copied = 0;
+    if (s.ok()) s = home->read_block(b, bounce.host);
+    if (s.ok()) s = device.copy_to_device(pool + offset, bounce.host, layout[b].bytes, Stream::h2d);
+    Result<EventId> ready = s.ok() ? device.record(Stream::h2d) : Result<EventId>(s);
+    Result<EventId> copied = ready.ok() ? device.record(Stream::h2d) : ready;
+    if (copied.ok()) bounce.copied = copied.value();
+    std::lock_guard lock(mutex);
+    BlockState& st = blocks[b];
+    if (copied.ok()) {
+      st.ready = ready.value();
+      st.state = State::loaded;
+    } else {
+      if (ready.ok()) drop_h2d_event(ready.value());
+      st.load_error = copied.status();
+      give_range(offset, layout[b].bytes);
+      pool_used -= layout[b].bytes;
+      st.pool_offset = kNone;
+      st.state = State::absent;
+    }
+    changed.notify_all();
+  }
+
+  void prefetch_locked(std::size_t b) {
+    BlockState& s = blocks[b];
+    if (s.state != State::absent) {
+      s.last_use = ++clock;
+      return;
+    }
+    if (s.writing) return;
+    start_load(b, nullptr);  // no room: the fetch will load it
+  }
+
+  Status check_block(std::size_t b) const {
+    if (b >= blocks.size()) {
+      return invalid_argument("parameter tier: block " + std::to_string(b) + " does not exist (" +
+                              std::to_string(blocks.size()) + " blocks)");
+    }
+    return Status::success();
+  }
+  Status check_entry(std::size_t b, std::size_t entry, std::size_t offset, std::size_t bytes) const {
+    if (Status s = check_block(b); !s.ok()) return s;
+    if (entry >= layout[b].entry_bytes.size()) {
+      return invalid_argument("parameter tier: block '" + layout[b].name + "' has " +
+                              std::to_string(layout[b].entry_bytes.size()) + " entries, not entry " + std::to_string(entry));
+    }
+    const std::size_t n = layout[b].entry_bytes[entry];
+    if (offset > n || bytes > n - offset) {
+      return invalid_argument("parameter tier: bytes [" + std::to_string(offset) + ", " + std::to_string(offset + bytes) +
+                              ") are outside " + describe_entry(layout[b], b, entry) + " of " + std::to_string(n) + " bytes");
+    }
+    return Status::success();
+  }
+};
+
+ParamTier::ParamTier(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ParamTier::ParamTier(ParamTier&&) noexcept = default;
+ParamTier& ParamTier::operator=(ParamTier&&) noexcept = default;
+ParamTier::~ParamTier() = default;
+
+Result<ParamTier> ParamTier::create(Device& device, std::vector<ParamBlockSpec> specs, const ParamTierOptions& options) {
+  if (options.prefetch < 0) return invalid_argument("parameter tier: prefetch = " + std::to_string(options.prefetch) + " must be >= 0");
+  const std::size_t alignment = options.home == ParamHome::nvme ? (options.alignment != 0 ? options.alignment : 4096)
+                                                                : kDeviceAlignment;
+  if ((alignment & (alignment - 1)) != 0 || alignment < kDeviceAlignment) {
+    return invalid_argument("parameter tier: alignment = " + std::to_string(alignment) +
+                            " must be a power of two of at least " + std::to_string(kDeviceAlignment));
+  }
+  auto impl = std::make_unique<Impl>(device, options);
+  std::size_t largest = 0;
+  for (ParamBlockSpec& spec : specs) {
+    ParamBlockLayout l;
+    l.name = spec.name.empty() ? "block " + std::to_string(impl->layout.size()) : std::move(spec.name);
+    l.entry_bytes = std::move(spec.entry_bytes);
+    for (std::size_t n : l.entry_bytes) {
+      l.offsets.push_back(l.bytes);
+      l.bytes += (n + alignment - 1) / alignment * alignment;
+    }
+    largest = std::max(largest, l.bytes);
+    impl->layout.push_back(std::move(l));
+  }
+  impl->budget = options.budget_bytes != 0 ? options.budget_bytes : largest * (options.prefetch + 2);
+  impl->budget = impl->budget / kDeviceAlignment * kDeviceAlignment;
+  for (const ParamBlockLayout& l : impl->layout) {
+    if (l.bytes > impl->budget) {
+      return invalid_argument("parameter tier: block '" + l.name + "' needs " + std::to_string(l.bytes) +
+                              " bytes on the device, more than the pool's budget of " + std::to_string(impl->budget) +
+                              " bytes; raise budget_bytes to at least " + std::to_string(l.bytes) +
+                              " (better: a few times it, so that blocks can be prefetched)");
+    }
+  }
+  Result<std::unique_ptr<ParamHomeStore>> home = options.home == ParamHome::nvme
+                                                     ? make_nvme_param_home(impl->layout, options, alignment)
+                                                     : make_ram_param_home(device, impl->layout);
+  if (!home.ok()) return home.status();
+  impl->home = std::move(home.value());
+  if (impl->budget > 0) {
+    Result<void*> pool = device.allocate(impl->budget);
+    if (!pool.ok()) return pool.status();
+    impl->pool = static_cast<unsigned char*>(pool.value());
+    impl->free_ranges[0] = impl->budget;
+  }
+  impl->stats.budget_bytes = impl->budget;
+  impl->blocks.resize(impl->layout.size());
+  impl->position.assign(impl->layout.size(), kNone);
+  for (std::size_t b = 0; b < impl->layout.size(); ++b) {
+    impl->order.push_back(b);
+    impl->position[b] = b;
+  }
+  if (options.home == ParamHome::nvme) {
+    // One read ahead per prefetched block, and one for the block the host may wait for.
+    for (int k = 0; k < options.prefetch + 1; ++k) {
+      Result<void*> host = device.allocate_host(std::max(largest, alignment));
+      if (!host.ok()) return host.status();
+      impl->bounces.push_back({host.value(), 0});
+    }
+    impl->loader = std::make_unique<WorkQueue>();
+  }
+  return ParamTier(std::move(impl));
+}
+
+Status ParamTier::write(std::size_t block, std::size_t entry, const void* src, std::size_t byte_offset, std::size_t bytes) {
+  Impl& m = *impl_;
+  {
+    std::unique_lock lock(m.mutex);
+    if (Status s = m.check_entry(block, entry, byte_offset, bytes); !s.ok()) return s;
+    Impl::BlockState& st = m.blocks[block];
+    m.changed.wait(lock, [&] { return st.state != Impl::State::loading && !st.writing; });
+    if (st.state == Impl::State::loaded && st.home_read != 0) {
+      if (Status s = m.device.synchronize(st.home_read); !s.ok()) return s;
+      st.home_read = 0;
+    }
+    if (st.uses > 0) {
+      st.stale = true;  // the device keeps the whole old copy while it is used; dropped at the last release
+    } else if (st.state == Impl::State::loaded) {
+      m.evict(block);
+      --m.stats.evictions;  // dropped as stale, not for room
+    }
+    st.writing = true;
+  }
+  Status s = m.home->write(block, entry, src, byte_offset, bytes);
+  std::lock_guard lock(m.mutex);
+  m.blocks[block].writing = false;
+  m.changed.notify_all();
+  return s;
+}
+
+Status ParamTier::read(std::size_t block, std::size_t entry, void* dst, std::size_t byte_offset, std::size_t bytes) {
+  {
+    std::lock_guard lock(impl_->mutex);
+    if (Status s = impl_->check_entry(block, entry, byte_offset, bytes); !s.ok()) return s;
+  }
+  return impl_->home->read(block, entry, dst, byte_offset, bytes);
+}
+
+Status ParamTier::set_order(std::vector<std::size_t> order) {
+  Impl& m = *impl_;
+  std::lock_guard lock(m.mutex);
+  std::vector<std::size_t> position(m.blocks.size(), kNone);
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    if (Status s = m.check_block(order[i]); !s.ok()) return s;
+    if (position[order[i]] != kNone) {
+      return invalid_argument("parameter tier: block '" + m.layout[order[i]].name + "' appears twice in the order");
+    }
+    position[order[i]] = i;
+  }
+  m.order = std::move(order);
+  m.position = std::move(position);
+  return Status::success();
+}
+
+Result<void*> ParamTier::fetch(std::size_t block, bool backward) {
+  Impl& m = *impl_;
+  std::unique_lock lock(m.mutex);
+  if (Status s = m.check_block(block); !s.ok()) return s;
+  Impl::BlockState& st = m.blocks[block];
+  ++m.stats.fetches;
+  m.changed.wait(lock, [&] { return !st.writing; });
+  if (st.state == Impl::State::absent) {
+    Status error;
+    if (!m.start_load(block, &error)) return error;
+  } else {
+    ++m.stats.hits;
+  }
+  if (st.state == Impl::State::loading) {
+    const auto t0 = std::chrono::steady_clock::now();
+    m.changed.wait(lock, [&] { return st.state != Impl::State::loading; });
+    m.stats.fetch_wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (st.state == Impl::State::absent) return st.load_error;
+  }
+  if (st.ready != 0) {
+    if (Status s = m.device.wait(Stream::compute, st.ready); !s.ok()) return s;
+    st.ready = 0;
+  }
+  if (st.released != 0) {
+    // Used again before its room was given away: the earlier release orders nothing any more.
+    (void)m.device.wait(Stream::compute, st.released);
+    st.released = 0;
+  }
+  ++st.uses;
+  st.last_use = ++m.clock;
+  void* address = m.pool + st.pool_offset;
+  const std::size_t at = m.position[block];
+  if (at != kNone) {
+    for (int k = 1; k <= m.options.prefetch; ++k) {
+      if (backward ? at < static_cast<std::size_t>(k) : at + k >= m.order.size()) break;
+      m.prefetch_locked(m.order[backward ? at - k : at + k]);
+    }
+  }
+  return address;
+}
+
+Status ParamTier::release(std::size_t block) {
+  Impl& m = *impl_;
+  std::lock_guard lock(m.mutex);
+  if (Status s = m.check_block(block); !s.ok()) return s;
+  Impl::BlockState& st = m.blocks[block];
+  if (st.uses == 0) {
+    return invalid_argument("parameter tier: block '" + m.layout[block].name + "' released more often than fetched");
+  }
+  if (--st.uses == 0) {
+    Result<EventId> e = m.device.record(Stream::compute);
+    if (!e.ok()) return e.status();
+    st.released = e.value();
+    if (std::exchange(st.stale, false)) {
+      m.evict(block);
+      --m.stats.evictions;
+    }
+  }
+  return Status::success();
+}
+
+Status ParamTier::prefetch(std::size_t block) {
+  Impl& m = *impl_;
+  std::lock_guard lock(m.mutex);
+  if (Status s = m.check_block(block); !s.ok()) return s;
+  m.prefetch_locked(block);
+  return Status::success();
+}
+
+std::size_t ParamTier::entry_offset(std::size_t block, std::size_t entry) const { return impl_->layout[block].offsets[entry]; }
+
+Status ParamTier::synchronize() {
+  if (impl_->loader) impl_->loader->drain();
+  return impl_->device.synchronize();
+}
+
+std::size_t ParamTier::blocks() const { return impl_->layout.size(); }
+std::size_t ParamTier::block_bytes(std::size_t block) const { return impl_->layout[block].bytes; }
+std::size_t ParamTier::entries(std::size_t block) const { return impl_->layout[block].entry_bytes.size(); }
+std::size_t ParamTier::entry_bytes(std::size_t block, std::size_t entry) const {
+  return impl_->layout[block].entry_bytes[entry];
+}
+const std::string& ParamTier::block_name(std::size_t block) const { return impl_->layout[block].name; }
+std::size_t ParamTier::in_use(std::size_t block) const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->blocks[block].uses;
+}
+
+ParamTierStats ParamTier::stats() const {
+  std::lock_guard lock(impl_->mutex);
+  ParamTierStats s = impl_->stats;
+  impl_->home->add_stats(s);
+  return s;
+}
+
+std::vector<std::string> ParamTier::files() const { return impl_->home->files(); }
+bool ParamTier::direct_io() const { return impl_->home->direct_io(); }
+
+}  // namespace zoe

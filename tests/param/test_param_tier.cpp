@@ -1,0 +1,369 @@
+// The parameter tier on the host stand-in device (its own memory, asynchronous streams): what a fetch
+// returns is the home's bytes, the pool never holds more than its budget, prefetch follows the order, a
+// write never races a copy or a block in use, and NVMe faults name what failed and lose nothing.
+#include <gtest/gtest.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <vector>
+
+#include "zoe/param_tier.h"
+#ifdef ZOE_HAVE_AIO
+#include "tests/aio/aio_test_util.h"
+#endif
+
+namespace zoe {
+namespace {
+
+std::vector<unsigned char> random_bytes(std::size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::vector<unsigned char> v(n);
+  for (auto& b : v) b = static_cast<unsigned char>(rng());
+  return v;
+}
+
+// A model-like layout: block b has a weight matrix, a bias and a norm (sizes not multiples of anything).
+std::vector<ParamBlockSpec> layer_blocks(std::size_t layers, std::size_t width) {
+  std::vector<ParamBlockSpec> blocks;
+  for (std::size_t b = 0; b < layers; ++b) {
+    blocks.push_back({"layer." + std::to_string(b), {width * width * 2 + 2 * b, width * 2, width * 2 + 6}});
+  }
+  return blocks;
+}
+
+struct Fixture {
+  std::unique_ptr<Device> device = make_host_device();
+  std::vector<ParamBlockSpec> specs;
+  std::vector<std::vector<std::vector<unsigned char>>> contents;  // [block][entry]
+
+  explicit Fixture(std::vector<ParamBlockSpec> s) : specs(std::move(s)) {
+    for (std::size_t b = 0; b < specs.size(); ++b) {
+      contents.emplace_back();
+      for (std::size_t e = 0; e < specs[b].entry_bytes.size(); ++e) {
+        contents[b].push_back(random_bytes(specs[b].entry_bytes[e], static_cast<unsigned>(b * 31 + e)));
+      }
+    }
+  }
+  Status write_all(ParamTier& tier) {
+    for (std::size_t b = 0; b < specs.size(); ++b) {
+      for (std::size_t e = 0; e < specs[b].entry_bytes.size(); ++e) {
+        if (Status s = tier.write(b, e, contents[b][e].data(), 0, contents[b][e].size()); !s.ok()) return s;
+      }
+    }
+    return Status::success();
+  }
+  // What the compute stream sees at `address` after a fetch, compared with the contents.
+  void expect_on_device(ParamTier& tier, std::size_t b, void* address) {
+    for (std::size_t e = 0; e < specs[b].entry_bytes.size(); ++e) {
+      std::vector<unsigned char> seen(specs[b].entry_bytes[e]);
+      ASSERT_TRUE(device->copy_to_host(seen.data(), static_cast<unsigned char*>(address) + tier.entry_offset(b, e),
+                                       seen.size(), Stream::compute).ok());
+      Result<EventId> ev = device->record(Stream::compute);
+      ASSERT_TRUE(ev.ok());
+      ASSERT_TRUE(device->synchronize(ev.value()).ok());
+      ASSERT_EQ(seen, contents[b][e]) << "block " << b << " entry " << e;
+    }
+  }
+  // Forward then backward over every block, as a trainer's hooks would, checking each fetch.
+  void iteration(ParamTier& tier) {
+    for (std::size_t b = 0; b < specs.size(); ++b) {
+      Result<void*> a = tier.fetch(b);
+      ASSERT_TRUE(a.ok()) << a.status().to_string();
+      ASSERT_TRUE(device->simulate_compute(1e-4, Stream::compute).ok());
+      expect_on_device(tier, b, a.value());
+      ASSERT_TRUE(tier.release(b).ok());
+    }
+    for (std::size_t b = specs.size(); b-- > 0;) {
+      Result<void*> a = tier.fetch(b, true);
+      ASSERT_TRUE(a.ok()) << a.status().to_string();
+      expect_on_device(tier, b, a.value());
+      ASSERT_TRUE(tier.release(b).ok());
+    }
+  }
+};
+
+std::size_t largest_block(ParamTier& tier) {
+  std::size_t m = 0;
+  for (std::size_t b = 0; b < tier.blocks(); ++b) m = std::max(m, tier.block_bytes(b));
+  return m;
+}
+
+TEST(ParamTier, FetchesTheHomesBytesWithinTheBudget) {
+  Fixture f(layer_blocks(12, 64));
+  ParamTierOptions o;
+  o.budget_bytes = 1;  // replaced below, once the block size is known
+  Result<ParamTier> probe = ParamTier::create(*f.device, f.specs, ParamTierOptions{});
+  ASSERT_TRUE(probe.ok()) << probe.status().to_string();
+  o.budget_bytes = 3 * largest_block(probe.value()) + 1000;
+  Result<ParamTier> tier = ParamTier::create(*f.device, f.specs, o);
+  ASSERT_TRUE(tier.ok()) << tier.status().to_string();
+  ASSERT_TRUE(f.write_all(tier.value()).ok());
+  for (int it = 0; it < 3; ++it) f.iteration(tier.value());
+  ASSERT_TRUE(tier->synchronize().ok());
+  const ParamTierStats s = tier->stats();
+  EXPECT_LE(s.pool_peak_bytes, o.budget_bytes / 256 * 256);
+  EXPECT_GT(s.evictions, 0u);  // 12 blocks through room for 3
+  EXPECT_EQ(s.fetches, 3u * 24u);
+  for (std::size_t b = 0; b < tier->blocks(); ++b) EXPECT_EQ(tier->in_use(b), 0u);
+}
+
+TEST(ParamTier, PrefetchFollowsTheOrderForwardAndBackward) {
+  Fixture f(layer_blocks(8, 32));
+  ParamTierOptions o;
+  o.prefetch = 2;
+  o.budget_bytes = 1 << 20;  // everything fits: loads count first arrivals only
+  Result<ParamTier> tier = ParamTier::create(*f.device, f.specs, o);
+  ASSERT_TRUE(tier.ok()) << tier.status().to_string();
+  ASSERT_TRUE(f.write_all(tier.value()).ok());
+  ASSERT_TRUE(tier->set_order({7, 6, 5, 4, 3, 2, 1, 0}).ok());
+  Result<void*> a = tier->fetch(7);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(tier->stats().loads, 3u);  // 7, and 6 and 5 ahead
+  ASSERT_TRUE(tier->release(7).ok());
+  a = tier->fetch(6);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(tier->stats().hits, 1u);
+  EXPECT_EQ(tier->stats().loads, 4u);  // 4 now
+  ASSERT_TRUE(tier->release(6).ok());
+  // Backward from block 2 prefetches the blocks before it in the order: 3 and 4 (both resident already).
+  a = tier->fetch(2, true);
+  ASSERT_TRUE(a.ok());
+  f.expect_on_device(tier.value(), 2, a.value());
+  ASSERT_TRUE(tier->release(2).ok());
+  EXPECT_FALSE(tier->set_order({1, 1}).ok());
+  EXPECT_FALSE(tier->set_order({9}).ok());
+}
+
+TEST(ParamTier, ABlockLargerThanTheBudgetIsRefusedAtSetUp) {
+  Fixture f({{"small", {1000}}, {"huge.mlp", {1 << 20}}});
+  ParamTierOptions o;
+  o.budget_bytes = 1 << 16;
+  Result<ParamTier> tier = ParamTier::create(*f.device, f.specs, o);
+  ASSERT_FALSE(tier.ok());
+  EXPECT_EQ(tier.status().code(), StatusCode::invalid_argument);
+  EXPECT_NE(tier.status().message().find("'huge.mlp' needs 1048576 bytes"), std::string::npos) << tier.status().message();
+  EXPECT_NE(tier.status().message().find("65536"), std::string::npos);
+}
+
+TEST(ParamTier, NoRoomWhileEveryBlockIsInUseIsAnErrorNamingThem) {
+  Fixture f({{"a", {4096}}, {"b", {4096}}, {"c", {4096}}});
+  ParamTierOptions o;
+  o.budget_bytes = 2 * 4096;
+  o.prefetch = 0;
+  Result<ParamTier> tier = ParamTier::create(*f.device, f.specs, o);
+  ASSERT_TRUE(tier.ok());
+  ASSERT_TRUE(f.write_all(tier.value()).ok());
+  ASSERT_TRUE(tier->fetch(0).ok());
+  ASSERT_TRUE(tier->fetch(1).ok());
+  Result<void*> c = tier->fetch(2);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::out_of_memory);
+  EXPECT_NE(c.status().message().find("'a' (4096 bytes), 'b' (4096 bytes)"), std::string::npos) << c.status().message();
+  ASSERT_TRUE(tier->release(0).ok());
+  c = tier->fetch(2);  // a's room, once a is released
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  f.expect_on_device(tier.value(), 2, c.value());
+  EXPECT_FALSE(tier->release(0).ok());  // released more often than fetched
+}
+
+TEST(ParamTier, AWriteReachesTheNextFetchAndNeverTheCopyInUse) {
+  Fixture f(layer_blocks(3, 48));
+  Result<ParamTier> tier = ParamTier::create(*f.device, f.specs, ParamTierOptions{});
+  ASSERT_TRUE(tier.ok());
+  ASSERT_TRUE(f.write_all(tier.value()).ok());
+  Result<void*> a = tier->fetch(1);
+  ASSERT_TRUE(a.ok());
+  std::vector<unsigned char> update = random_bytes(f.specs[1].entry_bytes[0], 99);
+  ASSERT_TRUE(tier->write(1, 0, update.data(), 0, update.size()).ok());
+  f.expect_on_device(tier.value(), 1, a.value());  // the copy in use stays whole: the old bytes
+  ASSERT_TRUE(tier->release(1).ok());              // ... and is dropped now
+  f.contents[1][0] = update;
+  a = tier->fetch(1);
+  ASSERT_TRUE(a.ok());
+  f.expect_on_device(tier.value(), 1, a.value());
+  ASSERT_TRUE(tier->release(1).ok());
+  // Released and still pooled: the write drops the stale pooled copy.
+  update = random_bytes(f.specs[1].entry_bytes[0], 100);
+  ASSERT_TRUE(tier->write(1, 0, update.data(), 0, update.size()).ok());
+  f.contents[1][0] = update;
+  // A part of an entry.
+  std::vector<unsigned char> part = random_bytes(10, 7);
+  ASSERT_TRUE(tier->write(1, 2, part.data(), 5, part.size()).ok());
+  std::copy(part.begin(), part.end(), f.contents[1][2].begin() + 5);
+  a = tier->fetch(1);
+  ASSERT_TRUE(a.ok());
+  f.expect_on_device(tier.value(), 1, a.value());
+  ASSERT_TRUE(tier->release(1).ok());
+  std::vector<unsigned char> back(f.specs[1].entry_bytes[2]);
+  ASSERT_TRUE(tier->read(1, 2, back.data(), 0, back.size()).ok());
+  EXPECT_EQ(back, f.contents[1][2]);
+  EXPECT_FALSE(tier->write(1, 3, part.data(), 0, 1).ok());                            // no entry 3
+  EXPECT_FALSE(tier->write(1, 1, part.data(), f.specs[1].entry_bytes[1], 1).ok());    // past its end
+  EXPECT_FALSE(tier->fetch(3).ok());
+}
+
+TEST(ParamTier, RandomUseNeverServesStaleOrForeignBytes) {
+  // Fetches, releases and rewrites in random order against a model of the contents, with a pool that
+  // holds about three blocks: every reuse of room and every dropped copy is exercised.
+  Fixture f(layer_blocks(10, 40));
+  ParamTierOptions o;
+  o.prefetch = 1;
+  Result<ParamTier> probe = ParamTier::create(*f.device, f.specs, ParamTierOptions{});
+  ASSERT_TRUE(probe.ok());
+  o.budget_bytes = 3 * largest_block(probe.value());
+  Result<ParamTier> tier = ParamTier::create(*f.device, f.specs, o);
+  ASSERT_TRUE(tier.ok());
+  ASSERT_TRUE(f.write_all(tier.value()).ok());
+  std::mt19937 rng(5);
+  std::vector<std::size_t> held;
+  for (int step = 0; step < 400; ++step) {
+    const int what = static_cast<int>(rng() % 3);
+    const std::size_t b = rng() % f.specs.size();
+    if (what == 0 && held.size() < 2) {
+      Result<void*> a = tier->fetch(b, rng() % 2 == 0);
+      ASSERT_TRUE(a.ok()) << a.status().to_string();
+      f.expect_on_device(tier.value(), b, a.value());
+      held.push_back(b);
+    } else if (what == 1 && !held.empty()) {
+      ASSERT_TRUE(tier->release(held.back()).ok());
+      held.pop_back();
+    } else if (std::find(held.begin(), held.end(), b) == held.end()) {  // in use: the test's model would be stale
+      const std::size_t e = rng() % f.specs[b].entry_bytes.size();
+      f.contents[b][e] = random_bytes(f.contents[b][e].size(), static_cast<unsigned>(1000 + step));
+      ASSERT_TRUE(tier->write(b, e, f.contents[b][e].data(), 0, f.contents[b][e].size()).ok());
+    }
+  }
+  for (std::size_t b : held) ASSERT_TRUE(tier->release(b).ok());
+  ASSERT_TRUE(tier->synchronize().ok());
+  EXPECT_LE(tier->stats().pool_peak_bytes, o.budget_bytes);
+}
+
+#ifdef ZOE_HAVE_AIO
+using testing::FaultPlan;
+using testing::TempDir;
+
+TEST(ParamTierNvme, FetchesTheHomesBytesFromTheFile) {
+  TempDir dir("zoe-param");
+  Fixture f(layer_blocks(12, 64));
+  ParamTierOptions o;
+  o.home = ParamHome::nvme;
+  o.nvme_paths = {dir.sub("a"), dir.sub("b")};
+  o.prefetch = 2;
+  Result<ParamTier> tier = ParamTier::create(*f.device, f.specs, o);
+  ASSERT_TRUE(tier.ok()) << tier.status().to_string();
+  ASSERT_EQ(tier->files().size(), 2u);
+  ASSERT_TRUE(f.write_all(tier.value()).ok());
+  for (int it = 0; it < 2; ++it) f.iteration(tier.value());
+  ASSERT_TRUE(tier->synchronize().ok());
+  const ParamTierStats s = tier->stats();
+  EXPECT_LE(s.pool_peak_bytes, s.budget_bytes);
+  EXPECT_GE(s.read_bytes, s.loaded_bytes);  // every load came from the file
+  const std::vector<std::string> files = tier->files();
+  tier = Status(StatusCode::internal, "destroyed");
+  for (const std::string& p : files) EXPECT_FALSE(std::filesystem::exists(p)) << p;  // scratch, removed
+}
+
+TEST(ParamTierNvme, AFailedReadNamesBlockFileAndOffsetAndARetryFetches) {
+  TempDir dir("zoe-param");
+  Fixture f(layer_blocks(4, 32));
+  FaultPlan plan;
+  ParamTierOptions o;
+  o.home = ParamHome::nvme;
+  o.nvme_paths = {dir.path()};
+  o.prefetch = 0;
+  o.fault_hook = plan.hook();
+  Result<ParamTier> tier = ParamTier::create(*f.device, f.specs, o);
+  ASSERT_TRUE(tier.ok()) << tier.status().to_string();
+  ASSERT_TRUE(f.write_all(tier.value()).ok());
+  plan.arm(IoOp::read, 1, EIO);  // the second request of the block's read: its bias
+  Result<void*> a = tier->fetch(2);
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(a.status().sys_errno(), EIO);
+  EXPECT_NE(a.status().message().find("block 'layer.2' (2) entry 1"), std::string::npos) << a.status().message();
+  EXPECT_NE(a.status().message().find(tier->files()[0] + " at offset "), std::string::npos) << a.status().message();
+  EXPECT_EQ(tier->in_use(2), 0u);
+  plan.clear();
+  a = tier->fetch(2);
+  ASSERT_TRUE(a.ok()) << a.status().to_string();
+  f.expect_on_device(tier.value(), 2, a.value());
+  ASSERT_TRUE(tier->release(2).ok());
+}
+
+TEST(ParamTierNvme, AFailedWriteKeepsThePreviousCopyAndARetryLands) {
+  TempDir dir("zoe-param");
+  Fixture f(layer_blocks(3, 32));
+  FaultPlan plan;
+  ParamTierOptions o;
+  o.home = ParamHome::nvme;
+  o.nvme_paths = {dir.path()};
+  o.fault_hook = plan.hook();
+  Result<ParamTier> tier = ParamTier::create(*f.device, f.specs, o);
+  ASSERT_TRUE(tier.ok());
+  ASSERT_TRUE(f.write_all(tier.value()).ok());
+  std::vector<unsigned char> update = random_bytes(f.specs[0].entry_bytes[0], 42);
+  for (int err : {ENOSPC, EIO}) {
+    plan.arm(IoOp::write, 0, err);
+    Status s = tier->write(0, 0, update.data(), 0, update.size());
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.sys_errno(), err);
+    EXPECT_NE(s.message().find("keeps its previous copy"), std::string::npos) << s.message();
+    plan.clear();
+    Result<void*> a = tier->fetch(0);
+    ASSERT_TRUE(a.ok()) << a.status().to_string();
+    f.expect_on_device(tier.value(), 0, a.value());  // the old bytes, intact
+    ASSERT_TRUE(tier->release(0).ok());
+  }
+  // A short write is a failure too.
+  plan.arm(IoOp::write, 0, 0, 512);
+  ASSERT_FALSE(tier->write(0, 0, update.data(), 0, update.size()).ok());
+  plan.clear();
+  ASSERT_TRUE(tier->write(0, 0, update.data(), 0, update.size()).ok());
+  f.contents[0][0] = update;
+  Result<void*> a = tier->fetch(0);
+  ASSERT_TRUE(a.ok());
+  f.expect_on_device(tier.value(), 0, a.value());
+  ASSERT_TRUE(tier->release(0).ok());
+}
+
+TEST(ParamTierNvme, ACorruptedFileIsRefusedByItsChecksum) {
+  TempDir dir("zoe-param");
+  Fixture f(layer_blocks(2, 32));
+  ParamTierOptions o;
+  o.home = ParamHome::nvme;
+  o.nvme_paths = {dir.path()};
+  o.prefetch = 0;
+  Result<ParamTier> tier = ParamTier::create(*f.device, f.specs, o);
+  ASSERT_TRUE(tier.ok());
+  ASSERT_TRUE(f.write_all(tier.value()).ok());
+  {
+    std::fstream file(tier->files()[0], std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(10);
+    const char junk = static_cast<char>(f.contents[0][0][10] ^ 0x5a);
+    file.write(&junk, 1);
+  }
+  Result<void*> a = tier->fetch(0);
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(a.status().code(), StatusCode::corrupt);
+  EXPECT_NE(a.status().message().find("fails its CRC-32C"), std::string::npos) << a.status().message();
+}
+
+TEST(ParamTierNvme, AFullPathFailsAtSetUp) {
+  TempDir dir("zoe-param");
+  Fixture f(layer_blocks(2, 32));
+  FaultPlan plan;
+  ParamTierOptions o;
+  o.home = ParamHome::nvme;
+  o.nvme_paths = {dir.path()};
+  o.fault_hook = plan.hook();
+  plan.arm(IoOp::allocate, 0, ENOSPC);
+  Result<ParamTier> tier = ParamTier::create(*f.device, f.specs, o);
+  ASSERT_FALSE(tier.ok());
+  EXPECT_EQ(tier.status().sys_errno(), ENOSPC);
+  EXPECT_NE(tier.status().message().find(dir.path()), std::string::npos) << tier.status().message();
+}
+#endif
+
+}  // namespace
+}  // namespace zoe

@@ -1,0 +1,296 @@
+// Training with the weights in a parameter tier equals training with them resident, bit for bit: a
+// 12-layer model on the host stand-in device whose 16-bit weights are 8x the device pool. Each "forward"
+// and "backward" fetches a layer's block and computes from the weights it finds there, so a wrong or stale
+// fetch changes the gradients and shows. Faults on the NVMe home (a failed read during a fetch, a failed
+// write of the updated weights) are retried and give the uninterrupted result.
+#include <gtest/gtest.h>
+
+#include <cerrno>
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "zoe/offload.h"
+#include "zoe/param_tier.h"
+#ifdef ZOE_HAVE_AIO
+#include "tests/aio/aio_test_util.h"
+#endif
+
+namespace zoe {
+namespace {
+
+constexpr std::size_t kLayers = 12;
+constexpr int kSteps = 20;
+
+std::size_t weight_n(std::size_t layer) { return 30000 + 17 * layer; }
+constexpr std::size_t kBiasN = 64;
+
+struct Model {
+  std::unique_ptr<Device> device = make_host_device();
+  std::vector<void*> grads;                // per parameter (2 per layer), device memory
+  std::vector<void*> resident;             // per parameter, device memory; empty with a tier
+  std::unique_ptr<ParamTier> tier;
+  std::vector<ParamSpec> specs;
+  std::vector<double> losses;
+
+  std::size_t n(std::size_t i) const { return i % 2 == 0 ? weight_n(i / 2) : kBiasN; }
+
+  static std::vector<std::uint16_t> initial(std::size_t i, std::size_t count) {
+    std::vector<std::uint16_t> w(count);
+    for (std::size_t j = 0; j < count; ++j) w[j] = float_to_bf16(std::sin(0.37f * j + 1.3f * i) * 0.5f);
+    return w;
+  }
+
+  Status build(const ParamTierOptions* tier_options) {
+    for (std::size_t i = 0; i < 2 * kLayers; ++i) {
+      grads.push_back(device->allocate(n(i) * 2).value());
+      ParamSpec p;
+      p.n = n(i);
+      p.dtype = DType::bf16;
+      p.device_grads = grads.back();
+      p.name = "layer." + std::to_string(i / 2) + (i % 2 == 0 ? ".weight" : ".bias");
+      specs.push_back(p);
+    }
+    if (tier_options == nullptr) {
+      for (std::size_t i = 0; i < specs.size(); ++i) {
+        resident.push_back(device->allocate(n(i) * 2).value());
+        const std::vector<std::uint16_t> w = initial(i, n(i));
+        if (Status s = device->copy_to_device(resident[i], w.data(), w.size() * 2, Stream::h2d); !s.ok()) return s;
+        if (Status s = device->synchronize(); !s.ok()) return s;  // w leaves scope
+        specs[i].device_weights = resident[i];
+      }
+      return Status::success();
+    }
+    std::vector<ParamBlockSpec> blocks;
+    for (std::size_t l = 0; l < kLayers; ++l) blocks.push_back({"layer." + std::to_string(l), {n(2 * l) * 2, kBiasN * 2}});
+    Result<ParamTier> made = ParamTier::create(*device, blocks, *tier_options);
+    if (!made.ok()) return made.status();
+    tier = std::make_unique<ParamTier>(std::move(made).value());
+    for (std::size_t i = 0; i < specs.size(); ++i) {
+      const std::vector<std::uint16_t> w = initial(i, n(i));
+      if (Status s = tier->write(i / 2, i % 2, w.data(), 0, w.size() * 2); !s.ok()) return s;
+      specs[i].tier = tier.get();
+      specs[i].tier_block = i / 2;
+      specs[i].tier_entry = i % 2;
+    }
+    return Status::success();
+  }
+
+  // The weights of parameter i as the compute stream sees them now (fetched, or resident).
+  std::vector<std::uint16_t> weights_on_device(std::size_t i, void* block) {
+    const void* at = tier ? static_cast<unsigned char*>(block) + tier->entry_offset(i / 2, i % 2) : resident[i];
+    std::vector<std::uint16_t> w(n(i));
+    EXPECT_TRUE(device->copy_to_host(w.data(), at, w.size() * 2, Stream::compute).ok());
+    Result<EventId> e = device->record(Stream::compute);
+    EXPECT_TRUE(e.ok() && device->synchronize(e.value()).ok());
+    return w;
+  }
+
+  Result<void*> use(std::size_t layer, bool backward) {
+    if (!tier) return static_cast<void*>(nullptr);
+    return tier->fetch(layer, backward);
+  }
+  Status done(std::size_t layer) { return tier ? tier->release(layer) : Status::success(); }
+
+  // One forward and backward: the loss sums the weights, each gradient is a function of the weights the
+  // backward fetched and of the iteration.
+  Status iteration(OffloadOptimizer& opt, int t, bool report) {
+    double loss = 0;
+    for (std::size_t l = 0; l < kLayers; ++l) {
+      Result<void*> block = use(l, false);
+      if (!block.ok()) return block.status();
+      for (std::size_t i : {2 * l, 2 * l + 1}) {
+        for (std::uint16_t h : weights_on_device(i, block.value())) loss += bf16_to_float(h);
+      }
+      if (Status s = done(l); !s.ok()) return s;
+    }
+    for (std::size_t l = kLayers; l-- > 0;) {
+      Result<void*> block = use(l, true);
+      if (!block.ok()) return block.status();
+      for (std::size_t i : {2 * l + 1, 2 * l}) {
+        const std::vector<std::uint16_t> w = weights_on_device(i, block.value());
+        std::vector<std::uint16_t> g(w.size());
+        for (std::size_t j = 0; j < w.size(); ++j) {
+          g[j] = float_to_bf16(bf16_to_float(w[j]) * 0.3f + std::cos(0.01f * j + t) * 0.02f);
+        }
+        if (Status s = device->copy_to_device(grads[i], g.data(), g.size() * 2, Stream::compute); !s.ok()) return s;
+        if (Status s = device->synchronize(); !s.ok()) return s;  // g leaves scope
+        if (report) {
+          if (Status s = opt.grad_ready(i); !s.ok()) return s;
+        }
+      }
+      if (Status s = done(l); !s.ok()) return s;
+    }
+    losses.push_back(loss);
+    return Status::success();
+  }
+
+  std::vector<std::uint16_t> final_weights(std::size_t i) {
+    std::vector<std::uint16_t> w(n(i));
+    if (tier) {
+      EXPECT_TRUE(tier->read(i / 2, i % 2, w.data(), 0, w.size() * 2).ok());
+    } else {
+      EXPECT_TRUE(device->copy_to_host(w.data(), resident[i], w.size() * 2, Stream::h2d).ok());
+      EXPECT_TRUE(device->synchronize().ok());
+    }
+    return w;
+  }
+
+  ~Model() {
+    tier.reset();
+    for (void* p : grads) device->free(p);
+    for (void* p : resident) device->free(p);
+  }
+};
+
+OffloadOptions options_for(Schedule schedule) {
+  OffloadOptions o;
+  o.schedule = schedule;
+  o.max_grad_norm = 5.0f;  // clipping: the overlap schedule redoes when it bites
+  o.tile = 1024;
+  return o;
+}
+
+AdamHyper hyper() {
+  AdamHyper h;
+  h.lr = 1e-2f;
+  h.weight_decay = 0.01f;
+  return h;
+}
+
+std::size_t total_weight_bytes() {
+  std::size_t t = 0;
+  for (std::size_t l = 0; l < kLayers; ++l) t += (weight_n(l) + kBiasN) * 2;
+  return t;
+}
+
+void expect_same_training(Model& tiered, OffloadOptimizer& tiered_opt, Model& resident, OffloadOptimizer& resident_opt) {
+  ASSERT_EQ(tiered.losses, resident.losses);
+  for (std::size_t i = 0; i < 2 * kLayers; ++i) {
+    std::vector<float> a(3 * tiered.n(i)), b(3 * tiered.n(i));
+    const std::size_t k = tiered.n(i);
+    ASSERT_TRUE(tiered_opt.read_state(i, a.data(), a.data() + k, a.data() + 2 * k).ok());
+    ASSERT_TRUE(resident_opt.read_state(i, b.data(), b.data() + k, b.data() + 2 * k).ok());
+    ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0) << "state of parameter " << i;
+    ASSERT_EQ(tiered.final_weights(i), resident.final_weights(i)) << "weights of parameter " << i;
+  }
+}
+
+struct TrainingRun {
+  Model model;
+  std::unique_ptr<OffloadOptimizer> opt;
+  Status start(const ParamTierOptions* tier, Schedule schedule) {
+    if (Status s = model.build(tier); !s.ok()) return s;
+    Result<OffloadOptimizer> o = OffloadOptimizer::create(*model.device, {ParamGroup{hyper()}}, model.specs, options_for(schedule));
+    if (!o.ok()) return o.status();
+    opt = std::make_unique<OffloadOptimizer>(std::move(o).value());
+    return Status::success();
+  }
+  Status train(int steps, Schedule schedule) {
+    for (int t = 0; t < steps; ++t) {
+      if (Status s = model.iteration(*opt, t, schedule == Schedule::overlap); !s.ok()) return s;
+      if (Status s = opt->step(); !s.ok()) return s;
+    }
+    return opt->wait();
+  }
+};
+
+void train_and_compare(const ParamTierOptions& tier_options, Schedule schedule) {
+  TrainingRun resident, tiered;
+  ASSERT_TRUE(resident.start(nullptr, schedule).ok());
+  Status s = tiered.start(&tier_options, schedule);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  ASSERT_TRUE(resident.train(kSteps, schedule).ok());
+  s = tiered.train(kSteps, schedule);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  ASSERT_EQ(tiered.opt->step_count(), kSteps);
+  expect_same_training(tiered.model, *tiered.opt, resident.model, *resident.opt);
+  ASSERT_TRUE(tiered.model.tier->synchronize().ok());
+  const ParamTierStats st = tiered.model.tier->stats();
+  EXPECT_LE(st.pool_peak_bytes, st.budget_bytes);
+  EXPECT_GE(total_weight_bytes(), 8 * st.budget_bytes);
+  EXPECT_GT(st.evictions, 0u);
+}
+
+ParamTierOptions eighth_of_the_model() {
+  ParamTierOptions o;
+  o.budget_bytes = total_weight_bytes() / 8;
+  o.prefetch = 2;
+  return o;
+}
+
+TEST(ParamTraining, RamTierSyncEqualsResident) { train_and_compare(eighth_of_the_model(), Schedule::sync); }
+TEST(ParamTraining, RamTierOverlapEqualsResident) { train_and_compare(eighth_of_the_model(), Schedule::overlap); }
+
+TEST(ParamTraining, DelayedAndMismatchedEntriesAreRefused) {
+  Model m;
+  ParamTierOptions o = eighth_of_the_model();
+  ASSERT_TRUE(m.build(&o).ok());
+  Result<OffloadOptimizer> opt = OffloadOptimizer::create(*m.device, {ParamGroup{hyper()}}, m.specs, options_for(Schedule::delayed));
+  ASSERT_FALSE(opt.ok());
+  EXPECT_NE(opt.status().message().find("delayed schedule would rewrite its block"), std::string::npos);
+  std::vector<ParamSpec> wrong = m.specs;
+  wrong[3].tier_entry = 0;  // the bias pointed at the weight's entry
+  opt = OffloadOptimizer::create(*m.device, {ParamGroup{hyper()}}, wrong, options_for(Schedule::sync));
+  ASSERT_FALSE(opt.ok());
+  EXPECT_NE(opt.status().message().find("entry 0 of block 'layer.1' holds"), std::string::npos) << opt.status().message();
+}
+
+#ifdef ZOE_HAVE_AIO
+TEST(ParamTraining, NvmeTierSyncAndOverlapEqualResident) {
+  testing::TempDir dir("zoe-param");
+  for (Schedule schedule : {Schedule::sync, Schedule::overlap}) {
+    ParamTierOptions o = eighth_of_the_model();
+    o.home = ParamHome::nvme;
+    o.nvme_paths = {dir.path()};
+    train_and_compare(o, schedule);
+  }
+}
+
+TEST(ParamTraining, NvmeFaultsDuringFetchAndCopyOutAreRetriedExactly) {
+  testing::TempDir dir("zoe-param");
+  testing::FaultPlan plan;
+  ParamTierOptions o = eighth_of_the_model();
+  o.home = ParamHome::nvme;
+  o.nvme_paths = {dir.path()};
+  o.fault_hook = plan.hook();
+  TrainingRun resident, tiered;
+  ASSERT_TRUE(resident.start(nullptr, Schedule::sync).ok());
+  ASSERT_TRUE(tiered.start(&o, Schedule::sync).ok());
+  ASSERT_TRUE(resident.train(kSteps, Schedule::sync).ok());
+  int read_faults = 0, write_faults = 0;
+  for (int t = 0; t < kSteps; ++t) {
+    if (t == 3) plan.arm(IoOp::read, 5, EIO);
+    Status s = tiered.model.iteration(*tiered.opt, t, false);
+    if (!s.ok()) {
+      // A fetch failed mid-iteration: the trainer releases what it holds and runs the iteration again.
+      EXPECT_EQ(s.sys_errno(), EIO) << s.to_string();
+      EXPECT_NE(s.message().find("in " + tiered.model.tier->files()[0] + " at offset"), std::string::npos) << s.message();
+      ++read_faults;
+      plan.clear();
+      for (std::size_t l = 0; l < kLayers; ++l) {
+        while (tiered.model.tier->in_use(l) > 0) ASSERT_TRUE(tiered.model.tier->release(l).ok());
+      }
+      ASSERT_TRUE(tiered.model.iteration(*tiered.opt, t, false).ok());
+    }
+    if (t == 7 || t == 11) plan.arm(IoOp::write, t == 7 ? 3 : 0, t == 7 ? ENOSPC : EIO);
+    s = tiered.opt->step();
+    if (!s.ok()) {
+      EXPECT_NE(s.message().find("the step was applied"), std::string::npos) << s.to_string();
+      EXPECT_NE(s.message().find("keeps its previous copy"), std::string::npos) << s.to_string();
+      EXPECT_EQ(tiered.opt->step_count(), t);  // not counted until its weights are written
+      ++write_faults;
+      plan.clear();
+      s = tiered.opt->step();  // writes the weights, steps nothing again
+      ASSERT_TRUE(s.ok()) << s.to_string();
+    }
+    ASSERT_EQ(tiered.opt->step_count(), t + 1);
+  }
+  EXPECT_EQ(read_faults, 1);
+  EXPECT_EQ(write_faults, 2);
+  expect_same_training(tiered.model, *tiered.opt, resident.model, *resident.opt);
+}
+#endif
+
+}  // namespace
+}  // namespace zoe
