@@ -100,6 +100,11 @@ struct IoEngine::Impl {
       ++job.outstanding;
       batch.push_back(s);
     }
+    // Counted in the kernel before io_submit, not after: several threads pump, and the reaper may reap a
+    // request before its submitter returns from io_submit. Counted after, the reaper could see a count of
+    // requests that are no longer there and wait for them forever.
+    const auto now = Clock::now();
+    for (Slot* s : batch) entered_kernel(s, now);
   }
 
   void entered_kernel(Slot* s, Clock::time_point now) {
@@ -129,14 +134,14 @@ struct IoEngine::Impl {
       const int r = io_submit(ctx, static_cast<long>(batch.size() - done), reinterpret_cast<iocb**>(batch.data() + done));
       if (r > 0) {
         std::lock_guard lock(mu);
-        const auto now = Clock::now();
-        for (int i = 0; i < r; ++i) entered_kernel(batch[done + static_cast<std::size_t>(i)], now);
         done += static_cast<std::size_t>(r);
         work_cv.notify_one();
         continue;
       }
       if (r == -EINTR) continue;
       std::lock_guard lock(mu);
+      const auto now = Clock::now();
+      for (std::size_t i = done; i < batch.size(); ++i) left_kernel(batch[i], now);  // they never entered
       if (r == -EAGAIN || r == 0) {
         unsubmitted.insert(unsubmitted.end(), batch.begin() + static_cast<std::ptrdiff_t>(done), batch.end());
         work_cv.notify_one();
@@ -204,8 +209,14 @@ struct IoEngine::Impl {
           continue;
         }
       }
-      const int r = io_getevents(ctx, 1, static_cast<long>(events.size()), events.data(), nullptr);
-      if (r == -EINTR || r == 0) continue;
+      // Bounded, so that requests refused with EAGAIN after the count was taken are retried.
+      timespec timeout{0, 50 * 1000 * 1000};
+      const int r = io_getevents(ctx, 1, static_cast<long>(events.size()), events.data(), &timeout);
+      if (r == 0) {
+        pump();
+        continue;
+      }
+      if (r == -EINTR) continue;
       if (r < 0) {
         // Only a broken context (EFAULT, EINVAL) gets here; requests in it still point into caller buffers,
         // so the one safe move is to keep asking.

@@ -1,5 +1,5 @@
 // The NVMe home of a parameter tier (zoe/param_tier.h): one file per path, `<name>.zoe-params`, block b on
-// path b % P. Every entry has two slots of its aligned size; a write goes to the slot that does not hold the
+// path b % P. Every entry has two slots of its aligned size, one in each half of the file; a write goes to the slot that does not hold the
 // valid copy and the entry flips to it only once the write completed, so a failed write (EIO, ENOSPC, a
 // short transfer) leaves the valid copy as it was and the caller can retry. Every read is checked against
 // the entry's CRC-32C. The file is scratch for one run (the checkpoint's fp32 masters outlive it): created
@@ -47,6 +47,9 @@ class NvmeParamHome final : public ParamHomeStore {
       if (Status s = aio::check_swap_dir(dir); !s.ok()) return s;
       files_.push_back(File{dir + "/" + options_.name + ".zoe-params", {}, false, -1, 0});
     }
+    // Each file holds two halves, one slot of every entry in each, entries in block order: the valid
+    // copies lie back to back while the entries flip together (every step writes every entry), so a
+    // forward reads its file sequentially.
     entries_.resize(blocks_.size());
     std::size_t largest = 0;
     for (std::size_t b = 0; b < blocks_.size(); ++b) {
@@ -55,12 +58,15 @@ class NvmeParamHome final : public ParamHomeStore {
         const std::size_t slot = round_up(blocks_[b].entry_bytes[e]);
         EntrySlots es;
         es.offset[0] = f.bytes;
-        es.offset[1] = f.bytes + slot;
-        f.bytes += 2 * slot;
+        f.bytes += slot;
         entries_[b].push_back(es);
         largest = std::max(largest, slot);
       }
     }
+    for (std::size_t b = 0; b < blocks_.size(); ++b) {
+      for (EntrySlots& es : entries_[b]) es.offset[1] = es.offset[0] + files_[b % files_.size()].bytes;
+    }
+    for (File& f : files_) f.bytes *= 2;
     for (File& f : files_) {
       ::unlink(f.path.c_str());  // a crashed run's scratch file: nothing in it outlives a run
       Result<aio::OpenedFile> opened = aio::open_swap_file(f.path, true, options_.fault_hook);
@@ -124,8 +130,9 @@ class NvmeParamHome final : public ParamHomeStore {
 
   const void* block_memory(std::size_t) override { return nullptr; }
 
+  // Without the mutex, so that loads of several blocks overlap: the tier never reads a block while it
+  // writes that block, and the engine takes requests from any thread.
   Status read_block(std::size_t block, void* dst) override {
-    std::lock_guard lock(mutex_);
     const ParamBlockLayout& layout = blocks_[block];
     const File& f = files_[block % files_.size()];
     // Every entry's request in flight at once, then each checked.
@@ -227,7 +234,7 @@ class NvmeParamHome final : public ParamHomeStore {
   std::vector<std::vector<EntrySlots>> entries_;
   std::unique_ptr<aio::IoEngine> engine_;
   AlignedBuffer bounce_;  // one entry, for writes and single-entry reads
-  std::mutex mutex_;      // one request sequence at a time: the bounce, the slot table
+  std::mutex mutex_;      // write() and read() at one time: the bounce
 };
 
 }  // namespace

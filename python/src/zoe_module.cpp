@@ -30,6 +30,7 @@
 #include "zoe/device.h"
 #include "zoe/dtype.h"
 #include "zoe/offload.h"
+#include "zoe/param_tier.h"
 #include "zoe/partition.h"
 #include "zoe/status.h"
 
@@ -285,9 +286,33 @@ class PyCollectives final : public Collectives {
   int rank_, world_;
 };
 
+// A parameter tier on a Device (zoe/param_tier.h), addresses as integers for the PyTorch hooks.
+struct PyParamTier {
+  nb::object device_owner;  // first: destroyed last, after the tier that uses the device
+  std::optional<ParamTier> tier;
+
+  ParamTier& get() {
+    if (!tier) throw std::invalid_argument("the parameter tier was closed");
+    return *tier;
+  }
+  template <typename F>
+  auto call(F&& f) {
+    ParamTier& t = get();
+    nb::gil_scoped_release release;  // a fetch may wait for an NVMe read
+    return f(t);
+  }
+};
+
+struct TieredParam {  // where engine parameter `param` keeps its weights
+  std::size_t param = 0;
+  nb::object tier;
+  std::size_t block = 0, entry = 0;
+};
+
 struct PyEngine {
   // Declared first so that it is destroyed last: the optimizer's destructor still talks to the device.
   nb::object device_owner;
+  std::vector<nb::object> tiers;  // parameter tiers the optimizer writes into: they outlive it
   std::unique_ptr<PyCollectives> collectives;  // outlives the optimizer, which holds its address
   std::optional<OffloadOptimizer> opt;
   std::size_t param_count = 0;
@@ -323,7 +348,7 @@ struct PyEngine {
 
 std::unique_ptr<PyEngine> make_engine(nb::object device_obj, std::vector<nb::dict> groups,
                                       std::vector<ParamTuple> params, const EngineOptions& options,
-                                      nb::object collectives) {
+                                      nb::object collectives, const std::vector<std::tuple<std::size_t, nb::object, std::size_t, std::size_t>>& tiered) {
   PyDevice& device = nb::cast<PyDevice&>(device_obj);
   std::vector<ParamGroup> gs;
   for (nb::dict& g : groups) {
@@ -350,8 +375,15 @@ std::unique_ptr<PyEngine> make_engine(nb::object device_obj, std::vector<nb::dic
     p.shape = shape;
     ps.push_back(p);
   }
-  const OffloadOptions o = to_options(options);
   auto engine = std::make_unique<PyEngine>();
+  for (const auto& [param, tier_obj, block, entry] : tiered) {
+    if (param >= ps.size()) throw std::invalid_argument("tiered parameter " + std::to_string(param) + " does not exist");
+    ps[param].tier = &nb::cast<PyParamTier&>(tier_obj).get();
+    ps[param].tier_block = block;
+    ps[param].tier_entry = entry;
+    engine->tiers.push_back(tier_obj);
+  }
+  const OffloadOptions o = to_options(options);
   engine->device_owner = device_obj;
   engine->param_count = ps.size();
   if (!collectives.is_none()) engine->collectives = std::make_unique<PyCollectives>(collectives, *device.device);
@@ -446,6 +478,85 @@ void bind_cpu_adam(nb::module_& m) {
       .def_prop_ro("tile", [](const PyCpuAdam& a) { return a.adam.tile(); });
 }
 
+void bind_param_tier(nb::module_& m) {
+  nb::class_<PyParamTier>(m, "ParamTier",
+                          "Blocks of 16-bit weights off the device (pinned RAM or NVMe), fetched into a bounded "
+                          "device pool with prefetch (zoe/param_tier.h).")
+      .def("__init__",
+           [](PyParamTier* self, nb::object device_obj, std::vector<std::vector<std::size_t>> entry_bytes,
+              std::vector<std::string> names, const std::string& home, std::vector<std::string> nvme_paths,
+              std::size_t budget_bytes, int prefetch) {
+             ParamTierOptions o;
+             o.home = take(parse_param_home(home));
+             o.nvme_paths = std::move(nvme_paths);
+             o.budget_bytes = budget_bytes;
+             o.prefetch = prefetch;
+             std::vector<ParamBlockSpec> blocks;
+             for (std::size_t b = 0; b < entry_bytes.size(); ++b) {
+               blocks.push_back({b < names.size() ? names[b] : std::string(), std::move(entry_bytes[b])});
+             }
+             Device& device = *nb::cast<PyDevice&>(device_obj).device;
+             Result<ParamTier> made = Status(StatusCode::internal, "not created");
+             {
+               nb::gil_scoped_release release;
+               made = ParamTier::create(device, std::move(blocks), o);
+             }
+             new (self) PyParamTier{device_obj, take(std::move(made))};
+           },
+           nb::arg("device"), nb::arg("entry_bytes"), nb::arg("names"), nb::arg("home") = "cpu",
+           nb::arg("nvme_paths") = std::vector<std::string>{}, nb::arg("budget_bytes") = 0, nb::arg("prefetch") = 2)
+      .def("write",
+           [](PyParamTier& t, std::size_t block, std::size_t entry, std::uintptr_t address, std::size_t nbytes,
+              std::size_t byte_offset) {
+             check(t.call([&](ParamTier& p) { return p.write(block, entry, reinterpret_cast<const void*>(address), byte_offset, nbytes); }));
+           },
+           nb::arg("block"), nb::arg("entry"), nb::arg("address"), nb::arg("nbytes"), nb::arg("byte_offset") = 0,
+           "Copies nbytes of host memory at `address` into the entry's home.")
+      .def("read",
+           [](PyParamTier& t, std::size_t block, std::size_t entry, std::uintptr_t address, std::size_t nbytes,
+              std::size_t byte_offset) {
+             check(t.call([&](ParamTier& p) { return p.read(block, entry, reinterpret_cast<void*>(address), byte_offset, nbytes); }));
+           },
+           nb::arg("block"), nb::arg("entry"), nb::arg("address"), nb::arg("nbytes"), nb::arg("byte_offset") = 0)
+      .def("set_order", [](PyParamTier& t, std::vector<std::size_t> order) { check(t.get().set_order(std::move(order))); })
+      .def("fetch",
+           [](PyParamTier& t, std::size_t block, bool backward) {
+             Result<void*> r = t.call([&](ParamTier& p) { return p.fetch(block, backward); });
+             return reinterpret_cast<std::uintptr_t>(take(std::move(r)));
+           },
+           nb::arg("block"), nb::arg("backward") = false,
+           "The block's device address, valid for work after this call until release(); prefetches ahead.")
+      .def("release", [](PyParamTier& t, std::size_t block) { check(t.call([&](ParamTier& p) { return p.release(block); })); })
+      .def("prefetch", [](PyParamTier& t, std::size_t block) { check(t.call([&](ParamTier& p) { return p.prefetch(block); })); })
+      .def("synchronize", [](PyParamTier& t) { check(t.call([](ParamTier& p) { return p.synchronize(); })); })
+      .def("entry_offset", [](PyParamTier& t, std::size_t b, std::size_t e) { return t.get().entry_offset(b, e); })
+      .def("in_use", [](PyParamTier& t, std::size_t b) { return t.get().in_use(b); })
+      .def("blocks", [](PyParamTier& t) { return t.get().blocks(); })
+      .def("block_bytes", [](PyParamTier& t, std::size_t b) { return t.get().block_bytes(b); })
+      .def("files", [](PyParamTier& t) { return t.get().files(); })
+      .def("close", [](PyParamTier& t) {
+        nb::gil_scoped_release release;
+        t.tier.reset();
+      }, "Frees the pool and the home (an NVMe file is removed); every later call raises.")
+      .def("stats", [](PyParamTier& t) {
+        const ParamTierStats s = t.get().stats();
+        nb::dict d;
+        d["budget_bytes"] = s.budget_bytes;
+        d["pool_peak_bytes"] = s.pool_peak_bytes;
+        d["fetches"] = s.fetches;
+        d["hits"] = s.hits;
+        d["loads"] = s.loads;
+        d["evictions"] = s.evictions;
+        d["loaded_bytes"] = s.loaded_bytes;
+        d["fetch_wait_s"] = s.fetch_wait_s;
+        d["read_bytes"] = s.read_bytes;
+        d["write_bytes"] = s.write_bytes;
+        d["read_busy_s"] = s.read_busy_s;
+        d["write_busy_s"] = s.write_busy_s;
+        return d;
+      });
+}
+
 void bind_engine(nb::module_& m) {
   nb::class_<PyDevice>(m, "Device", "Where the model's weights and gradients live, as zoe's engine sees it.")
       .def_prop_ro("name", [](const PyDevice& d) { return d.device->name(); })
@@ -490,13 +601,17 @@ void bind_engine(nb::module_& m) {
   nb::class_<PyEngine>(m, "Engine", "zoe's OffloadOptimizer over parameters given by address on a Device.")
       .def("__init__",
            [](PyEngine* self, nb::object device, std::vector<nb::dict> groups, std::vector<ParamTuple> params,
-              const EngineOptions& options, nb::object collectives) {
-             new (self) PyEngine(std::move(*make_engine(device, groups, params, options, collectives)));
+              const EngineOptions& options, nb::object collectives,
+              std::vector<std::tuple<std::size_t, nb::object, std::size_t, std::size_t>> tiered) {
+             new (self) PyEngine(std::move(*make_engine(device, groups, params, options, collectives, tiered)));
            },
            nb::arg("device"), nb::arg("groups"), nb::arg("params"), nb::arg("options"),
            nb::arg("collectives").none() = nb::none(),
+           nb::arg("tiered") = std::vector<std::tuple<std::size_t, nb::object, std::size_t, std::size_t>>{},
            "collectives: None, or an object of rank(), world(), reduce_scatter, all_gather and all_reduce_host "
-           "(zoe/_data_parallel.py): with world > 1 the engine partitions the parameters over its ranks.")
+           "(zoe/_data_parallel.py): with world > 1 the engine partitions the parameters over its ranks. "
+           "tiered: (parameter, ParamTier, block, entry) for each parameter whose weights live in a parameter "
+           "tier (its weights address is then ignored).")
       .def("grad_ready",
            [](PyEngine& e, std::size_t i) { e.call([i](OffloadOptimizer& o) { return o.grad_ready(i); }); })
       .def("step", [](PyEngine& e) { e.call([](OffloadOptimizer& o) { return o.step(); }); })
@@ -630,4 +745,5 @@ NB_MODULE(_zoe, m) {
   });
   bind_cpu_adam(m);
   bind_engine(m);
+  bind_param_tier(m);
 }

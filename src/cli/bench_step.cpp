@@ -117,6 +117,10 @@ Status iteration(Device& device, OffloadOptimizer& opt, std::size_t buckets, dou
 }  // namespace
 
 int bench_step(std::span<char* const> args) {
+  for (const char* a : args) {
+    const std::string_view arg(a);
+    if (arg == "--offload-param" || arg.starts_with("--offload-param=")) return bench_param_offload(args);
+  }
   std::string device_name = "host", schedule_text = "sync", n_text = "64M", buckets_text = "16", compute_text,
               iters_text = "10", tier_text = "ram", path_text, durability_text = "step";
   bool json = false, help = false;
@@ -130,6 +134,7 @@ int bench_step(std::span<char* const> args) {
       {"buckets", &buckets_text, nullptr, "gradient buckets reported during backward"},
       {"compute-ms", &compute_text, nullptr, "device forward+backward time (default: 1.5x the CPU step measured at start)"},
       {"iters", &iters_text, nullptr, "timed iterations"},
+      {"offload-param", nullptr, nullptr, "cpu|nvme: the layers' weights in a parameter tier instead (see --offload-param cpu --help)"},
       {"json", nullptr, &json, "one JSON object on stdout, nothing else"},
       {"help", nullptr, &help, "this help"},
   };

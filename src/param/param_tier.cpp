@@ -114,12 +114,13 @@ struct ParamTier::Impl {
   };
   struct Bounce {
     void* host = nullptr;
-    EventId copied = 0;
+    EventId copied = 0;  // its last copy to the device; the next read into it waits for it
+    bool busy = false;
   };
 
   Impl(Device& d, const ParamTierOptions& o) : device(d), options(o) {}
   ~Impl() {
-    loader.reset();  // finishes the loads queued
+    loaders.clear();  // finish the loads queued
     (void)device.synchronize();
     if (pool != nullptr) device.free(pool);
     for (Bounce& b : bounces) device.free_host(b.host);
@@ -140,9 +141,10 @@ struct ParamTier::Impl {
   ParamTierStats stats;
   mutable std::mutex mutex;
   std::condition_variable changed;  // a load finished, or a write did
-  std::unique_ptr<WorkQueue> loader;  // NVMe reads
-  std::vector<Bounce> bounces;        // the loader's alone
-  std::size_t next_bounce = 0;
+  // NVMe: two loader threads, so that one block's checksum and copy overlap the next one's read.
+  std::vector<std::unique_ptr<WorkQueue>> loaders;
+  std::size_t next_loader = 0;
+  std::vector<Bounce> bounces;  // pinned; taken and given back under the mutex
 
   // Device events recorded on h2d that nobody else needs: an h2d wait on them is a no-op for ordering and
   // lets the device forget them.
@@ -268,22 +270,33 @@ struct ParamTier::Impl {
       return true;
     }
     s.state = State::loading;
-    loader->enqueue([this, b, offset] { load_from_home(b, offset); });
+    loaders[next_loader++ % loaders.size()]->enqueue([this, b, offset] { load_from_home(b, offset); });
     return true;
   }
 
-  // On the loader thread: the block read into a bounce buffer, checked, and copied to its room.
+  // On a loader thread: the block read into a free bounce buffer, checked, and copied to its room.
   void load_from_home(std::size_t b, std::size_t offset) {
-    Bounce& bounce = bounces[next_bounce++ % bounces.size()];
+    Bounce* bounce = nullptr;
+    {
+      std::unique_lock lock(mutex);
+      changed.wait(lock, [&] {
+        for (Bounce& x : bounces) {
+          if (!x.busy) bounce = &x;
+        }
+        return bounce != nullptr;
+      });
+      bounce->busy = true;
+    }
     Status s;
-    if (bounce.copied != 0) s = device.synchronize(bounce.copied);  // its previous copy has left it
-    bounce.copied = 0;
-    if (s.ok()) s = home->read_block(b, bounce.host);
-    if (s.ok()) s = device.copy_to_device(pool + offset, bounce.host, layout[b].bytes, Stream::h2d);
+    if (bounce->copied != 0) s = device.synchronize(bounce->copied);  // its previous copy has left it
+    bounce->copied = 0;
+    if (s.ok()) s = home->read_block(b, bounce->host);
+    if (s.ok()) s = device.copy_to_device(pool + offset, bounce->host, layout[b].bytes, Stream::h2d);
     Result<EventId> ready = s.ok() ? device.record(Stream::h2d) : Result<EventId>(s);
     Result<EventId> copied = ready.ok() ? device.record(Stream::h2d) : ready;
-    if (copied.ok()) bounce.copied = copied.value();
     std::lock_guard lock(mutex);
+    if (copied.ok()) bounce->copied = copied.value();
+    bounce->busy = false;
     BlockState& st = blocks[b];
     if (copied.ok()) {
       st.ready = ready.value();
@@ -386,13 +399,14 @@ Result<ParamTier> ParamTier::create(Device& device, std::vector<ParamBlockSpec> 
     impl->position[b] = b;
   }
   if (options.home == ParamHome::nvme) {
-    // One read ahead per prefetched block, and one for the block the host may wait for.
-    for (int k = 0; k < options.prefetch + 1; ++k) {
+    // Two bounce buffers per loader thread: a loader reads into one while the other's copy to the device
+    // runs.
+    for (int k = 0; k < 4; ++k) {
       Result<void*> host = device.allocate_host(std::max(largest, alignment));
       if (!host.ok()) return host.status();
-      impl->bounces.push_back({host.value(), 0});
+      impl->bounces.push_back({host.value(), 0, false});
     }
-    impl->loader = std::make_unique<WorkQueue>();
+    for (int k = 0; k < 2; ++k) impl->loaders.push_back(std::make_unique<WorkQueue>());
   }
   return ParamTier(std::move(impl));
 }
@@ -519,7 +533,7 @@ Status ParamTier::prefetch(std::size_t block) {
 std::size_t ParamTier::entry_offset(std::size_t block, std::size_t entry) const { return impl_->layout[block].offsets[entry]; }
 
 Status ParamTier::synchronize() {
-  if (impl_->loader) impl_->loader->drain();
+  for (auto& loader : impl_->loaders) loader->drain();
   return impl_->device.synchronize();
 }
 

@@ -1,0 +1,267 @@
+// zoe bench step --offload-param cpu|nvme: training iterations whose layers' weights live in a parameter
+// tier (zoe/param_tier.h) and are fetched per layer, forward then backward, against a device that computes
+// each layer for a set time. The ceiling is the device's compute alone: device_idle_fraction = 1 - compute /
+// iteration, for each prefetch depth asked. The NVMe home also reports its fetch bandwidth (loads with no
+// compute in the way) against raw O_DIRECT reads of as many bytes of the same files, in the same run.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "src/cli/args.h"
+#include "src/cli/bench_stats.h"
+#include "src/cli/commands.h"
+#include "zoe/param_tier.h"
+#ifdef ZOE_HAVE_AIO
+#include "aio/io_engine.h"
+#include "src/aligned_buffer.h"
+#endif
+
+namespace zoe::cli {
+namespace {
+
+struct LayerRun {
+  std::size_t layers = 0;
+  double compute_s = 0;     // per layer, forward and backward each
+  bool host_waits = false;  // the host waits for each layer's compute (a trainer that reads results back)
+};
+
+// Forward over every layer, then backward in reverse: fetch, compute, release; the host waits at the end.
+Status iteration(Device& device, ParamTier& tier, const LayerRun& run) {
+  for (int pass = 0; pass < 2; ++pass) {
+    for (std::size_t k = 0; k < run.layers; ++k) {
+      const std::size_t layer = pass == 0 ? k : run.layers - 1 - k;
+      Result<void*> block = tier.fetch(layer, pass == 1);
+      if (!block.ok()) return block.status();
+      if (run.compute_s > 0) {
+        if (Status s = device.simulate_compute(run.compute_s, Stream::compute); !s.ok()) return s;
+      }
+      if (Status s = tier.release(layer); !s.ok()) return s;
+      if (run.host_waits) {
+        Result<EventId> done = device.record(Stream::compute);
+        if (!done.ok()) return done.status();
+        if (Status s = device.synchronize(done.value()); !s.ok()) return s;
+      }
+    }
+  }
+  return device.synchronize();
+}
+
+Result<ParamTier> make_tier(Device& device, std::size_t layers, std::size_t layer_bytes, const ParamTierOptions& o) {
+  std::vector<ParamBlockSpec> blocks;
+  // A transformer layer's shape: one large matrix and a few small vectors.
+  for (std::size_t l = 0; l < layers; ++l) {
+    blocks.push_back({"layer." + std::to_string(l), {layer_bytes - 3 * 4096, 4096, 4096, 4096}});
+  }
+  Result<ParamTier> tier = ParamTier::create(device, blocks, o);
+  if (!tier.ok()) return tier;
+  std::vector<unsigned char> fill(layer_bytes, 0x3c);
+  for (std::size_t l = 0; l < layers; ++l) {
+    for (std::size_t e = 0; e < blocks[l].entry_bytes.size(); ++e) {
+      if (Status s = tier->write(l, e, fill.data(), 0, blocks[l].entry_bytes[e]); !s.ok()) return s;
+    }
+  }
+  return tier;
+}
+
+#ifdef ZOE_HAVE_AIO
+// Raw O_DIRECT reads of `bytes` from the start of each file, spread evenly, with the tier's request size
+// and queue depth: the ceiling of what a fetch can read. Written once, every entry's valid copy is in the
+// first half of its file, back to back: these are the very bytes the fetches read.
+Result<double> raw_read_seconds(const std::vector<std::string>& files, std::uint64_t bytes, const ParamTierOptions& o) {
+  aio::EngineOptions eo;
+  eo.queue_depth = static_cast<unsigned>(o.queue_depth);
+  eo.request_bytes = o.request_bytes;
+  std::vector<int> fds;
+  Result<std::unique_ptr<aio::IoEngine>> engine = aio::IoEngine::create(eo);
+  if (!engine.ok()) return engine.status();
+  std::vector<int> ids;
+  for (const std::string& f : files) {
+    const int fd = ::open(f.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+    if (fd < 0) return Status(StatusCode::io_error, "cannot open " + f + " with O_DIRECT", errno);
+    fds.push_back(fd);
+    ids.push_back(engine.value()->add_file(fd, f));
+  }
+  const std::uint64_t per_file = (bytes / files.size() + o.request_bytes - 1) / o.request_bytes * o.request_bytes;
+  Result<AlignedBuffer> buffer = AlignedBuffer::allocate(per_file, 4096);
+  if (!buffer.ok()) return buffer.status();
+  Status s;
+  const double seconds = time_seconds([&] {
+    std::vector<aio::IoEngine::Ticket> tickets;
+    for (std::size_t k = 0; k < ids.size() && s.ok(); ++k) {
+      for (std::uint64_t at = 0; at < per_file && s.ok(); at += o.request_bytes) {
+        Result<aio::IoEngine::Ticket> t = engine.value()->submit(IoOp::read, ids[k], at, buffer->as<unsigned char>() + at, o.request_bytes);
+        if (!t.ok()) s = t.status();
+        else tickets.push_back(t.value());
+      }
+    }
+    for (aio::IoEngine::Ticket t : tickets) {
+      if (Status w = engine.value()->wait(t); !w.ok() && s.ok()) s = w;
+    }
+  });
+  engine.value().reset();
+  for (int fd : fds) ::close(fd);
+  if (!s.ok()) return s;
+  return seconds;
+}
+#endif
+
+}  // namespace
+
+int bench_param_offload(std::span<char* const> args) {
+  std::string home_text, path_text, layers_text = "24", layer_bytes_text = "16M", prefetch_text = "0,1,2,4",
+              ratio_text = "1.5", iters_text = "5";
+  bool json = false, help = false, host_waits = false;
+  const Option options[] = {
+      {"offload-param", &home_text, nullptr, "where the layers' 16-bit weights live: cpu (pinned RAM) or nvme"},
+      {"path", &path_text, nullptr, "nvme: folder(s) for the parameter file, comma-separated"},
+      {"layers", &layers_text, nullptr, "layers (one block each)"},
+      {"layer-bytes", &layer_bytes_text, nullptr, "bytes of 16-bit weights per layer (K, M, G suffixes)"},
+      {"prefetch", &prefetch_text, nullptr, "blocks fetched ahead; a comma list runs each"},
+      {"compute-ratio", &ratio_text, nullptr, "each layer's compute (forward, and again backward) as a multiple of "
+                                              "its fetch time, measured at start"},
+      {"iters", &iters_text, nullptr, "timed iterations per prefetch depth"},
+      {"host-waits", nullptr, &host_waits, "the host waits for each layer's compute before the next fetch (no run-ahead)"},
+      {"json", nullptr, &json, "JSON lines on stdout, nothing else"},
+      {"help", nullptr, &help, "this help"},
+  };
+  auto fail = [](const Status& s) {
+    std::fprintf(stderr, "zoe bench step --offload-param: %s\n", s.to_string().c_str());
+    return exit_status(s);
+  };
+  if (Status s = parse_options(args, options); !s.ok()) return fail(s);
+  if (help) {
+    std::printf("usage: zoe bench step --offload-param cpu|nvme [options]\n\n%s", options_help(options).c_str());
+    std::printf("\nOn the host stand-in device. device_idle_fraction = 1 - compute / iteration; the pool holds the\n"
+                "block in use, `prefetch` ahead and one released. nvme: fetch_gbps is what fetches read\n"
+                "with no compute in the way, raw_read_gbps O_DIRECT reads of as many bytes of the same files;\n"
+                "fetch_ratio = fetch_gbps / raw_read_gbps.\n");
+    return 0;
+  }
+  Result<ParamHome> home = parse_param_home(home_text);
+  if (!home.ok()) return fail(home.status());
+  Result<std::uint64_t> layers = parse_count(layers_text, "--layers");
+  Result<std::uint64_t> layer_bytes = parse_count(layer_bytes_text, "--layer-bytes");
+  Result<std::uint64_t> iters = parse_count(iters_text, "--iters");
+  for (const Status& s : {layers.status(), layer_bytes.status(), iters.status()}) {
+    if (!s.ok()) return fail(s);
+  }
+  for (const Status& s : {require_at_least(layers.value(), 2, "--layers", "layers; prefetch needs a next one"),
+                          require_at_least(layer_bytes.value(), 64 * 1024, "--layer-bytes", "bytes per layer"),
+                          require_at_least(iters.value(), 1, "--iters", "timed iterations")}) {
+    if (!s.ok()) return fail(s);
+  }
+  std::vector<int> depths;
+  for (const std::string& d : split_list(prefetch_text)) {
+    Result<std::uint64_t> k = parse_count(d, "--prefetch");
+    if (!k.ok()) return fail(k.status());
+    depths.push_back(static_cast<int>(k.value()));
+  }
+  if (Status s = require_items(split_list(prefetch_text), "--prefetch", "depths such as 0,1,2,4"); !s.ok()) return fail(s);
+  char* end = nullptr;
+  const double ratio = std::strtod(ratio_text.c_str(), &end);
+  if (end == ratio_text.c_str() || *end != '\0' || !(ratio > 0)) {
+    return fail(invalid_argument("--compute-ratio " + ratio_text + " is not a positive number"));
+  }
+  ParamTierOptions base;
+  base.home = home.value();
+  base.nvme_paths = split_list(path_text);
+  if (base.home == ParamHome::nvme && base.nvme_paths.empty()) {
+    return fail(invalid_argument("--offload-param nvme needs --path DIR[,DIR...]"));
+  }
+  const std::size_t bytes = (layer_bytes.value() + 4095) / 4096 * 4096;
+  std::unique_ptr<Device> device = make_host_device();
+
+  // The fetch time of a layer: every layer fetched in order and released, nothing computing, prefetch 2
+  // (best of a few passes, so that a cold first touch of the pool does not count).
+  double fetch_s = 1e30, fetch_gbps = 0;
+  std::vector<std::string> files;
+  {
+    ParamTierOptions o = base;
+    o.prefetch = 2;
+    Result<ParamTier> tier = make_tier(*device, layers.value(), bytes, o);
+    if (!tier.ok()) return fail(tier.status());
+    for (int pass = 0; pass < 3; ++pass) {
+      Status s;
+      const double t = time_seconds([&] {
+        for (std::size_t l = 0; l < layers.value() && s.ok(); ++l) {
+          Result<void*> b = tier->fetch(l);
+          if (!b.ok()) s = b.status();
+          if (s.ok()) s = tier->release(l);
+        }
+        if (s.ok()) s = tier->synchronize();
+      });
+      if (!s.ok()) return fail(s);
+      fetch_s = std::min(fetch_s, t / static_cast<double>(layers.value()));
+    }
+    fetch_gbps = static_cast<double>(bytes) / fetch_s / 1e9;
+    files = tier->files();
+#ifdef ZOE_HAVE_AIO
+    if (base.home == ParamHome::nvme) {
+      // Raw reads of the same files while they exist, best of three as the fetches were.
+      double raw = 1e30;
+      for (int pass = 0; pass < 3; ++pass) {
+        Result<double> r = raw_read_seconds(files, bytes * layers.value(), o);
+        if (!r.ok()) return fail(r.status());
+        raw = std::min(raw, r.value());
+      }
+      const double raw_gbps = static_cast<double>(bytes * layers.value()) / raw / 1e9;
+      JsonLine line;
+      line.add("bench", "param_fetch").add("home", "nvme").add("layers", layers.value()).add("layer_bytes", static_cast<std::uint64_t>(bytes))
+          .add("direct_io", tier->direct_io()).add("fetch_gbps", fetch_gbps).add("raw_read_gbps", raw_gbps)
+          .add("fetch_ratio", fetch_gbps / raw_gbps);
+      if (json) {
+        std::printf("%s\n", line.str().c_str());
+      } else {
+        std::printf("nvme fetch: %.2f GB/s, raw O_DIRECT read of as many bytes: %.2f GB/s, ratio %.2f%s\n", fetch_gbps,
+                    raw_gbps, fetch_gbps / raw_gbps, tier->direct_io() ? "" : " (buffered: O_DIRECT refused)");
+      }
+    }
+#endif
+  }
+  const LayerRun run{layers.value(), ratio * fetch_s, host_waits};
+  if (!json) {
+    std::printf("%s home, %llu layers of %llu bytes; fetch %.2f ms per layer; compute %.2f ms per layer and pass\n",
+                std::string(param_home_name(base.home)).c_str(), static_cast<unsigned long long>(layers.value()),
+                static_cast<unsigned long long>(bytes), fetch_s * 1e3, run.compute_s * 1e3);
+    std::printf("%8s %14s %14s %14s %8s\n", "prefetch", "budget bytes", "iteration ms", "compute ms", "idle");
+  }
+  for (int depth : depths) {
+    ParamTierOptions o = base;
+    o.prefetch = depth;
+    Result<ParamTier> tier = make_tier(*device, layers.value(), bytes, o);
+    if (!tier.ok()) return fail(tier.status());
+    if (Status s = iteration(*device, tier.value(), run); !s.ok()) return fail(s);  // warm-up
+    std::vector<double> times;
+    for (std::uint64_t i = 0; i < iters.value(); ++i) {
+      Status s;
+      times.push_back(time_seconds([&] { s = iteration(*device, tier.value(), run); }));
+      if (!s.ok()) return fail(s);
+    }
+    const TimeSummary t = summarize(times);
+    const double compute = 2.0 * static_cast<double>(layers.value()) * run.compute_s;
+    const double idle = std::max(0.0, 1.0 - compute / t.median);
+    const ParamTierStats st = tier->stats();
+    if (json) {
+      JsonLine line;
+      line.add("bench", "param_offload").add("home", param_home_name(base.home)).add("layers", layers.value())
+          .add("layer_bytes", static_cast<std::uint64_t>(bytes)).add("prefetch", depth)
+          .add("budget_bytes", static_cast<std::uint64_t>(st.budget_bytes))
+          .add("pool_peak_bytes", static_cast<std::uint64_t>(st.pool_peak_bytes))
+          .add("fetch_ms_per_layer", fetch_s * 1e3).add("compute_ms_per_layer", run.compute_s * 1e3)
+          .add("iteration_ms", t.median * 1e3).add("iteration_ms_min", t.min * 1e3).add("iteration_ms_max", t.max * 1e3)
+          .add("compute_ms", compute * 1e3).add("device_idle_fraction", idle).add("hits", st.hits).add("loads", st.loads)
+          .add("fetch_wait_s", st.fetch_wait_s);
+      std::printf("%s\n", line.str().c_str());
+    } else {
+      std::printf("%8d %14zu %14.1f %14.1f %8.3f\n", depth, st.budget_bytes, t.median * 1e3, compute * 1e3, idle);
+    }
+  }
+  return 0;
+}
+
+}  // namespace zoe::cli
