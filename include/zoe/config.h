@@ -1,5 +1,6 @@
 // DeepSpeed-compatible JSON configuration: reads the keys of a DeepSpeed config that mean something to zoe
-// (optimizer, gradient_clipping, fp16/bf16, zero_optimization.offload_optimizer, aio) plus zoe's own "zoe"
+// (optimizer, gradient_clipping, fp16/bf16, zero_optimization.offload_optimizer and offload_param, aio) plus
+// zoe's own "zoe"
 // section, and turns them into OffloadOptions and AdamHyper. Keys zoe has no use for are reported in
 // `notes`, never dropped silently; invalid values are errors naming the key and the file.
 // README.md "DeepSpeed config" lists the mapping and where zoe's defaults differ from DeepSpeed's.
@@ -11,6 +12,7 @@
 
 #include "zoe/adam.h"
 #include "zoe/offload.h"
+#include "zoe/param_tier.h"
 #include "zoe/status.h"
 
 namespace zoe {
@@ -18,6 +20,11 @@ namespace zoe {
 struct LoadedConfig {
   OffloadOptions options;
   AdamHyper hyper;
+  // zero_optimization.offload_param: the 16-bit weights in a parameter tier (zoe/param_tier.h). device
+  // cpu|nvme, nvme_path, buffer_count (prefetch = buffer_count - 1) and buffer_size (budget = buffer_count x
+  // buffer_size) are read; the aio section's block_size and queue_depth apply to it too.
+  bool offload_param = false;
+  ParamTierOptions param_tier;
   // One line per key that was ignored or read differently from DeepSpeed, naming the key, the file and why.
   std::vector<std::string> notes;
 };

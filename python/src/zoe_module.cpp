@@ -452,6 +452,16 @@ nb::dict config_dict(const LoadedConfig& c) {
   d["options"] = opts;
   d["hyper"] = hyper_dict(c.hyper);
   d["notes"] = c.notes;
+  if (c.offload_param) {
+    nb::dict op;
+    op["device"] = std::string(param_home_name(c.param_tier.home));
+    op["nvme_path"] = c.param_tier.nvme_paths;
+    op["prefetch"] = c.param_tier.prefetch;
+    op["budget_bytes"] = c.param_tier.budget_bytes;
+    d["offload_param"] = op;
+  } else {
+    d["offload_param"] = nb::none();
+  }
   return d;
 }
 

@@ -70,7 +70,8 @@ class Parser {
   Status fp16(const Json& section);
   Status zero(const Json& section);
   Status offload_optimizer(const Json& section);
-  Status nvme_path(const Json& v, const std::string& path);
+  Status nvme_path(const Json& v, const std::string& path, std::vector<std::string>* out = nullptr);
+  Status offload_param(const Json& section);
   Status aio(const Json& section);
   Status zoe_section(const Json& section);
 
@@ -234,6 +235,9 @@ Status Parser::run(const Json& root) {
   if (s != nullptr) {
     if (Status st = aio(*s); !st.ok()) return st;
   }
+  // One aio section serves both NVMe users, as in DeepSpeed.
+  out_->param_tier.request_bytes = out_->options.nvme.block_size;
+  out_->param_tier.queue_depth = out_->options.nvme.queue_depth;
   if (Status st = section(root, "", "zoe", &s); !st.ok()) return st;
   if (s != nullptr) return zoe_section(*s);
   return Status::success();
@@ -333,9 +337,8 @@ Status Parser::fp16(const Json& section) {
 Status Parser::zero(const Json& section) {
   const std::string p = "zero_optimization";
   constexpr std::string_view kComm = "gradient communication and bucketing are the trainer's (torch.distributed)";
-  check_keys(section, p, {"stage", "sub_group_size", "offload_optimizer"},
-             {{"offload_param", "zoe offloads optimizer state only; parameters stay with the trainer"},
-              {"contiguous_gradients", kComm}, {"overlap_comm", kComm}, {"reduce_scatter", kComm},
+  check_keys(section, p, {"stage", "sub_group_size", "offload_optimizer", "offload_param"},
+             {{"contiguous_gradients", kComm}, {"overlap_comm", kComm}, {"reduce_scatter", kComm},
               {"reduce_bucket_size", kComm}, {"allgather_partitions", kComm}, {"allgather_bucket_size", kComm},
               {"round_robin_gradients", kComm},
               {"stage3_*", "ZeRO stage 3 is not supported"}});
@@ -346,8 +349,8 @@ Status Parser::zero(const Json& section) {
       note(p + ".stage", "zoe holds the optimizer state of whatever parameters this rank gives it; ZeRO "
                          "partitioning (stages 1, 2) comes from giving each rank its shard");
     } else if (stage == 3) {
-      note(p + ".stage", "stage 3 (partitioned parameters) is not supported: zoe offloads optimizer state as "
-                         "stages 1 and 2 do; parameters stay whole on each device");
+      note(p + ".stage", "stage 3: zoe does not partition parameters across ranks; each rank holds every "
+                         "parameter, in its device's memory or, with offload_param, in its own parameter tier");
     }
   }
   if (const auto it = section.find("sub_group_size"); it != section.end()) {
@@ -361,9 +364,59 @@ Status Parser::zero(const Json& section) {
                                     ") with buffer_count in flight, so a sub-group-sized tile would pin far more "
                                     "memory; set zoe.tile to change it");
   }
+  const Json* params = nullptr;
+  if (Status s = this->section(section, p, "offload_param", &params); !s.ok()) return s;
+  if (params != nullptr) {
+    if (Status s = offload_param(*params); !s.ok()) return s;
+  }
   const Json* offload = nullptr;
   if (Status s = this->section(section, p, "offload_optimizer", &offload); !s.ok()) return s;
   return offload == nullptr ? Status::success() : offload_optimizer(*offload);
+}
+
+Status Parser::offload_param(const Json& section) {
+  const std::string p = "zero_optimization.offload_param";
+  check_keys(section, p, {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"}, {});
+  ParamTierOptions& t = out_->param_tier;
+  std::string device = "cpu";
+  if (Status s = get(section, p, "device", &device); !s.ok()) return s;
+  if (device == "none") {
+    note(p + ".device", "\"none\": parameters stay on the device");
+    return Status::success();
+  }
+  Result<ParamHome> home = parse_param_home(device);
+  if (!home.ok()) return bad(p + ".device", section.at("device"), "need \"none\", \"cpu\" or \"nvme\"");
+  out_->offload_param = true;
+  t.home = home.value();
+  if (const auto it = section.find("nvme_path"); it != section.end()) {
+    if (Status s = nvme_path(*it, p + ".nvme_path", &t.nvme_paths); !s.ok()) return s;
+  }
+  if (t.home == ParamHome::nvme && t.nvme_paths.empty()) {
+    return invalid_argument(p + ".device is \"nvme\" in " + source_ + " but " + p +
+                            ".nvme_path is missing: give a directory (or a list of them)");
+  }
+  if (t.home == ParamHome::ram && !t.nvme_paths.empty()) note(p + ".nvme_path", "unused: device is not \"nvme\"");
+  int buffers = 5;  // DeepSpeed's default buffer_count
+  if (Status s = get(section, p, "buffer_count", 1, 1024, &buffers); !s.ok()) return s;
+  t.prefetch = std::max(0, buffers - 2);  // one block in use and one released beside those fetched ahead
+  if (const auto it = section.find("buffer_size"); it != section.end()) {
+    std::int64_t elements = 0;
+    if (Status s = get_int(*it, p + ".buffer_size", 1, std::int64_t{1} << 50, &elements); !s.ok()) return s;
+    // DeepSpeed sizes its buffers in 16-bit elements.
+    t.budget_bytes = static_cast<std::size_t>(buffers) * static_cast<std::size_t>(elements) * 2;
+  }
+  if (section.contains("max_in_cpu")) {
+    std::int64_t elements = 0;
+    if (Status s = get_int(section.at("max_in_cpu"), p + ".max_in_cpu", 0, std::int64_t{1} << 50, &elements); !s.ok()) {
+      return s;
+    }
+    note(p + ".max_in_cpu", "not used: zoe's nvme home keeps no parameters in RAM beyond its two bounce buffers "
+                            "per loader; the cpu home keeps them all");
+  }
+  bool pin = true;
+  if (Status s = get(section, p, "pin_memory", &pin); !s.ok()) return s;
+  if (!pin) note(p + ".pin_memory", "false ignored: zoe always page-locks the parameter home it copies from");
+  return Status::success();
 }
 
 Status Parser::offload_optimizer(const Json& section) {
@@ -404,7 +457,7 @@ Status Parser::offload_optimizer(const Json& section) {
   return Status::success();
 }
 
-Status Parser::nvme_path(const Json& v, const std::string& path) {
+Status Parser::nvme_path(const Json& v, const std::string& path, std::vector<std::string>* out) {
   const char* want = "need a directory or a non-empty list of directories";
   std::vector<std::string> paths;
   if (v.is_string()) {
@@ -423,7 +476,7 @@ Status Parser::nvme_path(const Json& v, const std::string& path) {
   if (std::set<std::string>(paths.begin(), paths.end()).size() != paths.size()) {
     return bad(path, v, "a directory is listed twice");
   }
-  out_->options.nvme.paths = std::move(paths);
+  (out != nullptr ? *out : out_->options.nvme.paths) = std::move(paths);
   return Status::success();
 }
 

@@ -325,3 +325,44 @@ TEST(Config, LoadFile) {
 
 }  // namespace
 }  // namespace zoe
+
+namespace zoe {
+namespace {
+
+TEST(ConfigOffloadParam, DeepSpeedKeysBecomeAParameterTier) {
+  Result<LoadedConfig> c = parse_config(R"({"zero_optimization": {"offload_param": {
+      "device": "nvme", "nvme_path": ["/a", "/b"], "buffer_count": 4, "buffer_size": 1e8, "max_in_cpu": 1e9,
+      "pin_memory": true}}, "aio": {"block_size": 262144, "queue_depth": 16}})", "<test>");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_TRUE(c->offload_param);
+  EXPECT_EQ(c->param_tier.home, ParamHome::nvme);
+  EXPECT_EQ(c->param_tier.nvme_paths, (std::vector<std::string>{"/a", "/b"}));
+  EXPECT_EQ(c->param_tier.prefetch, 2);                           // buffer_count 4: in use, released, 2 ahead
+  EXPECT_EQ(c->param_tier.budget_bytes, std::size_t{800000000});  // 4 buffers of 1e8 16-bit elements
+  EXPECT_EQ(c->param_tier.request_bytes, std::size_t{262144});
+  EXPECT_EQ(c->param_tier.queue_depth, 16);
+  bool noted = false;
+  for (const std::string& n : c->notes) noted = noted || n.find("offload_param.max_in_cpu") != std::string::npos;
+  EXPECT_TRUE(noted);
+}
+
+TEST(ConfigOffloadParam, BadValuesAndUnknownKeysAreNamed) {
+  Result<LoadedConfig> c = parse_config(R"({"zero_optimization": {"offload_param": {"device": "gpu"}}})", "<test>");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("zero_optimization.offload_param.device"), std::string::npos) << c.status().message();
+  c = parse_config(R"({"zero_optimization": {"offload_param": {"device": "nvme"}}})", "<test>");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("nvme_path is missing"), std::string::npos);
+  c = parse_config(R"({"zero_optimization": {"offload_param": {"device": "cpu", "speed": 1}}})", "<test>");
+  ASSERT_TRUE(c.ok());
+  EXPECT_TRUE(c->offload_param);
+  bool noted = false;
+  for (const std::string& n : c->notes) noted = noted || n.find("'zero_optimization.offload_param.speed'") != std::string::npos;
+  EXPECT_TRUE(noted);
+  c = parse_config(R"({"zero_optimization": {"offload_param": {"device": "none"}}})", "<test>");
+  ASSERT_TRUE(c.ok());
+  EXPECT_FALSE(c->offload_param);
+}
+
+}  // namespace
+}  // namespace zoe
