@@ -120,3 +120,37 @@ def test_probe_reports_a_killed_runs_swap_store_with_the_command_that_removes_it
     assert subprocess.run(store["remove_command"], shell=True).returncode == 0
     assert os.listdir(tmp_path) == []
     assert zoe("probe", str(tmp_path), "--bytes", "1M", "--json").stdout.count('"swap_stores": []') == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--offload-param", "gpu"], "'gpu' is unknown"),
+    (["--offload-param", "nvme"], "needs --path"),
+    (["--offload-param", "cpu", "--layers", "1"], "--layers 1"),
+    (["--offload-param", "cpu", "--prefetch", ""], "--prefetch is empty"),
+    (["--offload-param", "cpu", "--compute-ratio", "0"], "--compute-ratio 0"),
+])
+def test_bench_step_offload_param_refuses_bad_input(args, message):
+    r = zoe("bench", "step", *args)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr
+
+
+@pytest.mark.parametrize("home", ["cpu", "nvme"])
+def test_bench_step_offload_param_reports_each_prefetch_depth(home, tmp_path):
+    if home == "nvme" and not has_aio():
+        pytest.skip("zoe was built without the libaio NVMe tier")
+    extra = ["--path", str(tmp_path)] if home == "nvme" else []
+    r = zoe("bench", "step", "--offload-param", home, *extra, "--layers", "4", "--layer-bytes", "256K",
+            "--prefetch", "0,2", "--iters", "1", "--host-waits", "--json")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    runs = [x for x in lines if x["bench"] == "param_offload"]
+    assert [x["prefetch"] for x in runs] == [0, 2]
+    for x in runs:
+        assert 0 <= x["device_idle_fraction"] <= 1
+        assert x["pool_peak_bytes"] <= x["budget_bytes"]
+        assert x["compute_ms"] > 0 and x["iteration_ms"] > 0
+    if home == "nvme":
+        fetch = [x for x in lines if x["bench"] == "param_fetch"][0]
+        assert fetch["fetch_gbps"] > 0 and fetch["raw_read_gbps"] > 0
+        assert list(tmp_path.iterdir()) == []  # the scratch parameter file is removed
