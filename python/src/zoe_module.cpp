@@ -290,6 +290,7 @@ class PyCollectives final : public Collectives {
 struct PyParamTier {
   nb::object device_owner;  // first: destroyed last, after the tier that uses the device
   std::optional<ParamTier> tier;
+  int engines = 0;  // optimizers writing into it: it may not be closed under them
 
   ParamTier& get() {
     if (!tier) throw std::invalid_argument("the parameter tier was closed");
@@ -313,6 +314,12 @@ struct PyEngine {
   // Declared first so that it is destroyed last: the optimizer's destructor still talks to the device.
   nb::object device_owner;
   std::vector<nb::object> tiers;  // parameter tiers the optimizer writes into: they outlive it
+  PyEngine() = default;
+  PyEngine(PyEngine&&) = default;
+  ~PyEngine() {
+    opt.reset();  // before the tiers it writes into may be closed
+    for (nb::object& t : tiers) --nb::cast<PyParamTier&>(t).engines;
+  }
   std::unique_ptr<PyCollectives> collectives;  // outlives the optimizer, which holds its address
   std::optional<OffloadOptimizer> opt;
   std::size_t param_count = 0;
@@ -381,7 +388,11 @@ std::unique_ptr<PyEngine> make_engine(nb::object device_obj, std::vector<nb::dic
     ps[param].tier = &nb::cast<PyParamTier&>(tier_obj).get();
     ps[param].tier_block = block;
     ps[param].tier_entry = entry;
-    engine->tiers.push_back(tier_obj);
+    if (std::find_if(engine->tiers.begin(), engine->tiers.end(), [&](const nb::object& t) { return t.is(tier_obj); }) ==
+        engine->tiers.end()) {
+      engine->tiers.push_back(tier_obj);
+      ++nb::cast<PyParamTier&>(tier_obj).engines;
+    }
   }
   const OffloadOptions o = to_options(options);
   engine->device_owner = device_obj;
@@ -495,8 +506,9 @@ void bind_param_tier(nb::module_& m) {
       .def("__init__",
            [](PyParamTier* self, nb::object device_obj, std::vector<std::vector<std::size_t>> entry_bytes,
               std::vector<std::string> names, const std::string& home, std::vector<std::string> nvme_paths,
-              std::size_t budget_bytes, int prefetch) {
+              std::size_t budget_bytes, int prefetch, bool host_consumer) {
              ParamTierOptions o;
+             o.host_consumer = host_consumer;
              o.home = take(parse_param_home(home));
              o.nvme_paths = std::move(nvme_paths);
              o.budget_bytes = budget_bytes;
@@ -514,7 +526,8 @@ void bind_param_tier(nb::module_& m) {
              new (self) PyParamTier{device_obj, take(std::move(made))};
            },
            nb::arg("device"), nb::arg("entry_bytes"), nb::arg("names"), nb::arg("home") = "cpu",
-           nb::arg("nvme_paths") = std::vector<std::string>{}, nb::arg("budget_bytes") = 0, nb::arg("prefetch") = 2)
+           nb::arg("nvme_paths") = std::vector<std::string>{}, nb::arg("budget_bytes") = 0, nb::arg("prefetch") = 2,
+           nb::arg("host_consumer") = false)
       .def("write",
            [](PyParamTier& t, std::size_t block, std::size_t entry, std::uintptr_t address, std::size_t nbytes,
               std::size_t byte_offset) {
@@ -545,9 +558,14 @@ void bind_param_tier(nb::module_& m) {
       .def("block_bytes", [](PyParamTier& t, std::size_t b) { return t.get().block_bytes(b); })
       .def("files", [](PyParamTier& t) { return t.get().files(); })
       .def("close", [](PyParamTier& t) {
+        if (t.engines > 0) {
+          throw std::invalid_argument("the parameter tier cannot be closed: " + std::to_string(t.engines) +
+                                      " optimizer(s) still write into it (delete them first)");
+        }
         nb::gil_scoped_release release;
         t.tier.reset();
       }, "Frees the pool and the home (an NVMe file is removed); every later call raises.")
+      .def_prop_ro("users", [](PyParamTier& t) { return t.engines; }, "Optimizers writing into this tier.")
       .def("stats", [](PyParamTier& t) {
         const ParamTierStats s = t.get().stats();
         nb::dict d;

@@ -126,9 +126,9 @@ def read_torch_state(opt, sd: dict):
     full = {}
     for s in opt._slots:
         st = state.get(s.index, state.get(str(s.index)))
-        shape = tuple(s.param.shape)
+        shape = tuple(s.shape)
         if st is None:
-            m = v = torch.zeros(s.param.numel(), dtype=torch.float32)
+            m = v = torch.zeros(s.numel, dtype=torch.float32)
         else:
             if "max_exp_avg_sq" in st:
                 raise ValueError(f"parameter {s.index}: this state_dict comes from amsgrad=True, which zoe does not run")
@@ -205,7 +205,7 @@ def torch_state(opt) -> dict:
         else:
             whole = mine
         for s in b.slots:
-            p, m, v = (whole[k, s.offset:s.offset + s.numel].clone().view(s.param.shape) for k in range(3))
+            p, m, v = (whole[k, s.offset:s.offset + s.numel].clone().view(s.shape) for k in range(3))
             state[s.index] = {"step": torch.tensor(float(step)), "exp_avg": m, "exp_avg_sq": v}
             masters[s.index] = p
     return {"state": state, "param_groups": _param_groups(opt), "zoe_masters": masters}

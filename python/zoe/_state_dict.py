@@ -8,7 +8,7 @@ import tempfile
 
 import torch
 
-from . import _interop
+from . import _interop, _param_offload
 
 _STATE_FORMAT = _interop.STATE_FORMAT
 # Keys of torch.optim.AdamW's groups whose non-default values zoe cannot honour.
@@ -20,7 +20,7 @@ class StateDictMethods:
 
     def _layout(self) -> list:
         extra = self._dtensor.describe if self._dtensor is not None else lambda p: []
-        return [[list(p.shape), str(p.dtype), bool(p.requires_grad)] + extra(p)
+        return [[list(_param_offload.full_shape(p)), str(p.dtype), bool(p.requires_grad)] + extra(p)
                 for g in self.param_groups for p in g["params"]]
 
     def _partition(self) -> tuple[int, int]:

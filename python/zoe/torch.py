@@ -37,9 +37,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import _data_parallel, _dtensor, _interop, _state_dict, _zoe
+from . import _data_parallel, _dtensor, _interop, _param_offload, _state_dict, _zoe
+from ._param_offload import full_shape, offload_parameters
 
-__all__ = ["OffloadOptimizer"]
+__all__ = ["OffloadOptimizer", "offload_parameters", "full_shape"]
 
 _ZOE_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 # Keys of torch.optim.AdamW's groups whose non-default values zoe cannot honour.
@@ -49,14 +50,19 @@ _UNSUPPORTED_FLAGS = _state_dict.UNSUPPORTED_FLAGS
 class _Slot:
     """Where one trainable parameter lives in its dtype's flat buffers."""
 
-    __slots__ = ("param", "index", "group", "offset", "numel", "grad_view", "engine_ids", "accumulated", "taken")
+    __slots__ = ("param", "index", "group", "offset", "numel", "shape", "tier", "grad_view", "engine_ids",
+                 "accumulated", "taken")
 
     def __init__(self, param, index, group, offset):
         self.param = param
         self.index = index  # position in param-group order, as state_dict numbers parameters
         self.group = group
         self.offset = offset
-        self.numel = _dtensor.local_numel(param)  # a DTensor's: this rank's shard
+        # An offloaded parameter's weights live in its parameter tier (zoe.torch.offload_parameters): p.data
+        # is a placeholder between uses, and the engine writes the updated weights into the tier.
+        self.tier = getattr(param, "_zoe_param_offload", None)  # (ParamOffload, block, entry)
+        self.shape = _param_offload.full_shape(param)
+        self.numel = _dtensor.local_numel(param) if self.tier is None else math.prod(self.shape)
         self.grad_view = None
         self.engine_ids: list[int] = []
         self.accumulated = 0  # backward passes that accumulated into this gradient since the last step
@@ -259,6 +265,14 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                     self._slots.append(slot)
                 index += 1
         self._param_count = index
+        if any(s.tier is not None for s in self._slots):
+            if self._dtensor is not None or self._world > 1:
+                raise _zoe.UnsupportedError(
+                    "zoe.torch.OffloadOptimizer: offloaded parameters (offload_parameters) with several ranks or "
+                    "FSDP2 are not supported yet: the engine cannot gather weights into a parameter tier")
+            if self._options["schedule"] == "delayed":
+                raise ValueError("zoe.torch.OffloadOptimizer: schedule='delayed' would rewrite offloaded blocks "
+                                 "while the next forward reads them; use 'sync' or 'overlap' with offload_parameters")
         if self._dtensor is not None:
             self._buckets = self._dtensor.make_buckets(slots_by_dtype, self._device)
             self._make_engine()
@@ -269,12 +283,13 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         with torch.no_grad():
             for b in self._buckets:
                 for s in b.slots:
-                    b.weights[s.offset:s.offset + s.numel].copy_(s.param.data.reshape(-1))
-                    s.param.data = b.weights[s.offset:s.offset + s.numel].view_as(s.param)
-                    s.grad_view = b.grads[s.offset:s.offset + s.numel].view_as(s.param)
+                    if s.tier is None:
+                        b.weights[s.offset:s.offset + s.numel].copy_(s.param.data.reshape(-1))
+                        s.param.data = b.weights[s.offset:s.offset + s.numel].view_as(s.param)
+                    s.grad_view = b.grads[s.offset:s.offset + s.numel].view(s.shape)
                     if s.param.grad is not None:
                         s.grad_view.copy_(s.param.grad)
-                    s.param.grad = s.grad_view
+                    _param_offload.set_grad(s.param, s.grad_view)
                 if self._world > 1:
                     # Every rank starts from rank 0's weights, as DistributedDataParallel does.
                     dist.broadcast(b.weights, src=dist.get_global_rank(self._group, 0), group=self._group)
@@ -336,7 +351,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         opts.threads = o["threads"]
 
         groups = [self._group_hyper(g) for g in self.param_groups]
-        specs = []
+        specs, tiered = [], []
         # Recorded in zoe's checkpoints for zoe export: the names of an optimizer built from named_parameters().
         names = {}
         index = 0
@@ -353,14 +368,18 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                 # A DTensor's shard is FSDP2's own storage, stepped in place.
                 weights_ptr = (self._dtensor.weights_ptr(s) if self._dtensor is not None
                                else b.weights.data_ptr() + s.offset * esize)
-                shape = list(s.param._local_tensor.shape if self._dtensor is not None else s.param.shape)
+                shape = list(s.param._local_tensor.shape if self._dtensor is not None else s.shape)
+                if s.tier is not None:
+                    offload, block, entry = s.tier
+                    tiered.append((len(specs), offload.tier, block, entry))
+                    weights_ptr = 0
                 specs.append((s.numel, _ZOE_DTYPES[b.dtype], weights_ptr, b.grads.data_ptr() + s.offset * esize,
                               s.group, names.get(s.index, ""), shape))
                 if max(lo, s.offset) < min(hi, s.offset + s.numel):
                     s.engine_ids.append(pieces)
                     pieces += 1
         collectives = self._dp.collectives if self._dp is not None else None
-        self._engine = _zoe.Engine(self._zoe_device, [dict(h) for h in groups], specs, opts, collectives)
+        self._engine = _zoe.Engine(self._zoe_device, [dict(h) for h in groups], specs, opts, collectives, tiered)
         self._hyper_sent = [self._hyper_key(h) for h in groups]
 
     @staticmethod
@@ -485,7 +504,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                 self._dtensor.copy_grad(s, g)  # a DTensor's data_ptr() is 0: its local tensor's tells
             elif g.data_ptr() != s.grad_view.data_ptr():
                 s.grad_view.copy_(g)
-        s.param.grad = s.grad_view
+        _param_offload.set_grad(s.param, s.grad_view)
         return True
 
     def _sync_hyper(self) -> None:
@@ -593,7 +612,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             b.grads.zero_()
         for s in self._slots:
             if s.param.grad is not s.grad_view:
-                s.param.grad = s.grad_view
+                _param_offload.set_grad(s.param, s.grad_view)
 
     # ---- loss scaling ---------------------------------------------------------------------------------
 
@@ -656,7 +675,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                 parts[k].append(t)
         out = {k: torch.cat(v) if v else torch.empty(0) for k, v in parts.items()}
         if self._world == 1:
-            shape = param._local_tensor.shape if self._dtensor is not None else param.shape
+            shape = param._local_tensor.shape if self._dtensor is not None else _param_offload.full_shape(param)
             out = {k: v.view(shape) for k, v in out.items()}
         return out
 

@@ -116,6 +116,26 @@ def test_demo_end_to_end(tmp_path):
     assert all(math.isfinite(v) for v in summary["losses"] + summary["held_out_curve"]["losses"])
 
 
+def test_demo_with_parameters_offloaded_trains_as_resident(tmp_path):
+    """python -m zoe.demo --offload-param cpu|nvme: the same losses, bit for bit, as the resident run."""
+    small = ["--steps", "4", "--batch", "2", "--seq", "32", "--d-model", "64", "--layers", "2", "--heads", "2",
+             "--evals", "1", "--tier", "ram"]
+    losses = {}
+    for mode in ("none", "cpu", "nvme"):
+        out = tmp_path / mode
+        r = subprocess.run([sys.executable, "-m", "zoe.demo", *small, "--offload-param", mode, "--out", str(out)],
+                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert r.returncode == 0, r.stdout + r.stderr
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["offload_param"] == mode
+        if mode != "none":
+            assert f"parameters offloaded to {mode}" in r.stdout
+            assert summary["param_tier"]["pool_peak_bytes"] <= summary["param_tier"]["budget_bytes"]
+        losses[mode] = summary["losses"] + summary["held_out_curve"]["losses"]
+    assert losses["cpu"] == losses["none"] and losses["nvme"] == losses["none"]
+    assert not any((tmp_path / "nvme" / "params").iterdir())  # the scratch parameter file is gone
+
+
 @pytest.mark.parametrize("module, args, message", [
     ("zoe.demo", ["--steps", "0"], "--steps 0: need at least 1"),
     ("zoe.demo", ["--warmup", "0"], "--warmup 0: need at least 1"),

@@ -17,8 +17,8 @@ import torch
 import zoe
 from zoe.demo import plot
 from zoe.demo.data import ByteBatches
-from zoe.demo.model import GPT, GPTConfig
-from zoe.torch import OffloadOptimizer
+from zoe.demo.model import GPT, Block, GPTConfig
+from zoe.torch import OffloadOptimizer, full_shape, offload_parameters
 
 
 def parse_args(argv=None):
@@ -34,6 +34,9 @@ def parse_args(argv=None):
     p.add_argument("--tier", choices=["auto", "ram", "nvme"], default="auto",
                    help="auto: nvme under --out/swap where this build has the tier, else ram")
     p.add_argument("--schedule", choices=["sync", "overlap", "delayed"], default="sync")
+    p.add_argument("--offload-param", choices=["none", "cpu", "nvme"], default="none",
+                   help="keep the 16-bit weights in a parameter tier (pinned RAM, or NVMe under --out), fetched "
+                        "per transformer block with prefetch 2 (zoe.torch.offload_parameters)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="the device weights")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--out", default="zoe-demo", help="folder for loss.png, summary.json and the swap files")
@@ -64,8 +67,9 @@ def held_out_loss(model, batches, device) -> float:
 def make_optimizer(model, args, swap_dir):
     common = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, schedule=args.schedule,
                   max_grad_norm=1.0)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    # full_shape: an offloaded parameter's p.shape is its empty placeholder's.
+    decay = [p for n, p in model.named_parameters() if len(full_shape(p)) >= 2]
+    no_decay = [p for n, p in model.named_parameters() if len(full_shape(p)) < 2]
     groups = lambda: [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]  # noqa: E731
     if args.tier in ("auto", "nvme"):
         try:
@@ -170,6 +174,7 @@ def main(argv=None) -> int:
     compute = None if device.type == "cuda" else torch.float32
     cfg = GPTConfig(seq=args.seq, d_model=args.d_model, n_layer=args.layers, n_head=args.heads, compute_dtype=compute)
     model = GPT(cfg).to(device=device, dtype=dtype)
+    n_params = model.num_params()  # counted before any offload leaves placeholders in the parameters
     data = ByteBatches(args.seq, args.batch, seed=args.seed)
     # Held-out batches drawn once, from a generator of their own: the training batches are the same with or
     # without evaluation, and every evaluation sees the same text.
@@ -177,10 +182,16 @@ def main(argv=None) -> int:
     held = [held_data.next(held_out=True) for _ in range(HELD_OUT_BATCHES)]
     os.makedirs(args.out, exist_ok=True)
     swap_dir = os.path.join(os.path.abspath(args.out), "swap")
+    offload = None
+    if args.offload_param != "none":
+        params_dir = os.path.join(os.path.abspath(args.out), "params")
+        os.makedirs(params_dir, exist_ok=True)
+        offload = offload_parameters(model, device=args.offload_param, prefetch=2, block_modules=(Block,),
+                                     nvme_path=params_dir if args.offload_param == "nvme" else None)
     opt, tier, note = make_optimizer(model, args, swap_dir)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))))
-    params_m = model.num_params() / 1e6
+    params_m = n_params / 1e6
     print(f"zoe demo: GPT {params_m:.2f}M parameters ({args.layers} layers, d={args.d_model}), "
           f"{args.dtype} weights on {device}" + (" (fp32 arithmetic)" if compute else "") +
           f"; fp32 master + moments in zoe, tier {tier}, schedule {args.schedule}; "
@@ -188,6 +199,10 @@ def main(argv=None) -> int:
     print(f"text: {data.source}, {len(data) / 1e3:.0f} kB; batch {args.batch} x {args.seq} tokens")
     if note:
         print(f"note: {note}")
+    if offload is not None:
+        st = offload.stats()
+        print(f"parameters offloaded to {args.offload_param}: {len(offload.blocks)} blocks, device pool of "
+              f"{st['budget_bytes'] / 2**20:.2f} MiB (prefetch 2)")
 
     r = train(model, opt, sched, data, held, args, device)
     losses, wall, parts, t_step = r["losses"], r["wall"], r["parts"], r["t_step"]
@@ -203,7 +218,8 @@ def main(argv=None) -> int:
     stats = opt.stats()
     tokens_per_step = args.batch * args.seq
     summary = {
-        "model_params": model.num_params(), "device": str(device), "weights_dtype": args.dtype, "tier": tier,
+        "model_params": n_params, "device": str(device), "offload_param": args.offload_param,
+        "param_tier": offload.stats() if offload is not None else None, "weights_dtype": args.dtype, "tier": tier,
         "schedule": args.schedule, "steps": args.steps, "batch": args.batch, "seq": args.seq,
         "tokens_per_s": tokens_per_step * args.steps / wall, "tokens_per_s_per_step": r["tokens_per_s"],
         "wall_s": wall, "eval_s": r["t_eval"],
@@ -219,6 +235,9 @@ def main(argv=None) -> int:
     }
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
+    if offload is not None:
+        del opt, sched  # the optimizer writes into the parameter tier: it goes first
+        offload.remove()  # the trained weights back in the model; the tier (and its NVMe file) freed
     print(f"done: {args.steps} steps in {wall:.1f} s, {summary['tokens_per_s']:,.0f} tokens/s; loss "
           f"{losses[0]:.3f} -> {smooth[-1]:.3f} (held-out {held_loss:.3f}); optimizer step "
           f"{summary['per_step_ms']['optimizer_step']:.1f} ms of which adapter Python "

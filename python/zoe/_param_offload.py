@@ -1,0 +1,608 @@
+"""Parameter offload (ZeRO-Infinity style): a model's weights live in a zoe parameter tier (pinned RAM or an
+NVMe file) and occupy device memory only while a module uses them.
+
+Blocks. The parameters are grouped into blocks, the unit the tier moves: by default one block per module,
+holding the module's own parameters (``recurse=False``) in registration order; a parameter shared by several
+modules (tied weights) belongs to the first. A module's forward fetches every block its own parameters are
+in, so a module using a weight tied to another module's block fetches that block too. Models whose forward
+reads a child's weights without calling the child (``zoe.demo``'s GPT reads ``self.qkv.weight``) name the
+modules that group their subtree into one block with ``block_modules``.
+
+Between uses ``p.data`` is an empty placeholder and the weights are in the tier. A forward pre-hook fetches
+the module's blocks into the device pool and points each ``p.data`` at its slice of the block; the forward
+post-hook puts the placeholders back.
+
+Why saved-tensor hooks. Autograd keeps what backward needs (a linear layer's weight, ``tok.t()`` of a tied
+head) as saved tensors. A saved parameter is the parameter object itself, whose ``.data`` is the placeholder
+by the time backward runs, and a saved view holds pool memory that the tier may have given to another block.
+So while the model's forward runs, a ``torch.autograd.graph.saved_tensors_hooks`` pair packs every saved
+tensor that lies in a fetched block as a handle (block, byte offset, dtype, size, stride) and unpacks it in
+backward by fetching the block again (its address may have changed) and rebuilding the view. Nothing saved
+for backward holds pool memory, so the post-hook can give the block back at once, and backward fetches
+blocks in the order the engine needs them.
+
+When the tier gives memory back. Every ``tier.fetch`` is owned by the storage of the tensors built on its
+address: the object through which torch reads that memory carries a lease, and the lease releases the
+block when the storage dies. A block therefore stays in use exactly as long as some tensor can read it:
+``p.data`` between the hooks, an unpacked saved tensor while its backward node runs, activations that
+``torch.utils.checkpoint`` recomputes in backward and keeps until they are used, a view a forward returned.
+That makes a fetch and its release pair up whatever path autograd takes (``torch.autograd.grad``,
+reentrant and non-reentrant checkpointing, retained graphs), without tracking each module's backward.
+
+Gradients. The autograd node that accumulates ``p.grad`` (AccumulateGrad) reads ``p``'s strides when it
+creates ``p.grad``, so ``p.data`` must hold the full weights then: a pre-hook on that node fetches the block
+and a post-hook puts the placeholder back. The node is held for the life of the offload, so the same node
+(and its shape, recorded while the weights were full) serves every iteration. ``p.grad`` keeps its full
+shape while ``p.data`` is a placeholder; torch does not compare them on ``.data`` assignment.
+
+Checkpointing. ``torch.utils.checkpoint`` installs saved-tensor hooks of its own inside the region, which
+take precedence; its recomputation in backward keeps detached aliases of the weights, whose leases hold
+the blocks until checkpoint consumes them. The reentrant variant recomputes with no hooks installed, so a
+module whose forward runs with no saved-tensor hooks in place installs this module's pair itself. Hooks a
+trainer installs around the forward (``save_on_cpu``) take precedence likewise; what they keep of a block
+keeps the block in use.
+
+What the tier must guarantee: the address ``fetch`` returns holds the block for torch's work that follows
+(on the host for a CPU model, on the current stream for CUDA), and ``release`` — called from whichever
+thread frees the last tensor on the block, autograd's device thread included — lets the memory be reused
+only after torch's work enqueued before it.
+
+Optimizers. zoe's ``OffloadOptimizer`` steps the weights in the tier. A torch optimizer needs full tensors:
+``with offload.gathered(): opt.step()`` gives every parameter its full weights (fresh device tensors, not
+the pool: all blocks at once need not fit in it) and writes them back to the tier when the block ends.
+
+Not supported: moving or casting the model after offloading it (``model.to``), assigning ``p.grad`` (torch
+compares its shape with the placeholder's), switching on ``requires_grad`` after offloading, double backward
+(``create_graph=True``), forwards run concurrently from several threads, and reading a parameter outside the
+forward of a module that fetches it (it is the empty placeholder there).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import sys
+import threading
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+from torch import nn
+
+from ._data_parallel import _CudaMemory
+
+__all__ = ["ParamOffload", "offload_parameters", "full_shape", "set_grad"]
+
+
+def full_shape(p: torch.Tensor) -> torch.Size:
+    """The parameter's shape: an offloaded one's own, not its placeholder's."""
+    off = getattr(p, "_zoe_param_offload", None)
+    return off[0]._shapes[p] if off is not None else p.shape
+
+
+def set_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
+    """``p.grad = grad``, also for an offloaded parameter, whose placeholder torch would compare the gradient's
+    shape with: the weights' place is taken by the gradient itself for the assignment (nothing is copied)."""
+    if getattr(p, "_zoe_param_offload", None) is None or p.data.shape == grad.shape:
+        p.grad = grad
+        return
+    placeholder = p.data
+    p.data = grad
+    try:
+        p.grad = grad
+    finally:
+        p.data = placeholder
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# The saved-tensor hooks in force (None: none). Inside a checkpointed region they are checkpointing's, which
+# this module must not displace.
+_top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def _in_backward() -> bool:
+    return _current_graph_task_id() != -1
+
+
+def offload_parameters(model: nn.Module, device: str = "cpu", nvme_path: str | Sequence[str] | None = None,
+                       prefetch: int = 2, budget_bytes: int | None = None, tier_factory: Callable | None = None,
+                       block_modules: tuple[type, ...] | Callable[[str, nn.Module], bool] | None = None
+                       ) -> "ParamOffload":
+    """Moves ``model``'s float16/bfloat16/float32 parameters into a parameter tier and installs the hooks
+    that fetch them around each module's use. Returns the ``ParamOffload``; ``remove()`` undoes it.
+
+    ``device``: where the weights live, ``"cpu"`` (pinned RAM) or ``"nvme"`` (files at ``nvme_path``, one
+    path or several). ``prefetch``: how many blocks ahead of the one in use the tier loads.
+    ``budget_bytes``: the device pool's size (None: the tier's default). ``block_modules``: module classes
+    or a predicate ``(name, module) -> bool``; each chosen module, and the model itself, makes one block of
+    the parameters of its subtree down to the next chosen module (None: every module is a block of its own
+    parameters). ``tier_factory(entry_bytes, names, home, nvme_paths, budget_bytes, prefetch)``, when
+    given, builds the tier in place of ``zoe._zoe.ParamTier`` (tests use a Python double).
+
+    Parameters of other dtypes, and empty ones, stay where they are. The model must be on its device (one
+    device) before this call."""
+    if device not in ("cpu", "nvme"):
+        raise ValueError(f"offload_parameters: device must be 'cpu' or 'nvme', not {device!r}")
+    if device == "nvme":
+        if not nvme_path:
+            raise ValueError("offload_parameters: device='nvme' needs nvme_path")
+        paths = [os.fspath(nvme_path)] if isinstance(nvme_path, (str, os.PathLike)) \
+            else [os.fspath(p) for p in nvme_path]
+    else:
+        paths = []
+    if prefetch < 0:
+        raise ValueError("offload_parameters: prefetch must be >= 0")
+    return ParamOffload(model, "ram" if device == "cpu" else "nvme", paths, prefetch, budget_bytes or 0,
+                        tier_factory, _block_selector(block_modules))
+
+
+def _block_selector(block_modules) -> Callable[[str, nn.Module], bool]:
+    if block_modules is None:
+        return lambda name, m: True
+    if isinstance(block_modules, type) or (isinstance(block_modules, tuple)
+                                           and all(isinstance(c, type) for c in block_modules)):
+        return lambda name, m: isinstance(m, block_modules)
+    if callable(block_modules):
+        return block_modules
+    raise TypeError("block_modules: a module class, a tuple of them, or a predicate (name, module) -> bool")
+
+
+class _Lease:
+    """One ``tier.fetch`` of a block, carried by the object through which torch reads the block's memory
+    (the storage keeps that object alive): when the last tensor on the storage dies, the block is released."""
+
+    __slots__ = ("offload", "block", "address")
+
+    def __init__(self, offload: "ParamOffload", block: int, address: int):
+        self.offload = offload
+        self.block = block
+        self.address = address
+        offload._live_add(address, block)
+
+    def __del__(self):
+        self.offload._release(self.block, self.address)
+
+
+class _SavedView(NamedTuple):
+    """A saved tensor that lies in a block, by position rather than address."""
+    block: int
+    byte_offset: int
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple[int, ...]
+    version: int  # the block's write count when saved: weights written since make the graph stale
+
+
+class _Active:
+    """A block fetched for the hooks: how many module calls and gradient accumulations use it now, and the
+    storage its parameters' ``.data`` are views of."""
+
+    __slots__ = ("count", "storage")
+
+    def __init__(self, storage: torch.UntypedStorage):
+        self.count = 1
+        self.storage = storage
+
+
+class _Frame:
+    """One module call between its forward hooks: the blocks its pre-hook took and whether it installed
+    the saved-tensor hooks, so that the post-hook (also run when forward raises) undoes exactly that."""
+
+    __slots__ = ("module", "blocks", "pushed")
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.blocks: list[int] = []
+        self.pushed = False
+
+
+def _view(storage: torch.UntypedStorage, byte_offset: int, dtype: torch.dtype, size, stride) -> torch.Tensor:
+    item = dtype.itemsize
+    if byte_offset % item:
+        raise RuntimeError(f"zoe parameter offload: offset {byte_offset} is not aligned to {dtype}")
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, byte_offset // item, size, stride)
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+class ParamOffload:
+    """The installed parameter offload of one model (see the module docstring).
+
+    ``tier``: the parameter tier. ``blocks``: ``[(module_name, [params])]`` by block index; entry ``e`` of
+    block ``b`` is ``blocks[b][1][e]``. Each offloaded parameter carries ``p._zoe_param_offload = (self,
+    block, entry)``."""
+
+    def __init__(self, model: nn.Module, home: str, nvme_paths: list[str], prefetch: int, budget_bytes: int,
+                 tier_factory: Callable | None, select: Callable[[str, nn.Module], bool]):
+        for p in model.parameters():
+            if hasattr(p, "_zoe_param_offload"):
+                raise RuntimeError("offload_parameters: this model's parameters are offloaded already")
+        self._model = model
+        self.blocks, self._module_blocks = _plan(model, select)
+        if not self.blocks:
+            raise ValueError("offload_parameters: the model has no float16/bfloat16/float32 parameters")
+        devices = {p.device for _, ps in self.blocks for p in ps}
+        if len(devices) != 1 or next(iter(devices)).type not in ("cpu", "cuda"):
+            raise ValueError(f"offload_parameters: the parameters must be on one CPU or CUDA device, not "
+                             f"{sorted(map(str, devices))}")
+        self._device = next(iter(devices))
+        if self._device.type == "cuda" and self._device.index is None:
+            self._device = torch.device("cuda", torch.cuda.current_device())
+
+        self._names = [name for name, _ in self.blocks]
+        self._shapes = {p: p.shape for _, ps in self.blocks for p in ps}
+        self._strides = {p: _contiguous_strides(p.shape) for p in self._shapes}
+        entry_bytes = [[p.numel() * p.element_size() for p in ps] for _, ps in self.blocks]
+        if tier_factory is None:
+            from . import _zoe  # the binding is only needed once a model is offloaded
+            zdev = _zoe.cpu_device() if self._device.type == "cpu" else _zoe.cuda_device(self._device.index)
+            # torch's kernels run on torch's stream, not zoe's: a fetch returns once its block is there.
+            self.tier = _zoe.ParamTier(zdev, entry_bytes, self._names, home, nvme_paths, budget_bytes, prefetch,
+                                       host_consumer=True)
+        else:
+            self.tier = tier_factory(entry_bytes, self._names, home, nvme_paths, budget_bytes, prefetch)
+        self._block_bytes = [int(self.tier.block_bytes(b)) for b in range(len(self.blocks))]
+        self._offsets = [[int(self.tier.entry_offset(b, e)) for e in range(len(ps))]
+                         for b, (_, ps) in enumerate(self.blocks)]
+
+        self._active: dict[int, _Active] = {}
+        self._live: dict[int, list] = {}  # block address -> [block, leases on it]
+        self._versions = [0] * len(self.blocks)
+        self._acc_pending = [0] * len(self.blocks)  # gradient accumulations under way, by block
+        self._order: list[int] | None = []  # forward order of blocks, until handed to the tier
+        self._order_seen: set[int] = set()
+        self._gathered = False
+        self._local = threading.local()  # the module-call frames of the thread running forward
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._handles: list = []
+        self._grad_nodes: list = []
+        self._placeholders: dict[nn.Parameter, torch.Tensor] = {}
+
+        for b, (_, ps) in enumerate(self.blocks):
+            for e, p in enumerate(ps):
+                host = p.detach().to("cpu").contiguous()
+                self.tier.write(b, e, host.data_ptr(), entry_bytes[b][e])
+        for b, (_, ps) in enumerate(self.blocks):
+            for e, p in enumerate(ps):
+                if p.requires_grad:
+                    self._hook_accumulation(p, b)
+                p._zoe_param_offload = (self, b, e)
+                self._placeholders[p] = torch.empty(0, dtype=p.dtype, device=p.device)
+                p.data = self._placeholders[p]
+
+        hooked = [m for m, bs in self._module_blocks.items() if bs]
+        if model not in self._module_blocks or not self._module_blocks[model]:
+            hooked.append(model)  # the root installs the saved-tensor hooks and ends the order's recording
+        for m in hooked:
+            self._handles.append(m.register_forward_pre_hook(self._pre_forward, prepend=True))
+            self._handles.append(m.register_forward_hook(self._post_forward, always_call=True))
+
+    # -- block memory ------------------------------------------------------------------------------------
+
+    def _fetch(self, block: int, backward: bool) -> torch.UntypedStorage:
+        """A storage over the block's memory in the pool, holding one fetch until it dies."""
+        if self.tier is None:
+            raise RuntimeError("zoe parameter offload was removed: its blocks cannot be fetched")
+        try:
+            address = int(self.tier.fetch(block, backward))
+        except Exception as e:
+            raise RuntimeError(f"zoe parameter offload: fetching block {block} ('{self._names[block]}', "
+                               f"{self._block_bytes[block]} bytes) failed: {e}") from e
+        lease = _Lease(self, block, address)
+        n = self._block_bytes[block]
+        if self._device.type == "cpu":
+            memory = (ctypes.c_byte * n).from_address(address)
+            memory.lease = lease
+            return torch.frombuffer(memory, dtype=torch.uint8).untyped_storage()
+        memory = _CudaMemory(address, n, "|u1")
+        memory.lease = lease
+        return torch.as_tensor(memory, device=self._device).untyped_storage()
+
+    def _live_add(self, address: int, block: int) -> None:
+        live = self._live.get(address)
+        if live is None:
+            self._live[address] = [block, 1]
+        else:
+            live[1] += 1
+
+    def _release(self, block: int, address: int) -> None:
+        live = self._live.get(address)
+        if live is not None:
+            live[1] -= 1
+            if live[1] == 0:
+                del self._live[address]
+        if self.tier is not None:
+            if self._device.type == "cuda":
+                # The tier may copy another block into this memory as soon as it is released: the kernels
+                # torch enqueued on it must have run (the tier cannot see torch's stream).
+                torch.cuda.current_stream(self._device).synchronize()
+            self.tier.release(block)
+
+    def _acquire(self, block: int, backward: bool) -> None:
+        """Makes the block's parameters full views of it (fetching it unless the hooks hold it already)."""
+        active = self._active.get(block)
+        if active is not None:
+            active.count += 1
+            return
+        storage = self._fetch(block, backward)
+        for p, off in zip(self.blocks[block][1], self._offsets[block]):
+            p.data = _view(storage, off, p.dtype, self._shapes[p], self._strides[p])
+        self._active[block] = _Active(storage)
+
+    def _drop(self, block: int) -> None:
+        active = self._active[block]
+        active.count -= 1
+        if active.count == 0:
+            del self._active[block]
+            for p in self.blocks[block][1]:
+                p.data = self._placeholders[p]
+
+    # -- saved tensors -----------------------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor):
+        if t.layout is torch.strided and t.device.type == self._device.type and self._live:
+            try:
+                live = self._live.get(t.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+                live = None
+            if live is not None:
+                b = live[0]
+                return _SavedView(b, t.storage_offset() * t.element_size(), t.dtype, t.size(), t.stride(),
+                                  self._versions[b])
+        # Detached: a saved output held as itself would keep its own autograd node alive.
+        return t.detach()
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _SavedView):
+            return saved
+        if self._versions[saved.block] != saved.version:
+            raise RuntimeError(f"zoe parameter offload: the weights of block {saved.block} "
+                               f"('{self._names[saved.block]}') were written after the forward that saved "
+                               "them for backward")
+        return _view(self._fetch(saved.block, True), saved.byte_offset, saved.dtype, saved.size, saved.stride)
+
+    def _push_hooks(self) -> bool:
+        """Installs the saved-tensor hooks unless some are in force (this module's, or checkpointing's)."""
+        if _top_saved_tensors_hooks is not None:
+            if _top_saved_tensors_hooks(False) is not None:
+                return False
+        elif getattr(self._local, "pushed", 0):
+            return False
+        self._hooks.__enter__()
+        self._local.pushed = getattr(self._local, "pushed", 0) + 1
+        return True
+
+    def _pop_hooks(self) -> None:
+        self._hooks.__exit__(None, None, None)
+        self._local.pushed -= 1
+
+    # -- module hooks ------------------------------------------------------------------------------------
+
+    def _frames(self) -> list[_Frame]:
+        frames = getattr(self._local, "frames", None)
+        if frames is None:
+            frames = self._local.frames = []
+        return frames
+
+    def _pre_forward(self, module: nn.Module, args) -> None:
+        frames = self._frames()
+        backward = _in_backward()
+        if module is self._model and not backward:
+            self._recover(frames)
+        frame = _Frame(module)
+        frames.append(frame)
+        if self._gathered:
+            return
+        frame.pushed = self._push_hooks()
+        recording = self._order is not None and not backward
+        for b in self._module_blocks.get(module, ()):
+            self._acquire(b, backward)
+            frame.blocks.append(b)
+            if recording and b not in self._order_seen:
+                self._order_seen.add(b)
+                self._order.append(b)
+
+    def _post_forward(self, module: nn.Module, args, output) -> None:
+        frames = self._frames()
+        if not frames or frames[-1].module is not module:
+            return  # an earlier pre-hook raised before this module's ran
+        self._unwind(frames.pop())
+        if module is self._model and not frames and self._order is not None and not _in_backward():
+            error = sys.exc_info()[1] if output is None else None
+            if error is not None:  # run for a forward that raised (always_call): record the order next time
+                self._explain(error)
+                self._order, self._order_seen = [], set()
+            elif self._order:
+                self.tier.set_order(list(self._order))
+                self._order = None
+                self._order_seen = set()
+
+    def _explain(self, error: BaseException) -> None:
+        """The first forward failed: a likely cause is a module reading parameters of a module whose forward
+        it does not call (the demo GPT's blocks read their layers' weights), which find the placeholders."""
+        unfetched = [self._names[b] for b in range(len(self.blocks)) if b not in self._order_seen]
+        if not unfetched or not hasattr(error, "add_note") or str(error).startswith("zoe parameter offload"):
+            return
+        shown = ", ".join(unfetched[:6]) + (", ..." if len(unfetched) > 6 else "")
+        error.add_note(f"zoe parameter offload: when this forward failed, {len(unfetched)} blocks ({shown}) had "
+                       "not been fetched, and their parameters were empty placeholders. If a forward reads "
+                       "parameters of a submodule without calling it, make the reading module a block of its "
+                       "subtree: offload_parameters(..., block_modules=(ThatModuleClass,)).")
+
+    def _unwind(self, frame: _Frame) -> None:
+        try:
+            for b in reversed(frame.blocks):
+                self._drop(b)
+        finally:
+            if frame.pushed:
+                self._pop_hooks()
+
+    def _recover(self, frames: list[_Frame]) -> None:
+        """Undoes what an interrupted forward or backward left before the model's next forward: a
+        KeyboardInterrupt skips the always-called post-hooks (they catch Exception), a backward that raised
+        skips the accumulation post-hooks. (A model that calls itself from its own forward is taken for an
+        interrupted one.)"""
+        while frames:
+            self._unwind(frames.pop())
+        for b, n in enumerate(self._acc_pending):
+            for _ in range(n):
+                self._drop(b)
+            self._acc_pending[b] = 0
+
+    # -- gradient accumulation ---------------------------------------------------------------------------
+
+    def _hook_accumulation(self, p: nn.Parameter, block: int) -> None:
+        # The node that accumulates p.grad, created now while p.data is full (it records p's shape), and held
+        # so that autograd reuses it rather than creating one from the placeholder.
+        with torch.enable_grad():
+            node = p.view_as(p).grad_fn.next_functions[0][0]
+        self._grad_nodes.append(node)
+
+        def before(grad_outputs):
+            if not self._gathered:
+                self._acquire(block, True)
+                self._acc_pending[block] += 1
+
+        def after(grad_inputs, grad_outputs):
+            if self._acc_pending[block]:
+                self._acc_pending[block] -= 1
+                self._drop(block)
+
+        self._handles.append(node.register_prehook(before))
+        self._handles.append(node.register_hook(after))
+
+    # -- whole-model access ------------------------------------------------------------------------------
+
+    def _check_idle(self, what: str) -> None:
+        if self._active or self._gathered or self._frames():
+            raise RuntimeError(f"zoe parameter offload: {what} while blocks are in use by forward or backward")
+
+    def _read(self, block: int, entry: int, device: torch.device) -> torch.Tensor:
+        p = self.blocks[block][1][entry]
+        host = torch.empty(self._shapes[p], dtype=p.dtype, pin_memory=device.type == "cuda")
+        self.tier.read(block, entry, host.data_ptr(), host.numel() * host.element_size())
+        return host if device.type == "cpu" else host.to(device, non_blocking=False)
+
+    @contextlib.contextmanager
+    def gathered(self, write_back: bool = True):
+        """Gives every offloaded parameter its full weights as a fresh tensor on its device for the block's
+        duration (a torch optimizer's ``step()``, ``load_state_dict``), then writes them back to the tier
+        (unless ``write_back`` is False, or the block raised) and restores the placeholders. The hooks stand
+        aside meanwhile: a forward run inside must also run its backward inside. zoe's OffloadOptimizer needs
+        none of this: it writes the weights into the tier."""
+        self._check_idle("gathered()")
+        self._gathered = True
+        try:
+            for b, (_, ps) in enumerate(self.blocks):
+                for e, p in enumerate(ps):
+                    p.data = self._read(b, e, self._device)
+            yield self
+            if write_back:
+                for b, (_, ps) in enumerate(self.blocks):
+                    for e, p in enumerate(ps):
+                        host = p.detach().to("cpu").contiguous()
+                        self.tier.write(b, e, host.data_ptr(), host.numel() * host.element_size())
+                    self._versions[b] += 1
+        finally:
+            for p, placeholder in self._placeholders.items():
+                p.data = placeholder
+            self._gathered = False
+
+    def materialize(self):
+        """``gathered(write_back=False)``: the full weights to read (``model.state_dict()``, evaluation
+        without the hooks); changes made to them are dropped."""
+        return self.gathered(write_back=False)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """``model.state_dict()`` with each offloaded parameter read from the tier into a CPU tensor (tied
+        parameters share one) and everything else copied to the CPU."""
+        self._check_idle("full_state_dict()")
+        read: dict[nn.Parameter, torch.Tensor] = {}
+        out = {}
+        for name, t in self._model.state_dict(keep_vars=True).items():
+            mark = getattr(t, "_zoe_param_offload", None)
+            if mark is not None and mark[0] is self:
+                if t not in read:
+                    read[t] = self._read(mark[1], mark[2], torch.device("cpu"))
+                out[name] = read[t]
+            else:
+                out[name] = t.detach().to("cpu", copy=True)
+        return out
+
+    def param_location(self, p: torch.Tensor) -> tuple[int, int]:
+        """(block, entry) of an offloaded parameter."""
+        mark = getattr(p, "_zoe_param_offload", None)
+        if mark is None or mark[0] is not self:
+            raise KeyError("zoe parameter offload: not one of this offload's parameters")
+        return mark[1], mark[2]
+
+    def stats(self) -> dict:
+        return dict(self.tier.stats())
+
+    def remove(self) -> None:
+        """Gives every parameter its full weights back on its device (read from the tier), removes the hooks
+        and frees the tier."""
+        self._check_idle("remove()")
+        if getattr(self.tier, "users", 0):
+            raise RuntimeError("zoe parameter offload: remove() while an OffloadOptimizer still writes into the "
+                               "parameter tier: delete the optimizer first")
+        busy = [b for b in range(len(self.blocks)) if self.tier.in_use(b)]
+        if busy:
+            raise RuntimeError(f"zoe parameter offload: remove() while blocks {busy} are in use (a graph not "
+                               "yet backpropagated, or a tensor a forward returned, still reads them)")
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._grad_nodes.clear()
+        for b, (_, ps) in enumerate(self.blocks):
+            for e, p in enumerate(ps):
+                p.data = self._read(b, e, self._device)
+                del p._zoe_param_offload
+        self._placeholders.clear()
+        tier, self.tier = self.tier, None
+        if hasattr(tier, "close"):
+            tier.close()
+
+    def __repr__(self) -> str:
+        total = sum(self._block_bytes)
+        return f"ParamOffload({len(self.blocks)} blocks, {total} bytes)"
+
+
+def _plan(model: nn.Module, select: Callable[[str, nn.Module], bool]):
+    """The blocks ``[(name, [params])]`` and, for each module whose forward fetches, the blocks of every
+    parameter its forward reads directly: its own and its descendants' down to the next block module, tied
+    ones included (a block module's "domain")."""
+    blocks: list[tuple[str, list[nn.Parameter]]] = []
+    owner: dict[nn.Parameter, int] = {}
+    block_of_host: dict[nn.Module, int] = {}
+    uses: dict[nn.Module, dict[nn.Parameter, None]] = {}
+
+    # Not named_modules(): it lists a shared module once, under its first parent, and the domain of every
+    # block module that calls it must include it.
+    def visit(name: str, m: nn.Module, host: nn.Module, host_name: str) -> None:
+        if m is model or select(name, m):
+            host, host_name = m, name
+        used = uses.setdefault(host, {})
+        for p in m.parameters(recurse=False):
+            if p.dtype not in _DTYPES or p.numel() == 0:
+                continue
+            used[p] = None
+            if p not in owner:
+                if host not in block_of_host:
+                    block_of_host[host] = len(blocks)
+                    blocks.append((host_name or "(root)", []))
+                owner[p] = block_of_host[host]
+                blocks[owner[p]][1].append(p)
+        for child_name, child in m.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child, host, host_name)
+
+    visit("", model, model, "")
+    module_blocks = {host: sorted({owner[p] for p in used}) for host, used in uses.items()}
+    return blocks, module_blocks
