@@ -56,6 +56,10 @@ struct ParamTierOptions {
   std::size_t request_bytes = 1 << 20; // NVMe: bytes per I/O request (aio.block_size)
   int queue_depth = 8;                 // NVMe: requests in flight (aio.queue_depth)
   std::size_t alignment = 0;           // NVMe: O_DIRECT block, 0 = 4096
+  // The work that reads fetched blocks is not enqueued on the device's compute stream — it runs on the host
+  // (always so on a device whose memory is host memory), or on another library's stream: fetch() returns only
+  // once the block has arrived, and release() must be called once that work has finished.
+  bool host_consumer = false;
   IoFaultHook fault_hook;              // tests only
 };
 

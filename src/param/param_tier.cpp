@@ -481,7 +481,9 @@ Result<void*> ParamTier::fetch(std::size_t block, bool backward) {
     if (st.state == Impl::State::absent) return st.load_error;
   }
   if (st.ready != 0) {
-    if (Status s = m.device.wait(Stream::compute, st.ready); !s.ok()) return s;
+    // The host waits only where it is the one that reads the block.
+    const bool host_reads = m.options.host_consumer || m.device.host_memory();
+    if (Status s = host_reads ? m.device.synchronize(st.ready) : m.device.wait(Stream::compute, st.ready); !s.ok()) return s;
     st.ready = 0;
   }
   if (st.released != 0) {
