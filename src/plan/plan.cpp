@@ -199,7 +199,10 @@ std::string zoe_gap(const Placement& p) {
   std::string gap;
   auto add = [&gap](const std::string& s) { gap += (gap.empty() ? "" : "; ") + s; };
   if (p.optimizer == Offload::none) add("the optimizer state stays on the GPU, where zoe is not needed");
-  if (p.param != Offload::none) add("zoe does not offload parameters yet");
+  if (p.param != Offload::none) {
+    add("zoe offloads parameters (zoe.torch.offload_parameters) on one rank, with gradients kept whole on the "
+        "GPU, not yet partitioned across ranks");
+  }
   if (p.stage == 3) add("zoe does not partition the 16-bit weights (stage 3) yet");
   return gap;
 }

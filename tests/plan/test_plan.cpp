@@ -207,10 +207,13 @@ TEST(Plan, EmittedConfigsRoundTripThroughTheReader) {
   EXPECT_TRUE(nvme->notes.empty()) << nvme->notes[0];
   EXPECT_EQ(nvme->options.tier, Tier::nvme);
   EXPECT_EQ(nvme->options.nvme.paths, c.nvme_paths);
-  // What zoe cannot run yet, the reader says so.
+  // The parameter tier is read; what zoe cannot run yet (stage 3's partitioning), the reader says so.
   Result<LoadedConfig> infinity = parse_config(deepspeed_config({3, Offload::nvme, Offload::nvme}, c, t), "plan");
   ASSERT_TRUE(infinity.ok()) << infinity.status().to_string();
-  EXPECT_EQ(infinity->notes.size(), 2u);
+  EXPECT_TRUE(infinity->offload_param);
+  EXPECT_EQ(infinity->param_tier.home, ParamHome::nvme);
+  ASSERT_EQ(infinity->notes.size(), 1u);
+  EXPECT_NE(infinity->notes[0].find("zero_optimization.stage"), std::string::npos) << infinity->notes[0];
   EXPECT_FALSE(zoe_gap({3, Offload::nvme, Offload::nvme}).empty());
   EXPECT_TRUE(zoe_gap({2, Offload::nvme, Offload::none}).empty());
 }

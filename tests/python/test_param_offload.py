@@ -112,3 +112,35 @@ def test_remove_waits_for_the_optimizer_that_writes_into_the_tier(tmp_path):
     off.remove()
     assert list(tmp_path.iterdir()) == []  # the NVMe parameter file went with the tier
     assert all(p.numel() > 0 for p in model.parameters())
+
+
+def test_a_budget_below_one_block_is_refused_naming_it():
+    model = _gpt()
+    with pytest.raises(Exception, match=r"block '\(root\)' needs \d+ bytes on the device, more than the pool's budget"):
+        offload_parameters(model, budget_bytes=4096, block_modules=(Block,))
+    assert all(p.numel() > 0 for p in model.parameters())  # refused before anything was moved
+
+
+def test_gradient_accumulation_with_offloaded_parameters_is_bitwise():
+    reference = _gpt()
+    model = copy.deepcopy(reference)
+    off = offload_parameters(model, budget_bytes=_weight_bytes(model) // 8, block_modules=(Block,))
+    losses = []
+    for m in (reference, model):
+        opt = OffloadOptimizer(m.parameters(), lr=3e-3, gradient_accumulation_steps=2, schedule="overlap")
+        data = ByteBatches(m.config.seq, 2, seed=5)
+        run = []
+        for _ in range(4):
+            opt.zero_grad()
+            for _ in range(2):
+                x, y = data.next()
+                _, loss = m(x, y)
+                (loss / 2).backward()
+                run.append(float(loss.detach()))
+            opt.step()
+        losses.append(run)
+        del opt
+    assert losses[0] == losses[1]
+    full = off.full_state_dict()
+    for name, w in reference.state_dict().items():
+        assert torch.equal(full[name], w), name
