@@ -126,7 +126,8 @@ struct ParamSpec {
   // Parameter offload: the 16-bit weights live in entry `tier_entry` of block `tier_block` of a parameter
   // tier (zoe/param_tier.h; not owned, it must outlive the optimizer) instead of at device_weights (null
   // then). They are read from it at create() and each step writes the updated weights into it, not to the
-  // device. Schedules sync and overlap; not partitioned.
+  // device — delayed as it sends them to the device, once the parameter's gradient of the next iteration is
+  // final, so a forward always reads whole blocks of one step. Not partitioned.
   ParamTier* tier = nullptr;
   std::size_t tier_block = 0, tier_entry = 0;
   int group = 0;

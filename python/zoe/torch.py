@@ -270,9 +270,6 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                 raise _zoe.UnsupportedError(
                     "zoe.torch.OffloadOptimizer: offloaded parameters (offload_parameters) with several ranks or "
                     "FSDP2 are not supported yet: the engine cannot gather weights into a parameter tier")
-            if self._options["schedule"] == "delayed":
-                raise ValueError("zoe.torch.OffloadOptimizer: schedule='delayed' would rewrite offloaded blocks "
-                                 "while the next forward reads them; use 'sync' or 'overlap' with offload_parameters")
         if self._dtensor is not None:
             self._buckets = self._dtensor.make_buckets(slots_by_dtype, self._device)
             self._make_engine()

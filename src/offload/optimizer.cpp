@@ -88,10 +88,6 @@ Status check_inputs(const std::vector<ParamGroup>& groups, const std::vector<Par
     }
     if (p.tier != nullptr) {
       if (Status s = check_tier_entry(p, where); !s.ok()) return s;
-      if (options.schedule == Schedule::delayed) {
-        return invalid_argument(where + " lives in a parameter tier: the delayed schedule would rewrite its block "
-                                "while the next forward reads it; use schedule sync or overlap");
-      }
     }
   }
   if (!(options.max_grad_norm >= 0) || !std::isfinite(options.max_grad_norm)) {

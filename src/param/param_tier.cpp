@@ -195,18 +195,26 @@ struct ParamTier::Impl {
     ++stats.evictions;
   }
 
-  // Room for `bytes`, evicting blocks not in use, least recently used first; false when the blocks in use
-  // (or on their way) leave none.
-  bool make_room(std::size_t bytes, std::size_t* offset) {
+  // Room for `bytes`, evicting blocks not in use, least recently used first. With `lock` (a fetch), blocks
+  // on their way that nobody uses yet (prefetched) are waited for and then evicted too; false when the
+  // blocks in use leave no room.
+  bool make_room(std::size_t bytes, std::size_t* offset, std::unique_lock<std::mutex>* lock) {
     while (!take_range(bytes, offset)) {
       std::size_t victim = kNone;
+      bool prefetching = false;
       for (std::size_t b = 0; b < blocks.size(); ++b) {
         const BlockState& s = blocks[b];
+        prefetching = prefetching || (s.state == State::loading && s.uses == 0);
         if (s.state != State::loaded || s.uses > 0) continue;
         if (victim == kNone || s.last_use < blocks[victim].last_use) victim = b;
       }
-      if (victim == kNone) return false;
-      evict(victim);
+      if (victim != kNone) {
+        evict(victim);
+      } else if (lock != nullptr && prefetching) {
+        changed.wait(*lock);
+      } else {
+        return false;
+      }
     }
     return true;
   }
@@ -214,27 +222,23 @@ struct ParamTier::Impl {
   std::string in_use_list() const {
     std::string out;
     for (std::size_t b = 0; b < blocks.size(); ++b) {
-      if (blocks[b].uses == 0 && blocks[b].state != State::loading) continue;
+      if (blocks[b].uses == 0) continue;
       out += (out.empty() ? "" : ", ") + ("'" + layout[b].name + "' (" + std::to_string(layout[b].bytes) + " bytes)");
     }
     return out.empty() ? "none" : out;
   }
 
-  // Starts bringing absent block b into the pool (lock held). False, with *error set only for a fetch,
-  // when there is no room.
-  bool start_load(std::size_t b, Status* error) {
+  Status no_room(std::size_t b) const {
+    return Status(StatusCode::out_of_memory,
+                  "parameter tier: no room in the device pool of " + std::to_string(budget) + " bytes for block '" +
+                      layout[b].name + "' (" + std::to_string(layout[b].bytes) + " bytes): blocks in use: " +
+                      in_use_list() + "; release blocks after use, or give a larger budget");
+  }
+
+  // Starts bringing absent block b into `offset` of the pool, made room for (lock held). False, with
+  // *error set where given, when the copy could not be enqueued.
+  bool start_load(std::size_t b, std::size_t offset, Status* error) {
     BlockState& s = blocks[b];
-    std::size_t offset = 0;
-    if (!make_room(layout[b].bytes, &offset)) {
-      if (error != nullptr) {
-        *error = Status(StatusCode::out_of_memory,
-                        "parameter tier: no room in the device pool of " + std::to_string(budget) + " bytes for block '" +
-                            layout[b].name + "' (" + std::to_string(layout[b].bytes) +
-                            " bytes): blocks in use or on their way: " + in_use_list() +
-                            "; release blocks after use, or give a larger budget");
-      }
-      return false;
-    }
     // The room's previous occupants must be done with before the copy lands there.
     for (auto it = fences.begin(); it != fences.end();) {
       if (it->offset < offset + layout[b].bytes && offset < it->offset + it->bytes) {
@@ -318,8 +322,9 @@ struct ParamTier::Impl {
       s.last_use = ++clock;
       return;
     }
-    if (s.writing) return;
-    start_load(b, nullptr);  // no room: the fetch will load it
+    std::size_t offset = 0;
+    if (s.writing || !make_room(layout[b].bytes, &offset, nullptr)) return;  // the fetch will load it
+    start_load(b, offset, nullptr);
   }
 
   Status check_block(std::size_t b) const {
@@ -467,13 +472,22 @@ Result<void*> ParamTier::fetch(std::size_t block, bool backward) {
   if (Status s = m.check_block(block); !s.ok()) return s;
   Impl::BlockState& st = m.blocks[block];
   ++m.stats.fetches;
-  m.changed.wait(lock, [&] { return !st.writing; });
-  if (st.state == Impl::State::absent) {
+  bool hit = true;
+  for (;;) {
+    m.changed.wait(lock, [&] { return !st.writing; });
+    if (st.state != Impl::State::absent) break;
+    hit = false;
+    std::size_t offset = 0;
+    if (!m.make_room(m.layout[block].bytes, &offset, &lock)) return m.no_room(block);
+    if (st.state != Impl::State::absent || st.writing) {
+      m.give_range(offset, m.layout[block].bytes);  // another thread moved the block while this one waited
+      continue;
+    }
     Status error;
-    if (!m.start_load(block, &error)) return error;
-  } else {
-    ++m.stats.hits;
+    if (!m.start_load(block, offset, &error)) return error;
+    break;
   }
+  if (hit) ++m.stats.hits;
   if (st.state == Impl::State::loading) {
     const auto t0 = std::chrono::steady_clock::now();
     m.changed.wait(lock, [&] { return st.state != Impl::State::loading; });

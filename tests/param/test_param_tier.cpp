@@ -265,6 +265,29 @@ TEST(ParamTierNvme, FetchesTheHomesBytesFromTheFile) {
   for (const std::string& p : files) EXPECT_FALSE(std::filesystem::exists(p)) << p;  // scratch, removed
 }
 
+TEST(ParamTierNvme, AFetchTakesTheRoomOfABlockStillBeingPrefetched) {
+  TempDir dir("zoe-param");
+  Fixture f({{"a", {1 << 20}}, {"b", {1 << 20}}, {"c", {1 << 20}}});
+  ParamTierOptions o;
+  o.home = ParamHome::nvme;
+  o.nvme_paths = {dir.path()};
+  o.prefetch = 1;
+  o.budget_bytes = 2 << 20;
+  for (int round = 0; round < 20; ++round) {  // the prefetch of b is caught in flight in some rounds
+    Result<ParamTier> tier = ParamTier::create(*f.device, f.specs, o);
+    ASSERT_TRUE(tier.ok()) << tier.status().to_string();
+    ASSERT_TRUE(f.write_all(tier.value()).ok());
+    Result<void*> a = tier->fetch(0);  // and b ahead, into the rest of the pool
+    ASSERT_TRUE(a.ok());
+    Result<void*> c = tier->fetch(2);  // a is in use: only b's room is left
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    f.expect_on_device(tier.value(), 2, c.value());
+    f.expect_on_device(tier.value(), 0, a.value());
+    ASSERT_TRUE(tier->release(0).ok());
+    ASSERT_TRUE(tier->release(2).ok());
+  }
+}
+
 TEST(ParamTierNvme, AFailedReadNamesBlockFileAndOffsetAndARetryFetches) {
   TempDir dir("zoe-param");
   Fixture f(layer_blocks(4, 32));
