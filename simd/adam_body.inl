@@ -34,6 +34,19 @@ inline void store_out(void* out, std::size_t i, V::F x) {
 
 constexpr std::size_t elem_bytes(int elem) { return elem == kF32 ? 4 : 2; }
 constexpr std::size_t out_bytes(int out) { return out == kOutNone ? 0 : 2; }
+constexpr std::size_t state_bytes(int state) { return state == kStateF32 ? 4 : 2; }
+
+template <int S>
+inline V::F load_state(const void* s, std::size_t i) {
+  if constexpr (S == kStateF32) return V::load(static_cast<const float*>(s) + i);
+  if constexpr (S == kStateBF16) return V::load_bf16(static_cast<const std::uint16_t*>(s) + i);
+}
+
+template <int S>
+inline void store_state(void* s, std::size_t i, V::F x) {
+  if constexpr (S == kStateF32) V::store(static_cast<float*>(s) + i, x);
+  if constexpr (S == kStateBF16) V::store_bf16(static_cast<std::uint16_t*>(s) + i, x);
+}
 
 struct Broadcast {
   V::F one_minus_beta1, beta2, one_minus_beta2, neg_step_size, inv_bc2_sqrt, eps, decay, l2, grad_scale;
@@ -52,89 +65,89 @@ struct Broadcast {
 // One vector of elements starting at i. The operation order mirrors torch's single-tensor Adam:
 //   g = g * scale (+ wd * p for Adam);  m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g;
 //   p = p * (1 - lr * wd) for AdamW;  p = p - step_size * m / (sqrt(v) / sqrt(bc2) + eps).
-template <int G, int O, bool L2>
-inline void adam_lanes(const Broadcast& b, float* p, float* m, float* v, const void* g, void* out,
-                       std::size_t i) {
+// With bf16 moments the step uses the fp32 m and v it computed; only what is stored is rounded.
+template <int G, int O, int S, bool L2>
+inline void adam_lanes(const Broadcast& b, float* p, void* m, void* v, const void* g, void* out, std::size_t i) {
   V::F gv = V::mul(load_grad<G>(g, i), b.grad_scale);
   V::F pv = V::load(p + i);
   if constexpr (L2) gv = V::fma(b.l2, pv, gv);
-  V::F mv = V::load(m + i);
+  V::F mv = load_state<S>(m, i);
   mv = V::fma(b.one_minus_beta1, V::sub(gv, mv), mv);
-  V::F vv = V::mul(V::load(v + i), b.beta2);
+  V::F vv = V::mul(load_state<S>(v, i), b.beta2);
   vv = V::fma(V::mul(b.one_minus_beta2, gv), gv, vv);
   const V::F denom = V::fma(V::sqrt(vv), b.inv_bc2_sqrt, b.eps);
   pv = V::mul(pv, b.decay);
   pv = V::fma(b.neg_step_size, V::div(mv, denom), pv);
   V::store(p + i, pv);
-  V::store(m + i, mv);
-  V::store(v + i, vv);
+  store_state<S>(m, i, mv);
+  store_state<S>(v, i, vv);
   store_out<O>(out, i, pv);
 }
 
 // The bandwidth ceiling: the loads and stores of adam_lanes, one add each.
-template <int G, int O, bool>
-inline void streams_lanes(const Broadcast&, float* p, float* m, float* v, const void* g, void* out,
-                          std::size_t i) {
+template <int G, int O, int S, bool>
+inline void streams_lanes(const Broadcast&, float* p, void* m, void* v, const void* g, void* out, std::size_t i) {
   const V::F gv = load_grad<G>(g, i);
   const V::F pv = V::add(V::load(p + i), gv);
   V::store(p + i, pv);
-  V::store(m + i, V::add(V::load(m + i), gv));
-  V::store(v + i, V::add(V::load(v + i), gv));
+  store_state<S>(m, i, V::add(load_state<S>(m, i), gv));
+  store_state<S>(v, i, V::add(load_state<S>(v, i), gv));
   store_out<O>(out, i, pv);
 }
 
 inline void copy_bytes(void* dst, const void* src, std::size_t bytes) { __builtin_memcpy(dst, src, bytes); }
 
 // Runs `Lanes` over whole vectors, then the tail through lane-sized buffers (zero-padded).
-template <int G, int O, bool L2, template <int, int, bool> class Lanes>
-inline void run(const AdamConstants& c, float* p, float* m, float* v, const void* g, void* out,
-                std::size_t n) {
+template <int G, int O, int S, bool L2, template <int, int, int, bool> class Lanes>
+inline void run(const AdamConstants& c, float* p, void* m, void* v, const void* g, void* out, std::size_t n) {
   const Broadcast b(c);
   std::size_t i = 0;
-  for (; i + V::lanes <= n; i += V::lanes) Lanes<G, O, L2>::apply(b, p, m, v, g, out, i);
+  for (; i + V::lanes <= n; i += V::lanes) Lanes<G, O, S, L2>::apply(b, p, m, v, g, out, i);
   const std::size_t tail = n - i;
   if (tail == 0) return;
   alignas(64) float tp[V::lanes] = {}, tm[V::lanes] = {}, tv[V::lanes] = {}, tg[V::lanes] = {};
   alignas(64) std::uint16_t to[V::lanes] = {};
+  unsigned char* mi = static_cast<unsigned char*>(m) + i * state_bytes(S);
+  unsigned char* vi = static_cast<unsigned char*>(v) + i * state_bytes(S);
   copy_bytes(tp, p + i, tail * 4);
-  copy_bytes(tm, m + i, tail * 4);
-  copy_bytes(tv, v + i, tail * 4);
+  copy_bytes(tm, mi, tail * state_bytes(S));
+  copy_bytes(tv, vi, tail * state_bytes(S));
   copy_bytes(tg, static_cast<const unsigned char*>(g) + i * elem_bytes(G), tail * elem_bytes(G));
-  Lanes<G, O, L2>::apply(b, tp, tm, tv, tg, to, 0);
+  Lanes<G, O, S, L2>::apply(b, tp, tm, tv, tg, to, 0);
   copy_bytes(p + i, tp, tail * 4);
-  copy_bytes(m + i, tm, tail * 4);
-  copy_bytes(v + i, tv, tail * 4);
+  copy_bytes(mi, tm, tail * state_bytes(S));
+  copy_bytes(vi, tv, tail * state_bytes(S));
   if constexpr (O != kOutNone) copy_bytes(static_cast<unsigned char*>(out) + i * out_bytes(O), to, tail * out_bytes(O));
 }
 
-template <int G, int O, bool L2>
+template <int G, int O, int S, bool L2>
 struct AdamLanes {
-  static void apply(const Broadcast& b, float* p, float* m, float* v, const void* g, void* out, std::size_t i) {
-    adam_lanes<G, O, L2>(b, p, m, v, g, out, i);
+  static void apply(const Broadcast& b, float* p, void* m, void* v, const void* g, void* out, std::size_t i) {
+    adam_lanes<G, O, S, L2>(b, p, m, v, g, out, i);
   }
 };
 
-template <int G, int O, bool L2>
+template <int G, int O, int S, bool L2>
 struct StreamsLanes {
-  static void apply(const Broadcast& b, float* p, float* m, float* v, const void* g, void* out, std::size_t i) {
-    streams_lanes<G, O, L2>(b, p, m, v, g, out, i);
+  static void apply(const Broadcast& b, float* p, void* m, void* v, const void* g, void* out, std::size_t i) {
+    streams_lanes<G, O, S, L2>(b, p, m, v, g, out, i);
   }
 };
 
-template <int G, int O>
-void adam(const AdamConstants& c, float* p, float* m, float* v, const void* g, void* out, std::size_t n) {
+template <int G, int O, int S>
+void adam(const AdamConstants& c, float* p, void* m, void* v, const void* g, void* out, std::size_t n) {
   // Adam's L2 term is a separate instantiation so that AdamW and weight_decay = 0 never compute 0 * p
   // (which would turn an infinite weight into NaN where torch leaves it infinite).
   if (c.l2 != 0.0f) {
-    run<G, O, true, AdamLanes>(c, p, m, v, g, out, n);
+    run<G, O, S, true, AdamLanes>(c, p, m, v, g, out, n);
   } else {
-    run<G, O, false, AdamLanes>(c, p, m, v, g, out, n);
+    run<G, O, S, false, AdamLanes>(c, p, m, v, g, out, n);
   }
 }
 
-template <int G, int O>
-void streams(const AdamConstants& c, float* p, float* m, float* v, const void* g, void* out, std::size_t n) {
-  run<G, O, false, StreamsLanes>(c, p, m, v, g, out, n);
+template <int G, int O, int S>
+void streams(const AdamConstants& c, float* p, void* m, void* v, const void* g, void* out, std::size_t n) {
+  run<G, O, S, false, StreamsLanes>(c, p, m, v, g, out, n);
 }
 
 // NaN/Inf test on the raw bits: an all-ones exponent. Counted in blocks (a loop the compiler vectorises);
@@ -304,12 +317,24 @@ constexpr KernelTable make_table(const char* name, bool native_bf16) {
       name,
       V::lanes,
       native_bf16,
-      {{adam<kF32, kOutNone>, adam<kF32, kOutF16>, adam<kF32, kOutBF16>},
-       {adam<kF16, kOutNone>, adam<kF16, kOutF16>, adam<kF16, kOutBF16>},
-       {adam<kBF16, kOutNone>, adam<kBF16, kOutF16>, adam<kBF16, kOutBF16>}},
-      {{streams<kF32, kOutNone>, streams<kF32, kOutF16>, streams<kF32, kOutBF16>},
-       {streams<kF16, kOutNone>, streams<kF16, kOutF16>, streams<kF16, kOutBF16>},
-       {streams<kBF16, kOutNone>, streams<kBF16, kOutF16>, streams<kBF16, kOutBF16>}},
+      {{{adam<kF32, kOutNone, kStateF32>, adam<kF32, kOutNone, kStateBF16>},
+        {adam<kF32, kOutF16, kStateF32>, adam<kF32, kOutF16, kStateBF16>},
+        {adam<kF32, kOutBF16, kStateF32>, adam<kF32, kOutBF16, kStateBF16>}},
+       {{adam<kF16, kOutNone, kStateF32>, adam<kF16, kOutNone, kStateBF16>},
+        {adam<kF16, kOutF16, kStateF32>, adam<kF16, kOutF16, kStateBF16>},
+        {adam<kF16, kOutBF16, kStateF32>, adam<kF16, kOutBF16, kStateBF16>}},
+       {{adam<kBF16, kOutNone, kStateF32>, adam<kBF16, kOutNone, kStateBF16>},
+        {adam<kBF16, kOutF16, kStateF32>, adam<kBF16, kOutF16, kStateBF16>},
+        {adam<kBF16, kOutBF16, kStateF32>, adam<kBF16, kOutBF16, kStateBF16>}}},
+      {{{streams<kF32, kOutNone, kStateF32>, streams<kF32, kOutNone, kStateBF16>},
+        {streams<kF32, kOutF16, kStateF32>, streams<kF32, kOutF16, kStateBF16>},
+        {streams<kF32, kOutBF16, kStateF32>, streams<kF32, kOutBF16, kStateBF16>}},
+       {{streams<kF16, kOutNone, kStateF32>, streams<kF16, kOutNone, kStateBF16>},
+        {streams<kF16, kOutF16, kStateF32>, streams<kF16, kOutF16, kStateBF16>},
+        {streams<kF16, kOutBF16, kStateF32>, streams<kF16, kOutBF16, kStateBF16>}},
+       {{streams<kBF16, kOutNone, kStateF32>, streams<kBF16, kOutNone, kStateBF16>},
+        {streams<kBF16, kOutF16, kStateF32>, streams<kBF16, kOutF16, kStateBF16>},
+        {streams<kBF16, kOutBF16, kStateF32>, streams<kBF16, kOutBF16, kStateBF16>}}},
       {count_non_finite<kF32>, count_non_finite<kF16>, count_non_finite<kBF16>},
       {sum_squares<kF32>, sum_squares<kF16>, sum_squares<kBF16>},
       {accumulate<kF32>, accumulate<kF16>, accumulate<kBF16>},

@@ -11,6 +11,10 @@ namespace zoe::simd {
 enum Elem : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 enum OutElem : int { kOutNone = 0, kOutF16 = 1, kOutBF16 = 2 };
 constexpr int kElems = 3;
+// How the moments m and v are stored: fp32, or bf16 rounded to nearest even after each step (the update
+// itself is computed in fp32 from the widened values).
+enum StateElem : int { kStateF32 = 0, kStateBF16 = 1 };
+constexpr int kStates = 2;
 
 // Per-step scalars, derived once per call from the hyper-parameters (see cpu_adam.cpp for the formulas).
 struct AdamConstants {
@@ -26,8 +30,9 @@ struct AdamConstants {
   float grad_scale;
 };
 
-// p, m, v: fp32 state updated in place; g: gradients of the table's grad type; out: copy of the new p.
-using AdamFn = void (*)(const AdamConstants& c, float* p, float* m, float* v, const void* g, void* out,
+// p: fp32 master weights; m, v: moments of the table's state type, all updated in place; g: gradients of
+// the table's grad type; out: copy of the new p.
+using AdamFn = void (*)(const AdamConstants& c, float* p, void* m, void* v, const void* g, void* out,
                         std::size_t n);
 // Counts the NaN/Inf gradients in g[0, n); *first receives the index of the first one (n when none).
 using CountNonFiniteFn = std::size_t (*)(const void* g, std::size_t n, std::size_t* first);
@@ -48,8 +53,8 @@ struct KernelTable {
   const char* name;         // the ISA token: "scalar", "avx2", "avx512"
   std::size_t lanes;        // fp32 lanes per vector
   bool native_bf16;         // bf16 rounding done by a hardware instruction
-  AdamFn adam[kElems][kElems];     // [grad Elem][OutElem]
-  AdamFn streams[kElems][kElems];  // the bandwidth ceiling: same loads/stores, trivial arithmetic
+  AdamFn adam[kElems][kElems][kStates];     // [grad Elem][OutElem][StateElem]
+  AdamFn streams[kElems][kElems][kStates];  // the bandwidth ceiling: same loads/stores, trivial arithmetic
   CountNonFiniteFn count_non_finite[kElems];
   SumSquaresFn sum_squares[kElems];
   AccumulateFn accumulate[kElems];          // [grad Elem]

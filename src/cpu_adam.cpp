@@ -80,15 +80,20 @@ Status check_tensors(std::span<const AdamTensor> tensors) {
       return invalid_argument(name + ": out dtype " + std::string(dtype_name(t.out_dtype)) +
                               " is invalid: the weight copy is f16 or bf16 (or no copy: out = nullptr)");
     }
+    if (t.state_dtype != DType::f32 && t.state_dtype != DType::bf16) {
+      return invalid_argument(name + ": state dtype " + std::string(dtype_name(t.state_dtype)) +
+                              " is invalid: the moments are stored as f32 or bf16");
+    }
     if (t.n == 0) continue;
+    const std::size_t state = dtype_size(t.state_dtype);
     const struct {
       const void* ptr;
       std::size_t bytes;
       const char* what;
       bool output;
     } arrays[] = {{t.param, 4, "param", true},
-                  {t.exp_avg, 4, "exp_avg", true},
-                  {t.exp_avg_sq, 4, "exp_avg_sq", true},
+                  {t.exp_avg, state, "exp_avg", true},
+                  {t.exp_avg_sq, state, "exp_avg_sq", true},
                   {t.grad, dtype_size(t.grad_dtype), "grad", false},
                   {t.out, dtype_size(t.out_dtype), "out", true}};
     for (const auto& a : arrays) {
@@ -131,7 +136,9 @@ int accumulate_mode(const AccumulateOptions& options) {
 void run_adam(AdamFn fn, const simd::AdamConstants& c, const AdamTensor& t, std::size_t offset, std::size_t count) {
   const std::size_t gsize = dtype_size(t.grad_dtype);
   const std::size_t osize = t.out == nullptr ? 0 : dtype_size(t.out_dtype);
-  fn(c, t.param + offset, t.exp_avg + offset, t.exp_avg_sq + offset,
+  const std::size_t ssize = dtype_size(t.state_dtype);
+  fn(c, t.param + offset, static_cast<unsigned char*>(t.exp_avg) + offset * ssize,
+     static_cast<unsigned char*>(t.exp_avg_sq) + offset * ssize,
      static_cast<const unsigned char*>(t.grad) + offset * gsize,
      t.out == nullptr ? nullptr : static_cast<unsigned char*>(t.out) + offset * osize, count);
 }
@@ -158,6 +165,8 @@ int out_index(const AdamTensor& t) {
   if (t.out == nullptr) return simd::kOutNone;
   return t.out_dtype == DType::f16 ? simd::kOutF16 : simd::kOutBF16;
 }
+
+int state_index(const AdamTensor& t) { return t.state_dtype == DType::bf16 ? simd::kStateBF16 : simd::kStateF32; }
 
 }  // namespace
 
@@ -263,7 +272,7 @@ Status CpuAdam::step(const AdamHyper& hyper, const StepOptions& options, std::sp
   const KernelTable& table = *impl_->table;
   const simd::AdamConstants c = constants(hyper, options);
   impl_->for_each_tile(tensors, [&](const AdamTensor& t, std::size_t offset, std::size_t count) {
-    run_adam(table.adam[int(t.grad_dtype)][out_index(t)], c, t, offset, count);
+    run_adam(table.adam[int(t.grad_dtype)][out_index(t)][state_index(t)], c, t, offset, count);
   });
   return Status::success();
 }
@@ -281,7 +290,7 @@ Status CpuAdam::streams_pass(std::span<const AdamTensor> tensors) {
   if (Status s = check_tensors(tensors); !s.ok()) return s;
   const KernelTable& table = *impl_->table;
   impl_->for_each_tile(tensors, [&](const AdamTensor& t, std::size_t offset, std::size_t count) {
-    run_adam(table.streams[int(t.grad_dtype)][out_index(t)], simd::AdamConstants{}, t, offset, count);
+    run_adam(table.streams[int(t.grad_dtype)][out_index(t)][state_index(t)], simd::AdamConstants{}, t, offset, count);
   });
   return Status::success();
 }

@@ -41,7 +41,7 @@ void kernel_bench(benchmark::State& state, const simd::KernelTable* table, bool 
                   std::size_t n) {
   Arrays a(n);
   const simd::AdamConstants c{0.9f, 0.1f, 0.999f, 0.001f, -1e-3f, 1.0f, 1e-8f, 1.0f, 0.0f, 1.0f};
-  const simd::AdamFn fn = streams ? table->streams[grad][out] : table->adam[grad][out];
+  const simd::AdamFn fn = streams ? table->streams[grad][out][simd::kStateF32] : table->adam[grad][out][simd::kStateF32];
   for (auto _ : state) {
     fn(c, a.p.as<float>(), a.m.as<float>(), a.v.as<float>(), a.g.data(), a.out.data(), n);
     benchmark::ClobberMemory();
@@ -60,7 +60,7 @@ void engine_bench(benchmark::State& state, Isa isa, std::size_t n, std::size_t c
   arrays.reserve(count);
   for (std::size_t k = 0; k < count; ++k) {
     Arrays& a = arrays.emplace_back(n / count);
-    tensors.push_back({a.p.as<float>(), a.m.as<float>(), a.v.as<float>(), a.g.data(), DType::bf16, a.out.data(),
+    tensors.push_back({a.p.as<float>(), a.m.as<float>(), a.v.as<float>(), DType::f32, a.g.data(), DType::bf16, a.out.data(),
                        DType::bf16, n / count});
   }
   StepOptions step;

@@ -30,10 +30,13 @@ struct AdamHyper {
 
 // One tensor's state. Gradients may be any DType; `out`, when not null, receives the updated weights in
 // `out_dtype` (f16 or bf16). Outputs (param, exp_avg, exp_avg_sq, out) must not overlap each other or grad.
+// The moments are stored in `state_dtype`: f32, or bf16 — half the bytes; each step computes in fp32 from
+// the widened moments and stores them rounded to nearest even (the master weights stay fp32).
 struct AdamTensor {
   float* param = nullptr;
-  float* exp_avg = nullptr;
-  float* exp_avg_sq = nullptr;
+  void* exp_avg = nullptr;
+  void* exp_avg_sq = nullptr;
+  DType state_dtype = DType::f32;
   const void* grad = nullptr;
   DType grad_dtype = DType::f32;
   void* out = nullptr;

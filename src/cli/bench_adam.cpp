@@ -1,6 +1,7 @@
 // zoe bench adam: CPU Adam step throughput against a streams loop with the same loads and stores, measured
 // alternately in the same run (BENCHMARKING.md).
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -25,7 +26,8 @@ struct BenchConfig {
 // The buffers of one benchmark case: `tensors` separately allocated tensors sharing n elements.
 class Workload {
  public:
-  static Result<Workload> make(std::uint64_t n, std::uint64_t count, DType grad, bool has_out, DType out) {
+  static Result<Workload> make(std::uint64_t n, std::uint64_t count, DType grad, bool has_out, DType out,
+                               DType state) {
     Workload w;
     std::uint32_t seed = 12345;
     auto uniform = [&seed] {  // [-1, 1)
@@ -38,10 +40,16 @@ class Workload {
       t.n = elems;
       t.grad_dtype = grad;
       t.out_dtype = out;
-      for (float** state : {&t.param, &t.exp_avg, &t.exp_avg_sq}) {
-        Result<AlignedBuffer> b = AlignedBuffer::allocate(elems * 4);
+      t.state_dtype = state;
+      Result<AlignedBuffer> p = AlignedBuffer::allocate(elems * 4);
+      if (!p.ok()) return p.status();
+      t.param = p->as<float>();
+      w.buffers_.push_back(std::move(p).value());
+      for (void** moment : {&t.exp_avg, &t.exp_avg_sq}) {
+        Result<AlignedBuffer> b = AlignedBuffer::allocate(elems * dtype_size(state));
         if (!b.ok()) return b.status();
-        *state = b->as<float>();
+        std::memset(b->data(), 0, elems * dtype_size(state));  // zero moments in either dtype
+        *moment = b->data();
         w.buffers_.push_back(std::move(b).value());
       }
       Result<AlignedBuffer> g = AlignedBuffer::allocate(elems * dtype_size(grad));
@@ -53,11 +61,9 @@ class Workload {
         t.out = o->data();
         w.buffers_.push_back(std::move(o).value());
       }
-      // Touch every page before timing: weights in [-1, 1), zero moments, gradients in [-1e-2, 1e-2).
+      // Touch every page before timing: weights in [-1, 1), gradients in [-1e-2, 1e-2).
       for (std::uint64_t i = 0; i < elems; ++i) {
         t.param[i] = uniform();
-        t.exp_avg[i] = 0.0f;
-        t.exp_avg_sq[i] = 0.0f;
         const float gv = 1e-2f * uniform();
         switch (grad) {
           case DType::f32: g->as<float>()[i] = gv; break;
@@ -113,7 +119,7 @@ int default_reps(std::uint64_t n) {
 
 int bench_adam(std::span<char* const> args) {
   std::string n_text = "64M", tensors_text = "1", isa_text = "auto", grad_text = "f32", out_text = "none",
-              threads_text = "0", reps_text, tile_text = std::to_string(CpuAdamOptions{}.tile);
+              state_text = "fp32", threads_text = "0", reps_text, tile_text = std::to_string(CpuAdamOptions{}.tile);
   bool json = false, help = false;
   const Option options[] = {
       {"n", &n_text, nullptr, "parameters per step (K, M, G suffixes are powers of 1024)"},
@@ -121,6 +127,7 @@ int bench_adam(std::span<char* const> args) {
       {"isa", &isa_text, nullptr, "comma list of auto, scalar, avx2, avx512"},
       {"grad", &grad_text, nullptr, "comma list of gradient dtypes: f32, f16, bf16"},
       {"out", &out_text, nullptr, "comma list of weight-copy dtypes: none, f16, bf16"},
+      {"state", &state_text, nullptr, "comma list of moment dtypes: fp32, bf16"},
       {"threads", &threads_text, nullptr, "worker threads (0: all CPUs; ZOE_THREADS caps)"},
       {"reps", &reps_text, nullptr, "timed repetitions (default: about 0.5 s of steps, 10 to 200)"},
       {"tile", &tile_text, nullptr, "elements per unit of parallel work"},
@@ -134,8 +141,8 @@ int bench_adam(std::span<char* const> args) {
   if (help) {
     std::printf("usage: zoe bench adam [options]\n\n%s", options_help(options).c_str());
     std::printf("\nEach case runs the Adam step and a streams loop with the same loads and stores alternately;\n"
-                "ratio = Adam GB/s / streams GB/s. Bytes per parameter: p, m, v read and written (24) plus the\n"
-                "gradient read plus the weight copy written.\n");
+                "ratio = Adam GB/s / streams GB/s. Bytes per parameter: p read and written (8), m and v read and\n"
+                "written (16 in fp32, 8 in bf16), the gradient read and the weight copy written.\n");
     return 0;
   }
   auto fail = [](const Status& s) {
@@ -167,11 +174,21 @@ int bench_adam(std::span<char* const> args) {
     cfg.reps = static_cast<int>(reps.value());
   }
   const std::vector<std::string> isas = split_list(isa_text), grad_names = split_list(grad_text),
-                                 outs = split_list(out_text);
+                                 outs = split_list(out_text), state_names = split_list(state_text);
   for (const Status& s : {require_items(isas, "--isa", "auto, scalar, avx2, avx512"),
                           require_items(grad_names, "--grad", "f32, f16, bf16"),
-                          require_items(outs, "--out", "none, f16, bf16")}) {
+                          require_items(outs, "--out", "none, f16, bf16"),
+                          require_items(state_names, "--state", "fp32, bf16")}) {
     if (!s.ok()) return fail(s);
+  }
+  std::vector<DType> states;
+  for (const std::string& st : state_names) {
+    const auto d = parse_dtype(st);
+    if (!d || *d == DType::f16) {
+      return fail(invalid_argument("--state " + st + " is not fp32 or bf16" +
+                                   (st == "int8" ? " (8-bit moments are not built yet)" : "")));
+    }
+    states.push_back(*d);
   }
   std::vector<DType> grads;
   for (const std::string& g : grad_names) {
@@ -193,54 +210,59 @@ int bench_adam(std::span<char* const> args) {
     if (!engine.ok()) return fail(engine.status());
     for (DType grad : grads) {
       for (const std::string& out : outs) {
-        const bool has_out = out != "none";
-        const DType out_dtype = out == "f16" ? DType::f16 : DType::bf16;
-        const double bytes_per_param = 24.0 + static_cast<double>(dtype_size(grad)) + (has_out ? 2.0 : 0.0);
-        Result<Workload> w = Workload::make(cfg.n, cfg.tensors, grad, has_out, out_dtype);
-        if (!w.ok()) return fail(w.status());
-        Result<Measured> m = measure(*engine, *w, cfg.reps);
-        if (!m.ok()) return fail(m.status());
-        const double params = static_cast<double>(cfg.n);
-        const double params_per_s = params / m->adam.median;
-        const double gbps = params * bytes_per_param / m->adam.median / 1e9;
-        const double ceiling = params * bytes_per_param / m->streams.median / 1e9;
-        // Many tensors: the same parameters as one array, in the same run, for the ratio between the two.
-        double single_params_per_s = 0;
-        if (cfg.tensors > 1) {
-          Result<Workload> single = Workload::make(cfg.n, 1, grad, has_out, out_dtype);
-          if (!single.ok()) return fail(single.status());
-          Result<Measured> ms = measure(*engine, *single, cfg.reps);
-          if (!ms.ok()) return fail(ms.status());
-          single_params_per_s = params / ms->adam.median;
-        }
-        const std::string isa_used(isa_name(engine->isa()));
-        if (cfg.json) {
-          JsonLine line;
-          line.add("bench", "adam").add("isa", isa_used).add("n", cfg.n).add("grad", dtype_name(grad)).add("out", out)
-              .add("threads", engine->threads()).add("bytes_per_param", bytes_per_param)
-              .add("median_s", m->adam.median).add("min_s", m->adam.min).add("max_s", m->adam.max)
-              .add("params_per_s", params_per_s).add("gbps", gbps).add("ceiling_gbps", ceiling)
-              .add("ratio", gbps / ceiling).add("tensors", cfg.tensors).add("reps", cfg.reps);
+        for (DType state : states) {
+          const bool has_out = out != "none";
+          const DType out_dtype = out == "f16" ? DType::f16 : DType::bf16;
+          const double bytes_per_param = 8.0 + 4.0 * static_cast<double>(dtype_size(state)) +
+                                         static_cast<double>(dtype_size(grad)) + (has_out ? 2.0 : 0.0);
+          Result<Workload> w = Workload::make(cfg.n, cfg.tensors, grad, has_out, out_dtype, state);
+          if (!w.ok()) return fail(w.status());
+          Result<Measured> m = measure(*engine, *w, cfg.reps);
+          if (!m.ok()) return fail(m.status());
+          const double params = static_cast<double>(cfg.n);
+          const double params_per_s = params / m->adam.median;
+          const double gbps = params * bytes_per_param / m->adam.median / 1e9;
+          const double ceiling = params * bytes_per_param / m->streams.median / 1e9;
+          // Many tensors: the same parameters as one array, in the same run, for the ratio between the two.
+          double single_params_per_s = 0;
           if (cfg.tensors > 1) {
-            line.add("single_array_params_per_s", single_params_per_s)
-                .add("vs_single_array", params_per_s / single_params_per_s);
+            Result<Workload> single = Workload::make(cfg.n, 1, grad, has_out, out_dtype, state);
+            if (!single.ok()) return fail(single.status());
+            Result<Measured> ms = measure(*engine, *single, cfg.reps);
+            if (!ms.ok()) return fail(ms.status());
+            single_params_per_s = params / ms->adam.median;
           }
-          std::printf("%s\n", line.str().c_str());
-        } else {
-          if (!header) {
-            std::printf("%-7s %-5s %-5s %12s %8s %4s %10s %10s %8s %8s %6s%s\n", "isa", "grad", "out", "n", "tensors",
-                        "thr", "median ms", "Mparam/s", "GB/s", "ceil GB/s", "ratio",
-                        cfg.tensors > 1 ? "  vs 1 array" : "");
-            header = true;
+          const std::string isa_used(isa_name(engine->isa()));
+          if (cfg.json) {
+            JsonLine line;
+            line.add("bench", "adam").add("isa", isa_used).add("n", cfg.n).add("grad", dtype_name(grad)).add("out", out)
+                .add("state", state == DType::f32 ? "fp32" : "bf16")
+                .add("threads", engine->threads()).add("bytes_per_param", bytes_per_param)
+                .add("median_s", m->adam.median).add("min_s", m->adam.min).add("max_s", m->adam.max)
+                .add("params_per_s", params_per_s).add("gbps", gbps).add("ceiling_gbps", ceiling)
+                .add("ratio", gbps / ceiling).add("tensors", cfg.tensors).add("reps", cfg.reps);
+            if (cfg.tensors > 1) {
+              line.add("single_array_params_per_s", single_params_per_s)
+                  .add("vs_single_array", params_per_s / single_params_per_s);
+            }
+            std::printf("%s\n", line.str().c_str());
+          } else {
+            if (!header) {
+              std::printf("%-7s %-5s %-5s %-5s %12s %8s %4s %10s %10s %8s %8s %6s%s\n", "isa", "grad", "out", "state", "n", "tensors",
+                          "thr", "median ms", "Mparam/s", "GB/s", "ceil GB/s", "ratio",
+                          cfg.tensors > 1 ? "  vs 1 array" : "");
+              header = true;
+            }
+            std::printf("%-7s %-5s %-5s %-5s %12llu %8llu %4d %10.3f %10.1f %8.1f %8.1f %6.3f", isa_used.c_str(),
+                        std::string(dtype_name(grad)).c_str(), out.c_str(), state == DType::f32 ? "fp32" : "bf16",
+                        static_cast<unsigned long long>(cfg.n),
+                        static_cast<unsigned long long>(cfg.tensors), engine->threads(), m->adam.median * 1e3,
+                        params_per_s / 1e6, gbps, ceiling, gbps / ceiling);
+            if (cfg.tensors > 1) std::printf("  %10.3f", params_per_s / single_params_per_s);
+            std::printf("\n");
           }
-          std::printf("%-7s %-5s %-5s %12llu %8llu %4d %10.3f %10.1f %8.1f %8.1f %6.3f", isa_used.c_str(),
-                      std::string(dtype_name(grad)).c_str(), out.c_str(), static_cast<unsigned long long>(cfg.n),
-                      static_cast<unsigned long long>(cfg.tensors), engine->threads(), m->adam.median * 1e3,
-                      params_per_s / 1e6, gbps, ceiling, gbps / ceiling);
-          if (cfg.tensors > 1) std::printf("  %10.3f", params_per_s / single_params_per_s);
-          std::printf("\n");
+          std::fflush(stdout);
         }
-        std::fflush(stdout);
       }
     }
   }

@@ -52,7 +52,7 @@ Result<Figure> measure_adam() {
     if (!b.ok()) return b.status();
     std::memset(b->data(), 0, b->size());
   }
-  AdamTensor t{bufs[0]->as<float>(), bufs[1]->as<float>(), bufs[2]->as<float>(), bufs[3]->data(), DType::bf16,
+  AdamTensor t{bufs[0]->as<float>(), bufs[1]->as<float>(), bufs[2]->as<float>(), DType::f32, bufs[3]->data(), DType::bf16,
                bufs[4]->data(), DType::bf16, n};
   std::vector<double> times;
   for (int rep = 0; rep < 4; ++rep) {

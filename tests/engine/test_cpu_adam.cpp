@@ -23,17 +23,19 @@ using test::Random;
 
 // Owns the state of a set of tensors of the given sizes.
 struct Model {
-  std::vector<std::vector<float>> p, m, v;
+  std::vector<std::vector<float>> p, m, v;  // m, v hold bf16 moments two to a float with state = bf16
   std::vector<std::vector<unsigned char>> g;
   std::vector<std::vector<std::uint16_t>> out;
   std::vector<AdamTensor> tensors;
 
-  Model(const std::vector<std::size_t>& sizes, DType grad, bool with_out, std::uint64_t seed) {
+  Model(const std::vector<std::size_t>& sizes, DType grad, bool with_out, std::uint64_t seed,
+        DType state = DType::f32) {
     Random rng(seed);
     for (std::size_t n : sizes) {
+      const std::size_t moment_floats = state == DType::f32 ? n : (n + 1) / 2;
       p.emplace_back(n);
-      m.emplace_back(n, 0.0f);
-      v.emplace_back(n, 0.0f);
+      m.emplace_back(moment_floats, 0.0f);
+      v.emplace_back(moment_floats, 0.0f);
       out.emplace_back(n, 0);
       for (float& x : p.back()) x = static_cast<float>(rng.uniform(-1, 1));
       g.push_back(test::make_grad(grad, n, rng, 1e-2).bytes);
@@ -43,6 +45,7 @@ struct Model {
       t.param = p[i].data();
       t.exp_avg = m[i].data();
       t.exp_avg_sq = v[i].data();
+      t.state_dtype = state;
       t.grad = g[i].data();
       t.grad_dtype = grad;
       t.out = with_out ? out[i].data() : nullptr;
@@ -91,6 +94,22 @@ TEST_P(EngineIsa, BitIdenticalForAnyThreadCountAndTile) {
     for (std::size_t tile : {std::size_t(1), std::size_t(7), std::size_t(1000), std::size_t(4096), std::size_t(65536)}) {
       CpuAdam engine = make_engine(isa(), threads, tile);
       Model model(sizes, DType::bf16, true, 1);
+      EXPECT_EQ(run_steps(engine, model, 5), want) << threads << " threads, tile " << tile;
+    }
+  }
+}
+
+TEST_P(EngineIsa, Bf16MomentsBitIdenticalForAnyThreadCountAndTile) {
+  const std::vector<std::size_t> sizes = {100'003, 77};
+  CpuAdam one = make_engine(isa(), 1, 1 << 20);
+  Model base(sizes, DType::bf16, true, 1, DType::bf16);
+  const auto want = run_steps(one, base, 5);
+  Model fp32(sizes, DType::bf16, true, 1);
+  EXPECT_NE(run_steps(one, fp32, 5), want);  // the moments' dtype is really in effect
+  for (int threads : {1, 2, 3}) {
+    for (std::size_t tile : {std::size_t(1), std::size_t(7), std::size_t(1000), std::size_t(65536)}) {
+      CpuAdam engine = make_engine(isa(), threads, tile);
+      Model model(sizes, DType::bf16, true, 1, DType::bf16);
       EXPECT_EQ(run_steps(engine, model, 5), want) << threads << " threads, tile " << tile;
     }
   }
@@ -252,6 +271,11 @@ TEST_F(EngineErrors, OutputOverlapsAnotherTensorsGradient) {
 TEST_F(EngineErrors, UnknownDtype) {
   model.tensors[0].grad_dtype = static_cast<DType>(7);
   expect_refused("grad dtype 7");
+}
+
+TEST_F(EngineErrors, StateDtypeIsFp32OrBf16) {
+  model.tensors[1].state_dtype = DType::f16;
+  expect_refused("tensor 1: state dtype f16 is invalid");
 }
 
 TEST_F(EngineErrors, OutDtypeMustBeSixteenBit) {

@@ -176,7 +176,7 @@ TEST(OffloadOptimizer, DelayedMatchesReferenceDelayedUpdate) {
     }
     if (t > kWarmup && has_pending) w = pending;
     for (std::size_t i = 0; i < count; ++i) {
-      AdamTensor tensor{p[i].data(), m[i].data(), v[i].data(), g[i].data(), DType::bf16,
+      AdamTensor tensor{p[i].data(), m[i].data(), v[i].data(), DType::f32, g[i].data(), DType::bf16,
                         t > kWarmup ? pending[i].data() : w[i].data(), DType::bf16, p[i].size()};
       StepOptions so;
       so.step = t;

@@ -28,6 +28,24 @@ using test::skip_reason;
 
 using Param = std::tuple<int /*variant*/, DType /*grad*/, int /*OutElem*/>;
 
+// The kernel's per-step scalars, as cpu_adam.cpp derives them.
+AdamConstants constants_of(const AdamHyper& h, int step, float grad_scale) {
+  AdamConstants c{};
+  c.beta1 = h.beta1;
+  c.one_minus_beta1 = 1.0f - h.beta1;
+  c.beta2 = h.beta2;
+  c.one_minus_beta2 = 1.0f - h.beta2;
+  const double bc1 = h.bias_correction ? 1.0 - std::pow(double(h.beta1), step) : 1.0;
+  const double bc2 = h.bias_correction ? 1.0 - std::pow(double(h.beta2), step) : 1.0;
+  c.neg_step_size = static_cast<float>(-double(h.lr) / bc1);
+  c.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
+  c.eps = h.eps;
+  c.decay = h.adamw ? static_cast<float>(1.0 - double(h.lr) * h.weight_decay) : 1.0f;
+  c.l2 = h.adamw ? 0.0f : h.weight_decay;
+  c.grad_scale = grad_scale;
+  return c;
+}
+
 class AdamKernel : public ::testing::TestWithParam<Param> {
  protected:
   const Variant& variant() const { return kVariants[std::get<0>(GetParam())]; }
@@ -55,20 +73,8 @@ class AdamKernel : public ::testing::TestWithParam<Param> {
       StepOptions o;
       o.step = step;
       o.grad_scale = grad_scale;
-      AdamConstants c{};
-      c.beta1 = h.beta1;
-      c.one_minus_beta1 = 1.0f - h.beta1;
-      c.beta2 = h.beta2;
-      c.one_minus_beta2 = 1.0f - h.beta2;
-      const double bc1 = h.bias_correction ? 1.0 - std::pow(double(h.beta1), step) : 1.0;
-      const double bc2 = h.bias_correction ? 1.0 - std::pow(double(h.beta2), step) : 1.0;
-      c.neg_step_size = static_cast<float>(-double(h.lr) / bc1);
-      c.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
-      c.eps = h.eps;
-      c.decay = h.adamw ? static_cast<float>(1.0 - double(h.lr) * h.weight_decay) : 1.0f;
-      c.l2 = h.adamw ? 0.0f : h.weight_decay;
-      c.grad_scale = grad_scale;
-      table.adam[int(grad_dtype())][out_elem()](c, p.data() + offset, m.data() + offset, v.data() + offset,
+      const AdamConstants c = constants_of(h, step, grad_scale);
+      table.adam[int(grad_dtype())][out_elem()][kStateF32](c, p.data() + offset, m.data() + offset, v.data() + offset,
                                                 test::grad_ptr(g, grad_dtype(), offset),
                                                 out_elem() == kOutNone ? nullptr : out.data() + offset, n);
       test::reference_step(h, o, ref, g.values);
@@ -144,8 +150,8 @@ TEST_P(AdamKernel, AgreesWithScalarKernel) {
   AdamConstants c{0.9f, 0.1f, 0.999f, 0.001f, -0.0123f, 1.3f, 1e-8f, 0.9999f, 0.0f, 0.5f};
   std::vector<std::uint16_t> o1(n), o2(n);
   const int out = out_elem();
-  table.adam[int(grad_dtype())][out](c, p.data(), m.data(), v.data(), g.bytes.data(), o1.data(), n);
-  scalar::table().adam[int(grad_dtype())][out](c, p2.data(), m2.data(), v2.data(), g.bytes.data(), o2.data(), n);
+  table.adam[int(grad_dtype())][out][kStateF32](c, p.data(), m.data(), v.data(), g.bytes.data(), o1.data(), n);
+  scalar::table().adam[int(grad_dtype())][out][kStateF32](c, p2.data(), m2.data(), v2.data(), g.bytes.data(), o2.data(), n);
   for (std::size_t i = 0; i < n; ++i) {
     constexpr double kUlps = 8 * 6e-8;
     ASSERT_NEAR(p[i], p2[i], kUlps * 1.0) << i;
@@ -166,6 +172,73 @@ INSTANTIATE_TEST_SUITE_P(AllIsas, AdamKernel,
                                             ::testing::Values(int(kOutNone), int(kOutF16), int(kOutBF16))),
                          param_name);
 
+// bf16 moments (AdamTensor::state_dtype): each step starts from the kernel's own stored state, computes in
+// fp32, and stores m and v rounded to bf16. Checked step by step against float64 from the same state: p
+// within kParamTol (the update uses the unrounded fp32 moments), m and v within one bf16 ulp of the float64
+// values (2^-7 relative: fp32 and float64 may round to either neighbour of a value between two bf16s). And
+// the same bits whatever the split of the array into calls (what tiles and threads do).
+class AdamKernelBf16State : public ::testing::TestWithParam<std::tuple<int, DType>> {
+ protected:
+  const Variant& variant() const { return kVariants[std::get<0>(GetParam())]; }
+  DType grad_dtype() const { return std::get<1>(GetParam()); }
+  void SetUp() override {
+    if (const std::string why = skip_reason(variant()); !why.empty()) GTEST_SKIP() << why;
+  }
+};
+
+TEST_P(AdamKernelBf16State, EachStepMatchesFloat64FromItsOwnRoundedState) {
+  const KernelTable& table = variant().table();
+  constexpr test::Tolerance kBf16Ulp{0x1p-7, 1e-30};
+  const std::size_t n = 3 * table.lanes * 37 + 5;  // whole vectors and a tail
+  Random rng(77);
+  std::vector<float> p(n), p_split(n);
+  std::vector<std::uint16_t> m(n, 0), v(n, 0), m_split(n, 0), v_split(n, 0), out(n), out_split(n);
+  for (std::size_t i = 0; i < n; ++i) p[i] = p_split[i] = static_cast<float>(rng.uniform(-1.0, 1.0));
+  const std::size_t cut = table.lanes * 5 + 3;  // mid-vector: the tail path on one side, an odd start on the other
+  const AdamHyper h = adamw_hyper();
+  for (int step = 1; step <= kSteps; ++step) {
+    const GradData g = test::make_grad(grad_dtype(), n, rng, 1e-2, 0);
+    StepOptions o;
+    o.step = step;
+    RefState ref{std::vector<double>(n), std::vector<double>(n), std::vector<double>(n)};
+    for (std::size_t i = 0; i < n; ++i) {
+      ref.p[i] = p[i];
+      ref.m[i] = bf16_to_float(m[i]);
+      ref.v[i] = bf16_to_float(v[i]);
+    }
+    const AdamConstants c = constants_of(h, step, 1.0f);
+    table.adam[int(grad_dtype())][kOutBF16][kStateBF16](c, p.data(), m.data(), v.data(),
+                                                         test::grad_ptr(g, grad_dtype(), 0), out.data(), n);
+    const AdamFn fn = table.adam[int(grad_dtype())][kOutBF16][kStateBF16];
+    const auto* gb = static_cast<const unsigned char*>(test::grad_ptr(g, grad_dtype(), 0));
+    fn(c, p_split.data(), m_split.data(), v_split.data(), gb, out_split.data(), cut);
+    fn(c, p_split.data() + cut, m_split.data() + cut, v_split.data() + cut, gb + cut * dtype_size(grad_dtype()),
+       out_split.data() + cut, n - cut);
+    test::reference_step(h, o, ref, g.values);
+    for (std::size_t i = 0; i < n; ++i) {
+      ASSERT_TRUE(test::kParamTol.accepts(p[i], ref.p[i])) << "p[" << i << "] at step " << step;
+      ASSERT_TRUE(kBf16Ulp.accepts(bf16_to_float(m[i]), ref.m[i]))
+          << "m[" << i << "] = " << bf16_to_float(m[i]) << ", float64 " << ref.m[i] << " at step " << step;
+      ASSERT_TRUE(kBf16Ulp.accepts(bf16_to_float(v[i]), ref.v[i]))
+          << "v[" << i << "] = " << bf16_to_float(v[i]) << ", float64 " << ref.v[i] << " at step " << step;
+      ASSERT_EQ(out[i], float_to_bf16(p[i]));
+    }
+    ASSERT_EQ(p, p_split) << "step " << step;
+    ASSERT_EQ(m, m_split) << "step " << step;
+    ASSERT_EQ(v, v_split) << "step " << step;
+    ASSERT_EQ(out, out_split) << "step " << step;
+  }
+}
+
+std::string bf16_state_name(const ::testing::TestParamInfo<std::tuple<int, DType>>& info) {
+  return std::string(kVariants[std::get<0>(info.param)].token) + "_grad_" + std::string(dtype_name(std::get<1>(info.param)));
+}
+
+INSTANTIATE_TEST_SUITE_P(AllIsas, AdamKernelBf16State,
+                         ::testing::Combine(::testing::Range(0, test::kVariantCount),
+                                            ::testing::Values(DType::f32, DType::f16, DType::bf16)),
+                         bf16_state_name);
+
 // Tests that do not depend on the dtype combination, once per kernel table.
 class KernelTableTest : public ::testing::TestWithParam<int> {
  protected:
@@ -182,7 +255,7 @@ TEST_P(KernelTableTest, NonFiniteGradientsPropagateAsInTorch) {
   g[1] = NAN;
   g[n - 1] = INFINITY;
   AdamConstants c{0.9f, 0.1f, 0.999f, 0.001f, -0.01f, 1.0f, 1e-8f, 1.0f, 0.0f, 1.0f};
-  table.adam[kF32][kOutNone](c, p.data(), m.data(), v.data(), g.data(), nullptr, n);
+  table.adam[kF32][kOutNone][kStateF32](c, p.data(), m.data(), v.data(), g.data(), nullptr, n);
   EXPECT_TRUE(std::isnan(p[1]));
   EXPECT_TRUE(std::isnan(m[1]));
   EXPECT_TRUE(std::isnan(p[n - 1]));  // inf / inf in the update, as torch computes it
