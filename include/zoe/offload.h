@@ -108,6 +108,11 @@ struct OffloadOptions {
   // report. Costs 4 bytes per parameter of host RAM (8 with the delayed schedule).
   int gradient_accumulation_steps = 1;
   PartitionOptions partition;  // with a Collectives of world > 1 only
+  // How the Adam moments m and v are stored (zoe config: zoe.state_dtype): f32, or bf16 — 4 bytes less per
+  // parameter for each, rounded to nearest even after every fp32 update (AdamTensor::state_dtype); the
+  // master weights stay fp32. bf16 is built for tier ram; read_state() and checkpoints give fp32 values
+  // (bf16 widens exactly), and a checkpoint of either dtype loads into either (fp32 moments are rounded).
+  DType state_dtype = DType::f32;
   std::size_t tile = 1 << 20;          // elements per unit of pipelined work. DeepSpeed's sub_group_size is larger
   CpuAdamOptions cpu;
 };

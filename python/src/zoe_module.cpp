@@ -173,6 +173,7 @@ struct EngineOptions {
   std::size_t block_size = 1 << 20;
   int queue_depth = 8;
   std::string nvme_durability = "step";
+  std::string state_dtype = "fp32";
   std::string schedule = "sync";
   int delayed_warmup_steps = 10;
   int gradient_accumulation_steps = 1;
@@ -207,6 +208,10 @@ OffloadOptions to_options(const EngineOptions& e) {
   Result<Durability> durability = parse_durability(e.nvme_durability);
   if (!durability.ok()) throw std::invalid_argument(durability.status().message());
   o.nvme.durability = durability.value();
+  if (e.state_dtype != "fp32" && e.state_dtype != "bf16") {
+    throw std::invalid_argument("state_dtype '" + e.state_dtype + "' is unknown: fp32 or bf16");
+  }
+  o.state_dtype = e.state_dtype == "bf16" ? DType::bf16 : DType::f32;
   Result<Schedule> schedule = parse_schedule(e.schedule);
   if (!schedule.ok()) throw std::invalid_argument(schedule.status().message());
   o.schedule = schedule.value();
@@ -443,6 +448,7 @@ nb::dict config_dict(const LoadedConfig& c) {
   opts["block_size"] = o.nvme.block_size;
   opts["queue_depth"] = o.nvme.queue_depth;
   opts["nvme_durability"] = std::string(durability_name(o.nvme.durability));
+  opts["state_dtype"] = std::string(o.state_dtype == DType::bf16 ? "bf16" : "fp32");
   opts["schedule"] = std::string(schedule_name(o.schedule));
   opts["delayed_warmup_steps"] = o.delayed_warmup_steps;
   opts["gradient_accumulation_steps"] = o.gradient_accumulation_steps;
@@ -605,6 +611,7 @@ void bind_engine(nb::module_& m) {
       .def_rw("block_size", &EngineOptions::block_size)
       .def_rw("queue_depth", &EngineOptions::queue_depth)
       .def_rw("nvme_durability", &EngineOptions::nvme_durability)
+      .def_rw("state_dtype", &EngineOptions::state_dtype)
       .def_rw("schedule", &EngineOptions::schedule)
       .def_rw("delayed_warmup_steps", &EngineOptions::delayed_warmup_steps)
       .def_rw("gradient_accumulation_steps", &EngineOptions::gradient_accumulation_steps)

@@ -122,6 +122,9 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             gradients across ranks with ``False`` are an error, equal ones with ``True`` a warning (averaging
             them again is right but costs an all-reduce per step).
         isa, threads, tile: the CPU kernel's instruction set, worker threads, elements per unit of work.
+        state_dtype: how the Adam moments are kept: ``"fp32"``, or ``"bf16"`` (tier ram; 8 bytes less per
+            parameter, each moment rounded to nearest even after its fp32 update; the master weights stay
+            fp32, and ``read_state``/``state_dict`` give fp32 values).
 
     With torch FSDP2 (``fully_shard``; the parameters are DTensors): pass ``model.parameters()`` after
     ``fully_shard``, on every rank. zoe steps each rank's local shards in place (with ``CPUOffloadPolicy``
@@ -142,7 +145,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                  isa: str = "auto", threads: int = 0, tile: int = 1 << 20, buffer_count: int = 4,
                  block_size: int = 1 << 20, queue_depth: int = 8, refuse_non_finite: bool = True,
                  durability: str = "step", gradient_accumulation_steps: int | None = None,
-                 reduce_grads: bool = True):
+                 reduce_grads: bool = True, state_dtype: str = "fp32"):
         if not 0.0 <= lr:
             raise ValueError(f"lr = {lr} is invalid: need >= 0")
         if tier not in ("ram", "nvme"):
@@ -159,6 +162,10 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                 or gradient_accumulation_steps < 1):
             raise ValueError(f"gradient_accumulation_steps = {gradient_accumulation_steps!r} is invalid: an int >= 1, "
                              "or None to count the backward passes before each step")
+        if state_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"state_dtype = {state_dtype!r} is not available: 'fp32' or 'bf16' (8-bit moments, "
+                             "'int8', are not built yet)" if state_dtype == "int8" else
+                             f"state_dtype = {state_dtype!r} is unknown: use 'fp32' or 'bf16'")
         if not isinstance(reduce_grads, bool):
             raise ValueError(f"reduce_grads = {reduce_grads!r} is invalid: True (zoe averages the gradients across "
                              "ranks) or False (they are averaged already, e.g. by DistributedDataParallel)")
@@ -172,7 +179,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                              hysteresis=hysteresis, min_loss_scale=min_loss_scale,
                              delayed_warmup_steps=delayed_warmup_steps, isa=isa, threads=threads, tile=tile,
                              buffer_count=buffer_count, block_size=block_size, queue_depth=queue_depth,
-                             refuse_non_finite=refuse_non_finite, durability=durability)
+                             refuse_non_finite=refuse_non_finite, durability=durability, state_dtype=state_dtype)
         # DTensor parameters (FSDP2) are partitioned already: the engine steps this rank's shards, world 1.
         self._dtensor = _dtensor.ShardedParams.detect(self.param_groups, process_group)
         if self._dtensor is not None:
@@ -324,6 +331,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         opts.block_size = o["block_size"]
         opts.queue_depth = o["queue_depth"]
         opts.nvme_durability = o["durability"]
+        opts.state_dtype = o["state_dtype"]
         opts.schedule = o["schedule"]
         opts.delayed_warmup_steps = o["delayed_warmup_steps"]
         opts.gradient_accumulation_steps = self._accumulation_steps if self._engine_accumulates else 1

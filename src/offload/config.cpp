@@ -500,8 +500,14 @@ Status Parser::aio(const Json& section) {
 Status Parser::zoe_section(const Json& section) {
   const std::string p = "zoe";
   check_keys(section, p, {"schedule", "delayed_warmup_steps", "tile", "threads", "isa", "pin_threads", "cpu_tile",
-                          "nvme_durability"});
+                          "nvme_durability", "state_dtype"});
   OffloadOptions& o = out_->options;
+  if (const auto it = section.find("state_dtype"); it != section.end()) {
+    const std::string name = it->is_string() ? it->get<std::string>() : std::string();
+    if (name == "int8") return bad(p + ".state_dtype", *it, "8-bit moments are not built yet: \"fp32\" or \"bf16\"");
+    if (name != "fp32" && name != "bf16") return bad(p + ".state_dtype", *it, "need \"fp32\" or \"bf16\"");
+    o.state_dtype = name == "bf16" ? DType::bf16 : DType::f32;
+  }
   if (const auto it = section.find("nvme_durability"); it != section.end()) {
     Result<Durability> d = parse_durability(it->is_string() ? it->get<std::string>() : std::string());
     if (!d.ok()) return bad(p + ".nvme_durability", *it, "need \"step\" or \"checkpoint\"");

@@ -30,11 +30,12 @@ struct Piece {
   std::size_t param, begin, n;
 };
 
-// The fp32 state of one piece, where a tier keeps it in RAM.
+// The state of one piece, where a tier keeps it in RAM: the fp32 master and the moments in
+// OffloadOptions::state_dtype.
 struct PieceState {
   float* p;
-  float* m;
-  float* v;
+  void* m;
+  void* v;
 };
 
 class StateTier {
@@ -57,7 +58,8 @@ class StateTier {
   // Tier ram: a piece's state in RAM, which the overlap schedule steps one piece at a time and can undo.
   virtual bool in_ram() const = 0;
   virtual PieceState piece(const Piece&) { return {nullptr, nullptr, nullptr}; }
-  // Tier ram: array `which` (0 p, 1 m, 2 v) as one contiguous fp32 array, or null (in place, p is not).
+  // Tier ram: array `which` (0 p, 1 m, 2 v) as one contiguous fp32 array, or null (in place, p is not;
+  // bf16 moments are not fp32).
   virtual const float* flat(int) const { return nullptr; }
   // The master weights of parameter i where the staging cannot hold them (f32 parameters; tier ram only).
   virtual float* master(std::size_t) { return nullptr; }
@@ -89,6 +91,7 @@ struct OffloadOptimizer::Impl {
   std::vector<ParamGroup> groups;
   std::vector<ParamSpec> params;
   CpuAdam adam;
+  std::size_t moment_bytes() const { return dtype_size(options.state_dtype); }  // per element of m or v
   LossScaler scaler;
   float visible_scale = 1.0f;  // the scale the trainer multiplies this iteration's loss by
   std::atomic<std::int64_t> step_count{0};

@@ -102,6 +102,9 @@ Status OffloadOptimizer::save(const std::string& path) {
     for (const Piece& k : m.partition->origin) part["pieces"].push_back({{"param", k.param}, {"begin", k.begin}, {"n", k.n}});
   }
   manifest["tier"] = std::string(tier_name(m.options.tier));
+  // The moments are stored as fp32 whatever the run kept them in (bf16 widens exactly): recorded so that a
+  // reader knows how they were kept.
+  manifest["state_dtype"] = m.options.state_dtype == DType::f32 ? "fp32" : "bf16";
   Result<CheckpointWriter> writer = CheckpointWriter::create(path);
   if (!writer.ok()) return writer.status();
   const std::size_t total = m.offsets.back();

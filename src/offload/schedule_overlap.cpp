@@ -191,8 +191,8 @@ void OverlapSchedule::save_undo(const Piece& k) {
   const std::size_t off = m_.offsets[k.param] + k.begin, w = m_.weight_offsets[k.param] + k.begin * 2;
   const PieceState st = m_.tier->piece(k);
   std::memcpy(undo_master_.as<float>() + off, st.p, k.n * 4);
-  std::memcpy(undo_exp_avg_.as<float>() + off, st.m, k.n * 4);
-  std::memcpy(undo_exp_avg_sq_.as<float>() + off, st.v, k.n * 4);
+  std::memcpy(undo_exp_avg_.as<float>() + off, st.m, k.n * m_.moment_bytes());
+  std::memcpy(undo_exp_avg_sq_.as<float>() + off, st.v, k.n * m_.moment_bytes());
   if (m_.params[k.param].dtype != DType::f32) {
     std::memcpy(undo_weights_.as<unsigned char>() + w, static_cast<unsigned char*>(m_.weights_of(k.param)) + k.begin * 2, k.n * 2);
   }
@@ -202,8 +202,8 @@ void OverlapSchedule::restore_undo(const Piece& k) {
   const std::size_t off = m_.offsets[k.param] + k.begin, w = m_.weight_offsets[k.param] + k.begin * 2;
   const PieceState st = m_.tier->piece(k);
   std::memcpy(st.p, undo_master_.as<float>() + off, k.n * 4);
-  std::memcpy(st.m, undo_exp_avg_.as<float>() + off, k.n * 4);
-  std::memcpy(st.v, undo_exp_avg_sq_.as<float>() + off, k.n * 4);
+  std::memcpy(st.m, undo_exp_avg_.as<float>() + off, k.n * m_.moment_bytes());
+  std::memcpy(st.v, undo_exp_avg_sq_.as<float>() + off, k.n * m_.moment_bytes());
   if (m_.params[k.param].dtype != DType::f32) {
     std::memcpy(static_cast<unsigned char*>(m_.weights_of(k.param)) + k.begin * 2, undo_weights_.as<unsigned char>() + w, k.n * 2);
   }

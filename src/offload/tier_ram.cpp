@@ -1,4 +1,5 @@
-// Tier ram: the fp32 master weights and moments of the flattened parameters in three host arrays.
+// Tier ram: the fp32 master weights and the moments (fp32 or bf16, OffloadOptions::state_dtype) of the
+// flattened parameters in three host arrays.
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -18,12 +19,14 @@ class RamTier final : public StateTier {
   Status allocate() {
     const std::size_t total = m_.offsets.back();
     for (AlignedBuffer* b : {&master_, &exp_avg_, &exp_avg_sq_}) {
-      Result<AlignedBuffer> r = AlignedBuffer::allocate(total * 4);
+      const std::size_t bytes = total * (b == &master_ ? 4 : m_.moment_bytes());
+      Result<AlignedBuffer> r = AlignedBuffer::allocate(bytes);
       if (!r.ok()) return r.status();
       *b = std::move(r).value();
       // In place, f32 parameters keep their master on the device: their part of `master` is never touched
       // (glibc maps large allocations lazily, so untouched pages cost no memory); the rest is written at start-up.
-      if (total > 0 && !(m_.in_place && b == &master_)) std::memset(b->data(), 0, total * 4);
+      // All-zero bytes are +0 in fp32 and bf16 alike.
+      if (total > 0 && !(m_.in_place && b == &master_)) std::memset(b->data(), 0, bytes);
     }
     return Status::success();
   }
@@ -59,8 +62,8 @@ class RamTier final : public StateTier {
   }
 
   Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v) override {
-    if (m != nullptr) std::memcpy(m, exp_avg_.as<float>() + offset, count * 4);
-    if (v != nullptr) std::memcpy(v, exp_avg_sq_.as<float>() + offset, count * 4);
+    if (m != nullptr) moments_out(exp_avg_, offset, count, m);
+    if (v != nullptr) moments_out(exp_avg_sq_, offset, count, v);
     if (p == nullptr || count == 0) return Status::success();
     // The master, parameter by parameter: in place, an f32 parameter's is on the device.
     const std::vector<std::size_t>& offsets = m_.offsets;
@@ -75,8 +78,8 @@ class RamTier final : public StateTier {
 
   // A single parameter's range (write_state), so the master is its own.
   Status write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v) override {
-    if (m != nullptr) std::memcpy(exp_avg_.as<float>() + offset, m, count * 4);
-    if (v != nullptr) std::memcpy(exp_avg_sq_.as<float>() + offset, v, count * 4);
+    if (m != nullptr) moments_in(m, offset, count, exp_avg_);
+    if (v != nullptr) moments_in(v, offset, count, exp_avg_sq_);
     if (p != nullptr && count > 0) {
       const std::vector<std::size_t>& offsets = m_.offsets;
       const std::size_t i = static_cast<std::size_t>(std::upper_bound(offsets.begin(), offsets.end(), offset) - offsets.begin()) - 1;
@@ -96,6 +99,14 @@ class RamTier final : public StateTier {
       loaded[k] = std::move(b).value();
       if (Status s = reader.read(names[k], loaded[k].data(), total * 4); !s.ok()) return s;
     }
+    // Checkpoints hold fp32 moments: bf16 ones are rounded from them here (exact for a bf16 run's own).
+    for (int k = 1; k < 3 && m_.options.state_dtype != DType::f32; ++k) {
+      Result<AlignedBuffer> b = AlignedBuffer::allocate(total * 2);
+      if (!b.ok()) return b.status();
+      AlignedBuffer narrow = std::move(b).value();
+      moments_in(loaded[k].as<float>(), 0, total, narrow);
+      loaded[k] = std::move(narrow);
+    }
     master_ = std::move(loaded[0]);
     exp_avg_ = std::move(loaded[1]);
     exp_avg_sq_ = std::move(loaded[2]);
@@ -105,12 +116,13 @@ class RamTier final : public StateTier {
   bool in_ram() const override { return true; }
 
   PieceState piece(const Piece& k) override {
-    const std::size_t off = m_.offsets[k.param] + k.begin;
-    return {m_.master_of(k.param) + k.begin, exp_avg_.as<float>() + off, exp_avg_sq_.as<float>() + off};
+    const std::size_t off = (m_.offsets[k.param] + k.begin) * m_.moment_bytes();
+    return {m_.master_of(k.param) + k.begin, exp_avg_.as<unsigned char>() + off, exp_avg_sq_.as<unsigned char>() + off};
   }
 
   const float* flat(int which) const override {
     if (which == 0) return m_.in_place ? nullptr : master_.as<float>();
+    if (m_.options.state_dtype != DType::f32) return nullptr;
     return (which == 1 ? exp_avg_ : exp_avg_sq_).as<float>();
   }
 
@@ -124,11 +136,30 @@ class RamTier final : public StateTier {
     t.param = st.p;
     t.exp_avg = st.m;
     t.exp_avg_sq = st.v;
+    t.state_dtype = m_.options.state_dtype;
     t.grad = static_cast<const unsigned char*>(m_.step_grad(k.param, set, &t.grad_dtype)) + k.begin * dtype_size(t.grad_dtype);
     t.out = p.dtype == DType::f32 ? nullptr : static_cast<unsigned char*>(m_.weights_of(k.param)) + k.begin * 2;
     t.out_dtype = p.dtype == DType::f32 ? DType::bf16 : p.dtype;
     t.n = k.n;
     return t;
+  }
+
+  // Moments [offset, offset + count) widened to fp32 into `out`, and fp32 values stored into them.
+  void moments_out(const AlignedBuffer& b, std::size_t offset, std::size_t count, float* out) const {
+    if (m_.options.state_dtype == DType::f32) {
+      std::memcpy(out, b.as<float>() + offset, count * 4);
+      return;
+    }
+    const std::uint16_t* src = b.as<std::uint16_t>() + offset;
+    for (std::size_t k = 0; k < count; ++k) out[k] = bf16_to_float(src[k]);
+  }
+  void moments_in(const float* in, std::size_t offset, std::size_t count, AlignedBuffer& b) const {
+    if (m_.options.state_dtype == DType::f32) {
+      std::memcpy(b.as<float>() + offset, in, count * 4);
+      return;
+    }
+    std::uint16_t* dst = b.as<std::uint16_t>() + offset;
+    for (std::size_t k = 0; k < count; ++k) dst[k] = float_to_bf16(in[k]);
   }
 
   Impl& m_;

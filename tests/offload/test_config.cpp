@@ -366,3 +366,21 @@ TEST(ConfigOffloadParam, BadValuesAndUnknownKeysAreNamed) {
 
 }  // namespace
 }  // namespace zoe
+
+namespace zoe {
+namespace {
+
+TEST(ConfigStateDtype, ZoeStateDtypeIsReadAndInt8IsNamedAsNotBuilt) {
+  Result<LoadedConfig> c = parse_config(R"({"zoe": {"state_dtype": "bf16"}})", "<test>");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->options.state_dtype, DType::bf16);
+  c = parse_config(R"({"zoe": {"state_dtype": "int8"}})", "<test>");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("zoe.state_dtype"), std::string::npos);
+  EXPECT_NE(c.status().message().find("not built yet"), std::string::npos) << c.status().message();
+  c = parse_config(R"({"zoe": {"state_dtype": 16}})", "<test>");
+  ASSERT_FALSE(c.ok());
+}
+
+}  // namespace
+}  // namespace zoe

@@ -1,0 +1,128 @@
+// bf16 Adam moments (OffloadOptions::state_dtype) through the offloaded optimizer: every schedule steps the
+// same bits, the moments really are bf16, checkpoints hold them as fp32 and convert both ways, and what is
+// not built is refused.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <string>
+
+#include "tests/offload/trainer.h"
+
+namespace zoe::test {
+namespace {
+
+OffloadOptions bf16_moments() {
+  OffloadOptions o;
+  o.state_dtype = DType::bf16;
+  o.max_grad_norm = 0.05f;  // clipping bites: overlap undoes and redoes its speculative steps
+  return o;
+}
+
+std::string temp_file(const char* tag) {
+  return (std::filesystem::temp_directory_path() / (std::string("zoe-state-") + tag + "-" + std::to_string(::getpid()))).string();
+}
+
+bool all_bf16(const std::vector<float>& values, std::size_t from, std::size_t count) {
+  for (std::size_t i = from; i < from + count; ++i) {
+    if (bf16_to_float(float_to_bf16(values[i])) != values[i]) return false;
+  }
+  return true;
+}
+
+TEST(StateDtype, Bf16MomentsSyncOverlapAndDelayedAgreeBitwise) {
+  const RunResult sync = train(Schedule::sync, DType::bf16, bf16_moments(), 16, random_grads(1e-2));
+  const RunResult overlap = train(Schedule::overlap, DType::bf16, bf16_moments(), 16, random_grads(1e-2));
+  expect_bitwise_equal(sync, overlap);
+  EXPECT_GT(overlap.stats.redone, 0);
+  // delayed after a warm-up as long as the run: every step sync, through the delayed schedule's code.
+  const RunResult delayed = train(Schedule::delayed, DType::bf16, bf16_moments(), 16, random_grads(1e-2), 16);
+  expect_bitwise_equal(sync, delayed);
+}
+
+TEST(StateDtype, Bf16MomentsAreBf16AndTheMasterStaysFp32) {
+  const RunResult bf16 = train(Schedule::sync, DType::bf16, bf16_moments(), 12, random_grads(1e-2));
+  OffloadOptions clipped;
+  clipped.max_grad_norm = 0.05f;
+  const RunResult fp32_clipped = train(Schedule::sync, DType::bf16, clipped, 12, random_grads(1e-2));
+  // read_state gives p, m, v per parameter (sizes 1000, 37, 4096, 1): the moments widen bf16 exactly.
+  std::size_t at = 0;
+  bool masters_bf16 = true;
+  for (std::size_t n : {1000, 37, 4096, 1}) {
+    EXPECT_TRUE(all_bf16(bf16.state, at + n, 2 * n)) << "moments of a parameter of " << n;
+    masters_bf16 = masters_bf16 && all_bf16(bf16.state, at, n);
+    at += 3 * n;
+  }
+  EXPECT_FALSE(masters_bf16);  // fp32 masters
+  EXPECT_NE(std::memcmp(bf16.state.data(), fp32_clipped.state.data(), bf16.state.size() * 4), 0);
+}
+
+TEST(StateDtype, CheckpointsHoldFp32MomentsAndConvertBothWays) {
+  const GradFn grads = random_grads(1e-2);
+  const RunResult whole = train(Schedule::sync, DType::bf16, bf16_moments(), 12, grads);
+  const std::string path = temp_file("bf16");
+  {
+    Trainer first(Schedule::sync, DType::bf16, bf16_moments());
+    first.run(1, 6, grads);
+    ASSERT_TRUE(first.opt().save(path).ok());
+  }
+  Trainer second(Schedule::sync, DType::bf16, bf16_moments());
+  const Status loaded = second.opt().load(path);
+  ASSERT_TRUE(loaded.ok()) << loaded.to_string();
+  second.run(7, 12, grads);
+  const RunResult resumed = second.result();  // bf16 -> fp32 file -> bf16 is exact
+  EXPECT_EQ(std::memcmp(whole.state.data(), resumed.state.data(), whole.state.size() * 4), 0);
+  EXPECT_EQ(whole.device_weights, resumed.device_weights);
+  EXPECT_EQ(whole.steps, resumed.steps);
+
+  // The same checkpoint into an fp32-moment optimizer: the moments widened, exactly.
+  Trainer widened(Schedule::sync, DType::bf16, {});
+  ASSERT_TRUE(widened.opt().load(path).ok());
+  Trainer narrow(Schedule::sync, DType::bf16, bf16_moments());
+  ASSERT_TRUE(narrow.opt().load(path).ok());
+  const RunResult a = widened.result(), b = narrow.result();
+  EXPECT_EQ(std::memcmp(a.state.data(), b.state.data(), a.state.size() * 4), 0);
+
+  // An fp32 run's checkpoint into bf16 moments: each rounded to nearest even.
+  const std::string fp32_path = temp_file("fp32");
+  {
+    Trainer f(Schedule::sync, DType::bf16, {});
+    f.run(1, 6, grads);
+    ASSERT_TRUE(f.opt().save(fp32_path).ok());
+    const RunResult fr = f.result();
+    Trainer into(Schedule::sync, DType::bf16, bf16_moments());
+    ASSERT_TRUE(into.opt().load(fp32_path).ok());
+    const RunResult ir = into.result();
+    std::size_t at = 0;
+    for (std::size_t n : {1000, 37, 4096, 1}) {
+      for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(ir.state[at + i], fr.state[at + i]);  // master as saved
+      for (std::size_t i = at + n; i < at + 3 * n; ++i) ASSERT_EQ(ir.state[i], bf16_to_float(float_to_bf16(fr.state[i])));
+      at += 3 * n;
+    }
+  }
+  std::remove(path.c_str());
+  std::remove(fp32_path.c_str());
+}
+
+TEST(StateDtype, WhatIsNotBuiltIsRefused) {
+  auto device = make_host_device();
+  DeviceParams model(*device, DType::bf16, {64}, 1);
+  OffloadOptions o;
+  o.state_dtype = DType::f16;
+  Result<OffloadOptimizer> opt = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs, o);
+  ASSERT_FALSE(opt.ok());
+  EXPECT_NE(opt.status().message().find("state_dtype f16 is invalid"), std::string::npos) << opt.status().message();
+  o.state_dtype = DType::bf16;
+  o.tier = Tier::nvme;
+  o.nvme.paths = {std::filesystem::temp_directory_path().string()};
+  opt = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs, o);
+  ASSERT_FALSE(opt.ok());
+  EXPECT_EQ(opt.status().code(), StatusCode::unsupported);
+  EXPECT_NE(opt.status().message().find("tier ram only"), std::string::npos) << opt.status().message();
+}
+
+}  // namespace
+}  // namespace zoe::test

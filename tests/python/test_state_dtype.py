@@ -1,0 +1,83 @@
+"""OffloadOptimizer(state_dtype="bf16"): Adam moments kept in bf16 (tier ram), the master weights in fp32.
+Each step is checked against float64 Adam started from zoe's own stored state; state_dicts carry the moments
+as fp32 and come back exactly; what is not built is refused with a message."""
+import pytest
+import torch
+
+import zoe
+from zoe.torch import OffloadOptimizer
+
+HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+def _is_bf16(t: torch.Tensor) -> bool:
+    return torch.equal(t.to(torch.bfloat16).float(), t)
+
+
+def test_each_step_matches_float64_from_its_own_rounded_state():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.rand(5003) * 2 - 1)
+    opt = OffloadOptimizer([p], state_dtype="bf16", **HYPER)
+    b1, b2 = HYPER["betas"]
+    for step in range(1, 11):
+        before = opt.read_state(p)
+        g = torch.randn(5003) * 1e-2
+        p.grad.copy_(g)
+        opt.step()
+        after = opt.read_state(p)
+        # float64 Adam(W) from the stored state; zoe's fp32 arithmetic differs by rounding only.
+        m = before["exp_avg"].double() * b1 + (1 - b1) * g.double()
+        v = before["exp_avg_sq"].double() * b2 + (1 - b2) * g.double() ** 2
+        w = before["master"].double() * (1 - HYPER["lr"] * HYPER["weight_decay"])
+        w -= HYPER["lr"] / (1 - b1 ** step) * m / (v.sqrt() / (1 - b2 ** step) ** 0.5 + HYPER["eps"])
+        assert torch.allclose(after["master"].double(), w, rtol=1e-6, atol=1e-7), step
+        # One bf16 ulp (2^-7 relative): float64 and fp32 may round to either neighbour.
+        assert torch.allclose(after["exp_avg"].double(), m, rtol=2 ** -7, atol=1e-30), step
+        assert torch.allclose(after["exp_avg_sq"].double(), v, rtol=2 ** -7, atol=1e-30), step
+        assert _is_bf16(after["exp_avg"]) and _is_bf16(after["exp_avg_sq"])
+        assert not _is_bf16(after["master"])
+        assert torch.equal(p.detach(), after["master"])  # fp32 on the CPU: the master is the weight itself
+
+
+@pytest.mark.parametrize("schedule", ["sync", "overlap"])
+def test_state_dict_round_trip_continues_exactly(schedule):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to(torch.bfloat16)
+    twin = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to(torch.bfloat16)
+            for _ in range(2)]
+    for t in twin:
+        t.load_state_dict(model.state_dict())
+    data = [(torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(8, 4, dtype=torch.bfloat16)) for _ in range(8)]
+
+    def run(m, opt, batches):
+        for x, y in batches:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(x).float(), y.float()).backward()
+            opt.step()
+
+    whole = OffloadOptimizer(twin[0].parameters(), state_dtype="bf16", schedule=schedule, **HYPER)
+    run(twin[0], whole, data)
+    first = OffloadOptimizer(twin[1].parameters(), state_dtype="bf16", schedule=schedule, **HYPER)
+    run(twin[1], first, data[:4])
+    sd = first.state_dict()
+    del first
+    resumed = OffloadOptimizer(twin[1].parameters(), state_dtype="bf16", schedule=schedule, **HYPER)
+    resumed.load_state_dict(sd)
+    run(twin[1], resumed, data[4:])
+    for a, b in zip(twin[0].parameters(), twin[1].parameters()):
+        assert torch.equal(a, b)
+        sa, sb = whole.read_state(a), resumed.read_state(b)
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), k
+
+
+def test_what_is_not_built_is_refused(tmp_path):
+    p = torch.nn.Parameter(torch.zeros(8))
+    with pytest.raises(ValueError, match="'int8', are not built yet"):
+        OffloadOptimizer([p], state_dtype="int8")
+    with pytest.raises(ValueError, match="unknown"):
+        OffloadOptimizer([p], state_dtype="fp16")
+    q = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
+    with pytest.raises(zoe.UnsupportedError, match="tier ram only"):
+        OffloadOptimizer([q], state_dtype="bf16", tier="nvme", nvme_path=str(tmp_path))
+    assert zoe.parse_config('{"zoe": {"state_dtype": "bf16"}}')["options"]["state_dtype"] == "bf16"
