@@ -122,7 +122,7 @@ int bench_step(std::span<char* const> args) {
     if (arg == "--offload-param" || arg.starts_with("--offload-param=")) return bench_param_offload(args);
   }
   std::string device_name = "host", schedule_text = "sync", n_text = "64M", buckets_text = "16", compute_text,
-              iters_text = "10", tier_text = "ram", path_text, durability_text = "step";
+              iters_text = "10", tier_text = "ram", path_text, durability_text = "step", state_text = "fp32";
   bool json = false, help = false;
   const Option options[] = {
       {"device", &device_name, nullptr, "host (the stand-in) or cuda"},
@@ -130,6 +130,7 @@ int bench_step(std::span<char* const> args) {
       {"tier", &tier_text, nullptr, "where p, m, v live: ram or nvme"},
       {"path", &path_text, nullptr, "tier nvme: swap folder(s), comma-separated"},
       {"durability", &durability_text, nullptr, "tier nvme: step (durable in the background) or checkpoint (at save)"},
+      {"state", &state_text, nullptr, "Adam moments: fp32 or bf16 (tier ram)"},
       {"n", &n_text, nullptr, "parameters (K, M, G suffixes are powers of 1024)"},
       {"buckets", &buckets_text, nullptr, "gradient buckets reported during backward"},
       {"compute-ms", &compute_text, nullptr, "device forward+backward time (default: 1.5x the CPU step measured at start)"},
@@ -192,6 +193,11 @@ int bench_step(std::span<char* const> args) {
   o.tier = tier.value();
   o.nvme.paths = split_list(path_text);
   o.nvme.durability = durability.value();
+  if (state_text != "fp32" && state_text != "bf16") {
+    return fail(invalid_argument("--state " + state_text + " is not fp32 or bf16" +
+                                 (state_text == "int8" ? " (8-bit moments are not built yet)" : "")));
+  }
+  o.state_dtype = state_text == "bf16" ? DType::bf16 : DType::f32;
   if (o.tier == Tier::nvme && o.nvme.paths.empty()) return fail(invalid_argument("--tier nvme needs --path DIR[,DIR...]"));
   o.delayed_warmup_steps = kCpuProbes;
   Result<OffloadOptimizer> opt = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs(), o);
@@ -260,7 +266,7 @@ int bench_step(std::span<char* const> args) {
   if (json) {
     JsonLine line;
     line.add("bench", "step").add("device", device_name).add("schedule", schedule_text).add("tier", tier_text).add("n", n.value())
-        .add("durability", durability_text)
+        .add("durability", durability_text).add("state", state_text)
         .add("buckets", buckets.value()).add("device_compute_s", compute_s).add("step_s", step_s)
         .add("device_idle_fraction", idle).add("cpu_step_s", cpu_step_s).add("cpu_adam_s", adam_s)
         .add("iters", iters.value()).add("copy_ceiling_gbps", copy_ceiling_gbps);

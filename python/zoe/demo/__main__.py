@@ -38,6 +38,8 @@ def parse_args(argv=None):
                    help="keep the 16-bit weights in a parameter tier (pinned RAM, or NVMe under --out), fetched "
                         "per transformer block with prefetch 2 (zoe.torch.offload_parameters)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="the device weights")
+    p.add_argument("--state", choices=["fp32", "bf16"], default="fp32",
+                   help="how zoe keeps the Adam moments (bf16: tier ram, half their bytes)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--out", default="zoe-demo", help="folder for loss.png, summary.json and the swap files")
     p.add_argument("--seed", type=int, default=0)
@@ -66,11 +68,13 @@ def held_out_loss(model, batches, device) -> float:
 
 def make_optimizer(model, args, swap_dir):
     common = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, schedule=args.schedule,
-                  max_grad_norm=1.0)
+                  max_grad_norm=1.0, state_dtype=args.state)
     # full_shape: an offloaded parameter's p.shape is its empty placeholder's.
     decay = [p for n, p in model.named_parameters() if len(full_shape(p)) >= 2]
     no_decay = [p for n, p in model.named_parameters() if len(full_shape(p)) < 2]
     groups = lambda: [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]  # noqa: E731
+    if args.tier == "auto" and args.state != "fp32":
+        return OffloadOptimizer(groups(), tier="ram", **common), "ram", "bf16 moments are built for tier ram: using it"
     if args.tier in ("auto", "nvme"):
         try:
             return OffloadOptimizer(groups(), tier="nvme", nvme_path=swap_dir, **common), "nvme", None
@@ -219,6 +223,9 @@ def main(argv=None) -> int:
     tokens_per_step = args.batch * args.seq
     summary = {
         "model_params": n_params, "device": str(device), "offload_param": args.offload_param,
+        "state_dtype": args.state,
+        # fp32 master + two moments, per parameter, as zoe holds them in RAM (tier ram)
+        "resident_state_bytes": n_params * (4 + 2 * (2 if args.state == "bf16" else 4)) if tier == "ram" else 0,
         "param_tier": offload.stats() if offload is not None else None, "weights_dtype": args.dtype, "tier": tier,
         "schedule": args.schedule, "steps": args.steps, "batch": args.batch, "seq": args.seq,
         "tokens_per_s": tokens_per_step * args.steps / wall, "tokens_per_s_per_step": r["tokens_per_s"],
