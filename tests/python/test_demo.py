@@ -136,6 +136,23 @@ def test_demo_with_parameters_offloaded_trains_as_resident(tmp_path):
     assert not any((tmp_path / "nvme" / "params").iterdir())  # the scratch parameter file is gone
 
 
+def test_demo_with_bf16_moments_reports_their_resident_bytes(tmp_path):
+    small = ["--steps", "3", "--batch", "2", "--seq", "32", "--d-model", "64", "--layers", "1", "--heads", "2",
+             "--evals", "1", "--tier", "ram"]
+    summaries = {}
+    for state in ("fp32", "bf16"):
+        out = tmp_path / state
+        r = subprocess.run([sys.executable, "-m", "zoe.demo", *small, "--state", state, "--out", str(out)],
+                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert r.returncode == 0, r.stdout + r.stderr
+        summaries[state] = json.loads((out / "summary.json").read_text())
+    n = summaries["fp32"]["model_params"]
+    assert summaries["fp32"]["resident_state_bytes"] == 12 * n  # fp32 master, m and v
+    assert summaries["bf16"]["resident_state_bytes"] == 8 * n   # fp32 master, bf16 m and v
+    assert summaries["bf16"]["state_dtype"] == "bf16"
+    assert all(math.isfinite(v) for v in summaries["bf16"]["losses"])
+
+
 @pytest.mark.parametrize("module, args, message", [
     ("zoe.demo", ["--steps", "0"], "--steps 0: need at least 1"),
     ("zoe.demo", ["--warmup", "0"], "--warmup 0: need at least 1"),
