@@ -66,6 +66,16 @@ TEST(Partition, RanksWithTheSameGradientsTrainAsOneProcessBitwise) {
   }
 }
 
+TEST(Partition, Bf16MomentsTrainAsOneProcessBitwise) {
+  OffloadOptions o;
+  o.state_dtype = DType::bf16;
+  const RunResult whole = train(Schedule::sync, DType::bf16, o, 8, random_grads(1e-2));
+  const std::vector<RankRun> ranks = run_ranks(2, DType::bf16, o, 8, [](int) { return random_grads(1e-2); });
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(ranks[r].weights, whole.device_weights) << "rank " << r;
+  const RunResult fp32 = train(Schedule::sync, DType::bf16, {}, 8, random_grads(1e-2));
+  EXPECT_NE(fp32.device_weights, whole.device_weights);  // the moments' dtype is in effect
+}
+
 // The global norm summed in another order (per rank, then across ranks) in double: a few ulps of a double.
 constexpr double kNormSumOrderRelTol = 1e-9;
 // A clip coefficient that differs in its last float bit moves a master by an ulp or so, which can flip its
