@@ -114,7 +114,7 @@ class NvmeParamHome final : public ParamHomeStore {
     const int target = es.written ? 1 - es.slot : 0;
     const File& f = files_[block % files_.size()];
     Status s = transfer(IoOp::write, f, es.offset[target], bounce_.data(), slot);
-    if (!s.ok()) return located(s, "writing", block, entry, f, es.offset[target]);
+    if (!s.ok()) return located(s, IoOp::write, block, entry, f, es.offset[target]);
     es.crc = crc32c(bounce_.data(), n);
     es.slot = target;
     es.written = true;
@@ -148,7 +148,7 @@ class NvmeParamHome final : public ParamHomeStore {
       Result<aio::IoEngine::Ticket> t =
           engine_->submit(IoOp::read, f.engine_file, es.offset[es.slot], at, round_up(layout.entry_bytes[e]));
       if (!t.ok()) {
-        first = located(t.status(), "reading", block, e, f, es.offset[es.slot]);
+        first = located(t.status(), IoOp::read, block, e, f, es.offset[es.slot]);
         break;
       }
       tickets.push_back(t.value());
@@ -156,7 +156,7 @@ class NvmeParamHome final : public ParamHomeStore {
     for (std::size_t e = 0; e < tickets.size(); ++e) {
       const EntrySlots& es = entries_[block][e];
       Status s = engine_->wait(tickets[e]);
-      if (!s.ok() && first.ok()) first = located(s, "reading", block, e, f, es.offset[es.slot]);
+      if (!s.ok() && first.ok()) first = located(s, IoOp::read, block, e, f, es.offset[es.slot]);
       if (s.ok() && first.ok()) first = verify(block, e, static_cast<unsigned char*>(dst) + layout.offsets[e]);
     }
     return first;
@@ -202,7 +202,7 @@ class NvmeParamHome final : public ParamHomeStore {
     }
     const File& f = files_[block % files_.size()];
     Status s = transfer(IoOp::read, f, es.offset[es.slot], dst, round_up(blocks_[block].entry_bytes[entry]));
-    if (!s.ok()) return located(s, "reading", block, entry, f, es.offset[es.slot]);
+    if (!s.ok()) return located(s, IoOp::read, block, entry, f, es.offset[es.slot]);
     return verify(block, entry, dst);
   }
 
@@ -217,13 +217,13 @@ class NvmeParamHome final : public ParamHomeStore {
                                            "returned wrong data); the copy was not used");
   }
 
-  Status located(const Status& s, const char* doing, std::size_t block, std::size_t entry, const File& f,
+  // A failed transfer, named: which entry, file and offset; a write also says that nothing was lost.
+  Status located(const Status& s, IoOp op, std::size_t block, std::size_t entry, const File& f,
                  std::uint64_t offset) const {
-    return Status(s.code(), std::string(doing) + " " + describe_entry(blocks_[block], block, entry) + " in " + f.path +
-                                " at offset " + std::to_string(offset) + ": " + s.message() +
-                                (std::strcmp(doing, "writing") == 0 ? " (the entry keeps its previous copy; retry "
-                                                                      "once the fault is cleared)"
-                                                                    : ""),
+    const bool write = op == IoOp::write;
+    return Status(s.code(), std::string(write ? "writing " : "reading ") + describe_entry(blocks_[block], block, entry) +
+                                " in " + f.path + " at offset " + std::to_string(offset) + ": " + s.message() +
+                                (write ? " (the entry keeps its previous copy; retry once the fault is cleared)" : ""),
                   s.sys_errno());
   }
 

@@ -309,12 +309,6 @@ struct PyParamTier {
   }
 };
 
-struct TieredParam {  // where engine parameter `param` keeps its weights
-  std::size_t param = 0;
-  nb::object tier;
-  std::size_t block = 0, entry = 0;
-};
-
 struct PyEngine {
   // Declared first so that it is destroyed last: the optimizer's destructor still talks to the device.
   nb::object device_owner;

@@ -181,8 +181,8 @@ struct ParamTier::Impl {
   }
 
   // Block b's room goes back to the pool; whoever gets it next copies there only after the compute stream
-  // passed b's last release.
-  void evict(std::size_t b) {
+  // passed b's last release. `for_room`: counted as an eviction (not a stale copy dropped after a write).
+  void evict(std::size_t b, bool for_room = true) {
     BlockState& s = blocks[b];
     drop_h2d_event(s.ready);
     drop_h2d_event(s.home_read);
@@ -192,7 +192,7 @@ struct ParamTier::Impl {
     pool_used -= layout[b].bytes;
     s.pool_offset = kNone;
     s.state = State::absent;
-    ++stats.evictions;
+    if (for_room) ++stats.evictions;
   }
 
   // Room for `bytes`, evicting blocks not in use, least recently used first. With `lock` (a fetch), blocks
@@ -430,8 +430,7 @@ Status ParamTier::write(std::size_t block, std::size_t entry, const void* src, s
     if (st.uses > 0) {
       st.stale = true;  // the device keeps the whole old copy while it is used; dropped at the last release
     } else if (st.state == Impl::State::loaded) {
-      m.evict(block);
-      --m.stats.evictions;  // dropped as stale, not for room
+      m.evict(block, false);
     }
     st.writing = true;
   }
@@ -530,10 +529,7 @@ Status ParamTier::release(std::size_t block) {
     Result<EventId> e = m.device.record(Stream::compute);
     if (!e.ok()) return e.status();
     st.released = e.value();
-    if (std::exchange(st.stale, false)) {
-      m.evict(block);
-      --m.stats.evictions;
-    }
+    if (std::exchange(st.stale, false)) m.evict(block, false);
   }
   return Status::success();
 }

@@ -244,12 +244,17 @@ TEST(ParamTier, RandomUseNeverServesStaleOrForeignBytes) {
 using testing::FaultPlan;
 using testing::TempDir;
 
+ParamTierOptions nvme_home(std::vector<std::string> paths) {
+  ParamTierOptions o;
+  o.home = ParamHome::nvme;
+  o.nvme_paths = std::move(paths);
+  return o;
+}
+
 TEST(ParamTierNvme, FetchesTheHomesBytesFromTheFile) {
   TempDir dir("zoe-param");
   Fixture f(layer_blocks(12, 64));
-  ParamTierOptions o;
-  o.home = ParamHome::nvme;
-  o.nvme_paths = {dir.sub("a"), dir.sub("b")};
+  ParamTierOptions o = nvme_home({dir.sub("a"), dir.sub("b")});
   o.prefetch = 2;
   Result<ParamTier> tier = ParamTier::create(*f.device, f.specs, o);
   ASSERT_TRUE(tier.ok()) << tier.status().to_string();
@@ -268,9 +273,7 @@ TEST(ParamTierNvme, FetchesTheHomesBytesFromTheFile) {
 TEST(ParamTierNvme, AFetchTakesTheRoomOfABlockStillBeingPrefetched) {
   TempDir dir("zoe-param");
   Fixture f({{"a", {1 << 20}}, {"b", {1 << 20}}, {"c", {1 << 20}}});
-  ParamTierOptions o;
-  o.home = ParamHome::nvme;
-  o.nvme_paths = {dir.path()};
+  ParamTierOptions o = nvme_home({dir.path()});
   o.prefetch = 1;
   o.budget_bytes = 2 << 20;
   for (int round = 0; round < 20; ++round) {  // the prefetch of b is caught in flight in some rounds
@@ -292,9 +295,7 @@ TEST(ParamTierNvme, AFailedReadNamesBlockFileAndOffsetAndARetryFetches) {
   TempDir dir("zoe-param");
   Fixture f(layer_blocks(4, 32));
   FaultPlan plan;
-  ParamTierOptions o;
-  o.home = ParamHome::nvme;
-  o.nvme_paths = {dir.path()};
+  ParamTierOptions o = nvme_home({dir.path()});
   o.prefetch = 0;
   o.fault_hook = plan.hook();
   Result<ParamTier> tier = ParamTier::create(*f.device, f.specs, o);
@@ -318,9 +319,7 @@ TEST(ParamTierNvme, AFailedWriteKeepsThePreviousCopyAndARetryLands) {
   TempDir dir("zoe-param");
   Fixture f(layer_blocks(3, 32));
   FaultPlan plan;
-  ParamTierOptions o;
-  o.home = ParamHome::nvme;
-  o.nvme_paths = {dir.path()};
+  ParamTierOptions o = nvme_home({dir.path()});
   o.fault_hook = plan.hook();
   Result<ParamTier> tier = ParamTier::create(*f.device, f.specs, o);
   ASSERT_TRUE(tier.ok());
@@ -353,9 +352,7 @@ TEST(ParamTierNvme, AFailedWriteKeepsThePreviousCopyAndARetryLands) {
 TEST(ParamTierNvme, ACorruptedFileIsRefusedByItsChecksum) {
   TempDir dir("zoe-param");
   Fixture f(layer_blocks(2, 32));
-  ParamTierOptions o;
-  o.home = ParamHome::nvme;
-  o.nvme_paths = {dir.path()};
+  ParamTierOptions o = nvme_home({dir.path()});
   o.prefetch = 0;
   Result<ParamTier> tier = ParamTier::create(*f.device, f.specs, o);
   ASSERT_TRUE(tier.ok());
@@ -376,9 +373,7 @@ TEST(ParamTierNvme, AFullPathFailsAtSetUp) {
   TempDir dir("zoe-param");
   Fixture f(layer_blocks(2, 32));
   FaultPlan plan;
-  ParamTierOptions o;
-  o.home = ParamHome::nvme;
-  o.nvme_paths = {dir.path()};
+  ParamTierOptions o = nvme_home({dir.path()});
   o.fault_hook = plan.hook();
   plan.arm(IoOp::allocate, 0, ENOSPC);
   Result<ParamTier> tier = ParamTier::create(*f.device, f.specs, o);
