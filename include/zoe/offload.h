@@ -62,6 +62,14 @@ struct LossScaleOptions {
   float min_scale = 1.0f;
 };
 
+// The dynamic loss scaler's state, saved with the optimizer state: the scale, the clean steps since it last
+// changed, and the overflows left before it backs off (hysteresis).
+struct LossScaleState {
+  float scale = 1.0f;
+  std::int64_t clean_steps = 0;
+  std::int32_t hysteresis_left = 0;
+};
+
 struct NvmeOptions {
   std::vector<std::string> paths;      // DeepSpeed: offload_optimizer.nvme_path (one or a list)
   int buffer_count = 4;                // DeepSpeed: offload_optimizer.buffer_count
@@ -209,6 +217,10 @@ class OffloadOptimizer {
   // Hyper-parameters may change between steps (learning-rate schedules).
   AdamHyper& group_hyper(std::size_t group);
   float loss_scale() const;
+  // The loss scaler's state (what save() records), and its replacement (state taken over from another
+  // front-end's checkpoint): refused, changing nothing, unless loss scaling is on, the scale finite and > 0 and the counts >= 0.
+  LossScaleState loss_scale_state() const;
+  Status set_loss_scale_state(const LossScaleState& state);
   std::int64_t step_count() const;  // steps applied, as torch's state["step"]
   bool last_step_skipped() const;
   const StepStats& stats() const;  // exact after wait(); the delayed schedule updates it in the background

@@ -675,6 +675,17 @@ void bind_engine(nb::module_& m) {
            nb::arg("weight_decay"), nb::arg("adamw"))
       .def("hyper", [](PyEngine& e, std::size_t group) { return hyper_dict(e.get().group_hyper(group)); })
       .def_prop_ro("loss_scale", [](PyEngine& e) { return e.get().loss_scale(); })
+      .def_prop_ro("loss_scale_state",
+                   [](PyEngine& e) {
+                     const LossScaleState ls = e.get().loss_scale_state();
+                     return std::make_tuple(ls.scale, ls.clean_steps, ls.hysteresis_left);
+                   },
+                   "(scale, clean_steps, hysteresis_left) of the fp16 loss scaler.")
+      .def("set_loss_scale_state",
+           [](PyEngine& e, float scale, std::int64_t clean_steps, std::int32_t hysteresis_left) {
+             e.call([&](OffloadOptimizer& o) { return o.set_loss_scale_state({scale, clean_steps, hysteresis_left}); });
+           },
+           nb::arg("scale"), nb::arg("clean_steps"), nb::arg("hysteresis_left"))
       .def_prop_ro("step_count", [](PyEngine& e) { return e.get().step_count(); })
       .def_prop_ro("last_step_skipped", [](PyEngine& e) { return e.get().last_step_skipped(); })
       .def_prop_ro("param_count", [](PyEngine& e) { return e.param_count; })

@@ -5,13 +5,19 @@ A torch-format state_dict is ``{"state": {i: {"step", "exp_avg", "exp_avg_sq"}},
 with full-size tensors per parameter (``torch.optim.AdamW`` loads it). zoe adds ``"zoe_masters"``: ``{i: fp32
 master weights}``, which torch ignores and zoe loads (without them the masters are the model's weights, as
 for a run that comes from torch). W ranks' zoe state_dicts are joined into one with ``consolidate``; any
-number of ranks then load it, each taking its own partition. The fp32 loss scale of fp16 runs is not
-carried: it starts again from ``initial_scale``.
+number of ranks then load it, each taking its own partition. An fp16 run's loss scaler rides in each param
+group as ``"zoe_loss_scale": [scale, clean_steps, hysteresis_left]`` (torch keeps unknown group keys).
+
+DTensor (FSDP2) parameters have DTensor moments with the parameter's mesh and placements, as torch's
+optimizers keep them: each rank holds its shards. That is the form ``torch.distributed.checkpoint`` saves
+and reshards; under it the masters go into each parameter's state as ``"zoe_master"`` (it keeps only
+``state`` and ``param_groups``).
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -19,7 +25,12 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from . import _zoe
+from . import _dtensor, _zoe
+
+try:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # a torch without torch.distributed: no DTensor parameters either
+    compute_local_shape_and_global_offset = None
 
 STATE_FORMAT = "zoe.torch.OffloadOptimizer/1"
 
@@ -44,16 +55,18 @@ def called_by_accelerate_prepare() -> bool:
     return any(module == "accelerate.optimizer" and name == "__init__" for module, name in _callers())
 
 
-def refuse_distributed_checkpoint() -> None:
-    """torch.distributed.checkpoint's get/set_optimizer_state_dict keep only torch's per-parameter "state"
-    and "param_groups" of an optimizer's state_dict: zoe's state would be dropped on save and, on load, zero
-    moments taken for a fresh start. Refused, both ways, rather than losing the state silently."""
-    if any(module.startswith("torch.distributed.checkpoint") for module, _ in _callers(16)):
-        raise RuntimeError(
-            "zoe.torch.OffloadOptimizer: torch.distributed.checkpoint (get_/set_optimizer_state_dict) cannot carry "
-            "zoe's optimizer state yet — it keeps only torch's per-parameter state. Save and load each rank's "
-            "opt.state_dict() with torch.save / torch.load (or opt.save_to(folder) on every rank) beside the DCP "
-            "checkpoint of the model.")
+def called_by_distributed_checkpoint() -> bool:
+    """A call from torch.distributed.checkpoint's get_/set_(optimizer_)state_dict: they keep only "state" and
+    "param_groups" of an optimizer's state_dict, with tensors they can save and reshard — torch's format."""
+    return any(module.startswith("torch.distributed.checkpoint") for module, _ in _callers(16))
+
+
+def called_to_initialise_state() -> bool:
+    """step() from torch.distributed.checkpoint's _init_optim_state, which steps with zero gradients and lr 0
+    to make a torch optimizer create its state. zoe's state exists from construction; Adam's moments would
+    decay and the step count advance."""
+    return any(module.startswith("torch.distributed.checkpoint") and name == "_init_optim_state"
+               for module, name in _callers(12))
 
 
 # The trainers' save paths that call state_dict() on rank 0 only (transformers' Trainer; Accelerate's
@@ -114,41 +127,74 @@ def pieces(opt) -> list[tuple]:
     return out
 
 
+def _saved_keys(opt, sd: dict) -> list:
+    """The key of each of the optimizer's parameters in sd["state"], in param-group order: torch numbers them,
+    torch.distributed.checkpoint names them (FQNs); as torch's load_state_dict, matched by position."""
+    groups = sd["param_groups"]
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(f"this state_dict has {len(groups)} param groups, the optimizer {len(opt.param_groups)}")
+    for gi, (saved, mine) in enumerate(zip(groups, opt.param_groups)):
+        if len(saved["params"]) != len(mine["params"]):
+            raise ValueError(f"param group {gi} of this state_dict has {len(saved['params'])} parameters, the "
+                             f"optimizer's {len(mine['params'])}: it is for a different model")
+    return [k for g in groups for k in g["params"]]
+
+
+def _as_local(t: torch.Tensor, s, what: str) -> torch.Tensor:
+    """A state tensor of the parameter's global shape (plain, or a DTensor of any placement) as this
+    optimizer's flat fp32 piece of it: the local shard for a DTensor parameter, else the whole."""
+    p = s.param
+    if tuple(t.shape) != tuple(s.shape):
+        raise ValueError(f"parameter {s.index}: {what} has shape {tuple(t.shape)}, the parameter {tuple(s.shape)}: "
+                         "this state_dict is for a different model")
+    if not _dtensor.is_dtensor(p):
+        t = t.full_tensor() if _dtensor.is_dtensor(t) else t
+    elif _dtensor.is_dtensor(t):
+        if t.device_mesh != p.device_mesh:
+            raise ValueError(f"parameter {s.index}: {what} is a DTensor on another device mesh than the parameter; "
+                             "load it through torch.distributed.checkpoint, which reshards")
+        if tuple(t.placements) != tuple(p.placements):
+            t = t.redistribute(p.device_mesh, p.placements)
+        t = t.to_local()
+    else:  # a whole tensor (a one-process or consolidated state): this rank's shard of it
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        t = t[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    return t.detach().to("cpu", torch.float32).reshape(-1)
+
+
 def read_torch_state(opt, sd: dict):
-    """A torch-format state checked against the optimizer's parameters and brought to full fp32 tensors per
-    parameter: ({index: (master, exp_avg, exp_avg_sq)}, step). Nothing changes here; a bad state raises."""
-    if opt._dtensor is not None:
-        raise ValueError("zoe.torch.OffloadOptimizer: a torch-format state_dict cannot be loaded into DTensor (FSDP2) "
-                         "parameters yet; load each rank's own zoe state_dict")
+    """A torch-format state checked against the optimizer's parameters and brought to fp32 tensors per
+    parameter, this optimizer's elements of each (a DTensor parameter's local shard): ({index: (master,
+    exp_avg, exp_avg_sq)}, step). Nothing changes here; a bad state raises."""
     state = sd.get("state", {})
     masters = sd.get("zoe_masters", {})
+    keys = _saved_keys(opt, sd)
     steps = set()
     full = {}
     for s in opt._slots:
-        st = state.get(s.index, state.get(str(s.index)))
-        shape = tuple(s.shape)
+        key = keys[s.index]
+        st = state.get(key, state.get(str(key)))
         if st is None:
             m = v = torch.zeros(s.numel, dtype=torch.float32)
         else:
             if "max_exp_avg_sq" in st:
                 raise ValueError(f"parameter {s.index}: this state_dict comes from amsgrad=True, which zoe does not run")
-            for key in ("exp_avg", "exp_avg_sq", "step"):
-                if key not in st:
-                    raise ValueError(f"parameter {s.index}: its state has no '{key}' (an Adam/AdamW state_dict has "
+            for k in ("exp_avg", "exp_avg_sq", "step"):
+                if k not in st:
+                    raise ValueError(f"parameter {s.index}: its state has no '{k}' (an Adam/AdamW state_dict has "
                                      "step, exp_avg and exp_avg_sq)")
-            for key in ("exp_avg", "exp_avg_sq"):
-                if tuple(st[key].shape) != shape:
-                    raise ValueError(f"parameter {s.index}: {key} has shape {tuple(st[key].shape)}, the parameter "
-                                     f"{shape}: this state_dict is for a different model")
-            m = st["exp_avg"].detach().to("cpu", torch.float32).reshape(-1)
-            v = st["exp_avg_sq"].detach().to("cpu", torch.float32).reshape(-1)
+            m = _as_local(st["exp_avg"], s, "exp_avg")
+            v = _as_local(st["exp_avg_sq"], s, "exp_avg_sq")
             steps.add(int(float(st["step"])))
         master = masters.get(s.index, masters.get(str(s.index)))
-        if master is None:
+        if master is None and st is not None:
+            master = st.get("zoe_master")
+        if master is None and s.tier is not None:
+            offload, block, entry = s.tier  # an offloaded parameter's weights are in its tier, not in p
+            master = offload._read(block, entry, torch.device("cpu"))
+        elif master is None:
             master = s.param.detach()
-        elif tuple(master.shape) != shape:
-            raise ValueError(f"parameter {s.index}: its master has shape {tuple(master.shape)}, the parameter {shape}")
-        full[s.index] = (master.to("cpu", torch.float32).reshape(-1), m, v)
+        full[s.index] = (_as_local(master, s, "its master"), m, v)
     if len(steps) > 1:
         raise ValueError(f"the parameters were stepped different numbers of times ({sorted(steps)}); zoe keeps one "
                          "step count for all")
@@ -156,6 +202,20 @@ def read_torch_state(opt, sd: dict):
         if not bool(torch.isfinite(master).all()) or not bool((v >= 0).all()):
             raise ValueError(f"parameter {i}: its master weights are not finite or its exp_avg_sq has negative values")
     return full, (steps.pop() if steps else 0)
+
+
+def read_loss_scale(opt, sd: dict):
+    """The loss scaler's state a torch-format state_dict carries (None: none, or this optimizer does not scale)."""
+    ls = next((g["zoe_loss_scale"] for g in sd["param_groups"] if "zoe_loss_scale" in g), None)
+    if ls is None or not opt._loss_scaling:
+        return None
+    try:
+        scale, clean, left = (float(ls[0]), int(ls[1]), int(ls[2]))
+    except (TypeError, ValueError, IndexError) as e:
+        raise ValueError(f"this state_dict's zoe_loss_scale {ls!r} is not [scale, clean_steps, hysteresis_left]") from e
+    if not (math.isfinite(scale) and scale > 0 and clean >= 0 and left >= 0):
+        raise ValueError(f"this state_dict's zoe_loss_scale {ls!r} is invalid (need a finite scale > 0, counts >= 0)")
+    return scale, clean, left
 
 
 def write_torch_state(opt, full: dict, step: int) -> None:
@@ -179,13 +239,31 @@ def _gather_weights(opt) -> None:
             dist.all_gather_into_tensor(b.weights, shard, group=comm.group)
 
 
-def torch_state(opt) -> dict:
-    """Full-size fp32 tensors per parameter: moments and step, and the masters as ``zoe_masters``."""
-    if opt._dtensor is not None:
-        raise ValueError("zoe.torch.OffloadOptimizer: a torch-format state_dict of DTensor (FSDP2) parameters is "
-                         "not supported yet; save each rank's own zoe state_dict")
+def torch_state(opt, masters_in_state: bool = False) -> dict:
+    """fp32 tensors per parameter: moments and step, and the masters as ``zoe_masters`` (``masters_in_state``:
+    as each parameter's ``zoe_master``). Whole tensors, gathered over zoe's partition; DTensors of the
+    parameter's placements for DTensor (FSDP2) parameters, each rank its shards."""
     opt._engine.wait()
     step = int(opt._engine.step_count)
+    if opt._dtensor is not None:
+        weights = _dtensor_state(opt)
+    else:
+        weights = _gathered_state(opt)
+    state, masters = {}, {}
+    for index, (p, m, v) in weights.items():
+        state[index] = {"step": torch.tensor(float(step)), "exp_avg": m, "exp_avg_sq": v}
+        if masters_in_state:
+            state[index]["zoe_master"] = p
+        else:
+            masters[index] = p
+    sd = {"state": state, "param_groups": _param_groups(opt)}
+    if not masters_in_state:
+        sd["zoe_masters"] = masters
+    return sd
+
+
+def _gathered_state(opt) -> dict:
+    """{index: (master, exp_avg, exp_avg_sq)}, whole, every rank's partition gathered."""
     flat = {b.dtype: torch.zeros(3, b.shard_numel, dtype=torch.float32) for b in opt._buckets}
     owner = {id(s): b for b in opt._buckets for s in b.slots}
     for s, begin, n in pieces(opt):
@@ -195,7 +273,7 @@ def torch_state(opt) -> dict:
         opt._engine.read_state(s.engine_ids[0], *bufs)
         for k in range(3):
             flat[b.dtype][k, at:at + n] = bufs[k]
-    state, masters = {}, {}
+    out = {}
     for b in opt._buckets:
         mine = flat[b.dtype]
         if opt._world > 1:
@@ -205,19 +283,36 @@ def torch_state(opt) -> dict:
         else:
             whole = mine
         for s in b.slots:
-            p, m, v = (whole[k, s.offset:s.offset + s.numel].clone().view(s.shape) for k in range(3))
-            state[s.index] = {"step": torch.tensor(float(step)), "exp_avg": m, "exp_avg_sq": v}
-            masters[s.index] = p
-    return {"state": state, "param_groups": _param_groups(opt), "zoe_masters": masters}
+            out[s.index] = tuple(whole[k, s.offset:s.offset + s.numel].clone().view(s.shape) for k in range(3))
+    return out
+
+
+def _dtensor_state(opt) -> dict:
+    """{index: (master, exp_avg, exp_avg_sq)} as DTensors over this rank's shards (host memory: nothing of
+    the offloaded state goes to the accelerator)."""
+    out = {}
+    for s in opt._slots:
+        p = s.param
+        local = [torch.zeros(s.numel, dtype=torch.float32) for _ in range(3)]
+        if s.engine_ids:
+            opt._engine.read_state(s.engine_ids[0], *local)
+        out[s.index] = tuple(
+            _dtensor.DTensor.from_local(t.view(p._local_tensor.shape), p.device_mesh, p.placements, run_check=False,
+                                        shape=p.shape, stride=p.stride()) for t in local)
+    return out
 
 
 def _param_groups(opt) -> list[dict]:
-    """torch.optim.AdamW's param_groups: zoe's hyper-parameters, torch's flags at their defaults."""
+    """torch.optim.AdamW's param_groups: zoe's hyper-parameters, torch's flags at their defaults, and an fp16
+    run's loss scaler."""
+    scaler = list(opt._engine.loss_scale_state) if opt._loss_scaling else None
     out, index = [], 0
     for g in opt.param_groups:
-        d = {k: v for k, v in g.items() if k not in ("params", "adamw")}
+        d = {k: v for k, v in g.items() if k not in ("params", "adamw", "zoe_loss_scale")}
         d.update(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
                  decoupled_weight_decay=bool(g.get("adamw", True)))
+        if scaler is not None:
+            d["zoe_loss_scale"] = scaler
         d["params"] = list(range(index, index + len(g["params"])))
         index += len(g["params"])
         out.append(d)
@@ -283,7 +378,14 @@ def consolidate(state_dicts) -> dict:
     state = {i: {"step": torch.tensor(float(step)), "exp_avg": t[1].view(layout[i][0]),
                  "exp_avg_sq": t[2].view(layout[i][0])} for i, t in full.items()}
     masters = {i: t[0].view(layout[i][0]) for i, t in full.items()}
-    return {"state": state, "param_groups": sds[0]["param_groups"], "zoe_masters": masters}
+    groups = [dict(g) for g in sds[0]["param_groups"]]
+    # An fp16 model's run scaled its loss (zoe's default for fp16); the scaler of any other is at rest.
+    ls = manifest.get("loss_scale") if any(entry[1] == str(torch.float16) for entry in layout) else None
+    for g in groups:
+        g.pop("zoe_loss_scale", None)
+        if ls is not None:
+            g["zoe_loss_scale"] = [ls["scale"], ls["clean_steps"], ls["hysteresis_left"]]
+    return {"state": state, "param_groups": groups, "zoe_masters": masters}
 
 
 @contextlib.contextmanager

@@ -31,8 +31,14 @@ class StateDictMethods:
         """The standard ``{"state", "param_groups"}`` plus ``"zoe"``: the engine's checkpoint (master weights,
         moments, step, loss-scale state; this rank's partition) as a uint8 tensor, and the layout it fits.
         Round-trips through ``torch.save`` / ``torch.load``. After ``save_to(folder)`` the next one carries
-        no state, only where each rank's file is (what a trainer that saves on rank 0 alone needs)."""
-        _interop.refuse_distributed_checkpoint()
+        no state, only where each rank's file is (what a trainer that saves on rank 0 alone needs).
+
+        Called by ``torch.distributed.checkpoint`` (``get_state_dict`` / ``get_optimizer_state_dict``): torch's
+        format instead, which it can save and reshard (see ``torch_state_dict``), with the masters in each
+        parameter's state as ``zoe_master``: DTensors of this rank's shards for FSDP2, else whole tensors
+        (gathered over zoe's partition; collective)."""
+        if _interop.called_by_distributed_checkpoint():
+            return _interop.torch_state(self, masters_in_state=True)
         world, rank = self._partition()
         folder, self._saved_to = self._saved_to, None
         live = folder is None and _interop.called_by_accelerate_prepare()
@@ -97,8 +103,10 @@ class StateDictMethods:
         - a ``torch.optim.AdamW`` / ``Adam`` state_dict (or ``torch_state_dict()``'s): moments and step taken
           over, the master weights from ``zoe_masters`` when it has them, else the model's weights.
 
+        - what ``torch.distributed.checkpoint`` loaded from a ``get_state_dict`` checkpoint (torch's format,
+          keyed by parameter name; DTensors resharded to this run's mesh).
+
         A state that does not fit raises before anything changes."""
-        _interop.refuse_distributed_checkpoint()
         if isinstance(state_dict, (list, tuple)):
             state_dict = _interop.consolidate(state_dict)
         if not isinstance(state_dict, dict):
@@ -171,11 +179,15 @@ class StateDictMethods:
                 if g.get(flag, False):
                     raise ValueError(f"param group {gi} of this state_dict has {flag}=True, which zoe does not run")
         full, step = _interop.read_torch_state(self, state_dict)
+        scaler = _interop.read_loss_scale(self, state_dict)
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         for g in self.param_groups:
+            g.pop("zoe_loss_scale", None)  # the engine's, not a hyper-parameter
             if "decoupled_weight_decay" in g:  # torch.optim.Adam(W)'s name for zoe's adamw
                 g["adamw"] = bool(g["decoupled_weight_decay"])
         _interop.write_torch_state(self, full, step)
+        if scaler is not None:
+            self._engine.set_loss_scale_state(*scaler)
         self._hyper_sent = [None] * len(self.param_groups)
 
     def save_checkpoint(self, path: str) -> None:
@@ -186,6 +198,7 @@ class StateDictMethods:
     def torch_state_dict(self) -> dict:
         """This optimizer's state as ``torch.optim.AdamW.load_state_dict`` takes it: full-size moments and the
         step per parameter, torch's param_groups, and zoe's fp32 masters as ``zoe_masters`` (torch ignores
-        them; zoe's ``load_state_dict`` takes them, on any number of ranks). Partitioned: collective, every
-        rank gets the whole."""
+        them; zoe's ``load_state_dict`` takes them, on any number of ranks), and an fp16 run's loss scaler as
+        each group's ``zoe_loss_scale``. Partitioned: collective, every rank gets the whole. DTensor (FSDP2)
+        parameters: DTensor moments and masters of this rank's shards, as torch's optimizers hold them."""
         return _interop.torch_state(self)

@@ -131,7 +131,8 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
     they are host memory already) and does not partition again; ``max_grad_norm``, ``clip_grad_norm_`` and
     the NaN/Inf refusal act on the global norm over the mesh, as FSDP2's ``clip_grad_norm_`` does, which a
     trainer may call instead. ``state_dict()`` holds this rank's shards: each rank saves and loads its own
-    (``torch.save``; ``torch.distributed.checkpoint`` cannot reshard zoe's state). The schedules run as
+    with ``torch.save``; or ``torch.distributed.checkpoint``'s ``get_state_dict``/``set_state_dict`` save
+    and load it with the model, resharded to another mesh if need be. The schedules run as
     ``sync`` (a warning says so): torch's foreach ops on DTensor gradients do not bump version counters, so
     a trainer's edit after backward could not be seen. Every parameter must be a DTensor on one mesh,
     sharded or replicated alike; anything else is refused at construction.
@@ -523,11 +524,12 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         """Applies one Adam step to every parameter; returns the closure's loss when given one."""
+        if _interop.called_to_initialise_state():
+            return None  # zoe's state exists already; a step with zero gradients would decay the moments
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        _interop.refuse_distributed_checkpoint()  # its state initialisation steps with zero gradients
         if self._dp is not None and self._timing["steps"] == 0:
             _interop.refuse_trainer_without_callback(self)
         t0 = time.perf_counter()

@@ -19,11 +19,7 @@ class LossScaler {
   void update(bool overflow);
 
   // Saved and restored with the optimizer state.
-  struct State {
-    float scale;
-    std::int64_t clean_steps;
-    std::int32_t hysteresis_left;
-  };
+  using State = LossScaleState;
   State state() const { return {scale_, clean_steps_, hysteresis_left_}; }
   void restore(const State& s) {
     scale_ = s.scale;

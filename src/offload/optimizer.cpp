@@ -250,6 +250,23 @@ Status OffloadOptimizer::set_max_grad_norm(float max_norm) {
 
 AdamHyper& OffloadOptimizer::group_hyper(std::size_t group) { return impl_->groups.at(group).hyper; }
 float OffloadOptimizer::loss_scale() const { return impl_->visible_scale; }
+LossScaleState OffloadOptimizer::loss_scale_state() const { return impl_->scaler.state(); }
+
+Status OffloadOptimizer::set_loss_scale_state(const LossScaleState& state) {
+  if (!std::isfinite(state.scale) || state.scale <= 0 || state.clean_steps < 0 || state.hysteresis_left < 0) {
+    return invalid_argument("set_loss_scale_state: scale " + std::to_string(state.scale) + ", clean_steps " +
+                            std::to_string(state.clean_steps) + ", hysteresis_left " +
+                            std::to_string(state.hysteresis_left) + " (need a finite scale > 0 and counts >= 0)");
+  }
+  if (!impl_->options.loss_scale.enabled) {
+    return invalid_argument("set_loss_scale_state: this optimizer runs without loss scaling (fp16 only)");
+  }
+  if (Status s = wait(); !s.ok()) return s;
+  impl_->scaler.restore(state);
+  impl_->visible_scale = impl_->scaler.scale();
+  return Status::success();
+}
+
 std::int64_t OffloadOptimizer::step_count() const { return impl_->step_count.load(); }
 bool OffloadOptimizer::last_step_skipped() const { return impl_->last_skipped.load(); }
 const StepStats& OffloadOptimizer::stats() const { return impl_->stats_; }

@@ -496,5 +496,37 @@ TEST(OffloadOptimizer, WriteStateReplacesTheStateAndTheDeviceWeightsFollow) {
   }
 }
 
+// The loss scaler's state, as another front-end's checkpoint carries it: read, replaced, and the scale
+// the trainer multiplies its loss by follows; bad values change nothing.
+TEST(OffloadOptimizer, LossScaleStateIsReadAndReplaced) {
+  OffloadOptions o;
+  o.loss_scale.enabled = true;
+  o.loss_scale.initial_scale = 1024;
+  o.loss_scale.growth_interval = 3;
+  Trainer t(Schedule::sync, DType::f16, o, 0, {64, 5});
+  ASSERT_TRUE(t.created());
+  t.run(1, 4, random_grads(1e-2));
+  const LossScaleState grown = t.opt().loss_scale_state();
+  EXPECT_EQ(grown.scale, 2048.0f);  // grown after 3 clean steps
+  EXPECT_EQ(grown.clean_steps, 1);
+  ASSERT_TRUE(t.opt().set_loss_scale_state({64.0f, 2, 1}).ok());
+  EXPECT_EQ(t.opt().loss_scale(), 64.0f);
+  const LossScaleState set = t.opt().loss_scale_state();
+  EXPECT_EQ(set.scale, 64.0f);
+  EXPECT_EQ(set.clean_steps, 2);
+  EXPECT_EQ(set.hysteresis_left, 1);
+  for (const LossScaleState& bad : {LossScaleState{NAN, 0, 1}, LossScaleState{0.0f, 0, 1},
+                                    LossScaleState{8.0f, -1, 1}, LossScaleState{8.0f, 0, -2}}) {
+    EXPECT_EQ(t.opt().set_loss_scale_state(bad).code(), StatusCode::invalid_argument);
+  }
+  EXPECT_EQ(t.opt().loss_scale_state().scale, 64.0f);
+  t.run(5, 5, random_grads(1e-2));
+  EXPECT_EQ(t.opt().loss_scale(), 128.0f);  // the third clean step since the set state grows it
+  Trainer unscaled(Schedule::sync, DType::bf16, {}, 0, {64});
+  ASSERT_TRUE(unscaled.created());
+  EXPECT_EQ(unscaled.opt().set_loss_scale_state({8.0f, 0, 1}).code(), StatusCode::invalid_argument);
+  EXPECT_EQ(unscaled.opt().loss_scale(), 1.0f);
+}
+
 }  // namespace
 }  // namespace zoe

@@ -188,6 +188,89 @@ def _fsdp_state_dict(rank, out):
             out[key + "_other_rank"] = str(e)
 
 
+def _dcp_state(opt) -> dict:
+    """The optimizer's state in torch's format as whole tensors: a DTensor's are gathered (collective)."""
+    sd = opt.torch_state_dict()
+    whole = {}
+    for i, st in sd["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            whole[f"{i}.{k}"] = st[k].full_tensor() if hasattr(st[k], "full_tensor") else st[k]
+    for i, t in sd["zoe_masters"].items():
+        whole[f"{i}.master"] = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return whole
+
+
+def _fsdp_dcp(rank, out, folder):
+    """torch.distributed.checkpoint's get_state_dict / dcp.save, then set_state_dict into a new model and
+    optimizer: the resumed run equals the uninterrupted one. With zoe's state saved as DTensors, the
+    checkpoint also loads on another mesh (test_dcp_checkpoint_of_2_ranks_loads_on_1)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from zoe.torch import OffloadOptimizer
+
+    for offload in (False, True):
+        key = f"dcp{'_offload' if offload else ''}"
+        path = os.path.join(folder, key)
+        straight = _fsdp_mlp(offload)
+        _train(straight, OffloadOptimizer(straight.parameters(), **HYPER, max_grad_norm=MAX_NORM), rank)
+        first = _fsdp_mlp(offload)
+        opt = OffloadOptimizer(first.parameters(), **HYPER, max_grad_norm=MAX_NORM)
+        _train(first, opt, rank, steps=5)
+        model_sd, optim_sd = get_state_dict(first, opt)
+        out[key + "_state_bytes"] = sum(
+            t.to_local().numel() * t.to_local().element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
+            for st in optim_sd["state"].values() for t in st.values())
+        out[key + "_local_numel"] = sum(p.to_local().numel() for p in first.parameters())
+        out[key + "_state_devices"] = sorted({(t.to_local() if hasattr(t, "to_local") else t).device.type
+                                              for st in optim_sd["state"].values() for t in st.values()})
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        out[key + "_saved_state"] = _dcp_state(opt)
+        out[key + "_saved_at"] = opt.step_count
+
+        resumed = _fsdp_mlp(offload)
+        with torch.no_grad():  # weights unlike the saved ones: set_state_dict must bring them
+            for p in resumed.parameters():
+                p.to_local().add_(1.0)
+        opt = OffloadOptimizer(resumed.parameters(), **HYPER, max_grad_norm=MAX_NORM)
+        model_sd, optim_sd = get_state_dict(resumed, opt)
+        out[key + "_fresh_steps"] = opt.step_count  # get_state_dict did not step the new optimizer
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        set_state_dict(resumed, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        out[key + "_loaded_equal"] = all(torch.equal(a, b) for a, b in zip(
+            _dcp_state(opt).values(), out[key + "_saved_state"].values()))
+        _train(resumed, opt, rank, steps=5, first=5)
+        out[key] = _diff(_local(straight), _local(resumed))
+        out[key + "_steps"] = opt.step_count
+    out["dcp_folder"] = folder
+
+
+def _dcp_one_rank_main(rank, init_file, folder, out_file):
+    """One process, a one-rank mesh: loads the 2-rank FSDP2 run's DCP checkpoint (its shards joined)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zoe.torch import OffloadOptimizer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    out = {}
+    try:
+        model = _fsdp_mlp(False, mesh=init_device_mesh("cpu", (1,)))
+        opt = OffloadOptimizer(model.parameters(), **HYPER, max_grad_norm=MAX_NORM)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(folder, "dcp"))
+        set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        out["state"] = _dcp_state(opt)
+        out["steps"] = opt.step_count
+        _train(model, opt, 0, steps=2, first=5)  # and it trains on
+        out["steps_after"] = opt.step_count
+    finally:
+        torch.save(out, out_file)
+        dist.destroy_process_group()
+
+
 def _fsdp_schedules(rank, out):
     from zoe.torch import OffloadOptimizer
 
@@ -339,6 +422,7 @@ def _rank_main(rank, init_file, out_dir):
         for case in (_fsdp_parity, _fsdp_llama, _fsdp_hsdp, _fsdp_state_dict, _fsdp_schedules, _fsdp_errors,
                      _fsdp_fp16_overflow, _ddp):
             case(rank, out)
+        _fsdp_dcp(rank, out, out_dir)
     finally:
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
@@ -397,6 +481,42 @@ def test_fsdp2_state_dict_per_rank_resumes_exactly(ranks, offload):
     assert all(r[key + "_steps"] == STEPS for r in ranks)
     for r, rank in zip(ranks, range(WORLD)):
         assert f"partition of rank {1 - rank} of 2" in r[key + "_other_rank"]
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["shards_on_device", "cpu_offload_policy"])
+def test_fsdp2_torch_distributed_checkpoint_resumes_exactly(ranks, offload):
+    key = f"dcp{'_offload' if offload else ''}"
+    diff = _worst(ranks, key)
+    print(f"{key}: 5 steps, get_state_dict + dcp.save, dcp.load + set_state_dict into a new model and optimizer, "
+          f"5 steps, against 10 steps: max weight difference {diff:.2e}")
+    assert diff == 0.0
+    model = make_mlp()
+    numel, count = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+    for r in ranks:
+        assert r[key + "_fresh_steps"] == 0 and r[key + "_saved_at"] == 5 and r[key + "_steps"] == STEPS
+        assert r[key + "_loaded_equal"], "the loaded state differs from the saved one"
+        # Master, exp_avg, exp_avg_sq of this rank's shards only, fp32, in host memory, and a scalar fp32
+        # step per parameter: no copy of the other rank's state, nothing on an accelerator.
+        print(f"rank state_dict tensors: {r[key + '_state_bytes']} bytes, {r[key + '_local_numel']} of the "
+              f"{numel} elements on this rank, devices {r[key + '_state_devices']}")
+        assert r[key + "_local_numel"] < numel
+        assert r[key + "_state_bytes"] == 12 * r[key + "_local_numel"] + 4 * count
+        assert r[key + "_state_devices"] == ["cpu"]
+
+
+def test_dcp_checkpoint_of_2_ranks_loads_on_1(ranks, tmp_path):
+    """The 2-rank run's checkpoint (its state saved as DTensor shards) on a one-rank mesh: the whole state
+    equals the 2-rank run's at the save, bitwise."""
+    out_file = tmp_path / "one.pt"
+    mp.spawn(_dcp_one_rank_main, args=(str(tmp_path / "init"), ranks[0]["dcp_folder"], str(out_file)), nprocs=1,
+             join=True)
+    one = torch.load(out_file, weights_only=False)
+    saved = ranks[0]["dcp_saved_state"]
+    assert one["steps"] == 5 and one["steps_after"] == 7
+    assert saved.keys() == one["state"].keys()
+    worst = max((saved[k] - one["state"][k]).abs().max().item() for k in saved)
+    print(f"2 ranks -> 1 through torch.distributed.checkpoint: {len(saved)} state tensors, max difference {worst}")
+    assert worst == 0.0
 
 
 @pytest.mark.parametrize("schedule", ["overlap", "delayed"])
