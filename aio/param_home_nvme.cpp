@@ -121,6 +121,33 @@ class NvmeParamHome final : public ParamHomeStore {
     return Status::success();
   }
 
+  // A block's entries in flight together from one bounce, the next block's from the other behind them;
+  // each entry flips to its new slot once its own write completed.
+  Status write_blocks(const std::vector<ParamBlockWrite>& writes) override {
+    std::lock_guard lock(mutex_);
+    std::size_t largest = alignment_;
+    for (const ParamBlockWrite& w : writes) largest = std::max(largest, blocks_[w.block].bytes);
+    for (AlignedBuffer& b : block_bounce_) {
+      if (b.size() >= largest) continue;
+      Result<AlignedBuffer> grown = AlignedBuffer::allocate(largest, alignment_);
+      if (!grown.ok()) return grown.status();
+      b = std::move(grown.value());
+    }
+    std::vector<Pending> in_flight[2];
+    Status first;
+    for (std::size_t k = 0; k < writes.size(); ++k) {
+      finish_writes(in_flight[k % 2], first);
+      if (!first.ok()) break;  // what is not submitted keeps its previous copy
+      submit_writes(writes[k], block_bounce_[k % 2].as<unsigned char>(), in_flight[k % 2], first);
+    }
+    for (std::vector<Pending>& p : in_flight) finish_writes(p, first);
+    return first;
+  }
+
+  std::size_t entry_bytes(std::size_t block, std::size_t entry) const override {
+    return blocks_[block].entry_bytes[entry];
+  }
+
   Status read(std::size_t block, std::size_t entry, void* dst, std::size_t offset, std::size_t bytes) override {
     std::lock_guard lock(mutex_);
     if (Status s = read_slot(block, entry, bounce_.data()); !s.ok()) return s;
@@ -189,6 +216,48 @@ class NvmeParamHome final : public ParamHomeStore {
 
   std::size_t round_up(std::size_t n) const { return (n + alignment_ - 1) / alignment_ * alignment_; }
 
+  struct Pending {  // an entry's write in flight, from its place in a block bounce
+    std::size_t block, entry;
+    int target;
+    const unsigned char* data;
+    aio::IoEngine::Ticket ticket;
+  };
+
+  void submit_writes(const ParamBlockWrite& w, unsigned char* bounce, std::vector<Pending>& out, Status& first) {
+    const ParamBlockLayout& layout = blocks_[w.block];
+    const File& f = files_[w.block % files_.size()];
+    for (std::size_t e = 0; e < w.src.size(); ++e) {
+      if (w.src[e] == nullptr) continue;
+      const EntrySlots& es = entries_[w.block][e];
+      const std::size_t n = layout.entry_bytes[e], slot = round_up(n);
+      unsigned char* at = bounce + layout.offsets[e];
+      std::memcpy(at, w.src[e], n);
+      if (slot > n) std::memset(at + n, 0, slot - n);
+      const int target = es.written ? 1 - es.slot : 0;
+      Result<aio::IoEngine::Ticket> t = engine_->submit(IoOp::write, f.engine_file, es.offset[target], at, slot);
+      if (!t.ok()) {
+        first = located(t.status(), IoOp::write, w.block, e, f, es.offset[target]);
+        return;
+      }
+      out.push_back({w.block, e, target, at, t.value()});
+    }
+  }
+
+  void finish_writes(std::vector<Pending>& pending, Status& first) {
+    for (const Pending& p : pending) {
+      EntrySlots& es = entries_[p.block][p.entry];
+      Status s = engine_->wait(p.ticket);
+      if (!s.ok()) {
+        if (first.ok()) first = located(s, IoOp::write, p.block, p.entry, files_[p.block % files_.size()], es.offset[p.target]);
+        continue;
+      }
+      es.crc = crc32c(p.data, blocks_[p.block].entry_bytes[p.entry]);
+      es.slot = p.target;
+      es.written = true;
+    }
+    pending.clear();
+  }
+
   Status transfer(IoOp op, const File& f, std::uint64_t offset, void* buffer, std::size_t bytes) {
     Result<aio::IoEngine::Ticket> t = engine_->submit(op, f.engine_file, offset, buffer, bytes);
     if (!t.ok()) return t.status();
@@ -233,8 +302,9 @@ class NvmeParamHome final : public ParamHomeStore {
   std::vector<File> files_;
   std::vector<std::vector<EntrySlots>> entries_;
   std::unique_ptr<aio::IoEngine> engine_;
-  AlignedBuffer bounce_;  // one entry, for writes and single-entry reads
-  std::mutex mutex_;      // write() and read() at one time: the bounce
+  AlignedBuffer bounce_;           // one entry, for writes and single-entry reads
+  AlignedBuffer block_bounce_[2];  // write_blocks(): two blocks, one in flight while the next is filled
+  std::mutex mutex_;               // write(), write_blocks() and read() one at a time: the bounces
 };
 
 }  // namespace

@@ -45,6 +45,11 @@ struct ParamBlockSpec {
   std::vector<std::size_t> entry_bytes;  // one per parameter of the module, in the module's order
 };
 
+struct ParamBlockWrite {
+  std::size_t block = 0;
+  std::vector<const void*> src;  // per entry of the block: its new bytes (whole entry), or null
+};
+
 struct ParamTierOptions {
   ParamHome home = ParamHome::ram;     // DeepSpeed: offload_param.device (cpu | nvme)
   std::vector<std::string> nvme_paths; // DeepSpeed: offload_param.nvme_path (one or a list)
@@ -88,6 +93,10 @@ class ParamTier {
   // Host memory to and from the home: bytes [byte_offset, byte_offset + bytes) of entry `entry` of `block`.
   Status write(std::size_t block, std::size_t entry, const void* src, std::size_t byte_offset, std::size_t bytes);
   Status read(std::size_t block, std::size_t entry, void* dst, std::size_t byte_offset, std::size_t bytes);
+  // Whole entries of several blocks (src[e] for entry e, null: unchanged; one source per entry; each block
+  // once): the NVMe home has a block's writes in flight together, and the next block's behind them. An
+  // entry whose write fails keeps its previous copy; the first error is returned.
+  Status write_blocks(const std::vector<ParamBlockWrite>& writes);
 
   // The forward's block order (each block at most once); prefetch follows it, backward in reverse. Blocks
   // not in it are fetched on demand only. Default: 0, 1, 2, ...

@@ -230,6 +230,8 @@ struct OffloadOptimizer::Impl {
   bool weights_pending = false;
   Decision pending_decision{};
   Status write_tier_weights();
+  // Every parameter's updated weights to the device (enqueued, then waited for) and to the parameter tiers.
+  Status send_all_weights();
   Status weights_not_sent(const Decision& d, const Status& cause);
   Status send_pending_weights();
 };

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -256,11 +257,33 @@ Status OffloadOptimizer::Impl::non_finite_error(int set) const {
 }
 
 Status OffloadOptimizer::Impl::write_tier_weights() {
+  // Per tier, every block written in one call: the NVMe home keeps a block's writes in flight together and
+  // the next block's behind them.
+  std::vector<std::pair<ParamTier*, std::vector<ParamBlockWrite>>> tiers;
+  std::unordered_map<const ParamTier*, std::unordered_map<std::size_t, std::size_t>> index;  // tier, block -> write
   for (std::size_t i = 0; i < params.size(); ++i) {
-    if (params[i].tier == nullptr) continue;
-    if (Status s = enqueue_h2d(i); !s.ok()) return s;
+    const ParamSpec& p = params[i];
+    if (p.tier == nullptr || p.n == 0 || in_place) continue;
+    auto t = std::find_if(tiers.begin(), tiers.end(), [&](const auto& x) { return x.first == p.tier; });
+    if (t == tiers.end()) t = tiers.insert(tiers.end(), {p.tier, {}});
+    auto [at, first] = index[p.tier].try_emplace(p.tier_block, t->second.size());
+    if (first) t->second.push_back({p.tier_block, std::vector<const void*>(p.tier->entries(p.tier_block))});
+    t->second[at->second].src[p.tier_entry] =
+        p.dtype == DType::f32 ? static_cast<const void*>(master_of(i)) : weights_of(i);
+  }
+  for (const auto& [home, writes] : tiers) {
+    if (Status s = home->write_blocks(writes); !s.ok()) return s;
   }
   return Status::success();
+}
+
+Status OffloadOptimizer::Impl::send_all_weights() {
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (params[i].tier != nullptr) continue;
+    if (Status s = enqueue_h2d(i); !s.ok()) return s;
+  }
+  if (Status s = write_tier_weights(); !s.ok()) return s;
+  return finish_h2d();
 }
 
 Status OffloadOptimizer::Impl::weights_not_sent(const Decision& d, const Status& cause) {
@@ -273,10 +296,7 @@ Status OffloadOptimizer::Impl::weights_not_sent(const Decision& d, const Status&
 }
 
 Status OffloadOptimizer::Impl::send_pending_weights() {
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    if (Status s = enqueue_h2d(i); !s.ok()) return weights_not_sent(pending_decision, s);
-  }
-  if (Status s = finish_h2d(); !s.ok()) return weights_not_sent(pending_decision, s);
+  if (Status s = send_all_weights(); !s.ok()) return weights_not_sent(pending_decision, s);
   weights_pending = false;
   record_outcome(pending_decision);
   visible_scale = scaler.scale();

@@ -29,10 +29,7 @@ Status finish_sync_step(Impl& m) {
   if (d.refused) return m.non_finite_error(0);
   if (!d.overflow) {
     if (Status s = m.step_all(d.grad_scale, 0, m.groups); !s.ok()) return s;
-    for (std::size_t i = 0; i < m.params.size(); ++i) {
-      if (Status s = m.enqueue_h2d(i); !s.ok()) return m.weights_not_sent(d, s);
-    }
-    if (Status s = m.finish_h2d(); !s.ok()) return m.weights_not_sent(d, s);
+    if (Status s = m.send_all_weights(); !s.ok()) return m.weights_not_sent(d, s);
   }
   m.record_outcome(d);
   m.visible_scale = m.scaler.scale();

@@ -32,6 +32,18 @@ class ParamHomeStore {
   // previous contents valid.
   virtual Status write(std::size_t block, std::size_t entry, const void* src, std::size_t offset, std::size_t bytes) = 0;
   virtual Status read(std::size_t block, std::size_t entry, void* dst, std::size_t offset, std::size_t bytes) = 0;
+  // Whole entries (ParamTier::write_blocks, checked there). Each entry is replaced or keeps its previous
+  // contents; on failure the first error is returned.
+  virtual Status write_blocks(const std::vector<ParamBlockWrite>& writes) {
+    for (const ParamBlockWrite& w : writes) {
+      for (std::size_t e = 0; e < w.src.size(); ++e) {
+        if (w.src[e] == nullptr) continue;
+        if (Status s = write(w.block, e, w.src[e], 0, entry_bytes(w.block, e)); !s.ok()) return s;
+      }
+    }
+    return Status::success();
+  }
+  virtual std::size_t entry_bytes(std::size_t block, std::size_t entry) const = 0;
   // RAM: the block in device layout, in memory the device copies from. Null where the block must be read.
   virtual const void* block_memory(std::size_t block) = 0;
   // The whole block, in device layout, into `dst` (block bytes, aligned to the home's alignment), checked.

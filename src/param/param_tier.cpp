@@ -67,6 +67,9 @@ class RamParamHome final : public ParamHomeStore {
     std::memcpy(dst, at(block, entry) + offset, bytes);
     return Status::success();
   }
+  std::size_t entry_bytes(std::size_t block, std::size_t entry) const override {
+    return blocks_[block].entry_bytes[entry];
+  }
   const void* block_memory(std::size_t block) override { return memory_ + starts_[block]; }
   Status read_block(std::size_t block, void* dst) override {
     std::memcpy(dst, memory_ + starts_[block], blocks_[block].bytes);
@@ -327,6 +330,11 @@ struct ParamTier::Impl {
     start_load(b, offset, nullptr);
   }
 
+  // Before a write of block b's home (mutex held): waits for a load or write of it, and drops its pooled copy
+  // (at its last release if in use). end_write() lets fetches of it go on.
+  Status begin_write(std::unique_lock<std::mutex>& lock, std::size_t b);
+  void end_write(std::size_t b);
+
   Status check_block(std::size_t b) const {
     if (b >= blocks.size()) {
       return invalid_argument("parameter tier: block " + std::to_string(b) + " does not exist (" +
@@ -416,28 +424,64 @@ Result<ParamTier> ParamTier::create(Device& device, std::vector<ParamBlockSpec> 
   return ParamTier(std::move(impl));
 }
 
+Status ParamTier::Impl::begin_write(std::unique_lock<std::mutex>& lock, std::size_t block) {
+  BlockState& st = blocks[block];
+  changed.wait(lock, [&] { return st.state != State::loading && !st.writing; });
+  if (st.state == State::loaded && st.home_read != 0) {
+    if (Status s = device.synchronize(st.home_read); !s.ok()) return s;
+    st.home_read = 0;
+  }
+  if (st.uses > 0) {
+    st.stale = true;  // the device keeps the whole old copy while it is used; dropped at the last release
+  } else if (st.state == State::loaded) {
+    evict(block, false);
+  }
+  st.writing = true;
+  return Status::success();
+}
+
+void ParamTier::Impl::end_write(std::size_t block) {
+  std::lock_guard lock(mutex);
+  blocks[block].writing = false;
+  changed.notify_all();
+}
+
 Status ParamTier::write(std::size_t block, std::size_t entry, const void* src, std::size_t byte_offset, std::size_t bytes) {
   Impl& m = *impl_;
   {
     std::unique_lock lock(m.mutex);
     if (Status s = m.check_entry(block, entry, byte_offset, bytes); !s.ok()) return s;
-    Impl::BlockState& st = m.blocks[block];
-    m.changed.wait(lock, [&] { return st.state != Impl::State::loading && !st.writing; });
-    if (st.state == Impl::State::loaded && st.home_read != 0) {
-      if (Status s = m.device.synchronize(st.home_read); !s.ok()) return s;
-      st.home_read = 0;
-    }
-    if (st.uses > 0) {
-      st.stale = true;  // the device keeps the whole old copy while it is used; dropped at the last release
-    } else if (st.state == Impl::State::loaded) {
-      m.evict(block, false);
-    }
-    st.writing = true;
+    if (Status s = m.begin_write(lock, block); !s.ok()) return s;
   }
   Status s = m.home->write(block, entry, src, byte_offset, bytes);
-  std::lock_guard lock(m.mutex);
-  m.blocks[block].writing = false;
-  m.changed.notify_all();
+  m.end_write(block);
+  return s;
+}
+
+Status ParamTier::write_blocks(const std::vector<ParamBlockWrite>& writes) {
+  Impl& m = *impl_;
+  std::size_t begun = 0;
+  Status s;
+  {
+    std::unique_lock lock(m.mutex);
+    std::vector<char> seen(m.blocks.size(), 0);
+    for (const ParamBlockWrite& w : writes) {
+      if (s = m.check_block(w.block); !s.ok()) return s;
+      const ParamBlockLayout& layout = m.layout[w.block];
+      if (w.src.size() != layout.entry_bytes.size()) {
+        return invalid_argument("parameter tier: write_blocks gives block '" + layout.name + "' " +
+                                std::to_string(w.src.size()) + " sources for its " +
+                                std::to_string(layout.entry_bytes.size()) + " entries");
+      }
+      if (std::exchange(seen[w.block], 1)) {
+        return invalid_argument("parameter tier: write_blocks names block '" + layout.name + "' twice");
+      }
+    }
+    for (; begun < writes.size() && s.ok(); ++begun) s = m.begin_write(lock, writes[begun].block);
+    if (!s.ok()) --begun;  // the one that failed did not begin
+  }
+  if (s.ok()) s = m.home->write_blocks(writes);
+  for (std::size_t k = 0; k < begun; ++k) m.end_write(writes[k].block);
   return s;
 }
 
