@@ -149,6 +149,7 @@ cudaError_t launch_grad_stats(const void* grads, DType dtype, std::size_t n, Sta
     case DType::f32: return launch_typed<float>(grads, n, scratch, stream);
     case DType::f16: return launch_typed<__half>(grads, n, scratch, stream);
     case DType::bf16: return launch_typed<__nv_bfloat16>(grads, n, scratch, stream);
+    case DType::i8: break;  // not a gradient dtype
   }
   return cudaErrorInvalidValue;
 }

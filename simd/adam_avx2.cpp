@@ -45,6 +45,29 @@ struct V {
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
   static F sqrt(F a) { return _mm256_sqrt_ps(a); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F abs(F a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F load_i8(const std::int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void store_i8(std::int8_t* p, F x) {
+    const __m256i q = _mm256_cvtps_epi32(x);
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
+  }
+  static F load_e5m3(const std::uint8_t* p) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(c, _mm256_set1_epi32(768)), 20);
+    const __m256i zero = _mm256_cmpeq_epi32(c, _mm256_setzero_si256());
+    return _mm256_castsi256_ps(_mm256_andnot_si256(zero, bits));
+  }
+  static void store_e5m3(std::uint8_t* p, F x) {
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), _mm256_set1_epi32(1 << 19)), 20);
+    r = _mm256_sub_epi32(r, _mm256_set1_epi32(768));
+    r = _mm256_min_epi32(_mm256_max_epi32(r, _mm256_setzero_si256()), _mm256_set1_epi32(255));
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
+  }
 };
 
 #include "simd/adam_body.inl"

@@ -4,7 +4,9 @@
 // V provides: type F; constexpr std::size_t lanes; F set(float); F load(const float*); void store(float*, F);
 // F load_f16(const std::uint16_t*); F load_bf16(const std::uint16_t*); void store_f16(std::uint16_t*, F);
 // void store_bf16(std::uint16_t*, F); F add(F, F); F sub(F, F); F mul(F, F); F div(F, F); F sqrt(F);
-// F fma(F a, F b, F c) = a * b + c.
+// F fma(F a, F b, F c) = a * b + c; for 8-bit moments F abs(F); F max(F, F) (x86 maxps: the second operand
+// when either is NaN); F load_i8(const std::int8_t*), void store_i8(std::int8_t*, F) (round to nearest even,
+// saturated); F load_e5m3(const std::uint8_t*), void store_e5m3(std::uint8_t*, F) (kernels.h's v code).
 //
 // Also the gradient-accumulation kernels (acc += g over micro-batches), below the Adam ones.
 //
@@ -34,18 +36,22 @@ inline void store_out(void* out, std::size_t i, V::F x) {
 
 constexpr std::size_t elem_bytes(int elem) { return elem == kF32 ? 4 : 2; }
 constexpr std::size_t out_bytes(int out) { return out == kOutNone ? 0 : 2; }
-constexpr std::size_t state_bytes(int state) { return state == kStateF32 ? 4 : 2; }
+constexpr std::size_t state_bytes(int state) { return state == kStateF32 ? 4 : state == kStateBF16 ? 2 : 1; }
 
+// kStateInt8 here is only the streams ceiling's view of the codes (load, add, store); Adam on 8-bit moments
+// goes through a block's fp32 values (adam_q8 below).
 template <int S>
 inline V::F load_state(const void* s, std::size_t i) {
   if constexpr (S == kStateF32) return V::load(static_cast<const float*>(s) + i);
   if constexpr (S == kStateBF16) return V::load_bf16(static_cast<const std::uint16_t*>(s) + i);
+  if constexpr (S == kStateInt8) return V::load_i8(static_cast<const std::int8_t*>(s) + i);
 }
 
 template <int S>
 inline void store_state(void* s, std::size_t i, V::F x) {
   if constexpr (S == kStateF32) V::store(static_cast<float*>(s) + i, x);
   if constexpr (S == kStateBF16) V::store_bf16(static_cast<std::uint16_t*>(s) + i, x);
+  if constexpr (S == kStateInt8) V::store_i8(static_cast<std::int8_t*>(s) + i, x);
 }
 
 struct Broadcast {
@@ -148,6 +154,106 @@ void adam(const AdamConstants& c, float* p, void* m, void* v, const void* g, voi
 template <int G, int O, int S>
 void streams(const AdamConstants& c, float* p, void* m, void* v, const void* g, void* out, std::size_t n) {
   run<G, O, S, false, StreamsLanes>(c, p, m, v, g, out, n);
+}
+
+// ---- 8-bit moments (kernels.h): a block decoded into fp32, stepped by run<kStateF32>, encoded again ----
+
+// Codes [0, count) of one block into m[] and v[] (room for count rounded up to whole vectors).
+inline void decode_block(const std::int8_t* mq, const std::uint8_t* vq, float m_scale, float v_scale, float* m,
+                         float* v, std::size_t count) {
+  const V::F dm = V::set(m_scale / 127.0f), dv = V::set(v_scale);
+  std::size_t i = 0;
+  for (; i + V::lanes <= count; i += V::lanes) {
+    V::store(m + i, V::mul(V::load_i8(mq + i), dm));
+    V::store(v + i, V::mul(V::load_e5m3(vq + i), dv));
+  }
+  if (i == count) return;
+  alignas(64) std::int8_t tm[V::lanes] = {};
+  alignas(64) std::uint8_t tv[V::lanes] = {};
+  copy_bytes(tm, mq + i, count - i);
+  copy_bytes(tv, vq + i, count - i);
+  V::store(m + i, V::mul(V::load_i8(tm), dm));
+  V::store(v + i, V::mul(V::load_e5m3(tv), dv));
+}
+
+inline float block_max(const float* x, std::size_t count, bool absolute) {
+  V::F acc = V::set(0.0f);
+  std::size_t i = 0;
+  for (; i + V::lanes <= count; i += V::lanes) acc = V::max(absolute ? V::abs(V::load(x + i)) : V::load(x + i), acc);
+  alignas(64) float lanes[V::lanes];
+  V::store(lanes, acc);
+  float out = 0.0f;
+  for (std::size_t k = 0; k < V::lanes; ++k) out = lanes[k] > out ? lanes[k] : out;
+  for (; i < count; ++i) {
+    const float e = absolute ? __builtin_fabsf(x[i]) : x[i];
+    out = e > out ? e : out;
+  }
+  return out;
+}
+
+// fp32 m[] and v[] of one block (room for whole vectors) to codes, and the block's new scales.
+inline void encode_block(const float* m, const float* v, std::size_t count, std::int8_t* mq, std::uint8_t* vq,
+                         float* m_scale, float* v_scale) {
+  const float ms = block_max(m, count, true), vs = block_max(v, count, false);
+  *m_scale = ms;
+  *v_scale = vs;
+  const V::F qm = V::set(ms > 0.0f ? 127.0f / ms : 0.0f), qv = V::set(vs > 0.0f ? 1.0f / vs : 0.0f);
+  std::size_t i = 0;
+  for (; i + V::lanes <= count; i += V::lanes) {
+    V::store_i8(mq + i, V::mul(V::load(m + i), qm));
+    V::store_e5m3(vq + i, V::mul(V::load(v + i), qv));
+  }
+  if (i == count) return;
+  alignas(64) float tm[V::lanes] = {}, tv[V::lanes] = {};
+  alignas(64) std::int8_t cm[V::lanes];
+  alignas(64) std::uint8_t cv[V::lanes];
+  copy_bytes(tm, m + i, (count - i) * 4);
+  copy_bytes(tv, v + i, (count - i) * 4);
+  V::store_i8(cm, V::mul(V::load(tm), qm));
+  V::store_e5m3(cv, V::mul(V::load(tv), qv));
+  copy_bytes(mq + i, cm, count - i);
+  copy_bytes(vq + i, cv, count - i);
+}
+
+template <int G, int O>
+void adam_q8(const AdamConstants& c, float* p, std::int8_t* m, std::uint8_t* v, float* m_scale, float* v_scale,
+             const void* g, void* out, std::size_t n) {
+  alignas(64) float tm[kQuantBlock], tv[kQuantBlock];
+  for (std::size_t start = 0, j = 0; start < n; start += kQuantBlock, ++j) {
+    const std::size_t count = n - start < kQuantBlock ? n - start : kQuantBlock;
+    decode_block(m + start, v + start, m_scale[j], v_scale[j], tm, tv, count);
+    adam<G, O, kStateF32>(c, p + start, tm, tv, static_cast<const unsigned char*>(g) + start * elem_bytes(G),
+                          O == kOutNone ? nullptr : static_cast<unsigned char*>(out) + start * out_bytes(O), count);
+    encode_block(tm, tv, count, m + start, v + start, &m_scale[j], &v_scale[j]);
+  }
+}
+
+template <int G, int O>
+void streams_q8(const AdamConstants& c, float* p, std::int8_t* m, std::uint8_t* v, float*, float*, const void* g,
+                void* out, std::size_t n) {
+  run<G, O, kStateInt8, false, StreamsLanes>(c, p, m, v, g, out, n);
+}
+
+void encode_q8(const float* m, const float* v, std::size_t n, std::int8_t* mq, std::uint8_t* vq, float* m_scale,
+               float* v_scale) {
+  alignas(64) float tm[kQuantBlock], tv[kQuantBlock];
+  for (std::size_t start = 0, j = 0; start < n; start += kQuantBlock, ++j) {
+    const std::size_t count = n - start < kQuantBlock ? n - start : kQuantBlock;
+    copy_bytes(tm, m + start, count * 4);
+    copy_bytes(tv, v + start, count * 4);
+    encode_block(tm, tv, count, mq + start, vq + start, &m_scale[j], &v_scale[j]);
+  }
+}
+
+void decode_q8(const std::int8_t* mq, const std::uint8_t* vq, const float* m_scale, const float* v_scale,
+               std::size_t n, float* m, float* v) {
+  alignas(64) float tm[kQuantBlock], tv[kQuantBlock];
+  for (std::size_t start = 0, j = 0; start < n; start += kQuantBlock, ++j) {
+    const std::size_t count = n - start < kQuantBlock ? n - start : kQuantBlock;
+    decode_block(mq + start, vq + start, m_scale[j], v_scale[j], tm, tv, count);
+    copy_bytes(m + start, tm, count * 4);
+    copy_bytes(v + start, tv, count * 4);
+  }
 }
 
 // NaN/Inf test on the raw bits: an all-ones exponent. Counted in blocks (a loop the compiler vectorises);
@@ -335,6 +441,14 @@ constexpr KernelTable make_table(const char* name, bool native_bf16) {
        {{streams<kBF16, kOutNone, kStateF32>, streams<kBF16, kOutNone, kStateBF16>},
         {streams<kBF16, kOutF16, kStateF32>, streams<kBF16, kOutF16, kStateBF16>},
         {streams<kBF16, kOutBF16, kStateF32>, streams<kBF16, kOutBF16, kStateBF16>}}},
+      {{adam_q8<kF32, kOutNone>, adam_q8<kF32, kOutF16>, adam_q8<kF32, kOutBF16>},
+       {adam_q8<kF16, kOutNone>, adam_q8<kF16, kOutF16>, adam_q8<kF16, kOutBF16>},
+       {adam_q8<kBF16, kOutNone>, adam_q8<kBF16, kOutF16>, adam_q8<kBF16, kOutBF16>}},
+      {{streams_q8<kF32, kOutNone>, streams_q8<kF32, kOutF16>, streams_q8<kF32, kOutBF16>},
+       {streams_q8<kF16, kOutNone>, streams_q8<kF16, kOutF16>, streams_q8<kF16, kOutBF16>},
+       {streams_q8<kBF16, kOutNone>, streams_q8<kBF16, kOutF16>, streams_q8<kBF16, kOutBF16>}},
+      encode_q8,
+      decode_q8,
       {count_non_finite<kF32>, count_non_finite<kF16>, count_non_finite<kBF16>},
       {sum_squares<kF32>, sum_squares<kF16>, sum_squares<kBF16>},
       {accumulate<kF32>, accumulate<kF16>, accumulate<kBF16>},

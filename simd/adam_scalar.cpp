@@ -25,6 +25,19 @@ struct V {
   static F div(F a, F b) { return a / b; }
   static F sqrt(F a) { return __builtin_sqrtf(a); }
   static F fma(F a, F b, F c) { return a * b + c; }
+  static F abs(F a) { return __builtin_fabsf(a); }
+  static F max(F a, F b) { return a > b ? a : b; }
+  static F load_i8(const std::int8_t* p) { return static_cast<float>(*p); }
+  static void store_i8(std::int8_t* p, F x) {
+    // As cvtps2dq then a saturating pack: NaN and values out of range saturate (NaN to -128).
+    const float r = __builtin_rintf(x);
+    *p = r >= 127.0f ? 127 : r >= -128.0f ? static_cast<std::int8_t>(r) : -128;
+  }
+  static F load_e5m3(const std::uint8_t* p) { return *p == 0 ? 0.0f : bits_float((std::uint32_t{*p} + 768u) << 20); }
+  static void store_e5m3(std::uint8_t* p, F x) {
+    const std::int32_t r = static_cast<std::int32_t>((float_bits(x) + (1u << 19)) >> 20) - 768;
+    *p = static_cast<std::uint8_t>(r < 0 ? 0 : r > 255 ? 255 : r);
+  }
 };
 
 #include "simd/adam_body.inl"

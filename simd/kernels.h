@@ -16,6 +16,22 @@ constexpr int kElems = 3;
 enum StateElem : int { kStateF32 = 0, kStateBF16 = 1 };
 constexpr int kStates = 2;
 
+// 8-bit moments (state dtype int8): per block of kQuantBlock elements counted from the tensor's first (the
+// last block may be shorter), the codes and one fp32 scale per moment:
+//  - m, signed and linear: scale = max |m| of the block; code = round-to-nearest-even(m * (127 / scale)),
+//    in [-127, 127]; m' = code * (scale / 127). Values under scale / 254 become 0, which only drops their
+//    (tiny) part of the update.
+//  - v, unsigned, an 8-bit float relative to the block's largest: scale = max v; x = v * (1 / scale) in
+//    [0, 1]; the code is x's exponent (2^-31 .. 2^0, 5 bits) and mantissa rounded to 3 bits, 0 for
+//    x < 2^-31: v' = decode(code) * scale. Relative error <= 2^-4 over nine decades, so that a small v
+//    (the denominator of its element's update) is never rounded to zero beside a large one, as a linear code
+//    would.
+// Adam runs in fp32 on a block's widened m' and v'; the block is then encoded again with its new scales.
+// Every operation is an exact IEEE one (products, the rounding, bit moves, max), so all ISAs write the
+// same codes from the same fp32 values. NaN/Inf moments are not represented.
+enum : int { kStateInt8 = 2 };
+constexpr std::size_t kQuantBlock = 2048;
+
 // Per-step scalars, derived once per call from the hyper-parameters (see cpu_adam.cpp for the formulas).
 struct AdamConstants {
   float beta1;
@@ -34,6 +50,14 @@ struct AdamConstants {
 // the table's grad type; out: copy of the new p.
 using AdamFn = void (*)(const AdamConstants& c, float* p, void* m, void* v, const void* g, void* out,
                         std::size_t n);
+// The same with 8-bit moments (codes m, v and a scale per kQuantBlock elements of each, updated in place).
+using AdamQ8Fn = void (*)(const AdamConstants& c, float* p, std::int8_t* m, std::uint8_t* v, float* m_scale,
+                          float* v_scale, const void* g, void* out, std::size_t n);
+// Whole blocks of fp32 moments to codes and scales, and back (n elements; the last block may be shorter).
+using EncodeQ8Fn = void (*)(const float* m, const float* v, std::size_t n, std::int8_t* mq, std::uint8_t* vq,
+                            float* m_scale, float* v_scale);
+using DecodeQ8Fn = void (*)(const std::int8_t* mq, const std::uint8_t* vq, const float* m_scale, const float* v_scale,
+                            std::size_t n, float* m, float* v);
 // Counts the NaN/Inf gradients in g[0, n); *first receives the index of the first one (n when none).
 using CountNonFiniteFn = std::size_t (*)(const void* g, std::size_t n, std::size_t* first);
 // Sum of squares of the finite values of g (in double), and the count of NaN/Inf values: a gradient norm.
@@ -55,6 +79,10 @@ struct KernelTable {
   bool native_bf16;         // bf16 rounding done by a hardware instruction
   AdamFn adam[kElems][kElems][kStates];     // [grad Elem][OutElem][StateElem]
   AdamFn streams[kElems][kElems][kStates];  // the bandwidth ceiling: same loads/stores, trivial arithmetic
+  AdamQ8Fn adam_q8[kElems][kElems];         // [grad Elem][OutElem], 8-bit moments
+  AdamQ8Fn streams_q8[kElems][kElems];      // its ceiling: the codes' loads and stores, widened and narrowed
+  EncodeQ8Fn encode_q8;
+  DecodeQ8Fn decode_q8;
   CountNonFiniteFn count_non_finite[kElems];
   SumSquaresFn sum_squares[kElems];
   AccumulateFn accumulate[kElems];          // [grad Elem]

@@ -80,12 +80,21 @@ Status check_tensors(std::span<const AdamTensor> tensors) {
       return invalid_argument(name + ": out dtype " + std::string(dtype_name(t.out_dtype)) +
                               " is invalid: the weight copy is f16 or bf16 (or no copy: out = nullptr)");
     }
-    if (t.state_dtype != DType::f32 && t.state_dtype != DType::bf16) {
+    if (t.state_dtype != DType::f32 && t.state_dtype != DType::bf16 && t.state_dtype != DType::i8) {
       return invalid_argument(name + ": state dtype " + std::string(dtype_name(t.state_dtype)) +
-                              " is invalid: the moments are stored as f32 or bf16");
+                              " is invalid: the moments are stored as f32, bf16 or i8");
     }
     if (t.n == 0) continue;
     const std::size_t state = dtype_size(t.state_dtype);
+    if (t.state_dtype == DType::i8) {
+      const std::size_t scale_bytes = 4 * moment_blocks(t.n);
+      for (const auto& [ptr, what] : {std::pair<const float*, const char*>{t.exp_avg_scale, "exp_avg_scale"},
+                                      {t.exp_avg_sq_scale, "exp_avg_sq_scale"}}) {
+        if (ptr == nullptr) return invalid_argument(name + ": " + what + " is null with state dtype i8");
+        const auto begin = reinterpret_cast<std::uintptr_t>(ptr);
+        ranges.push_back({begin, begin + scale_bytes, i, what, true});
+      }
+    }
     const struct {
       const void* ptr;
       std::size_t bytes;
@@ -141,6 +150,21 @@ void run_adam(AdamFn fn, const simd::AdamConstants& c, const AdamTensor& t, std:
      static_cast<unsigned char*>(t.exp_avg_sq) + offset * ssize,
      static_cast<const unsigned char*>(t.grad) + offset * gsize,
      t.out == nullptr ? nullptr : static_cast<unsigned char*>(t.out) + offset * osize, count);
+}
+
+// 8-bit moments: the blocks that start in [offset, offset + count), each whole. Every block starts in
+// exactly one tile's range, so each is stepped once, by one thread, whatever the tiling.
+void run_adam_q8(simd::AdamQ8Fn fn, const simd::AdamConstants& c, const AdamTensor& t, std::size_t offset,
+                 std::size_t count) {
+  const std::size_t first = moment_blocks(offset) * kMomentBlock;
+  if (first >= offset + count) return;
+  const std::size_t end = std::min(t.n, moment_blocks(offset + count) * kMomentBlock);
+  const std::size_t gsize = dtype_size(t.grad_dtype);
+  const std::size_t osize = t.out == nullptr ? 0 : dtype_size(t.out_dtype);
+  fn(c, t.param + first, static_cast<std::int8_t*>(t.exp_avg) + first, static_cast<std::uint8_t*>(t.exp_avg_sq) + first,
+     t.exp_avg_scale + first / kMomentBlock, t.exp_avg_sq_scale + first / kMomentBlock,
+     static_cast<const unsigned char*>(t.grad) + first * gsize,
+     t.out == nullptr ? nullptr : static_cast<unsigned char*>(t.out) + first * osize, end - first);
 }
 
 simd::AdamConstants constants(const AdamHyper& h, const StepOptions& o) {
@@ -272,7 +296,11 @@ Status CpuAdam::step(const AdamHyper& hyper, const StepOptions& options, std::sp
   const KernelTable& table = *impl_->table;
   const simd::AdamConstants c = constants(hyper, options);
   impl_->for_each_tile(tensors, [&](const AdamTensor& t, std::size_t offset, std::size_t count) {
-    run_adam(table.adam[int(t.grad_dtype)][out_index(t)][state_index(t)], c, t, offset, count);
+    if (t.state_dtype == DType::i8) {
+      run_adam_q8(table.adam_q8[int(t.grad_dtype)][out_index(t)], c, t, offset, count);
+    } else {
+      run_adam(table.adam[int(t.grad_dtype)][out_index(t)][state_index(t)], c, t, offset, count);
+    }
   });
   return Status::success();
 }
@@ -290,7 +318,11 @@ Status CpuAdam::streams_pass(std::span<const AdamTensor> tensors) {
   if (Status s = check_tensors(tensors); !s.ok()) return s;
   const KernelTable& table = *impl_->table;
   impl_->for_each_tile(tensors, [&](const AdamTensor& t, std::size_t offset, std::size_t count) {
-    run_adam(table.streams[int(t.grad_dtype)][out_index(t)][state_index(t)], simd::AdamConstants{}, t, offset, count);
+    if (t.state_dtype == DType::i8) {
+      run_adam_q8(table.streams_q8[int(t.grad_dtype)][out_index(t)], simd::AdamConstants{}, t, offset, count);
+    } else {
+      run_adam(table.streams[int(t.grad_dtype)][out_index(t)][state_index(t)], simd::AdamConstants{}, t, offset, count);
+    }
   });
   return Status::success();
 }
@@ -301,6 +333,17 @@ Status CpuAdam::accumulate(std::span<const AccumulateTensor> tensors, const Accu
 
 Status CpuAdam::accumulate_streams_pass(std::span<const AccumulateTensor> tensors, const AccumulateOptions& options) {
   return impl_->accumulate(tensors, options, impl_->table->accumulate_streams);
+}
+
+void encode_moments(const float* m, const float* v, std::size_t n, std::int8_t* mq, std::uint8_t* vq, float* m_scale,
+                    float* v_scale) {
+  static_assert(kMomentBlock == simd::kQuantBlock);
+  simd::scalar::table().encode_q8(m, v, n, mq, vq, m_scale, v_scale);
+}
+
+void decode_moments(const std::int8_t* mq, const std::uint8_t* vq, const float* m_scale, const float* v_scale,
+                    std::size_t n, float* m, float* v) {
+  simd::scalar::table().decode_q8(mq, vq, m_scale, v_scale, n, m, v);
 }
 
 }  // namespace zoe

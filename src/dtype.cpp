@@ -9,6 +9,7 @@ std::string_view dtype_name(DType dtype) {
     case DType::f32: return "f32";
     case DType::f16: return "f16";
     case DType::bf16: return "bf16";
+    case DType::i8: return "i8";
   }
   return "invalid";
 }
@@ -27,6 +28,7 @@ std::size_t dtype_size(DType dtype) {
     case DType::f32: return 4;
     case DType::f16:
     case DType::bf16: return 2;
+    case DType::i8: return 1;
   }
   return 0;
 }

@@ -31,7 +31,11 @@ struct AdamHyper {
 // One tensor's state. Gradients may be any DType; `out`, when not null, receives the updated weights in
 // `out_dtype` (f16 or bf16). Outputs (param, exp_avg, exp_avg_sq, out) must not overlap each other or grad.
 // The moments are stored in `state_dtype`: f32, or bf16 — half the bytes; each step computes in fp32 from
-// the widened moments and stores them rounded to nearest even (the master weights stay fp32).
+// the widened moments and stores them rounded to nearest even (the master weights stay fp32) — or i8:
+// one byte each, in blocks of kMomentBlock elements from the tensor's first, with an fp32 scale per block
+// in exp_avg_scale / exp_avg_sq_scale (m: linear codes of max |m|; v: an 8-bit float of v / max v with a
+// 3-bit mantissa over nine decades; simd/kernels.h has the exact scheme). A block is decoded, stepped in
+// fp32 and encoded again with new scales. Results stay bit-identical for any thread count and tile size.
 struct AdamTensor {
   float* param = nullptr;
   void* exp_avg = nullptr;
@@ -42,7 +46,20 @@ struct AdamTensor {
   void* out = nullptr;
   DType out_dtype = DType::bf16;
   std::size_t n = 0;
+  float* exp_avg_scale = nullptr;  // state dtype i8: one per kMomentBlock elements (moment_blocks(n))
+  float* exp_avg_sq_scale = nullptr;
 };
+
+// Elements per block of 8-bit moments (one fp32 scale per block and moment).
+constexpr std::size_t kMomentBlock = 2048;
+inline std::size_t moment_blocks(std::size_t n) { return (n + kMomentBlock - 1) / kMomentBlock; }
+
+// fp32 moments of n elements to 8-bit codes and block scales (whole blocks from the first element), and
+// back: what the kernels store and read, for taking state in and out.
+void encode_moments(const float* m, const float* v, std::size_t n, std::int8_t* mq, std::uint8_t* vq, float* m_scale,
+                    float* v_scale);
+void decode_moments(const std::int8_t* mq, const std::uint8_t* vq, const float* m_scale, const float* v_scale,
+                    std::size_t n, float* m, float* v);
 
 struct StepOptions {
   std::int64_t step = 1;     // 1-based, as torch's state["step"] after its increment

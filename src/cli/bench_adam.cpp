@@ -69,6 +69,7 @@ class Workload {
           case DType::f32: g->as<float>()[i] = gv; break;
           case DType::f16: g->as<std::uint16_t>()[i] = float_to_f16(gv); break;
           case DType::bf16: g->as<std::uint16_t>()[i] = float_to_bf16(gv); break;
+          case DType::i8: break;  // not a gradient dtype: parse_dtype never gives it
         }
         if (has_out) static_cast<std::uint16_t*>(t.out)[i] = 0;
       }
