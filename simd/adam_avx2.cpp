@@ -57,9 +57,7 @@ struct V {
   }
   static F load_e5m3(const std::uint8_t* p) {
     const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(c, _mm256_set1_epi32(768)), 20);
-    const __m256i zero = _mm256_cmpeq_epi32(c, _mm256_setzero_si256());
-    return _mm256_castsi256_ps(_mm256_andnot_si256(zero, bits));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(c, _mm256_set1_epi32(768)), 20));
   }
   static void store_e5m3(std::uint8_t* p, F x) {
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), _mm256_set1_epi32(1 << 19)), 20);

@@ -66,14 +66,12 @@ struct V {
   }
   static F load_e5m3(const std::uint8_t* p) {
     const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(c, _mm512_set1_epi32(768)), 20);
-    return _mm512_maskz_mov_ps(_mm512_test_epi32_mask(c, c), _mm512_castsi512_ps(bits));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(c, _mm512_set1_epi32(768)), 20));
   }
   static void store_e5m3(std::uint8_t* p, F x) {
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(1 << 19)), 20);
-    r = _mm512_sub_epi32(r, _mm512_set1_epi32(768));
-    r = _mm512_min_epi32(_mm512_max_epi32(r, _mm512_setzero_si512()), _mm512_set1_epi32(255));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(r));
+    r = _mm512_max_epi32(_mm512_sub_epi32(r, _mm512_set1_epi32(768)), _mm512_setzero_si512());
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtusepi32_epi8(r));  // saturates at 255
   }
 };
 

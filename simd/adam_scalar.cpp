@@ -33,7 +33,7 @@ struct V {
     const float r = __builtin_rintf(x);
     *p = r >= 127.0f ? 127 : r >= -128.0f ? static_cast<std::int8_t>(r) : -128;
   }
-  static F load_e5m3(const std::uint8_t* p) { return *p == 0 ? 0.0f : bits_float((std::uint32_t{*p} + 768u) << 20); }
+  static F load_e5m3(const std::uint8_t* p) { return bits_float((std::uint32_t{*p} + 768u) << 20); }
   static void store_e5m3(std::uint8_t* p, F x) {
     const std::int32_t r = static_cast<std::int32_t>((float_bits(x) + (1u << 19)) >> 20) - 768;
     *p = static_cast<std::uint8_t>(r < 0 ? 0 : r > 255 ? 255 : r);

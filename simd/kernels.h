@@ -22,10 +22,10 @@ constexpr int kStates = 2;
 //    in [-127, 127]; m' = code * (scale / 127). Values under scale / 254 become 0, which only drops their
 //    (tiny) part of the update.
 //  - v, unsigned, an 8-bit float relative to the block's largest: scale = max v; x = v * (1 / scale) in
-//    [0, 1]; the code is x's exponent (2^-31 .. 2^0, 5 bits) and mantissa rounded to 3 bits, 0 for
-//    x < 2^-31: v' = decode(code) * scale. Relative error <= 2^-4 over nine decades, so that a small v
-//    (the denominator of its element's update) is never rounded to zero beside a large one, as a linear code
-//    would.
+//    [0, 1]; the code is x's exponent (2^-31 .. 2^0, 5 bits) and mantissa rounded to 3 bits, code 0 for
+//    x <= 2^-31: v' = decode(code) * scale, decode(0) = 2^-31. Relative error <= 2^-4 over nine decades,
+//    and a small v (the denominator of its element's update) is never rounded to zero beside a large one,
+//    as a linear code would round it.
 // Adam runs in fp32 on a block's widened m' and v'; the block is then encoded again with its new scales.
 // Every operation is an exact IEEE one (products, the rounding, bit moves, max), so all ISAs write the
 // same codes from the same fp32 values. NaN/Inf moments are not represented.

@@ -23,6 +23,8 @@ struct BenchConfig {
   bool json = false;
 };
 
+const char* state_label(DType state) { return state == DType::f32 ? "fp32" : state == DType::bf16 ? "bf16" : "int8"; }
+
 // The buffers of one benchmark case: `tensors` separately allocated tensors sharing n elements.
 class Workload {
  public:
@@ -48,9 +50,18 @@ class Workload {
       for (void** moment : {&t.exp_avg, &t.exp_avg_sq}) {
         Result<AlignedBuffer> b = AlignedBuffer::allocate(elems * dtype_size(state));
         if (!b.ok()) return b.status();
-        std::memset(b->data(), 0, elems * dtype_size(state));  // zero moments in either dtype
+        std::memset(b->data(), 0, elems * dtype_size(state));  // zero moments in every dtype
         *moment = b->data();
         w.buffers_.push_back(std::move(b).value());
+      }
+      if (state == DType::i8) {
+        for (float** scale : {&t.exp_avg_scale, &t.exp_avg_sq_scale}) {
+          Result<AlignedBuffer> b = AlignedBuffer::allocate(moment_blocks(elems) * 4);
+          if (!b.ok()) return b.status();
+          std::memset(b->data(), 0, moment_blocks(elems) * 4);
+          *scale = b->as<float>();
+          w.buffers_.push_back(std::move(b).value());
+        }
       }
       Result<AlignedBuffer> g = AlignedBuffer::allocate(elems * dtype_size(grad));
       if (!g.ok()) return g.status();
@@ -128,7 +139,7 @@ int bench_adam(std::span<char* const> args) {
       {"isa", &isa_text, nullptr, "comma list of auto, scalar, avx2, avx512"},
       {"grad", &grad_text, nullptr, "comma list of gradient dtypes: f32, f16, bf16"},
       {"out", &out_text, nullptr, "comma list of weight-copy dtypes: none, f16, bf16"},
-      {"state", &state_text, nullptr, "comma list of moment dtypes: fp32, bf16"},
+      {"state", &state_text, nullptr, "comma list of moment dtypes: fp32, bf16, int8"},
       {"threads", &threads_text, nullptr, "worker threads (0: all CPUs; ZOE_THREADS caps)"},
       {"reps", &reps_text, nullptr, "timed repetitions (default: about 0.5 s of steps, 10 to 200)"},
       {"tile", &tile_text, nullptr, "elements per unit of parallel work"},
@@ -143,7 +154,8 @@ int bench_adam(std::span<char* const> args) {
     std::printf("usage: zoe bench adam [options]\n\n%s", options_help(options).c_str());
     std::printf("\nEach case runs the Adam step and a streams loop with the same loads and stores alternately;\n"
                 "ratio = Adam GB/s / streams GB/s. Bytes per parameter: p read and written (8), m and v read and\n"
-                "written (16 in fp32, 8 in bf16), the gradient read and the weight copy written.\n");
+                "written (16 in fp32, 8 in bf16, 4 in int8 plus 16 bytes of scales per 2048), the gradient read and\n"
+                "the weight copy written.\n");
     return 0;
   }
   auto fail = [](const Status& s) {
@@ -179,16 +191,13 @@ int bench_adam(std::span<char* const> args) {
   for (const Status& s : {require_items(isas, "--isa", "auto, scalar, avx2, avx512"),
                           require_items(grad_names, "--grad", "f32, f16, bf16"),
                           require_items(outs, "--out", "none, f16, bf16"),
-                          require_items(state_names, "--state", "fp32, bf16")}) {
+                          require_items(state_names, "--state", "fp32, bf16, int8")}) {
     if (!s.ok()) return fail(s);
   }
   std::vector<DType> states;
   for (const std::string& st : state_names) {
-    const auto d = parse_dtype(st);
-    if (!d || *d == DType::f16) {
-      return fail(invalid_argument("--state " + st + " is not fp32 or bf16" +
-                                   (st == "int8" ? " (8-bit moments are not built yet)" : "")));
-    }
+    const auto d = st == "int8" || st == "i8" ? std::optional<DType>(DType::i8) : parse_dtype(st);
+    if (!d || *d == DType::f16) return fail(invalid_argument("--state " + st + " is not fp32, bf16 or int8"));
     states.push_back(*d);
   }
   std::vector<DType> grads;
@@ -214,7 +223,8 @@ int bench_adam(std::span<char* const> args) {
         for (DType state : states) {
           const bool has_out = out != "none";
           const DType out_dtype = out == "f16" ? DType::f16 : DType::bf16;
-          const double bytes_per_param = 8.0 + 4.0 * static_cast<double>(dtype_size(state)) +
+          const double scale_bytes = state == DType::i8 ? 2.0 * 2.0 * 4.0 / kMomentBlock : 0.0;
+          const double bytes_per_param = 8.0 + 4.0 * static_cast<double>(dtype_size(state)) + scale_bytes +
                                          static_cast<double>(dtype_size(grad)) + (has_out ? 2.0 : 0.0);
           Result<Workload> w = Workload::make(cfg.n, cfg.tensors, grad, has_out, out_dtype, state);
           if (!w.ok()) return fail(w.status());
@@ -237,7 +247,7 @@ int bench_adam(std::span<char* const> args) {
           if (cfg.json) {
             JsonLine line;
             line.add("bench", "adam").add("isa", isa_used).add("n", cfg.n).add("grad", dtype_name(grad)).add("out", out)
-                .add("state", state == DType::f32 ? "fp32" : "bf16")
+                .add("state", state_label(state))
                 .add("threads", engine->threads()).add("bytes_per_param", bytes_per_param)
                 .add("median_s", m->adam.median).add("min_s", m->adam.min).add("max_s", m->adam.max)
                 .add("params_per_s", params_per_s).add("gbps", gbps).add("ceiling_gbps", ceiling)
@@ -255,7 +265,7 @@ int bench_adam(std::span<char* const> args) {
               header = true;
             }
             std::printf("%-7s %-5s %-5s %-5s %12llu %8llu %4d %10.3f %10.1f %8.1f %8.1f %6.3f", isa_used.c_str(),
-                        std::string(dtype_name(grad)).c_str(), out.c_str(), state == DType::f32 ? "fp32" : "bf16",
+                        std::string(dtype_name(grad)).c_str(), out.c_str(), state_label(state),
                         static_cast<unsigned long long>(cfg.n),
                         static_cast<unsigned long long>(cfg.tensors), engine->threads(), m->adam.median * 1e3,
                         params_per_s / 1e6, gbps, ceiling, gbps / ceiling);

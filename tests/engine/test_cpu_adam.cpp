@@ -23,7 +23,8 @@ using test::Random;
 
 // Owns the state of a set of tensors of the given sizes.
 struct Model {
-  std::vector<std::vector<float>> p, m, v;  // m, v hold bf16 moments two to a float with state = bf16
+  std::vector<std::vector<float>> p, m, v;  // m, v hold bf16 moments two to a float (i8: four) with that state
+  std::vector<std::vector<float>> ms, vs;   // state i8: the block scales
   std::vector<std::vector<unsigned char>> g;
   std::vector<std::vector<std::uint16_t>> out;
   std::vector<AdamTensor> tensors;
@@ -32,10 +33,12 @@ struct Model {
         DType state = DType::f32) {
     Random rng(seed);
     for (std::size_t n : sizes) {
-      const std::size_t moment_floats = state == DType::f32 ? n : (n + 1) / 2;
+      const std::size_t moment_floats = (n * dtype_size(state) + 3) / 4;
       p.emplace_back(n);
       m.emplace_back(moment_floats, 0.0f);
       v.emplace_back(moment_floats, 0.0f);
+      ms.emplace_back(state == DType::i8 ? moment_blocks(n) : 0, 0.0f);
+      vs.emplace_back(state == DType::i8 ? moment_blocks(n) : 0, 0.0f);
       out.emplace_back(n, 0);
       for (float& x : p.back()) x = static_cast<float>(rng.uniform(-1, 1));
       g.push_back(test::make_grad(grad, n, rng, 1e-2).bytes);
@@ -51,6 +54,10 @@ struct Model {
       t.out = with_out ? out[i].data() : nullptr;
       t.out_dtype = DType::bf16;
       t.n = sizes[i];
+      if (state == DType::i8) {
+        t.exp_avg_scale = ms[i].data();
+        t.exp_avg_sq_scale = vs[i].data();
+      }
       tensors.push_back(t);
     }
   }
@@ -66,6 +73,8 @@ struct Model {
       append(m[i].data(), m[i].size() * 4);
       append(v[i].data(), v[i].size() * 4);
       append(out[i].data(), out[i].size() * 2);
+      append(ms[i].data(), ms[i].size() * 4);
+      append(vs[i].data(), vs[i].size() * 4);
     }
     return b;
   }
@@ -113,6 +122,32 @@ TEST_P(EngineIsa, Bf16MomentsBitIdenticalForAnyThreadCountAndTile) {
       EXPECT_EQ(run_steps(engine, model, 5), want) << threads << " threads, tile " << tile;
     }
   }
+}
+
+// 8-bit moments: each block of 2048 is stepped whole by the tile its first element falls in, so tiles that
+// cut blocks anywhere (1, 7, 1000 elements) give the same bits as one thread over everything.
+TEST_P(EngineIsa, Int8MomentsBitIdenticalForAnyThreadCountAndTile) {
+  const std::vector<std::size_t> sizes = {100'003, 77, 4096};
+  CpuAdam one = make_engine(isa(), 1, 1 << 20);
+  Model base(sizes, DType::bf16, true, 1, DType::i8);
+  const auto want = run_steps(one, base, 5);
+  Model bf16(sizes, DType::bf16, true, 1, DType::bf16);
+  Model q8_p(sizes, DType::bf16, true, 1, DType::i8);
+  (void)run_steps(one, q8_p, 5);
+  (void)run_steps(one, bf16, 5);
+  EXPECT_NE(q8_p.p, bf16.p);  // the moments' dtype is really in effect
+  for (int threads : {1, 2, 3}) {
+    for (std::size_t tile : {std::size_t(1), std::size_t(7), std::size_t(1000), std::size_t(65536)}) {
+      CpuAdam engine = make_engine(isa(), threads, tile);
+      Model model(sizes, DType::bf16, true, 1, DType::i8);
+      EXPECT_EQ(run_steps(engine, model, 5), want) << threads << " threads, tile " << tile;
+    }
+  }
+  Model no_scales(sizes, DType::bf16, true, 1, DType::i8);
+  no_scales.tensors[1].exp_avg_sq_scale = nullptr;
+  const Status s = one.step(AdamHyper{}, StepOptions{}, no_scales.tensors);
+  EXPECT_EQ(s.code(), StatusCode::invalid_argument);
+  EXPECT_NE(s.message().find("exp_avg_sq_scale is null"), std::string::npos) << s.to_string();
 }
 
 TEST_P(EngineIsa, ManyTensorsEqualOneCallPerTensor) {
