@@ -44,6 +44,9 @@ std::string_view durability_name(Durability durability);
 Result<Tier> parse_tier(std::string_view name);
 Result<Schedule> parse_schedule(std::string_view name);
 Result<Durability> parse_durability(std::string_view name);
+// OffloadOptions::state_dtype by the names users give it: "fp32", "bf16", "int8" (DType f32, bf16, i8).
+std::string_view state_dtype_name(DType state);
+Result<DType> parse_state_dtype(std::string_view name);
 
 // fp16 loss scaling, with the knobs of DeepSpeed's fp16 section and torch's GradScaler. Dynamic: start at
 // initial_scale; an overflow skips the step and, once `hysteresis` overflows have been seen, multiplies the
@@ -116,10 +119,12 @@ struct OffloadOptions {
   // report. Costs 4 bytes per parameter of host RAM (8 with the delayed schedule).
   int gradient_accumulation_steps = 1;
   PartitionOptions partition;  // with a Collectives of world > 1 only
-  // How the Adam moments m and v are stored (zoe config: zoe.state_dtype): f32, or bf16 — 4 bytes less per
-  // parameter for each, rounded to nearest even after every fp32 update (AdamTensor::state_dtype); the
-  // master weights stay fp32. bf16 is built for tier ram; read_state() and checkpoints give fp32 values
-  // (bf16 widens exactly), and a checkpoint of either dtype loads into either (fp32 moments are rounded).
+  // How the Adam moments m and v are stored (zoe config: zoe.state_dtype): f32; bf16 — 4 bytes less per
+  // parameter for each, rounded to nearest even after every fp32 update; or i8 — one byte each and an fp32
+  // scale per 2048 elements (AdamTensor::state_dtype has the codes). The master weights stay fp32. bf16
+  // and i8 are built for tier ram. read_state() and checkpoints give fp32 values (an i8 checkpoint also
+  // holds the codes, so the run resumes exactly), and a checkpoint of any dtype loads into any (fp32
+  // moments are rounded or encoded).
   DType state_dtype = DType::f32;
   std::size_t tile = 1 << 20;          // elements per unit of pipelined work. DeepSpeed's sub_group_size is larger
   CpuAdamOptions cpu;

@@ -269,7 +269,7 @@ int plan(std::span<char* const> args) {
     if (Status s = count(seq_len, "--seq-len", 1, &t.seq_len); !s.ok()) return fail(s);
   }
   t.activation_checkpointing = checkpointing;
-  Result<StateDtype> sd = parse_state_dtype(state_dtype);
+  Result<StateDtype> sd = plan::parse_state_dtype(state_dtype);
   if (!sd.ok()) return fail(sd.status());
   t.state = *sd;
   // A size given on the command line, else the default and how it was obtained.

@@ -38,6 +38,17 @@ Result<Durability> parse_durability(std::string_view name) {
                           "background) or checkpoint (durable at save() only)");
 }
 
+std::string_view state_dtype_name(DType state) {
+  return state == DType::f32 ? "fp32" : state == DType::bf16 ? "bf16" : state == DType::i8 ? "int8" : "invalid";
+}
+
+Result<DType> parse_state_dtype(std::string_view name) {
+  for (DType d : {DType::f32, DType::bf16, DType::i8}) {
+    if (name == state_dtype_name(d)) return d;
+  }
+  return invalid_argument("state_dtype '" + std::string(name) + "' is unknown: use fp32, bf16 or int8");
+}
+
 Result<Tier> parse_tier(std::string_view name) {
   for (Tier t : {Tier::ram, Tier::nvme}) {
     if (name == tier_name(t)) return t;
@@ -112,13 +123,14 @@ Status check_inputs(const std::vector<ParamGroup>& groups, const std::vector<Par
       }
     }
   }
-  if (options.state_dtype != DType::f32 && options.state_dtype != DType::bf16) {
+  if (options.state_dtype != DType::f32 && options.state_dtype != DType::bf16 && options.state_dtype != DType::i8) {
     return invalid_argument("state_dtype " + std::string(dtype_name(options.state_dtype)) +
-                            " is invalid: the moments are stored as f32 or bf16");
+                            " is invalid: the moments are stored as f32, bf16 or i8");
   }
   if (options.state_dtype != DType::f32 && options.tier == Tier::nvme) {
-    return Status(StatusCode::unsupported, "state_dtype bf16 is built for tier ram only: tier nvme's swap tiles "
-                                           "hold fp32 moments (use state_dtype f32 with tier nvme)");
+    return Status(StatusCode::unsupported, "state_dtype " + std::string(state_dtype_name(options.state_dtype)) +
+                                               " is built for tier ram only: tier nvme's swap tiles hold fp32 moments "
+                                               "(use state_dtype fp32 with tier nvme)");
   }
   if (options.delayed_warmup_steps < 0) return invalid_argument("delayed_warmup_steps must be >= 0");
   if (options.gradient_accumulation_steps < 1) {

@@ -36,6 +36,11 @@ struct PieceState {
   float* p;
   void* m;
   void* v;
+  // State dtype i8: the piece's block scales (moment_blocks(n) each; a piece starts on a block), and where
+  // they lie in the tier's scale arrays.
+  float* m_scale = nullptr;
+  float* v_scale = nullptr;
+  std::size_t scale_index = 0;
 };
 
 class StateTier {
@@ -61,6 +66,15 @@ class StateTier {
   // Tier ram: array `which` (0 p, 1 m, 2 v) as one contiguous fp32 array, or null (in place, p is not;
   // bf16 moments are not fp32).
   virtual const float* flat(int) const { return nullptr; }
+  // State dtype i8: the codes and scales as they are kept, for checkpoints to hold exactly (their fp32 values
+  // are written too, for readers that convert).
+  struct Blob {
+    const char* name;
+    const void* data;
+    std::size_t bytes;
+  };
+  virtual std::vector<Blob> q8_blobs() const { return {}; }
+
   // The master weights of parameter i where the staging cannot hold them (f32 parameters; tier ram only).
   virtual float* master(std::size_t) { return nullptr; }
 };

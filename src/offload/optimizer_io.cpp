@@ -102,9 +102,10 @@ Status OffloadOptimizer::save(const std::string& path) {
     for (const Piece& k : m.partition->origin) part["pieces"].push_back({{"param", k.param}, {"begin", k.begin}, {"n", k.n}});
   }
   manifest["tier"] = std::string(tier_name(m.options.tier));
-  // The moments are stored as fp32 whatever the run kept them in (bf16 widens exactly): recorded so that a
+  // The moments are stored as fp32 whatever the run kept them in (bf16 widens exactly; i8 is decoded, and
+  // its codes and scales are stored beside them for the run itself to resume exactly): recorded so that a
   // reader knows how they were kept.
-  manifest["state_dtype"] = m.options.state_dtype == DType::f32 ? "fp32" : "bf16";
+  manifest["state_dtype"] = state_dtype_name(m.options.state_dtype);
   Result<CheckpointWriter> writer = CheckpointWriter::create(path);
   if (!writer.ok()) return writer.status();
   const std::size_t total = m.offsets.back();
@@ -130,6 +131,9 @@ Status OffloadOptimizer::save(const std::string& path) {
       return m.tier->read(offset / 4, n / 4, arrays[0], arrays[1], arrays[2]);
     });
     if (!s.ok()) return s;
+  }
+  for (const StateTier::Blob& b : m.tier->q8_blobs()) {
+    if (Status s = writer->add(b.name, b.data, b.bytes); !s.ok()) return s;
   }
   // In place, the 16-bit weights are the device's own.
   std::vector<unsigned char> weights16;

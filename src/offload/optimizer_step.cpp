@@ -53,7 +53,9 @@ Status OffloadOptimizer::Impl::allocate() {
     grad_offsets[i + 1] = grad_offsets[i] + staging_bytes(params[i]);
     weight_offsets[i + 1] = weight_offsets[i] + (params[i].dtype == DType::f32 ? 0 : params[i].n * 2);
   }
-  const std::size_t piece = std::max<std::size_t>(options.tile, 1);
+  std::size_t piece = std::max<std::size_t>(options.tile, 1);
+  // 8-bit moments are stepped in whole blocks counted from a parameter's first element: pieces start on one.
+  if (options.state_dtype == DType::i8) piece = moment_blocks(piece) * kMomentBlock;
   first_piece.assign(params.size() + 1, 0);
   for (std::size_t i = 0; i < params.size(); ++i) {
     first_piece[i] = pieces.size();

@@ -39,6 +39,15 @@ class OverlapSchedule final : public StepSchedule {
     Result<AlignedBuffer> r = AlignedBuffer::allocate(m_.weight_offsets.back());
     if (!r.ok()) return r.status();
     undo_weights_ = std::move(r).value();
+    if (m_.options.state_dtype == DType::i8) {
+      std::size_t blocks = 0;
+      for (const ParamSpec& p : m_.params) blocks += moment_blocks(p.n);
+      for (AlignedBuffer* b : {&undo_m_scale_, &undo_v_scale_}) {
+        Result<AlignedBuffer> s = AlignedBuffer::allocate(blocks * 4);
+        if (!s.ok()) return s.status();
+        *b = std::move(s).value();
+      }
+    }
     return Status::success();
   }
 
@@ -91,6 +100,7 @@ class OverlapSchedule final : public StepSchedule {
   Impl& m_;
   bool speculation_can_fail_ = false;
   AlignedBuffer undo_master_, undo_exp_avg_, undo_exp_avg_sq_, undo_weights_;
+  AlignedBuffer undo_m_scale_, undo_v_scale_;  // state dtype i8: the block scales
   // This iteration: which parameters were reported, and which pieces stepped speculatively.
   std::vector<char> reported_, stepped_;
   std::atomic<bool> overflow_seen_{false};
@@ -193,6 +203,10 @@ void OverlapSchedule::save_undo(const Piece& k) {
   std::memcpy(undo_master_.as<float>() + off, st.p, k.n * 4);
   std::memcpy(undo_exp_avg_.as<float>() + off, st.m, k.n * m_.moment_bytes());
   std::memcpy(undo_exp_avg_sq_.as<float>() + off, st.v, k.n * m_.moment_bytes());
+  if (st.m_scale != nullptr) {
+    std::memcpy(undo_m_scale_.as<float>() + st.scale_index, st.m_scale, moment_blocks(k.n) * 4);
+    std::memcpy(undo_v_scale_.as<float>() + st.scale_index, st.v_scale, moment_blocks(k.n) * 4);
+  }
   if (m_.params[k.param].dtype != DType::f32) {
     std::memcpy(undo_weights_.as<unsigned char>() + w, static_cast<unsigned char*>(m_.weights_of(k.param)) + k.begin * 2, k.n * 2);
   }
@@ -204,6 +218,10 @@ void OverlapSchedule::restore_undo(const Piece& k) {
   std::memcpy(st.p, undo_master_.as<float>() + off, k.n * 4);
   std::memcpy(st.m, undo_exp_avg_.as<float>() + off, k.n * m_.moment_bytes());
   std::memcpy(st.v, undo_exp_avg_sq_.as<float>() + off, k.n * m_.moment_bytes());
+  if (st.m_scale != nullptr) {
+    std::memcpy(st.m_scale, undo_m_scale_.as<float>() + st.scale_index, moment_blocks(k.n) * 4);
+    std::memcpy(st.v_scale, undo_v_scale_.as<float>() + st.scale_index, moment_blocks(k.n) * 4);
+  }
   if (m_.params[k.param].dtype != DType::f32) {
     std::memcpy(static_cast<unsigned char*>(m_.weights_of(k.param)) + k.begin * 2, undo_weights_.as<unsigned char>() + w, k.n * 2);
   }

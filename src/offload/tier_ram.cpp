@@ -1,5 +1,6 @@
-// Tier ram: the fp32 master weights and the moments (fp32 or bf16, OffloadOptions::state_dtype) of the
-// flattened parameters in three host arrays.
+// Tier ram: the fp32 master weights and the moments (fp32, bf16 or i8, OffloadOptions::state_dtype) of the
+// flattened parameters in three host arrays; i8 adds two arrays of block scales, each parameter's blocks
+// counted from its first element.
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -27,6 +28,15 @@ class RamTier final : public StateTier {
       // (glibc maps large allocations lazily, so untouched pages cost no memory); the rest is written at start-up.
       // All-zero bytes are +0 in fp32 and bf16 alike.
       if (total > 0 && !(m_.in_place && b == &master_)) std::memset(b->data(), 0, bytes);
+    }
+    if (!q8()) return Status::success();
+    scale_offsets_.assign(m_.params.size() + 1, 0);
+    for (std::size_t i = 0; i < m_.params.size(); ++i) scale_offsets_[i + 1] = scale_offsets_[i] + moment_blocks(m_.params[i].n);
+    for (AlignedBuffer* b : {&m_scale_, &v_scale_}) {
+      Result<AlignedBuffer> r = AlignedBuffer::allocate(scale_offsets_.back() * 4);
+      if (!r.ok()) return r.status();
+      *b = std::move(r).value();
+      if (scale_offsets_.back() > 0) std::memset(b->data(), 0, scale_offsets_.back() * 4);  // zero codes, scales: m = v = 0
     }
     return Status::success();
   }
@@ -62,8 +72,12 @@ class RamTier final : public StateTier {
   }
 
   Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v) override {
-    if (m != nullptr) moments_out(exp_avg_, offset, count, m);
-    if (v != nullptr) moments_out(exp_avg_sq_, offset, count, v);
+    if (q8()) {
+      if (m != nullptr || v != nullptr) q8_blocks(offset, count, m, v, false);
+    } else {
+      if (m != nullptr) moments_out(exp_avg_, offset, count, m);
+      if (v != nullptr) moments_out(exp_avg_sq_, offset, count, v);
+    }
     if (p == nullptr || count == 0) return Status::success();
     // The master, parameter by parameter: in place, an f32 parameter's is on the device.
     const std::vector<std::size_t>& offsets = m_.offsets;
@@ -78,8 +92,12 @@ class RamTier final : public StateTier {
 
   // A single parameter's range (write_state), so the master is its own.
   Status write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v) override {
-    if (m != nullptr) moments_in(m, offset, count, exp_avg_);
-    if (v != nullptr) moments_in(v, offset, count, exp_avg_sq_);
+    if (q8()) {
+      if (m != nullptr || v != nullptr) q8_blocks(offset, count, const_cast<float*>(m), const_cast<float*>(v), true);
+    } else {
+      if (m != nullptr) moments_in(m, offset, count, exp_avg_);
+      if (v != nullptr) moments_in(v, offset, count, exp_avg_sq_);
+    }
     if (p != nullptr && count > 0) {
       const std::vector<std::size_t>& offsets = m_.offsets;
       const std::size_t i = static_cast<std::size_t>(std::upper_bound(offsets.begin(), offsets.end(), offset) - offsets.begin()) - 1;
@@ -99,6 +117,7 @@ class RamTier final : public StateTier {
       loaded[k] = std::move(b).value();
       if (Status s = reader.read(names[k], loaded[k].data(), total * 4); !s.ok()) return s;
     }
+    if (q8()) return load_q8(reader, loaded);
     // Checkpoints hold fp32 moments: bf16 ones are rounded from them here (exact for a bf16 run's own).
     for (int k = 1; k < 3 && m_.options.state_dtype != DType::f32; ++k) {
       Result<AlignedBuffer> b = AlignedBuffer::allocate(total * 2);
@@ -117,7 +136,22 @@ class RamTier final : public StateTier {
 
   PieceState piece(const Piece& k) override {
     const std::size_t off = (m_.offsets[k.param] + k.begin) * m_.moment_bytes();
-    return {m_.master_of(k.param) + k.begin, exp_avg_.as<unsigned char>() + off, exp_avg_sq_.as<unsigned char>() + off};
+    PieceState st{m_.master_of(k.param) + k.begin, exp_avg_.as<unsigned char>() + off, exp_avg_sq_.as<unsigned char>() + off};
+    if (q8()) {
+      st.scale_index = scale_offsets_[k.param] + k.begin / kMomentBlock;
+      st.m_scale = m_scale_.as<float>() + st.scale_index;
+      st.v_scale = v_scale_.as<float>() + st.scale_index;
+    }
+    return st;
+  }
+
+  std::vector<Blob> q8_blobs() const override {
+    if (!q8()) return {};
+    const std::size_t total = m_.offsets.back(), scales = scale_offsets_.back() * 4;
+    return {{"exp_avg_q8", exp_avg_.data(), total},
+            {"exp_avg_sq_q8", exp_avg_sq_.data(), total},
+            {"exp_avg_scale", m_scale_.data(), scales},
+            {"exp_avg_sq_scale", v_scale_.data(), scales}};
   }
 
   const float* flat(int which) const override {
@@ -137,6 +171,8 @@ class RamTier final : public StateTier {
     t.exp_avg = st.m;
     t.exp_avg_sq = st.v;
     t.state_dtype = m_.options.state_dtype;
+    t.exp_avg_scale = st.m_scale;
+    t.exp_avg_sq_scale = st.v_scale;
     t.grad = static_cast<const unsigned char*>(m_.step_grad(k.param, set, &t.grad_dtype)) + k.begin * dtype_size(t.grad_dtype);
     t.out = p.dtype == DType::f32 ? nullptr : static_cast<unsigned char*>(m_.weights_of(k.param)) + k.begin * 2;
     t.out_dtype = p.dtype == DType::f32 ? DType::bf16 : p.dtype;
@@ -162,8 +198,77 @@ class RamTier final : public StateTier {
     for (std::size_t k = 0; k < count; ++k) dst[k] = float_to_bf16(in[k]);
   }
 
+  bool q8() const { return m_.options.state_dtype == DType::i8; }
+
+  // 8-bit moments [offset, offset + count) (flat elements) out to fp32 arrays, or in from them (`in`): block by
+  // block of each parameter, decoded, and for `in` the covered part replaced (a null array keeps its moment)
+  // and encoded again with new scales.
+  void q8_blocks(std::size_t offset, std::size_t count, float* m, float* v, bool in) {
+    const std::vector<std::size_t>& offsets = m_.offsets;
+    std::vector<float> tm(kMomentBlock), tv(kMomentBlock);
+    auto* mq = exp_avg_.as<std::int8_t>();
+    auto* vq = exp_avg_sq_.as<std::uint8_t>();
+    std::size_t i = static_cast<std::size_t>(std::upper_bound(offsets.begin(), offsets.end(), offset) - offsets.begin()) - 1;
+    for (; i < m_.params.size() && offsets[i] < offset + count; ++i) {
+      const std::size_t a = std::max(offset, offsets[i]) - offsets[i];
+      const std::size_t z = std::min(offset + count, offsets[i + 1]) - offsets[i];
+      for (std::size_t j = a / kMomentBlock; j * kMomentBlock < z; ++j) {
+        const std::size_t start = j * kMomentBlock, nb = std::min(kMomentBlock, m_.params[i].n - start);
+        const std::size_t at = offsets[i] + start, scale = scale_offsets_[i] + j;
+        decode_moments(mq + at, vq + at, m_scale_.as<float>() + scale, v_scale_.as<float>() + scale, nb, tm.data(), tv.data());
+        const std::size_t lo = std::max(a, start), hi = std::min(z, start + nb);  // within the parameter
+        for (std::size_t x = lo; x < hi; ++x) {
+          const std::size_t outside = offsets[i] + x - offset;
+          if (in) {
+            if (m != nullptr) tm[x - start] = m[outside];
+            if (v != nullptr) tv[x - start] = v[outside];
+          } else {
+            if (m != nullptr) m[outside] = tm[x - start];
+            if (v != nullptr) v[outside] = tv[x - start];
+          }
+        }
+        if (in) encode_moments(tm.data(), tv.data(), nb, mq + at, vq + at, m_scale_.as<float>() + scale, v_scale_.as<float>() + scale);
+      }
+    }
+  }
+
+  // A checkpoint of an i8 run holds its codes and scales: taken as they are, so that a resumed run continues
+  // bit for bit. Otherwise (fp32 or bf16 moments) the fp32 moments are encoded. New arrays first: a corrupt
+  // checkpoint leaves the state as it was.
+  Status load_q8(const CheckpointReader& reader, AlignedBuffer (&loaded)[3]) {
+    const std::size_t total = m_.offsets.back(), scales = scale_offsets_.back() * 4;
+    AlignedBuffer codes[2], scale[2];
+    for (AlignedBuffer* b : {&codes[0], &codes[1], &scale[0], &scale[1]}) {
+      Result<AlignedBuffer> r = AlignedBuffer::allocate(b == &codes[0] || b == &codes[1] ? total : scales);
+      if (!r.ok()) return r.status();
+      *b = std::move(r).value();
+    }
+    const char* names[4] = {"exp_avg_q8", "exp_avg_sq_q8", "exp_avg_scale", "exp_avg_sq_scale"};
+    AlignedBuffer* dst[4] = {&codes[0], &codes[1], &scale[0], &scale[1]};
+    if (reader.has(names[0])) {
+      for (int k = 0; k < 4; ++k) {
+        if (Status s = reader.read(names[k], dst[k]->data(), k < 2 ? total : scales); !s.ok()) return s;
+      }
+    } else {
+      for (std::size_t i = 0; i < m_.params.size(); ++i) {
+        const std::size_t at = m_.offsets[i], sc = scale_offsets_[i];
+        encode_moments(loaded[1].as<float>() + at, loaded[2].as<float>() + at, m_.params[i].n,
+                       codes[0].as<std::int8_t>() + at, codes[1].as<std::uint8_t>() + at, scale[0].as<float>() + sc,
+                       scale[1].as<float>() + sc);
+      }
+    }
+    master_ = std::move(loaded[0]);
+    exp_avg_ = std::move(codes[0]);
+    exp_avg_sq_ = std::move(codes[1]);
+    m_scale_ = std::move(scale[0]);
+    v_scale_ = std::move(scale[1]);
+    return Status::success();
+  }
+
   Impl& m_;
   AlignedBuffer master_, exp_avg_, exp_avg_sq_;
+  std::vector<std::size_t> scale_offsets_;  // i8: each parameter's first block in m_scale_ / v_scale_
+  AlignedBuffer m_scale_, v_scale_;
 };
 
 }  // namespace

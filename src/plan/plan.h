@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "zoe/adam.h"
 #include "zoe/status.h"
 
 namespace zoe::plan {
@@ -23,9 +24,9 @@ std::string_view state_dtype_name(StateDtype d);
 Result<Offload> parse_offload(std::string_view text, std::string_view option);
 Result<StateDtype> parse_state_dtype(std::string_view text);
 
-// Blockwise 8-bit moments (the low-bit state's format): one fp32 scale per block of this many elements, per
+// Blockwise 8-bit moments (state dtype int8, zoe/adam.h): one fp32 scale per block of this many elements, per
 // moment.
-constexpr std::uint64_t kInt8Block = 2048;
+constexpr std::uint64_t kInt8Block = kMomentBlock;
 
 // The model as the arithmetic needs it.
 struct Model {

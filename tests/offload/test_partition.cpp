@@ -76,6 +76,20 @@ TEST(Partition, Bf16MomentsTrainAsOneProcessBitwise) {
   EXPECT_NE(fp32.device_weights, whole.device_weights);  // the moments' dtype is in effect
 }
 
+// 8-bit moments: each rank's pieces have blocks of their own (counted from the piece's first element), so
+// the run is not one process's bit for bit; every rank holds the same gathered weights, and the moments'
+// dtype is in effect.
+TEST(Partition, Int8MomentsGiveEveryRankTheSameWeights) {
+  OffloadOptions o;
+  o.state_dtype = DType::i8;
+  const std::vector<RankRun> ranks = run_ranks(2, DType::bf16, o, 8, [](int) { return random_grads(1e-2); });
+  EXPECT_EQ(ranks[0].weights, ranks[1].weights);
+  EXPECT_EQ(ranks[0].steps, 8);
+  OffloadOptions fp32;
+  const std::vector<RankRun> reference = run_ranks(2, DType::bf16, fp32, 8, [](int) { return random_grads(1e-2); });
+  EXPECT_NE(ranks[0].weights, reference[0].weights);
+}
+
 // The global norm summed in another order (per rank, then across ranks) in double: a few ulps of a double.
 constexpr double kNormSumOrderRelTol = 1e-9;
 // A clip coefficient that differs in its last float bit moves a master by an ulp or so, which can flip its

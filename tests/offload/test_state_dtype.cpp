@@ -1,6 +1,6 @@
-// bf16 Adam moments (OffloadOptions::state_dtype) through the offloaded optimizer: every schedule steps the
-// same bits, the moments really are bf16, checkpoints hold them as fp32 and convert both ways, and what is
-// not built is refused.
+// bf16 and 8-bit Adam moments (OffloadOptions::state_dtype) through the offloaded optimizer: every schedule
+// steps the same bits, the moments really are bf16 / 8-bit, checkpoints hold them as fp32 (int8: and their
+// codes) and convert both ways, and what is not built is refused.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <set>
 #include <string>
 
 #include "tests/offload/trainer.h"
@@ -107,6 +108,100 @@ TEST(StateDtype, CheckpointsHoldFp32MomentsAndConvertBothWays) {
   std::remove(fp32_path.c_str());
 }
 
+OffloadOptions int8_moments() {
+  OffloadOptions o = bf16_moments();
+  o.state_dtype = DType::i8;
+  o.tile = 1000;  // pieces of 2048 (whole blocks): the parameter of 4096 is stepped and undone in two
+  return o;
+}
+
+TEST(StateDtype, Int8MomentsSyncOverlapAndDelayedAgreeBitwise) {
+  const RunResult sync = train(Schedule::sync, DType::bf16, int8_moments(), 16, random_grads(1e-2));
+  const RunResult overlap = train(Schedule::overlap, DType::bf16, int8_moments(), 16, random_grads(1e-2));
+  expect_bitwise_equal(sync, overlap);
+  EXPECT_GT(overlap.stats.redone, 0);  // undone speculative steps restored codes and scales
+  const RunResult delayed = train(Schedule::delayed, DType::bf16, int8_moments(), 16, random_grads(1e-2), 16);
+  expect_bitwise_equal(sync, delayed);
+  const RunResult bf16 = train(Schedule::sync, DType::bf16, bf16_moments(), 16, random_grads(1e-2));
+  EXPECT_NE(std::memcmp(sync.state.data(), bf16.state.data(), sync.state.size() * 4), 0);
+}
+
+// read_state's moments are decoded 8-bit codes: at most 255 distinct m values and 256 v values per block of
+// 2048, all finite, v >= 0; the masters stay fp32.
+TEST(StateDtype, Int8MomentsHoldAtMost256ValuesPerBlock) {
+  const RunResult q8 = train(Schedule::sync, DType::bf16, int8_moments(), 12, random_grads(1e-2));
+  std::size_t at = 0;
+  bool masters_bf16 = true;
+  for (std::size_t n : {1000, 37, 4096, 1}) {
+    for (std::size_t start = 0; start < n; start += kMomentBlock) {
+      const std::size_t nb = std::min(kMomentBlock, n - start);
+      std::set<float> m(q8.state.begin() + at + n + start, q8.state.begin() + at + n + start + nb);
+      std::set<float> v(q8.state.begin() + at + 2 * n + start, q8.state.begin() + at + 2 * n + start + nb);
+      EXPECT_LE(m.size(), 255u) << "parameter of " << n << ", block at " << start;
+      EXPECT_LE(v.size(), 256u) << "parameter of " << n << ", block at " << start;
+      EXPECT_GE(*v.begin(), 0.0f);
+      if (nb > 300) {
+        EXPECT_GT(m.size(), 100u);  // many codes in use: the moments are not degenerate
+      }
+    }
+    masters_bf16 = masters_bf16 && all_bf16(q8.state, at, n);
+    at += 3 * n;
+  }
+  EXPECT_FALSE(masters_bf16);
+}
+
+TEST(StateDtype, Int8CheckpointsResumeExactlyAndConvertBothWays) {
+  const GradFn grads = random_grads(1e-2);
+  const RunResult whole = train(Schedule::sync, DType::bf16, int8_moments(), 12, grads);
+  const std::string path = temp_file("int8");
+  RunResult at6;
+  {
+    Trainer first(Schedule::sync, DType::bf16, int8_moments());
+    first.run(1, 6, grads);
+    ASSERT_TRUE(first.opt().save(path).ok());
+    at6 = first.result();
+  }
+  Trainer second(Schedule::sync, DType::bf16, int8_moments());
+  const Status loaded = second.opt().load(path);
+  ASSERT_TRUE(loaded.ok()) << loaded.to_string();
+  second.run(7, 12, grads);
+  const RunResult resumed = second.result();  // the codes and scales came back as they were
+  EXPECT_EQ(std::memcmp(whole.state.data(), resumed.state.data(), whole.state.size() * 4), 0);
+  EXPECT_EQ(whole.device_weights, resumed.device_weights);
+
+  // Into fp32 moments: the decoded values, as read_state gave them.
+  Trainer widened(Schedule::sync, DType::bf16, {});
+  ASSERT_TRUE(widened.opt().load(path).ok());
+  const RunResult w = widened.result();
+  EXPECT_EQ(std::memcmp(w.state.data(), at6.state.data(), w.state.size() * 4), 0);
+
+  // An fp32 run's checkpoint into 8-bit moments: each parameter's moments encoded.
+  const std::string fp32_path = temp_file("fp32-to-int8");
+  Trainer f(Schedule::sync, DType::bf16, {});
+  f.run(1, 6, grads);
+  ASSERT_TRUE(f.opt().save(fp32_path).ok());
+  const RunResult fr = f.result();
+  Trainer into(Schedule::sync, DType::bf16, int8_moments());
+  ASSERT_TRUE(into.opt().load(fp32_path).ok());
+  const RunResult ir = into.result();
+  std::size_t at = 0;
+  for (std::size_t n : {1000, 37, 4096, 1}) {
+    std::vector<std::int8_t> mq(n);
+    std::vector<std::uint8_t> vq(n);
+    std::vector<float> ms(moment_blocks(n)), vs(moment_blocks(n)), m(n), v(n);
+    encode_moments(&fr.state[at + n], &fr.state[at + 2 * n], n, mq.data(), vq.data(), ms.data(), vs.data());
+    decode_moments(mq.data(), vq.data(), ms.data(), vs.data(), n, m.data(), v.data());
+    for (std::size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(ir.state[at + i], fr.state[at + i]);  // master as saved
+      ASSERT_EQ(ir.state[at + n + i], m[i]);
+      ASSERT_EQ(ir.state[at + 2 * n + i], v[i]);
+    }
+    at += 3 * n;
+  }
+  std::remove(path.c_str());
+  std::remove(fp32_path.c_str());
+}
+
 TEST(StateDtype, WhatIsNotBuiltIsRefused) {
   auto device = make_host_device();
   DeviceParams model(*device, DType::bf16, {64}, 1);
@@ -122,6 +217,11 @@ TEST(StateDtype, WhatIsNotBuiltIsRefused) {
   ASSERT_FALSE(opt.ok());
   EXPECT_EQ(opt.status().code(), StatusCode::unsupported);
   EXPECT_NE(opt.status().message().find("tier ram only"), std::string::npos) << opt.status().message();
+  o.state_dtype = DType::i8;
+  opt = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs, o);
+  ASSERT_FALSE(opt.ok());
+  EXPECT_NE(opt.status().message().find("state_dtype int8 is built for tier ram only"), std::string::npos)
+      << opt.status().message();
 }
 
 }  // namespace
