@@ -208,10 +208,9 @@ OffloadOptions to_options(const EngineOptions& e) {
   Result<Durability> durability = parse_durability(e.nvme_durability);
   if (!durability.ok()) throw std::invalid_argument(durability.status().message());
   o.nvme.durability = durability.value();
-  if (e.state_dtype != "fp32" && e.state_dtype != "bf16") {
-    throw std::invalid_argument("state_dtype '" + e.state_dtype + "' is unknown: fp32 or bf16");
-  }
-  o.state_dtype = e.state_dtype == "bf16" ? DType::bf16 : DType::f32;
+  Result<DType> state = parse_state_dtype(e.state_dtype);
+  if (!state.ok()) throw std::invalid_argument(state.status().message());
+  o.state_dtype = state.value();
   Result<Schedule> schedule = parse_schedule(e.schedule);
   if (!schedule.ok()) throw std::invalid_argument(schedule.status().message());
   o.schedule = schedule.value();
@@ -442,7 +441,7 @@ nb::dict config_dict(const LoadedConfig& c) {
   opts["block_size"] = o.nvme.block_size;
   opts["queue_depth"] = o.nvme.queue_depth;
   opts["nvme_durability"] = std::string(durability_name(o.nvme.durability));
-  opts["state_dtype"] = std::string(o.state_dtype == DType::bf16 ? "bf16" : "fp32");
+  opts["state_dtype"] = std::string(state_dtype_name(o.state_dtype));
   opts["schedule"] = std::string(schedule_name(o.schedule));
   opts["delayed_warmup_steps"] = o.delayed_warmup_steps;
   opts["gradient_accumulation_steps"] = o.gradient_accumulation_steps;
@@ -763,6 +762,7 @@ NB_MODULE(_zoe, m) {
   static nb::object invalid = nb::steal(PyErr_NewException(
       "zoe._zoe.InvalidArgumentError", nb::make_tuple(base, nb::handle(PyExc_ValueError)).ptr(), nullptr));
   static nb::object corrupt = nb::steal(PyErr_NewException("zoe._zoe.CorruptError", base.ptr(), nullptr));
+  m.attr("MOMENT_BLOCK") = kMomentBlock;  // elements per fp32 scale of int8 moments
   m.attr("ZoeError") = base;
   m.attr("UnsupportedError") = unsupported;
   m.attr("InvalidArgumentError") = invalid;

@@ -122,9 +122,11 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             gradients across ranks with ``False`` are an error, equal ones with ``True`` a warning (averaging
             them again is right but costs an all-reduce per step).
         isa, threads, tile: the CPU kernel's instruction set, worker threads, elements per unit of work.
-        state_dtype: how the Adam moments are kept: ``"fp32"``, or ``"bf16"`` (tier ram; 8 bytes less per
-            parameter, each moment rounded to nearest even after its fp32 update; the master weights stay
-            fp32, and ``read_state``/``state_dict`` give fp32 values).
+        state_dtype: how the Adam moments are kept: ``"fp32"``; ``"bf16"`` (tier ram; 8 bytes less per
+            parameter, each moment rounded to nearest even after its fp32 update); or ``"int8"`` (tier ram;
+            2 bytes per parameter and an fp32 scale per 2048 elements: m linear in its block's largest, v an
+            8-bit float relative to its block's largest). The master weights stay fp32, and
+            ``read_state``/``state_dict`` give fp32 values.
 
     With torch FSDP2 (``fully_shard``; the parameters are DTensors): pass ``model.parameters()`` after
     ``fully_shard``, on every rank. zoe steps each rank's local shards in place (with ``CPUOffloadPolicy``
@@ -163,10 +165,8 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                 or gradient_accumulation_steps < 1):
             raise ValueError(f"gradient_accumulation_steps = {gradient_accumulation_steps!r} is invalid: an int >= 1, "
                              "or None to count the backward passes before each step")
-        if state_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"state_dtype = {state_dtype!r} is not available: 'fp32' or 'bf16' (8-bit moments, "
-                             "'int8', are not built yet)" if state_dtype == "int8" else
-                             f"state_dtype = {state_dtype!r} is unknown: use 'fp32' or 'bf16'")
+        if state_dtype not in ("fp32", "bf16", "int8"):
+            raise ValueError(f"state_dtype = {state_dtype!r} is unknown: use 'fp32', 'bf16' or 'int8'")
         if not isinstance(reduce_grads, bool):
             raise ValueError(f"reduce_grads = {reduce_grads!r} is invalid: True (zoe averages the gradients across "
                              "ranks) or False (they are averaged already, e.g. by DistributedDataParallel)")

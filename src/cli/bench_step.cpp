@@ -130,7 +130,7 @@ int bench_step(std::span<char* const> args) {
       {"tier", &tier_text, nullptr, "where p, m, v live: ram or nvme"},
       {"path", &path_text, nullptr, "tier nvme: swap folder(s), comma-separated"},
       {"durability", &durability_text, nullptr, "tier nvme: step (durable in the background) or checkpoint (at save)"},
-      {"state", &state_text, nullptr, "Adam moments: fp32 or bf16 (tier ram)"},
+      {"state", &state_text, nullptr, "Adam moments: fp32, bf16 or int8 (tier ram)"},
       {"n", &n_text, nullptr, "parameters (K, M, G suffixes are powers of 1024)"},
       {"buckets", &buckets_text, nullptr, "gradient buckets reported during backward"},
       {"compute-ms", &compute_text, nullptr, "device forward+backward time (default: 1.5x the CPU step measured at start)"},
@@ -193,11 +193,9 @@ int bench_step(std::span<char* const> args) {
   o.tier = tier.value();
   o.nvme.paths = split_list(path_text);
   o.nvme.durability = durability.value();
-  if (state_text != "fp32" && state_text != "bf16") {
-    return fail(invalid_argument("--state " + state_text + " is not fp32 or bf16" +
-                                 (state_text == "int8" ? " (8-bit moments are not built yet)" : "")));
-  }
-  o.state_dtype = state_text == "bf16" ? DType::bf16 : DType::f32;
+  Result<DType> state = parse_state_dtype(state_text);
+  if (!state.ok()) return fail(invalid_argument("--state " + state_text + " is not fp32, bf16 or int8"));
+  o.state_dtype = state.value();
   if (o.tier == Tier::nvme && o.nvme.paths.empty()) return fail(invalid_argument("--tier nvme needs --path DIR[,DIR...]"));
   o.delayed_warmup_steps = kCpuProbes;
   Result<OffloadOptimizer> opt = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs(), o);

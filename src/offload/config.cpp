@@ -503,10 +503,9 @@ Status Parser::zoe_section(const Json& section) {
                           "nvme_durability", "state_dtype"});
   OffloadOptions& o = out_->options;
   if (const auto it = section.find("state_dtype"); it != section.end()) {
-    const std::string name = it->is_string() ? it->get<std::string>() : std::string();
-    if (name == "int8") return bad(p + ".state_dtype", *it, "8-bit moments are not built yet: \"fp32\" or \"bf16\"");
-    if (name != "fp32" && name != "bf16") return bad(p + ".state_dtype", *it, "need \"fp32\" or \"bf16\"");
-    o.state_dtype = name == "bf16" ? DType::bf16 : DType::f32;
+    Result<DType> state = parse_state_dtype(it->is_string() ? it->get<std::string>() : std::string());
+    if (!state.ok()) return bad(p + ".state_dtype", *it, "need \"fp32\", \"bf16\" or \"int8\"");
+    o.state_dtype = state.value();
   }
   if (const auto it = section.find("nvme_durability"); it != section.end()) {
     Result<Durability> d = parse_durability(it->is_string() ? it->get<std::string>() : std::string());

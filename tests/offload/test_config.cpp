@@ -370,16 +370,19 @@ TEST(ConfigOffloadParam, BadValuesAndUnknownKeysAreNamed) {
 namespace zoe {
 namespace {
 
-TEST(ConfigStateDtype, ZoeStateDtypeIsReadAndInt8IsNamedAsNotBuilt) {
+TEST(ConfigStateDtype, ZoeStateDtypeIsRead) {
   Result<LoadedConfig> c = parse_config(R"({"zoe": {"state_dtype": "bf16"}})", "<test>");
   ASSERT_TRUE(c.ok()) << c.status().to_string();
   EXPECT_EQ(c->options.state_dtype, DType::bf16);
   c = parse_config(R"({"zoe": {"state_dtype": "int8"}})", "<test>");
-  ASSERT_FALSE(c.ok());
-  EXPECT_NE(c.status().message().find("zoe.state_dtype"), std::string::npos);
-  EXPECT_NE(c.status().message().find("not built yet"), std::string::npos) << c.status().message();
-  c = parse_config(R"({"zoe": {"state_dtype": 16}})", "<test>");
-  ASSERT_FALSE(c.ok());
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->options.state_dtype, DType::i8);
+  for (const char* bad : {R"({"zoe": {"state_dtype": 16}})", R"({"zoe": {"state_dtype": "int4"}})"}) {
+    c = parse_config(bad, "<test>");
+    ASSERT_FALSE(c.ok()) << bad;
+    EXPECT_NE(c.status().message().find("zoe.state_dtype"), std::string::npos) << c.status().message();
+    EXPECT_NE(c.status().message().find("\"int8\""), std::string::npos) << c.status().message();
+  }
 }
 
 }  // namespace

@@ -136,11 +136,11 @@ def test_demo_with_parameters_offloaded_trains_as_resident(tmp_path):
     assert not any((tmp_path / "nvme" / "params").iterdir())  # the scratch parameter file is gone
 
 
-def test_demo_with_bf16_moments_reports_their_resident_bytes(tmp_path):
+def test_demo_with_low_bit_moments_reports_their_resident_bytes(tmp_path):
     small = ["--steps", "3", "--batch", "2", "--seq", "32", "--d-model", "64", "--layers", "1", "--heads", "2",
              "--evals", "1", "--tier", "ram"]
     summaries = {}
-    for state in ("fp32", "bf16"):
+    for state in ("fp32", "bf16", "int8"):
         out = tmp_path / state
         r = subprocess.run([sys.executable, "-m", "zoe.demo", *small, "--state", state, "--out", str(out)],
                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -149,8 +149,11 @@ def test_demo_with_bf16_moments_reports_their_resident_bytes(tmp_path):
     n = summaries["fp32"]["model_params"]
     assert summaries["fp32"]["resident_state_bytes"] == 12 * n  # fp32 master, m and v
     assert summaries["bf16"]["resident_state_bytes"] == 8 * n   # fp32 master, bf16 m and v
-    assert summaries["bf16"]["state_dtype"] == "bf16"
-    assert all(math.isfinite(v) for v in summaries["bf16"]["losses"])
+    # fp32 master, a byte per moment, and an fp32 scale per 2048 elements of each moment of each tensor.
+    assert 6 * n < summaries["int8"]["resident_state_bytes"] < 6.1 * n
+    for state in ("bf16", "int8"):
+        assert summaries[state]["state_dtype"] == state
+        assert all(math.isfinite(v) for v in summaries[state]["losses"])
 
 
 @pytest.mark.parametrize("module, args, message", [

@@ -1,6 +1,6 @@
-"""OffloadOptimizer(state_dtype="bf16"): Adam moments kept in bf16 (tier ram), the master weights in fp32.
-Each step is checked against float64 Adam started from zoe's own stored state; state_dicts carry the moments
-as fp32 and come back exactly; what is not built is refused with a message."""
+"""OffloadOptimizer(state_dtype="bf16" | "int8"): Adam moments kept in bf16 or 8-bit codes (tier ram), the
+master weights in fp32. Each step is checked against float64 Adam started from zoe's own stored state;
+state_dicts come back exactly; what is not built is refused with a message."""
 import pytest
 import torch
 
@@ -39,8 +39,44 @@ def test_each_step_matches_float64_from_its_own_rounded_state():
         assert torch.equal(p.detach(), after["master"])  # fp32 on the CPU: the master is the weight itself
 
 
+def _blocks(t: torch.Tensor) -> torch.Tensor:
+    """Each element's 2048-block's largest |value| (zoe._zoe.MOMENT_BLOCK elements share a scale)."""
+    block = zoe._zoe.MOMENT_BLOCK
+    n = t.numel()
+    padded = torch.zeros(-(-n // block) * block, dtype=t.dtype)
+    padded[:n] = t.abs()
+    return padded.view(-1, block).amax(dim=1).repeat_interleave(block)[:n]
+
+
+def test_int8_each_step_matches_float64_within_the_codes_bounds():
+    # The codes' bounds (simd/kernels.h): m within half a step of its block's largest / 127, v within 2^-4
+    # relative (or under 2^-31 of its block's largest); fp32 against float64 adds 1e-5 relative.
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.rand(5003) * 2 - 1)  # two whole blocks and a short one
+    opt = OffloadOptimizer([p], state_dtype="int8", **HYPER)
+    b1, b2 = HYPER["betas"]
+    for step in range(1, 11):
+        before = opt.read_state(p)
+        g = torch.randn(5003) * 1e-2 * torch.logspace(-3, 0, 5003)  # three decades within each block
+        p.grad.copy_(g)
+        opt.step()
+        after = opt.read_state(p)
+        m = before["exp_avg"].double() * b1 + (1 - b1) * g.double()
+        v = before["exp_avg_sq"].double() * b2 + (1 - b2) * g.double() ** 2
+        w = before["master"].double() * (1 - HYPER["lr"] * HYPER["weight_decay"])
+        w -= HYPER["lr"] / (1 - b1 ** step) * m / (v.sqrt() / (1 - b2 ** step) ** 0.5 + HYPER["eps"])
+        assert torch.allclose(after["master"].double(), w, rtol=1e-5, atol=1e-7), step
+        m_bound = 0.5 / 127 * _blocks(after["exp_avg"]).double() * (1 + 1e-5) + 1e-5 * m.abs()
+        assert bool(((after["exp_avg"].double() - m).abs() <= m_bound).all()), step
+        v_bound = 2 ** -4 * v * (1 + 1e-5) + 2 ** -31 * _blocks(after["exp_avg_sq"]).double()
+        assert bool(((after["exp_avg_sq"].double() - v).abs() <= v_bound).all()), step
+        assert len(torch.unique(after["exp_avg"][:2048])) <= 255  # 8-bit: at most 255 values in a block
+        assert bool((after["exp_avg_sq"][:2048] > 0).all())  # the small v keep a code beside the large
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
 @pytest.mark.parametrize("schedule", ["sync", "overlap"])
-def test_state_dict_round_trip_continues_exactly(schedule):
+def test_state_dict_round_trip_continues_exactly(schedule, state_dtype):
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to(torch.bfloat16)
     twin = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to(torch.bfloat16)
@@ -55,13 +91,13 @@ def test_state_dict_round_trip_continues_exactly(schedule):
             torch.nn.functional.mse_loss(m(x).float(), y.float()).backward()
             opt.step()
 
-    whole = OffloadOptimizer(twin[0].parameters(), state_dtype="bf16", schedule=schedule, **HYPER)
+    whole = OffloadOptimizer(twin[0].parameters(), state_dtype=state_dtype, schedule=schedule, **HYPER)
     run(twin[0], whole, data)
-    first = OffloadOptimizer(twin[1].parameters(), state_dtype="bf16", schedule=schedule, **HYPER)
+    first = OffloadOptimizer(twin[1].parameters(), state_dtype=state_dtype, schedule=schedule, **HYPER)
     run(twin[1], first, data[:4])
     sd = first.state_dict()
     del first
-    resumed = OffloadOptimizer(twin[1].parameters(), state_dtype="bf16", schedule=schedule, **HYPER)
+    resumed = OffloadOptimizer(twin[1].parameters(), state_dtype=state_dtype, schedule=schedule, **HYPER)
     resumed.load_state_dict(sd)
     run(twin[1], resumed, data[4:])
     for a, b in zip(twin[0].parameters(), twin[1].parameters()):
@@ -73,11 +109,10 @@ def test_state_dict_round_trip_continues_exactly(schedule):
 
 def test_what_is_not_built_is_refused(tmp_path):
     p = torch.nn.Parameter(torch.zeros(8))
-    with pytest.raises(ValueError, match="'int8', are not built yet"):
-        OffloadOptimizer([p], state_dtype="int8")
     with pytest.raises(ValueError, match="unknown"):
         OffloadOptimizer([p], state_dtype="fp16")
     q = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
-    with pytest.raises(zoe.UnsupportedError, match="tier ram only"):
-        OffloadOptimizer([q], state_dtype="bf16", tier="nvme", nvme_path=str(tmp_path))
+    for state in ("bf16", "int8"):
+        with pytest.raises(zoe.UnsupportedError, match=f"state_dtype {state} is built for tier ram only"):
+            OffloadOptimizer([q], state_dtype=state, tier="nvme", nvme_path=str(tmp_path))
     assert zoe.parse_config('{"zoe": {"state_dtype": "bf16"}}')["options"]["state_dtype"] == "bf16"

@@ -38,8 +38,9 @@ def parse_args(argv=None):
                    help="keep the 16-bit weights in a parameter tier (pinned RAM, or NVMe under --out), fetched "
                         "per transformer block with prefetch 2 (zoe.torch.offload_parameters)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="the device weights")
-    p.add_argument("--state", choices=["fp32", "bf16"], default="fp32",
-                   help="how zoe keeps the Adam moments (bf16: tier ram, half their bytes)")
+    p.add_argument("--state", choices=["fp32", "bf16", "int8"], default="fp32",
+                   help="how zoe keeps the Adam moments (tier ram; bf16: half their bytes, int8: a quarter and "
+                        "a scale per 2048)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--out", default="zoe-demo", help="folder for loss.png, summary.json and the swap files")
     p.add_argument("--seed", type=int, default=0)
@@ -59,6 +60,16 @@ def parse_args(argv=None):
 HELD_OUT_BATCHES = 4
 
 
+def _resident_state_bytes(model, state: str) -> int:
+    """Host bytes of zoe's state on tier ram: every parameter's fp32 master and its two moments (int8: a byte
+    each and an fp32 scale per block of each moment)."""
+    sizes = [math.prod(full_shape(p)) for p in model.parameters()]
+    if state == "int8":
+        block = zoe._zoe.MOMENT_BLOCK
+        return sum(6 * n + 8 * -(-n // block) for n in sizes)
+    return sum(n * (4 + 2 * (2 if state == "bf16" else 4)) for n in sizes)
+
+
 def held_out_loss(model, batches, device) -> float:
     """Mean loss over the same held-out batches at every evaluation, so the curve shows the model change,
     not the sampling."""
@@ -74,7 +85,7 @@ def make_optimizer(model, args, swap_dir):
     no_decay = [p for n, p in model.named_parameters() if len(full_shape(p)) < 2]
     groups = lambda: [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]  # noqa: E731
     if args.tier == "auto" and args.state != "fp32":
-        return OffloadOptimizer(groups(), tier="ram", **common), "ram", "bf16 moments are built for tier ram: using it"
+        return OffloadOptimizer(groups(), tier="ram", **common), "ram", f"{args.state} moments are built for tier ram: using it"
     if args.tier in ("auto", "nvme"):
         try:
             return OffloadOptimizer(groups(), tier="nvme", nvme_path=swap_dir, **common), "nvme", None
@@ -225,7 +236,7 @@ def main(argv=None) -> int:
         "model_params": n_params, "device": str(device), "offload_param": args.offload_param,
         "state_dtype": args.state,
         # fp32 master + two moments, per parameter, as zoe holds them in RAM (tier ram)
-        "resident_state_bytes": n_params * (4 + 2 * (2 if args.state == "bf16" else 4)) if tier == "ram" else 0,
+        "resident_state_bytes": _resident_state_bytes(model, args.state) if tier == "ram" else 0,
         "param_tier": offload.stats() if offload is not None else None, "weights_dtype": args.dtype, "tier": tier,
         "schedule": args.schedule, "steps": args.steps, "batch": args.batch, "seq": args.seq,
         "tokens_per_s": tokens_per_step * args.steps / wall, "tokens_per_s_per_step": r["tokens_per_s"],
