@@ -1,5 +1,6 @@
 // DeepSpeed-compatible JSON configuration: reads the keys of a DeepSpeed config that mean something to zoe
-// (optimizer, gradient_clipping, fp16/bf16, zero_optimization.offload_optimizer and offload_param, aio) plus
+// (optimizer, scheduler, gradient_clipping, fp16/bf16, zero_optimization.offload_optimizer and offload_param,
+// aio) plus
 // zoe's own "zoe"
 // section, and turns them into OffloadOptions and AdamHyper. Keys zoe has no use for are reported in
 // `notes`, never dropped silently; invalid values are errors naming the key and the file.
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "zoe/adam.h"
+#include "zoe/lr_schedule.h"
 #include "zoe/offload.h"
 #include "zoe/param_tier.h"
 #include "zoe/status.h"
@@ -25,6 +27,10 @@ struct LoadedConfig {
   // buffer_size) are read; the aio section's block_size and queue_depth apply to it too.
   bool offload_param = false;
   ParamTierOptions param_tier;
+  // scheduler: DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR or OneCycle (zoe/lr_schedule.h), for the
+  // trainer to apply before each step (LrSchedule::apply).
+  bool has_scheduler = false;
+  LrSchedule scheduler;
   // One line per key that was ignored or read differently from DeepSpeed, naming the key, the file and why.
   std::vector<std::string> notes;
 };

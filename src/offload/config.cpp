@@ -67,6 +67,8 @@ class Parser {
  private:
   Status optimizer(const Json& section);
   Status optimizer_params(const Json& params, bool adamw_type);
+  Status scheduler(const Json& section);
+  Status scheduler_params(const Json& params, LrSchedule& l);
   Status fp16(const Json& section);
   Status zero(const Json& section);
   Status offload_optimizer(const Json& section);
@@ -191,11 +193,10 @@ Status Parser::get_int(const Json& v, const std::string& path, std::int64_t lo, 
 Status Parser::run(const Json& root) {
   if (!root.is_object()) return invalid_argument(source_ + ": the top level must be a JSON object, not " + show(root));
   constexpr std::string_view kTrainer = "batch sizes are the trainer's; zoe steps once per step() call";
-  check_keys(root, "", {"optimizer", "gradient_clipping", "gradient_accumulation_steps", "fp16", "bf16",
+  check_keys(root, "", {"optimizer", "scheduler", "gradient_clipping", "gradient_accumulation_steps", "fp16", "bf16",
                         "zero_optimization", "aio", "zoe"},
              {{"train_batch_size", kTrainer},
               {"train_micro_batch_size_per_gpu", kTrainer},
-              {"scheduler", "learning-rate schedules are the trainer's: change group_hyper(g).lr between steps"},
               {"steps_per_print", "DeepSpeed engine logging; zoe reports through StepStats"},
               {"wall_clock_breakdown", "DeepSpeed engine logging; zoe reports through StepStats"},
               {"zero_allow_untested_optimizer", "zoe runs only its own CPU Adam/AdamW"},
@@ -207,6 +208,10 @@ Status Parser::run(const Json& root) {
   if (Status st = section(root, "", "optimizer", &s); !st.ok()) return st;
   if (s != nullptr) {
     if (Status st = optimizer(*s); !st.ok()) return st;
+  }
+  if (Status st = section(root, "", "scheduler", &s); !st.ok()) return st;
+  if (s != nullptr) {
+    if (Status st = scheduler(*s); !st.ok()) return st;
   }
   if (Status st = get(root, "", "gradient_clipping", kNonNegative, &out_->options.max_grad_norm); !st.ok()) return st;
   if (Status st = get(root, "", "gradient_accumulation_steps", 1, std::numeric_limits<int>::max(),
@@ -267,6 +272,92 @@ Status Parser::optimizer(const Json& section) {
                                        "Adam defaults to decoupled decay. Set optimizer.params.adam_w_mode or use "
                                        "\"AdamW\" to choose") +
                                (h.weight_decay == 0 ? " (no effect here: weight_decay is 0)" : ""));
+  }
+  return Status::success();
+}
+
+Status Parser::scheduler(const Json& section) {
+  check_keys(section, "scheduler", {"type", "params"});
+  const auto it = section.find("type");
+  const char* types = "need \"WarmupLR\", \"WarmupDecayLR\", \"WarmupCosineLR\" or \"OneCycle\"";
+  if (it == section.end()) return invalid_argument("scheduler.type is missing in " + source_ + ": " + types);
+  LrSchedule& l = out_->scheduler;
+  bool known = false;
+  for (LrSchedule::Type t : {LrSchedule::Type::warmup_lr, LrSchedule::Type::warmup_decay_lr,
+                             LrSchedule::Type::warmup_cosine_lr, LrSchedule::Type::one_cycle}) {
+    if (it->is_string() && it->get<std::string>() == lr_schedule_name(t)) {
+      l.type = t;
+      known = true;
+    }
+  }
+  if (!known) {
+    if (it->is_string() && it->get<std::string>() == "LRRangeTest") {
+      return Status(StatusCode::unsupported, "scheduler.type \"LRRangeTest\" in " + source_ +
+                                                 " is not supported: zoe runs WarmupLR, WarmupDecayLR, WarmupCosineLR and OneCycle");
+    }
+    return bad("scheduler.type", *it, types);
+  }
+  const Json* params = nullptr;
+  if (Status s = this->section(section, "scheduler", "params", &params); !s.ok()) return s;
+  const Json empty = Json::object();
+  if (Status s = scheduler_params(params != nullptr ? *params : empty, l); !s.ok()) return s;
+  out_->has_scheduler = true;
+  return Status::success();
+}
+
+Status Parser::scheduler_params(const Json& params, LrSchedule& l) {
+  const std::string p = "scheduler.params";
+  using T = LrSchedule::Type;
+  auto need = [&](const char* key) -> Status {
+    if (params.contains(key)) return Status::success();
+    return invalid_argument(p + "." + key + " is missing in " + source_ + ": " + std::string(lr_schedule_name(l.type)) +
+                            " needs it");
+  };
+  const Ignored resumed{"last_batch_iteration", "zoe's schedule follows the optimizer's applied steps, which load() restores"};
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  if (l.type == T::one_cycle) {
+    check_keys(params, p, {"cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size", "cycle_second_step_size",
+                           "cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size", "cycle_momentum",
+                           "cycle_min_mom", "cycle_max_mom", "decay_mom_rate"},
+               {resumed});
+    for (const char* key : {"cycle_min_lr", "cycle_max_lr"}) {
+      if (Status s = need(key); !s.ok()) return s;
+    }
+    for (const auto& [key, out] : {std::pair{"cycle_min_lr", &l.cycle_min_lr}, {"cycle_max_lr", &l.cycle_max_lr},
+                                   {"decay_lr_rate", &l.decay_lr_rate}, {"decay_step_size", &l.decay_step_size},
+                                   {"cycle_min_mom", &l.cycle_min_mom}, {"cycle_max_mom", &l.cycle_max_mom},
+                                   {"decay_mom_rate", &l.decay_mom_rate}}) {
+      if (Status s = get(params, p, key, kNonNegative, out); !s.ok()) return s;
+    }
+    for (const auto& [key, out] : {std::pair{"cycle_first_step_size", &l.cycle_first_step_size},
+                                   {"cycle_second_step_size", &l.cycle_second_step_size}}) {
+      if (Status s = get(params, p, key, kPositive, out); !s.ok()) return s;
+    }
+    return get(params, p, "cycle_momentum", &l.cycle_momentum);
+  }
+  if (l.type == T::warmup_cosine_lr) {
+    check_keys(params, p, {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type"}, {resumed});
+    if (Status s = get(params, p, "warmup_min_ratio", kFraction, &l.warmup_min_ratio); !s.ok()) return s;
+    if (Status s = get(params, p, "cos_min_ratio", kFraction, &l.cos_min_ratio); !s.ok()) return s;
+  } else {
+    check_keys(params, p, {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"}, {resumed});
+    if (Status s = get(params, p, "warmup_min_lr", kNonNegative, &l.warmup_min_lr); !s.ok()) return s;
+    if (Status s = get(params, p, "warmup_max_lr", kNonNegative, &l.warmup_max_lr); !s.ok()) return s;
+  }
+  if (Status s = get(params, p, "warmup_num_steps", 0, kMax, &l.warmup_num_steps); !s.ok()) return s;
+  std::string warmup_type = l.warmup_linear ? "linear" : "log";
+  if (Status s = get(params, p, "warmup_type", &warmup_type); !s.ok()) return s;
+  if (warmup_type != "log" && warmup_type != "linear") return bad(p + ".warmup_type", params.at("warmup_type"), "need \"log\" or \"linear\"");
+  l.warmup_linear = warmup_type == "linear";
+  if (l.type == T::warmup_lr) {
+    if (params.contains("total_num_steps")) note(p + ".total_num_steps", "WarmupLR does not decay: ignored");
+    return Status::success();
+  }
+  if (Status s = need("total_num_steps"); !s.ok()) return s;
+  if (Status s = get(params, p, "total_num_steps", 1, kMax, &l.total_num_steps); !s.ok()) return s;
+  if (l.type == T::warmup_cosine_lr && l.total_num_steps <= std::max<std::int64_t>(2, l.warmup_num_steps)) {
+    return invalid_argument(p + ".total_num_steps = " + std::to_string(l.total_num_steps) + " in " + source_ +
+                            " must exceed warmup_num_steps (at least 2): the cosine runs over the steps between them");
   }
   return Status::success();
 }
