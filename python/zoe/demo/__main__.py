@@ -16,7 +16,7 @@ import torch
 
 import zoe
 from zoe.demo import plot
-from zoe.demo.data import ByteBatches
+from zoe.demo.data import ByteBatches, corpus_text
 from zoe.demo.model import GPT, Block, GPTConfig
 from zoe.torch import OffloadOptimizer, full_shape, offload_parameters
 
@@ -45,6 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default="zoe-demo", help="folder for loss.png, summary.json and the swap files")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--evals", type=int, default=10, help="held-out evaluations over the run (the last at the end)")
+    p.add_argument("--write-corpus", metavar="FILE",
+                   help="write the training text as the bytes the batches are drawn from, and exit (the C++ trainer's "
+                        "--data: build/examples/cpp-gpt/zoe-train-gpt)")
     args = p.parse_args(argv)
     # Zero steps, batches or evaluations leave nothing to train, average or plot.
     for name in ("steps", "batch", "seq", "d_model", "layers", "heads", "warmup", "evals"):
@@ -173,6 +176,12 @@ def train(model, opt, sched, data, held, args, device):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.write_corpus:
+        text, source = corpus_text()
+        with open(args.write_corpus, "wb") as f:
+            f.write(text.encode("utf-8"))
+        print(f"{args.write_corpus}: {source}, {len(text.encode('utf-8'))} bytes")
+        return 0
     try:
         mpl_version = plot.require_matplotlib()
     except ImportError as e:

@@ -42,3 +42,4 @@ class ByteBatches:
         idx = start[:, None] + torch.arange(self.seq + 1)
         window = data[idx]
         return window[:, :-1], window[:, 1:]
+
