@@ -14,11 +14,20 @@ def _is_bf16(t: torch.Tensor) -> bool:
     return torch.equal(t.to(torch.bfloat16).float(), t)
 
 
+def _float64_step(before: dict, g: torch.Tensor, step: int):
+    """AdamW in float64 from zoe's stored state: (exp_avg, exp_avg_sq, master) after the step."""
+    b1, b2 = HYPER["betas"]
+    m = before["exp_avg"].double() * b1 + (1 - b1) * g.double()
+    v = before["exp_avg_sq"].double() * b2 + (1 - b2) * g.double() ** 2
+    w = before["master"].double() * (1 - HYPER["lr"] * HYPER["weight_decay"])
+    w -= HYPER["lr"] / (1 - b1 ** step) * m / (v.sqrt() / (1 - b2 ** step) ** 0.5 + HYPER["eps"])
+    return m, v, w
+
+
 def test_each_step_matches_float64_from_its_own_rounded_state():
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.rand(5003) * 2 - 1)
     opt = OffloadOptimizer([p], state_dtype="bf16", **HYPER)
-    b1, b2 = HYPER["betas"]
     for step in range(1, 11):
         before = opt.read_state(p)
         g = torch.randn(5003) * 1e-2
@@ -26,10 +35,7 @@ def test_each_step_matches_float64_from_its_own_rounded_state():
         opt.step()
         after = opt.read_state(p)
         # float64 Adam(W) from the stored state; zoe's fp32 arithmetic differs by rounding only.
-        m = before["exp_avg"].double() * b1 + (1 - b1) * g.double()
-        v = before["exp_avg_sq"].double() * b2 + (1 - b2) * g.double() ** 2
-        w = before["master"].double() * (1 - HYPER["lr"] * HYPER["weight_decay"])
-        w -= HYPER["lr"] / (1 - b1 ** step) * m / (v.sqrt() / (1 - b2 ** step) ** 0.5 + HYPER["eps"])
+        m, v, w = _float64_step(before, g, step)
         assert torch.allclose(after["master"].double(), w, rtol=1e-6, atol=1e-7), step
         # One bf16 ulp (2^-7 relative): float64 and fp32 may round to either neighbour.
         assert torch.allclose(after["exp_avg"].double(), m, rtol=2 ** -7, atol=1e-30), step
@@ -54,17 +60,13 @@ def test_int8_each_step_matches_float64_within_the_codes_bounds():
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.rand(5003) * 2 - 1)  # two whole blocks and a short one
     opt = OffloadOptimizer([p], state_dtype="int8", **HYPER)
-    b1, b2 = HYPER["betas"]
     for step in range(1, 11):
         before = opt.read_state(p)
         g = torch.randn(5003) * 1e-2 * torch.logspace(-3, 0, 5003)  # three decades within each block
         p.grad.copy_(g)
         opt.step()
         after = opt.read_state(p)
-        m = before["exp_avg"].double() * b1 + (1 - b1) * g.double()
-        v = before["exp_avg_sq"].double() * b2 + (1 - b2) * g.double() ** 2
-        w = before["master"].double() * (1 - HYPER["lr"] * HYPER["weight_decay"])
-        w -= HYPER["lr"] / (1 - b1 ** step) * m / (v.sqrt() / (1 - b2 ** step) ** 0.5 + HYPER["eps"])
+        m, v, w = _float64_step(before, g, step)
         assert torch.allclose(after["master"].double(), w, rtol=1e-5, atol=1e-7), step
         m_bound = 0.5 / 127 * _blocks(after["exp_avg"]).double() * (1 + 1e-5) + 1e-5 * m.abs()
         assert bool(((after["exp_avg"].double() - m).abs() <= m_bound).all()), step
