@@ -32,7 +32,7 @@
 namespace {
 
 struct Args {
-  std::string config, data, save, resume, losses_out = "", nvme_path;
+  std::string config, data, save, resume, losses_out, nvme_path;
   std::int64_t steps = 300, batch = 16, seq = 128, d_model = 192, layers = 4, heads = 6, warmup = 30, seed = 0;
   std::int64_t save_at = 0;  // with --save: the step after which to save (0: at the end)
   double lr = 2e-3;
@@ -82,7 +82,7 @@ bool parse_args(int argc, char** argv, Args& a) {
       return end != v.c_str() && *end == '\0';
     };
     bool ok = true;
-    std::int64_t accum = 0;
+    std::int64_t accum = 1;
     if (k == "--config") a.config = v;
     else if (k == "--data") a.data = v;
     else if (k == "--save") a.save = v;
@@ -92,7 +92,7 @@ bool parse_args(int argc, char** argv, Args& a) {
     else if (k == "--schedule") a.schedule = v;
     else if (k == "--tier") a.tier = v;
     else if (k == "--dtype") a.dtype = v;
-    else if (k == "--lr") a.lr = std::atof(v.c_str());
+    else if (k == "--lr") ok = (a.lr = std::atof(v.c_str())) > 0 && std::isfinite(a.lr);
     else if (k == "--steps") ok = num(a.steps);
     else if (k == "--batch") ok = num(a.batch);
     else if (k == "--seq") ok = num(a.seq);
@@ -102,13 +102,13 @@ bool parse_args(int argc, char** argv, Args& a) {
     else if (k == "--warmup") ok = num(a.warmup);
     else if (k == "--seed") ok = num(a.seed);
     else if (k == "--save-at") ok = num(a.save_at);
-    else if (k == "--grad-accum") ok = num(accum) && (a.grad_accum = static_cast<int>(accum)) > 0;
+    else if (k == "--grad-accum") ok = num(accum) && accum >= 1 && accum <= 1024 && (a.grad_accum = static_cast<int>(accum));
     else {
       std::fprintf(stderr, "zoe-train-gpt: unknown option %s (--help)\n", k.c_str());
       return false;
     }
     if (!ok) {
-      std::fprintf(stderr, "zoe-train-gpt: %s %s is not a valid number\n", k.c_str(), v.c_str());
+      std::fprintf(stderr, "zoe-train-gpt: %s %s is not a valid value\n", k.c_str(), v.c_str());
       return false;
     }
   }
