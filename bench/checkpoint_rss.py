@@ -59,6 +59,7 @@ def main() -> None:
     p.add_argument("--params", default="500M")
     p.add_argument("--tier", choices=["ram", "nvme"], default="ram")
     p.add_argument("--out", default=tempfile.gettempdir(), help="where the checkpoint files (and swap) go")
+    p.add_argument("--mmap", action="store_true", help="torch.load(..., mmap=True): the blob stays file-backed")
     args = p.parse_args()
     n, chunk = count(args.params), 64 << 20
     sizes = [min(chunk, n - i) for i in range(0, n, chunk)]
@@ -76,8 +77,8 @@ def main() -> None:
         path = os.path.join(work, "optimizer.pt")
         with Phase("inline: state_dict + torch.save"):
             torch.save(opt.state_dict(), path)
-        with Phase("inline: torch.load + load_state_dict"):
-            opt.load_state_dict(torch.load(path, weights_only=False))
+        with Phase("inline: torch.load" + (" (mmap)" if args.mmap else "") + " + load_state_dict"):
+            opt.load_state_dict(torch.load(path, weights_only=False, mmap=args.mmap))
         os.remove(path)
         folder = os.path.join(work, "checkpoint")
         with Phase("files: save_to (+ its state_dict)"):
