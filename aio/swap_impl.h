@@ -38,7 +38,8 @@ struct TileTask {
 };
 
 // The compute stage: p, m, v point into the tile's buffer (count valid elements each).
-using TileCompute = std::function<Status(const TileTask&, float* p, float* m, float* v, std::size_t count)>;
+// m and v are in the store's state dtype (moment_bytes each).
+using TileCompute = std::function<Status(const TileTask&, float* p, void* m, void* v, std::size_t count)>;
 
 struct SwapStore::Impl {
   struct PathFile {
@@ -56,8 +57,9 @@ struct SwapStore::Impl {
   SwapOptions options;
   std::string name;
   std::size_t n = 0, tile = 0, ntiles = 0, alignment = 4096;
-  std::size_t tile_bytes = 0;  // one array of a tile: tile * 4
-  std::size_t slot_bytes = 0;  // p, m, v of a tile: 3 * tile_bytes
+  std::size_t tile_bytes = 0;  // the master p of a tile: tile * 4
+  std::size_t moment_bytes = 4;  // per element of m and of v (SwapOptions::state_dtype)
+  std::size_t slot_bytes = 0;  // p, m, v of a tile: tile * (4 + 2 * moment_bytes)
   std::vector<PathFile> files;
   std::vector<std::string> paths;
   std::unique_ptr<aio::IoEngine> engine;
@@ -107,6 +109,7 @@ struct SwapStore::Impl {
   Status sync_and_persist(const std::vector<TileEntry>& before, bool wrote);  // durability each_call
   Status ready_for_io();    // files intact and the persisted table current
   Status run_tiles(std::span<const TileTask> tasks, const TileCompute& compute);
+  void checksum(const float* p, const void* m, const void* v, std::size_t count, std::uint32_t out[3]) const;
   std::string describe() const;       // which tiles are at which step
   Status with_state(Status s) const;  // appends describe() to an error
 };

@@ -52,6 +52,17 @@ bool all_finite(const void* grad, DType dtype, std::size_t n) {
 // buffer, so it is issued only once that write completed. A tile's table entry flips only when its write
 // completed; after a failure nothing new is issued, and writes already in flight that complete still flip
 // (their tiles are then validly at the new step).
+// The CRC-32C of a tile's p, m and v (count elements each, in their own sizes).
+void SwapStore::Impl::checksum(const float* p, const void* m, const void* v, std::size_t count, std::uint32_t out[3]) const {
+  if (moment_bytes == 4) {
+    crc32c_x3(p, m, v, count * 4, out);  // three interleaved streams of one length
+    return;
+  }
+  out[0] = crc32c(p, count * 4);
+  out[1] = crc32c(m, count * moment_bytes);
+  out[2] = crc32c(v, count * moment_bytes);
+}
+
 Status SwapStore::Impl::run_tiles(std::span<const TileTask> tasks, const TileCompute& compute) {
   const std::size_t K = buffers.size(), T = tasks.size();
   struct BufferState {
@@ -104,8 +115,8 @@ Status SwapStore::Impl::run_tiles(std::span<const TileTask> tasks, const TileCom
     const TileTask& task = tasks[j];
     const TileEntry& entry = table[task.tile];
     float* p = buffers[j % K].as<float>();
-    float* m = p + tile;
-    float* v = m + tile;
+    unsigned char* m = buffers[j % K].as<unsigned char>() + tile * 4;
+    unsigned char* v = m + tile * moment_bytes;
     const std::size_t count = tile_count(task.tile);
     if (task.read) {
       Status s = wait_timed(b.read);
@@ -116,7 +127,7 @@ Status SwapStore::Impl::run_tiles(std::span<const TileTask> tasks, const TileCom
       }
       const auto t0 = Clock::now();
       std::uint32_t got[3];
-      crc32c_x3(p, m, v, count * 4, got);
+      checksum(p, m, v, count, got);
       stats.crc_s += since(t0);
       for (int k = 0; k < 3; ++k) {
         if (got[k] != entry.crc[k]) {
@@ -147,12 +158,13 @@ Status SwapStore::Impl::run_tiles(std::span<const TileTask> tasks, const TileCom
         }
       }
       if (count < tile) {  // the padding of the last tile is written as zeros, never as stale buffer bytes
-        for (float* a : {p, m, v}) std::memset(a + count, 0, (tile - count) * 4);
+        std::memset(p + count, 0, (tile - count) * 4);
+        for (unsigned char* a : {m, v}) std::memset(a + count * moment_bytes, 0, (tile - count) * moment_bytes);
       }
       const auto t0 = Clock::now();
       b.next.step = task.new_step;
       b.next.slot = 1 - entry.slot;
-      crc32c_x3(p, m, v, count * 4, b.next.crc);
+      checksum(p, m, v, count, b.next.crc);
       stats.crc_s += since(t0);
       Result<aio::IoEngine::Ticket> w = engine->submit(IoOp::write, file_of(task.tile).engine_file,
                                                        file_offset(task.tile, b.next.slot), p, slot_bytes);
@@ -211,9 +223,9 @@ Status SwapStore::initialize(const std::function<Status(std::size_t, std::size_t
   std::vector<TileTask> tasks(im.ntiles);
   for (std::size_t t = 0; t < im.ntiles; ++t) tasks[t] = {t, false, true, step};
   return streaming_call(im, true, [&] {
-    return im.run_tiles(tasks, [&](const TileTask& task, float* p, float* m, float* v, std::size_t count) {
-      std::memset(m, 0, count * 4);
-      std::memset(v, 0, count * 4);
+    return im.run_tiles(tasks, [&](const TileTask& task, float* p, void* m, void* v, std::size_t count) {
+      std::memset(m, 0, count * im.moment_bytes);  // +0 in f32 and bf16 alike
+      std::memset(v, 0, count * im.moment_bytes);
       Status s = fill(im.tile_begin(task.tile), count, p);
       if (!s.ok()) {
         return Status(s.code(), "initialize: the fill callback failed for elements [" + std::to_string(im.tile_begin(task.tile)) +
@@ -324,7 +336,7 @@ Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions&
   tensors.reserve(segments.size() + 1);
   double adam_s = 0;
   Status s = streaming_call(im, true, [&] {
-    return im.run_tiles(tasks, [&](const TileTask& task, float* p, float* m, float* v, std::size_t count) -> Status {
+    return im.run_tiles(tasks, [&](const TileTask& task, float* p, void* m, void* v, std::size_t count) -> Status {
       const auto t0 = Clock::now();
       const std::size_t begin = im.tile_begin(task.tile), end = begin + count;
       const std::size_t index = static_cast<std::size_t>(&task - tasks.data());
@@ -352,8 +364,9 @@ Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions&
         }
         AdamTensor t;
         t.param = p + at;
-        t.exp_avg = m + at;
-        t.exp_avg_sq = v + at;
+        t.exp_avg = static_cast<unsigned char*>(m) + at * im.moment_bytes;
+        t.exp_avg_sq = static_cast<unsigned char*>(v) + at * im.moment_bytes;
+        t.state_dtype = im.options.state_dtype;
         t.grad = static_cast<const char*>(seg.grad) + from * dtype_size(seg.grad_dtype);
         t.grad_dtype = seg.grad_dtype;
         t.out = out;
@@ -381,6 +394,35 @@ Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions&
   return s;
 }
 
+namespace {
+
+// An array of the store (fp32, or bf16 moments) to fp32 and back; bf16 widens exactly and is rounded to
+// nearest even, as the kernels round it.
+void widen(const unsigned char* src, std::size_t size, float* dst, std::size_t n) {
+  if (size == 4) {
+    std::memcpy(dst, src, n * 4);
+    return;
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    std::uint16_t b;
+    std::memcpy(&b, src + 2 * i, 2);
+    dst[i] = bf16_to_float(b);
+  }
+}
+
+void narrow(const float* src, unsigned char* dst, std::size_t size, std::size_t n) {
+  if (size == 4) {
+    std::memcpy(dst, src, n * 4);
+    return;
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::uint16_t b = float_to_bf16(src[i]);
+    std::memcpy(dst + 2 * i, &b, 2);
+  }
+}
+
+}  // namespace
+
 Status SwapStore::read(std::size_t offset, std::size_t count, float* p, float* m, float* v) {
   Impl& im = *impl_;
   if (Status s = check_range(offset, count, im.n, "read"); !s.ok()) return s;
@@ -392,12 +434,14 @@ Status SwapStore::read(std::size_t offset, std::size_t count, float* p, float* m
   }
   float* dst[3] = {p, m, v};
   return streaming_call(im, false, [&] {
-    return im.run_tiles(tasks, [&](const TileTask& task, float* tp, float* tm, float* tv, std::size_t tcount) {
+    return im.run_tiles(tasks, [&](const TileTask& task, float* tp, void* tm, void* tv, std::size_t tcount) {
       const std::size_t begin = im.tile_begin(task.tile);
       const std::size_t lo = std::max(begin, offset), hi = std::min(begin + tcount, offset + count);
-      const float* src[3] = {tp, tm, tv};
+      const void* src[3] = {tp, tm, tv};
       for (int k = 0; k < 3; ++k) {
-        if (dst[k] != nullptr) std::memcpy(dst[k] + (lo - offset), src[k] + (lo - begin), (hi - lo) * 4);
+        if (dst[k] == nullptr) continue;
+        const std::size_t size = k == 0 ? 4 : im.moment_bytes;
+        widen(static_cast<const unsigned char*>(src[k]) + (lo - begin) * size, size, dst[k] + (lo - offset), hi - lo);
       }
       return Status::success();
     });
@@ -418,13 +462,14 @@ Status SwapStore::write(std::size_t offset, std::size_t count, const float* p, c
     tasks.push_back({t, written && !whole, true, written ? im.table[t].step : 0});
   }
   return streaming_call(im, true, [&] {
-    return im.run_tiles(tasks, [&](const TileTask& task, float* tp, float* tm, float* tv, std::size_t tcount) {
+    return im.run_tiles(tasks, [&](const TileTask& task, float* tp, void* tm, void* tv, std::size_t tcount) {
       const std::size_t begin = im.tile_begin(task.tile);
       const std::size_t lo = std::max(begin, offset), hi = std::min(begin + tcount, offset + count);
-      float* dst[3] = {tp, tm, tv};
+      void* dst[3] = {tp, tm, tv};
       for (int k = 0; k < 3; ++k) {
-        if (!task.read && (src[k] == nullptr || hi - lo < tcount)) std::memset(dst[k], 0, tcount * 4);
-        if (src[k] != nullptr) std::memcpy(dst[k] + (lo - begin), src[k] + (lo - offset), (hi - lo) * 4);
+        const std::size_t size = k == 0 ? 4 : im.moment_bytes;
+        if (!task.read && (src[k] == nullptr || hi - lo < tcount)) std::memset(dst[k], 0, tcount * size);
+        if (src[k] != nullptr) narrow(src[k] + (lo - offset), static_cast<unsigned char*>(dst[k]) + (lo - begin) * size, size, hi - lo);
       }
       return Status::success();
     });

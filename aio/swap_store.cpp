@@ -309,8 +309,14 @@ namespace {
 Result<std::unique_ptr<SwapStore::Impl>> make_impl(const SwapOptions& options, const std::string& name, std::size_t n,
                                                    std::size_t tile) {
   if (Status s = validate_shape(options, name, n, tile); !s.ok()) return s;
+  if (options.state_dtype != DType::f32 && options.state_dtype != DType::bf16) {
+    return Status(StatusCode::unsupported, "swap store " + name + ": moments in " +
+                                               std::string(dtype_name(options.state_dtype)) +
+                                               " are not built on the NVMe tier (f32 or bf16)");
+  }
   auto impl = std::make_unique<SwapStore::Impl>();
   impl->options = options;
+  impl->moment_bytes = dtype_size(options.state_dtype);
   impl->name = name;
   impl->n = n;
   impl->tile = tile;
@@ -350,7 +356,7 @@ Status settle_alignment(SwapStore::Impl& impl) {
                             "-byte O_DIRECT block)");
   }
   impl.tile_bytes = impl.tile * 4;
-  impl.slot_bytes = 3 * impl.tile_bytes;
+  impl.slot_bytes = impl.tile * (4 + 2 * impl.moment_bytes);
   for (auto& f : impl.files) f.bytes = 2ull * f.tiles_here * impl.slot_bytes;
   return Status::success();
 }
@@ -385,14 +391,15 @@ nlohmann::json manifest_json(const SwapStore::Impl& impl, std::size_t k) {
           {"name", impl.name},
           {"n", impl.n},
           {"tile", impl.tile},
+          {"state_dtype", std::string(dtype_name(impl.options.state_dtype))},
           {"tiles", impl.ntiles},
           {"paths", paths},
           {"path_index", k},
           {"data_file", data_file_name(impl.name)},
           {"owner", aio::owner_record()},
           {"file_bytes", impl.files[k].bytes},
-          {"layout", "tile t on path t % len(paths); slot s of a tile at s * file_bytes / 2 + (t / len(paths)) * 12 * tile; "
-                     "a slot is [p | m | v], fp32, tile elements each; the valid slot, step and CRC-32C per tile are in "
+          {"layout", "tile t on path t % len(paths); slot s of a tile at s * file_bytes / 2 + (t / len(paths)) * (4 + 2 * moment bytes) * tile; "
+                     "a slot is [p | m | v], tile elements each, p fp32 and m, v in state_dtype; the valid slot, step and CRC-32C per tile are in "
                      "<name>.zoe-swap.table under paths[0]"}};
 }
 
@@ -411,7 +418,7 @@ Result<SwapStore> SwapStore::create(const SwapOptions& options, const std::strin
   // Sizes are known only with the alignment, which needs an open file; a first pass at 4 KiB-alignment
   // sizes checks free space before anything is written.
   impl.tile_bytes = impl.tile * 4;
-  impl.slot_bytes = 3 * impl.tile_bytes;
+  impl.slot_bytes = impl.tile * (4 + 2 * impl.moment_bytes);
   for (auto& f : impl.files) {
     const std::uint64_t need = 2ull * f.tiles_here * impl.slot_bytes;
     Result<aio::FsInfo> fs = aio::fs_info(f.dir);
@@ -494,6 +501,12 @@ Result<SwapStore> SwapStore::open(const SwapOptions& options, const std::string&
     if (const auto stored = manifest_count(m, "n"); stored != n) return differs("n", shown(stored), std::to_string(n));
     if (const auto stored = manifest_count(m, "tile"); stored != tile) {
       return differs("tile", shown(stored), std::to_string(tile));
+    }
+    // Stores written before the field existed hold f32 moments.
+    const std::string stored_state = m.contains("state_dtype") && m.at("state_dtype").is_string()
+                                         ? m.at("state_dtype").get<std::string>() : "f32";
+    if (const std::string asked(dtype_name(options.state_dtype)); stored_state != asked) {
+      return differs("state_dtype", stored_state, asked);
     }
     const std::optional<std::vector<std::string>> stored_paths = manifest_strings(m, "paths");
     std::vector<std::string> asked_paths;

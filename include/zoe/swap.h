@@ -82,6 +82,9 @@ struct SwapOptions {
   SwapDurability durability = SwapDurability::each_call;
   CpuAdam* adam = nullptr;             // the Adam engine to use (not owned); null: the store makes its own
   CpuAdamOptions cpu;                  // for the store's own engine when `adam` is null
+  // How a slot holds the moments m and v: f32, or bf16 (8 bytes of I/O per element instead of 12; the
+  // kernel steps them as AdamTensor::state_dtype bf16). Recorded in the manifest: open() refuses another.
+  DType state_dtype = DType::f32;
   IoFaultHook fault_hook;              // tests only
 
   static SwapOptions from(const NvmeOptions& nvme);

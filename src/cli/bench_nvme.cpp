@@ -22,6 +22,7 @@ struct Config {
   DType grad = DType::bf16;
   bool has_out = true;
   DType out = DType::bf16;
+  DType state = DType::f32;  // the moments in the swap slots
   bool json = false, keep = false, durable = true;
   SwapDurability durability = SwapDurability::each_call;
 };
@@ -82,6 +83,7 @@ Result<Measured> measure(const Config& cfg) {
   o.block_size = cfg.block;
   o.durable = cfg.durable;
   o.durability = cfg.durability;
+  o.state_dtype = cfg.state;
   const std::string name = "zoe-bench-nvme";
   (void)SwapStore::remove(o, name);  // a store left by an interrupted run
   Result<SwapStore> made = SwapStore::create(o, name, cfg.n, cfg.tile);
@@ -143,12 +145,13 @@ Result<Measured> measure(const Config& cfg) {
 
 int bench_nvme(std::span<char* const> args) {
   std::string path_text, n_text = "256M", tile_text = "12M", buffers_text = "4", qd_text = "8", block_text = "1M",
-              reps_text = "3", chunk_text, grad_text = "bf16", out_text = "bf16", durability_text = "call";
+              reps_text = "3", chunk_text, grad_text = "bf16", out_text = "bf16", durability_text = "call", state_text = "fp32";
   bool json = false, keep = false, help = false, no_sync = false;
   const Option options[] = {
       {"path", &path_text, nullptr, "swap folder (a comma list stripes over several); required"},
       {"n", &n_text, nullptr, "parameters (K, M, G suffixes are powers of 1024)"},
-      {"tile", &tile_text, nullptr, "bytes of p, m and v per tile (12 per parameter; rounded down to whole 4 KiB blocks)"},
+      {"tile", &tile_text, nullptr, "bytes of p, m and v per tile (12 per parameter, 8 with --state bf16; rounded down to whole 4 KiB blocks)"},
+      {"state", &state_text, nullptr, "the moments in the swap files: fp32 or bf16"},
       {"buffers", &buffers_text, nullptr, "tiles in RAM at once (DeepSpeed buffer_count)"},
       {"queue-depth", &qd_text, nullptr, "I/O requests in flight (DeepSpeed aio.queue_depth)"},
       {"block-size", &block_text, nullptr, "bytes per I/O request (DeepSpeed aio.block_size)"},
@@ -213,8 +216,18 @@ int bench_nvme(std::span<char* const> args) {
     if (!s.ok()) return fail(s);
   }
   cfg.n = n.value();
-  cfg.tile = tile.value() / 12 / 1024 * 1024;
-  if (cfg.tile == 0) return fail(invalid_argument("--tile " + tile_text + " is below 12 KiB (one 4 KiB block per array)"));
+  Result<DType> state = parse_state_dtype(state_text);
+  if (!state.ok() || state.value() == DType::i8) {
+    return fail(invalid_argument("--state " + state_text + " is not fp32 or bf16" +
+                                 (state.ok() ? " (int8 moments are built for tier ram only)" : "")));
+  }
+  cfg.state = state.value();
+  const std::uint64_t bytes_per_param = 4 + 2 * dtype_size(cfg.state);
+  cfg.tile = tile.value() / bytes_per_param / 1024 * 1024;
+  if (cfg.tile == 0) {
+    return fail(invalid_argument("--tile " + tile_text + " is below " + std::to_string(bytes_per_param) +
+                                 " KiB (1024 parameters: whole 4 KiB blocks)"));
+  }
   cfg.buffers = static_cast<int>(buffers.value());
   cfg.queue_depth = static_cast<int>(qd.value());
   cfg.block = block.value();
@@ -240,13 +253,13 @@ int bench_nvme(std::span<char* const> args) {
   const double moved = static_cast<double>(m->moved);
   const double read_gbps = moved / m->raw_read.median / 1e9, write_gbps = moved / m->raw_write.median / 1e9;
   const double ratio = m->io_bound.median / m->step.median;
-  const std::uint64_t state_bytes = cfg.n * 12;
+  const std::uint64_t state_bytes = cfg.n * (4 + 2 * dtype_size(cfg.state));
   const std::uint64_t rss = peak_rss_bytes();
   std::string paths;
   for (const auto& p : cfg.paths) paths += (paths.empty() ? "" : ",") + p;
   if (cfg.json) {
     JsonLine line;
-    line.add("bench", "nvme").add("n", cfg.n).add("state_bytes", state_bytes).add("raw_read_gbps", read_gbps)
+    line.add("bench", "nvme").add("n", cfg.n).add("state", state_dtype_name(cfg.state)).add("state_bytes", state_bytes).add("raw_read_gbps", read_gbps)
         .add("raw_write_gbps", write_gbps).add("io_bound_s", m->io_bound.median).add("step_s", m->step.median)
         .add("ratio", ratio).add("peak_rss_bytes", rss).add("direct_io", m->direct)
         .add("paths", paths).add("tile", static_cast<std::uint64_t>(cfg.tile)).add("tiles", static_cast<std::uint64_t>(m->tiles))
@@ -260,11 +273,12 @@ int bench_nvme(std::span<char* const> args) {
         .add("step_sync_s", m->last.sync_s).add("durable", cfg.durable).add("durability", durability_text);
     std::printf("%s\n", line.str().c_str());
   } else {
-    std::printf("zoe bench nvme: %llu parameters, %.2f GiB of p, m, v under %s (direct I/O: %s)\n",
-                static_cast<unsigned long long>(cfg.n), static_cast<double>(state_bytes) / (1ull << 30), paths.c_str(),
+    std::printf("zoe bench nvme: %llu parameters, %.2f GiB of p, m, v (%s moments) under %s (direct I/O: %s)\n",
+                static_cast<unsigned long long>(cfg.n), static_cast<double>(state_bytes) / (1ull << 30),
+                std::string(state_dtype_name(cfg.state)).c_str(), paths.c_str(),
                 m->direct ? "yes" : "NO, buffered");
     std::printf("tile %llu params (%.1f MiB), %d buffers, queue depth %d, %zu KiB requests, %d reps (median [min, max])\n",
-                static_cast<unsigned long long>(cfg.tile), static_cast<double>(cfg.tile) * 12 / (1 << 20), cfg.buffers,
+                static_cast<unsigned long long>(cfg.tile), static_cast<double>(cfg.tile * (4 + 2 * dtype_size(cfg.state))) / (1 << 20), cfg.buffers,
                 cfg.queue_depth, cfg.block / 1024, cfg.reps);
     std::printf("  raw read         %8.3f s  [%.3f, %.3f]  %6.2f GB/s\n", m->raw_read.median, m->raw_read.min,
                 m->raw_read.max, read_gbps);

@@ -106,6 +106,7 @@ class NvmeTier final : public StateTier {
 Result<std::unique_ptr<StateTier>> make_nvme_tier(Impl& m, const char* name) {
   SwapOptions so = SwapOptions::from(m.options.nvme);
   so.adam = &m.adam;
+  so.state_dtype = m.options.state_dtype;  // bf16 moments: slots of 8 bytes per element instead of 12
   // Tiles are whole O_DIRECT blocks of fp32 values.
   const std::size_t align_elems = std::max<std::size_t>(so.alignment, 4096) / 4;
   const std::size_t tile = (std::max<std::size_t>(m.options.tile, 1) + align_elems - 1) / align_elems * align_elems;

@@ -132,6 +132,11 @@ TEST(SwapStore, OpenRefusesAMismatchWithTheReason) {
   }
   expect_refused(SwapStore::open(small_options({a, b}), "rank0", kN + 1, kTile), "n = ");
   expect_refused(SwapStore::open(small_options({a, b}), "rank0", kN, 2 * kTile), "tile = ");
+  SwapOptions bf16 = small_options({a, b});
+  bf16.state_dtype = DType::bf16;  // its slots are laid out for 2-byte moments
+  expect_refused(SwapStore::open(bf16, "rank0", kN, kTile), "state_dtype = f32, this run asks for bf16");
+  bf16.state_dtype = DType::i8;
+  expect_refused(SwapStore::open(bf16, "rank0", kN, kTile), "not built on the NVMe tier");
   expect_refused(SwapStore::open(small_options({b, a}), "rank0", kN, kTile), "paths = ");
   expect_refused(SwapStore::open(small_options({a, c}), "rank0", kN, kTile), "paths = ");
   expect_refused(SwapStore::open(small_options({c}), "rank0", kN, kTile), "no swap store named rank0");
