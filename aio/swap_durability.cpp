@@ -6,6 +6,7 @@
 // moves that fdatasync and table update off the call's critical path into a background task; the next call
 // issues its first reads, then settle()s before its first write. on_flush skips it until flush(), accepting
 // that a crash leaves a table whose slots later calls may have overwritten (detected by the tile checksums).
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <future>
@@ -41,6 +42,7 @@ Status SwapStore::Impl::sync_and_persist(const std::vector<TileEntry>& before, b
     if (!s.ok()) {
       // The new slots may not be on the disk: fall back to the old ones, which nothing has touched.
       table = before;
+      std::fill(resident.begin(), resident.end(), 0);  // the buffers hold the rolled-back call's state
       s = Status(s.code(), s.message() + "; this call's tiles were rolled back to their previous step", s.sys_errno());
     }
   }
@@ -56,16 +58,66 @@ Status SwapStore::Impl::after_call(const std::vector<TileEntry>& before, bool wr
     case SwapDurability::next_call:
       if (!wrote) return Status::success();
       unsynced = true;
-      // A snapshot: the next call may flip entries once settle() has returned, never before.
-      persisting_seq = table_seq + 1;
-      persisting = std::async(std::launch::async, [this, entries = table, seq = persisting_seq] {
-        return make_durable(entries, seq);
-      });
+      launch_background(true);
       return Status::success();
     case SwapDurability::on_flush:
       if (wrote) unsynced = true;
+      if (!pending_writes.empty()) launch_background(false);
       return Status::success();
   }
+  return Status::success();
+}
+
+void SwapStore::Impl::launch_background(bool durable) {
+  persisting_durable = durable;
+  persisting_seq = table_seq + 1;
+  // A snapshot of the table: the next call may change entries once settle() has returned, never before.
+  persisting = std::async(std::launch::async, [this, entries = table, seq = persisting_seq, durable]() mutable {
+    // Writes left in flight (a resident store): checksummed, then waited — what is synced must be on disk.
+    for (PendingWrite& w : pending_writes) {
+      auto [p, m, v] = tile_arrays(w.tile);
+      checksum(p, m, v, tile_count(w.tile), w.crc);
+      std::copy(w.crc, w.crc + 3, entries[w.tile].crc);
+    }
+    Status failed;
+    for (PendingWrite& w : pending_writes) {
+      w.result = engine->wait(w.ticket);
+      w.waited = true;
+      if (failed.ok() && !w.result.ok()) failed = w.result;
+    }
+    if (!failed.ok() || !durable) return failed;
+    return make_durable(entries, seq);
+  });
+}
+
+Status SwapStore::Impl::finish_pending_writes() {
+  for (PendingWrite& w : pending_writes) {
+    if (w.waited) continue;
+    auto [p, m, v] = tile_arrays(w.tile);
+    checksum(p, m, v, tile_count(w.tile), w.crc);
+    w.result = engine->wait(w.ticket);
+    w.waited = true;
+  }
+  for (const PendingWrite& w : pending_writes) std::copy(w.crc, w.crc + 3, table[w.tile].crc);
+  for (PendingWrite& w : pending_writes) {
+    if (w.result.ok()) continue;
+    // Nothing has touched the tile's buffer since: write it again to the slot its entry names.
+    const std::size_t t = w.tile;
+    std::fprintf(stderr, "zoe: warning: writing %s after the call returned failed (%s); writing it again from RAM\n",
+                 tile_name(t).c_str(), w.result.message().c_str());
+    Result<aio::IoEngine::Ticket> r =
+        engine->submit(IoOp::write, file_of(t).engine_file, file_offset(t, table[t].slot), buffers[t].data(), slot_bytes);
+    Status again = r.ok() ? engine->wait(r.value()) : r.status();
+    if (!again.ok()) {
+      return Status(again.code(), "writing " + tile_name(t) + " (step " + std::to_string(table[t].step) +
+                                      ", held in RAM) failed after the last call returned, and again now: " + again.message() +
+                                      "; this call changed nothing -- call again once the cause is fixed",
+                    again.sys_errno());
+    }
+    w.result = Status::success();
+    unsynced = true;  // the rewritten tile still has to be made durable
+  }
+  pending_writes.clear();
   return Status::success();
 }
 
@@ -74,15 +126,20 @@ Status SwapStore::Impl::settle() {
     const auto t0 = std::chrono::steady_clock::now();
     const Status s = persisting.get();
     stats.sync_s += since(t0);
+    for (const PendingWrite& w : pending_writes) std::copy(w.crc, w.crc + 3, table[w.tile].crc);
     if (s.ok()) {
-      table_seq = persisting_seq;
-      unsynced = false;
-      table_dirty = false;
+      if (persisting_durable) {
+        table_seq = persisting_seq;
+        unsynced = false;
+        table_dirty = false;
+      }
+      pending_writes.clear();  // the background task waited each, and each succeeded
       return s;
     }
-    std::fprintf(stderr, "zoe: warning: making the last call on %s durable failed (%s); retrying before this call writes\n",
-                 name.c_str(), s.message().c_str());
+    std::fprintf(stderr, "zoe: warning: %s the last call on %s failed (%s); retrying before this call writes\n",
+                 persisting_durable ? "making durable" : "finishing the writes of", name.c_str(), s.message().c_str());
   }
+  if (Status s = finish_pending_writes(); !s.ok()) return s;
   if (!unsynced || options.durability != SwapDurability::next_call) return Status::success();
   // Nothing has been written since the background attempt: the table is still the one it tried to persist.
   const auto t0 = std::chrono::steady_clock::now();
@@ -113,7 +170,7 @@ Status SwapStore::Impl::flush() {
 }
 
 SwapStore::Impl::~Impl() {
-  if (!persisting.valid() && !unsynced) return;
+  if (!persisting.valid() && !unsynced && pending_writes.empty()) return;
   if (Status s = flush(); !s.ok()) {
     std::fprintf(stderr, "zoe: warning: closing swap store %s: its last writes could not be made durable: %s\n",
                  name.c_str(), s.message().c_str());

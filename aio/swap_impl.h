@@ -9,6 +9,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "aio/files.h"
@@ -76,6 +77,21 @@ struct SwapStore::Impl {
   bool unsynced = false;
   std::future<Status> persisting;
   std::uint64_t persisting_seq = 0;
+  bool persisting_durable = false;  // the background task makes the call durable (next_call), or only waits
+  // Tiles kept in RAM (SwapOptions::keep_resident, every tile with a buffer): tile t lives in buffers[t], and
+  // resident[t] says that buffer holds the state table[t] names. Writes a call left in flight are waited
+  // (by the background durability task, or by settle()) before any buffer or slot is touched again.
+  // Their checksums are computed there too, off the call's critical path; settle() copies them into the table.
+  struct PendingWrite {
+    std::size_t tile = 0;
+    aio::IoEngine::Ticket ticket = 0;
+    bool waited = false;  // and checksummed
+    Status result;
+    std::uint32_t crc[3] = {0, 0, 0};
+  };
+  std::vector<char> resident;
+  std::vector<PendingWrite> pending_writes;
+  std::uint64_t behind_write_bytes = 0;  // of the current call's writes left in flight
 
   PathFile& file_of(std::size_t t) { return files[t % files.size()]; }
   std::uint64_t file_offset(std::size_t t, std::uint32_t slot) const {
@@ -100,9 +116,23 @@ struct SwapStore::Impl {
   Status make_durable(const std::vector<TileEntry>& entries, std::uint64_t seq) const;
   // After a call's tiles: what `durability` asks of the call (before = the table when it started).
   Status after_call(const std::vector<TileEntry>& before, bool wrote);
+  // The background task after a call: the pending writes checksummed and waited, then (durable) the call
+  // made durable as table copy persisting_seq.
+  void launch_background(bool durable);
   // Before a call overwrites any slot: the last call's durability settled (next_call), retried now if the
   // background attempt failed. Cheap when nothing is pending.
   Status settle();
+  bool keeps_resident() const { return options.keep_resident && ntiles <= buffers.size(); }
+  // Waits the writes left in flight and rewrites from RAM each that failed; an error leaves them pending.
+  Status finish_pending_writes();
+  Status run_resident_tiles(std::span<const TileTask> tasks, const TileCompute& compute);
+  // Tile t's p, m and v in its buffer (a resident store).
+  std::tuple<float*, unsigned char*, unsigned char*> tile_arrays(std::size_t t) {
+    unsigned char* m = buffers[t].as<unsigned char>() + tile * 4;
+    return {buffers[t].as<float>(), m, m + tile * moment_bytes};
+  }
+  // A tile just read from its slot against its table entry's checksums.
+  Status verify_tile(std::size_t t, const float* p, const void* m, const void* v, std::size_t count);
   Status flush();
   Status load_table();
   Status check_file_sizes();

@@ -63,7 +63,135 @@ void SwapStore::Impl::checksum(const float* p, const void* m, const void* v, std
   out[2] = crc32c(v, count * moment_bytes);
 }
 
+Status SwapStore::Impl::verify_tile(std::size_t t, const float* p, const void* m, const void* v, std::size_t count) {
+  const TileEntry& entry = table[t];
+  const auto t0 = Clock::now();
+  std::uint32_t got[3];
+  checksum(p, m, v, count, got);
+  stats.crc_s += since(t0);
+  for (int k = 0; k < 3; ++k) {
+    if (got[k] != entry.crc[k]) {
+      static const char* kArray[3] = {"p", "m", "v"};
+      return Status(StatusCode::corrupt,
+                    tile_name(t) + ", slot " + std::to_string(entry.slot) + " at offset " +
+                        std::to_string(file_offset(t, entry.slot)) + ", fails its checksum (" + kArray[k] + ": stored " +
+                        hex32(entry.crc[k]) + ", read " + hex32(got[k]) + "): the swap file was altered after step " +
+                        std::to_string(entry.step) + " was written; the store refuses it -- restore from a checkpoint");
+    }
+  }
+  return Status::success();
+}
+
+// Every tile in its own buffer (keeps_resident()): a task reads its tile only when the buffer does not hold
+// it, so no read waits for a write and a step of a resident store moves no bytes in. With durability
+// next_call / on_flush the writes are left in flight: the tile's entry names the new slot at once (the
+// state is in RAM), and settle() waits for them — and rewrites any that failed — before the next call
+// touches a buffer or a slot.
+Status SwapStore::Impl::run_resident_tiles(std::span<const TileTask> tasks, const TileCompute& compute) {
+  if (Status s = settle(); !s.ok()) return s;
+  const bool behind = options.durability != SwapDurability::each_call;
+  const std::size_t T = tasks.size();
+  Status failure;
+  auto note = [&failure](Status s) {
+    if (failure.ok() && !s.ok()) failure = std::move(s);
+  };
+  std::vector<aio::IoEngine::Ticket> reads(T, 0);
+  for (std::size_t j = 0; j < T && failure.ok(); ++j) {
+    const std::size_t t = tasks[j].tile;
+    if (!tasks[j].read || resident[t]) continue;
+    Result<aio::IoEngine::Ticket> r =
+        engine->submit(IoOp::read, file_of(t).engine_file, file_offset(t, table[t].slot), buffers[t].data(), slot_bytes);
+    if (r.ok()) reads[j] = r.value();
+    note(r.status());
+  }
+  // Each tile verified (if read) and computed; resident[t] drops while its buffer is ahead of its entry.
+  std::size_t computed = 0;
+  for (; computed < T && failure.ok(); ++computed) {
+    const TileTask& task = tasks[computed];
+    const std::size_t t = task.tile, count = tile_count(t);
+    auto [p, m, v] = tile_arrays(t);
+    if (reads[computed] != 0) {
+      const auto t0 = Clock::now();
+      Status s = engine->wait(reads[computed]);
+      stats.wait_s += since(t0);
+      reads[computed] = 0;
+      if (!s.ok()) {
+        note(Status(s.code(), "reading " + tile_name(t) + ": " + s.message(), s.sys_errno()));
+        break;
+      }
+      if (Status bad = verify_tile(t, p, m, v, count); !bad.ok()) {
+        note(std::move(bad));
+        break;
+      }
+    } else if (task.read) {
+      ++stats.tiles_resident;
+    }
+    resident[t] = 0;
+    if (Status s = compute(task, p, m, v, count); !s.ok()) {
+      note(std::move(s));
+      break;
+    }
+    if (!task.write) resident[t] = 1;
+    if (task.write && count < tile) {  // the padding of the last tile is written as zeros, never stale bytes
+      std::memset(p + count, 0, (tile - count) * 4);
+      for (unsigned char* a : {m, v}) std::memset(a + count * moment_bytes, 0, (tile - count) * moment_bytes);
+    }
+  }
+  for (aio::IoEngine::Ticket r : reads) {
+    if (r != 0) (void)engine->wait(r);
+  }
+  if (!failure.ok()) return failure;  // tiles computed but not written are read again by a retry
+  // The new entries. Left in flight, their checksums are taken by the background task (launch_background);
+  // waited here, now, one tile per thread at a time.
+  std::vector<TileEntry> next(T);
+  for (std::size_t j = 0; j < T; ++j) next[j] = {tasks[j].new_step, 1 - table[tasks[j].tile].slot, {0, 0, 0}};
+  if (!behind) {
+    const auto t0 = Clock::now();
+    adam->parallel_for(T, [&](std::size_t j) {
+      if (!tasks[j].write) return;
+      auto [p, m, v] = tile_arrays(tasks[j].tile);
+      checksum(p, m, v, tile_count(tasks[j].tile), next[j].crc);
+    });
+    stats.crc_s += since(t0);
+  }
+  std::vector<aio::IoEngine::Ticket> writes(T, 0);  // durability each_call: waited before the call returns
+  for (std::size_t j = 0; j < T && failure.ok(); ++j) {
+    if (!tasks[j].write) continue;
+    const std::size_t t = tasks[j].tile;
+    Result<aio::IoEngine::Ticket> w =
+        engine->submit(IoOp::write, file_of(t).engine_file, file_offset(t, next[j].slot), buffers[t].data(), slot_bytes);
+    if (!w.ok()) {
+      note(w.status());
+      break;
+    }
+    if (behind) {
+      table[t] = next[j];
+      resident[t] = 1;
+      pending_writes.push_back({t, w.value(), false, Status::success()});
+      behind_write_bytes += slot_bytes;
+    } else {
+      writes[j] = w.value();
+    }
+  }
+  for (std::size_t j = 0; j < T; ++j) {
+    if (writes[j] == 0) continue;
+    const std::size_t t = tasks[j].tile;
+    const auto w0 = Clock::now();
+    Status s = engine->wait(writes[j]);
+    stats.wait_s += since(w0);
+    if (!s.ok()) {  // the buffer is ahead of the valid copy, which a retry reads again
+      note(Status(s.code(), "writing " + tile_name(t) + ": " + s.message() + "; its previous copy stays the valid one",
+                  s.sys_errno()));
+      continue;
+    }
+    table[t] = next[j];
+    resident[t] = 1;
+  }
+  return failure;
+}
+
 Status SwapStore::Impl::run_tiles(std::span<const TileTask> tasks, const TileCompute& compute) {
+  if (keeps_resident()) return run_resident_tiles(tasks, compute);
   const std::size_t K = buffers.size(), T = tasks.size();
   struct BufferState {
     aio::IoEngine::Ticket read = 0, write = 0;
@@ -125,23 +253,10 @@ Status SwapStore::Impl::run_tiles(std::span<const TileTask> tasks, const TileCom
         note(Status(s.code(), "reading " + tile_name(task.tile) + ": " + s.message(), s.sys_errno()));
         break;
       }
-      const auto t0 = Clock::now();
-      std::uint32_t got[3];
-      checksum(p, m, v, count, got);
-      stats.crc_s += since(t0);
-      for (int k = 0; k < 3; ++k) {
-        if (got[k] != entry.crc[k]) {
-          static const char* kArray[3] = {"p", "m", "v"};
-          note(Status(StatusCode::corrupt,
-                      tile_name(task.tile) + ", slot " + std::to_string(entry.slot) + " at offset " +
-                          std::to_string(file_offset(task.tile, entry.slot)) + ", fails its checksum (" + kArray[k] +
-                          ": stored " + hex32(entry.crc[k]) + ", read " + hex32(got[k]) +
-                          "): the swap file was altered after step " + std::to_string(entry.step) +
-                          " was written; the store refuses it -- restore from a checkpoint"));
-          break;
-        }
+      if (Status bad = verify_tile(task.tile, p, m, v, count); !bad.ok()) {
+        note(std::move(bad));
+        break;
       }
-      if (!failure.ok()) break;
     }
     if (Status s = compute(task, p, m, v, count); !s.ok()) {
       note(std::move(s));
@@ -198,14 +313,19 @@ Status streaming_call(SwapStore::Impl& im, bool writes, Body&& body) {
   const auto t0 = Clock::now();
   im.stats = {};
   if (Status s = im.ready_for_io(); !s.ok()) return s;
+  // A resident store settles the last call's writes first: they complete into its counters, not this call's.
+  if (im.keeps_resident()) {
+    if (Status s = im.settle(); !s.ok()) return im.with_state(std::move(s));
+  }
   im.engine->reset_counters();
+  im.behind_write_bytes = 0;
   const std::vector<TileEntry> before = im.table;
   Status s = body();
   const aio::EngineCounters c = im.engine->counters();
-  const bool wrote = writes && c.write_bytes > 0;
+  const bool wrote = writes && (c.write_bytes > 0 || im.behind_write_bytes > 0);
   Status persisted = im.after_call(before, wrote);
   im.stats.read_bytes = c.read_bytes;
-  im.stats.write_bytes = c.write_bytes;
+  im.stats.write_bytes = im.behind_write_bytes > 0 ? im.behind_write_bytes : c.write_bytes;
   im.stats.read_s = c.read_busy_s;
   im.stats.write_s = c.write_busy_s;
   im.stats.total_s = since(t0);
@@ -332,22 +452,16 @@ Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions&
   }
   StepOptions adam_options = options;
   adam_options.check_finite = false;  // checked above, over all segments, before anything changed
-  std::vector<AdamTensor> tensors;
-  tensors.reserve(segments.size() + 1);
+  std::vector<std::pair<const AdamHyper*, std::vector<AdamTensor>>> groups;
   double adam_s = 0;
   Status s = streaming_call(im, true, [&] {
     return im.run_tiles(tasks, [&](const TileTask& task, float* p, void* m, void* v, std::size_t count) -> Status {
       const auto t0 = Clock::now();
       const std::size_t begin = im.tile_begin(task.tile), end = begin + count;
       const std::size_t index = static_cast<std::size_t>(&task - tasks.data());
-      tensors.clear();
-      const AdamHyper* hyper = nullptr;
-      auto flush = [&]() -> Status {
-        if (tensors.empty()) return Status::success();
-        Status r = im.adam->step(*hyper, adam_options, tensors);
-        tensors.clear();
-        return r;
-      };
+      // One Adam call per set of hyper-parameters in the tile (param groups often alternate, e.g. weights
+      // with weight decay and norms without): each call is a parallel pass with its own start-up cost.
+      for (auto& g : groups) g.second.clear();
       for (std::size_t si = first_segment[index]; si < segments.size() && segments[si].offset < end; ++si) {
         const SwapSegment& seg = segments[si];
         const std::size_t lo = std::max(begin, seg.offset), hi = std::min(end, seg.offset + seg.n);
@@ -358,10 +472,8 @@ Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions&
           if (out != nullptr) copy_out(p + at, out, seg.out_dtype, hi - lo);
           continue;
         }
-        if (seg.hyper != hyper) {
-          if (Status r = flush(); !r.ok()) return r;
-          hyper = seg.hyper;
-        }
+        auto group = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == seg.hyper; });
+        if (group == groups.end()) group = groups.insert(groups.end(), {seg.hyper, {}});
         AdamTensor t;
         t.param = p + at;
         t.exp_avg = static_cast<unsigned char*>(m) + at * im.moment_bytes;
@@ -372,9 +484,12 @@ Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions&
         t.out = out;
         t.out_dtype = seg.out_dtype;
         t.n = hi - lo;
-        tensors.push_back(t);
+        group->second.push_back(t);
       }
-      Status r = flush();
+      Status r;
+      for (const auto& [hyper, tensors] : groups) {
+        if (!tensors.empty() && r.ok()) r = im.adam->step(*hyper, adam_options, tensors);
+      }
       adam_s += since(t0);
       if (!r.ok()) return Status(r.code(), "Adam on " + im.tile_name(task.tile) + ": " + r.message(), r.sys_errno());
       return r;
@@ -493,6 +608,7 @@ Result<std::pair<double, double>> SwapStore::raw_io_pass() {
   if (Status s = im.ready_for_io(); !s.ok()) return s;
   // Its writes go to the slots the table on disk may still name.
   if (Status s = im.settle(); !s.ok()) return s;
+  std::fill(im.resident.begin(), im.resident.end(), 0);  // the buffers are its scratch
   const std::size_t K = im.buffers.size();
   std::vector<aio::IoEngine::Ticket> tickets(K, 0);
   double seconds[2] = {0, 0};

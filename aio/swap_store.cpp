@@ -92,6 +92,7 @@ SwapOptions SwapOptions::from(const NvmeOptions& nvme) {
   o.queue_depth = nvme.queue_depth;
   o.alignment = nvme.alignment;
   o.durability = nvme.durability == Durability::step ? SwapDurability::next_call : SwapDurability::on_flush;
+  o.keep_resident = nvme.keep_resident;
   return o;
 }
 
@@ -280,6 +281,7 @@ Status SwapStore::Impl::setup_runtime() {
     if (!buf.ok()) return buf.status();
     buffers.push_back(std::move(buf).value());
   }
+  resident.assign(ntiles, 0);
   adam = options.adam;
   if (adam == nullptr) {
     Result<CpuAdam> a = CpuAdam::create(options.cpu);

@@ -80,6 +80,9 @@ struct NvmeOptions {
   int queue_depth = 8;                 // DeepSpeed: aio.queue_depth
   std::size_t alignment = 0;           // O_DIRECT block: 0 = 4096, or more where a filesystem asks for more
   Durability durability = Durability::step;  // zoe config: zoe.nvme_durability
+  // A state that fits in buffer_count tiles stays in those buffers between steps (SwapOptions::keep_resident
+  // in zoe/swap.h): a step reads nothing and its writes finish during the next forward and backward.
+  bool keep_resident = true;           // zoe config: zoe.nvme_keep_resident
 };
 
 // How a partitioned optimizer (create() with a Collectives of world > 1) meets the trainer's buffers.

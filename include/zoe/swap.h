@@ -85,6 +85,12 @@ struct SwapOptions {
   // How a slot holds the moments m and v: f32, or bf16 (8 bytes of I/O per element instead of 12; the
   // kernel steps them as AdamTensor::state_dtype bf16). Recorded in the manifest: open() refuses another.
   DType state_dtype = DType::f32;
+  // When every tile has a buffer (tiles <= buffer_count), the tiles stay in their buffers between calls: a
+  // call reads none it holds, and with durability next_call / on_flush its writes finish after it returns.
+  // The next call waits for them before it touches a buffer and rewrites from RAM any that failed, so a
+  // failed write loses nothing and the swap files still end up exact (reopening works as before). Costs no
+  // RAM beyond the buffers. false: every call streams its tiles from the files.
+  bool keep_resident = true;
   IoFaultHook fault_hook;              // tests only
 
   static SwapOptions from(const NvmeOptions& nvme);
@@ -104,6 +110,7 @@ struct SwapSegment {
 
 // What the last call that streamed tiles (initialize, step, read, write) did. read_s / write_s are wall
 // seconds during which at least one read / write was in flight, so they overlap each other and adam_s.
+// Writes a call leaves in flight (SwapOptions::keep_resident) count in its write_bytes, not in write_s.
 struct SwapStats {
   std::uint64_t read_bytes = 0, write_bytes = 0;
   double read_s = 0, write_s = 0;
@@ -114,6 +121,7 @@ struct SwapStats {
   double total_s = 0;     // the whole call
   std::size_t tiles_stepped = 0;   // tiles this call moved to the new step
   std::size_t tiles_skipped = 0;   // tiles already at the step (a retried call): only their `out` was refilled
+  std::size_t tiles_resident = 0;  // tiles this call found in RAM (SwapOptions::keep_resident): not read
 };
 
 // A contiguous run of tiles sharing a step number, for reporting which state is valid.

@@ -173,6 +173,7 @@ struct EngineOptions {
   std::size_t block_size = 1 << 20;
   int queue_depth = 8;
   std::string nvme_durability = "step";
+  bool nvme_keep_resident = true;
   std::string state_dtype = "fp32";
   std::string schedule = "sync";
   int delayed_warmup_steps = 10;
@@ -208,6 +209,7 @@ OffloadOptions to_options(const EngineOptions& e) {
   Result<Durability> durability = parse_durability(e.nvme_durability);
   if (!durability.ok()) throw std::invalid_argument(durability.status().message());
   o.nvme.durability = durability.value();
+  o.nvme.keep_resident = e.nvme_keep_resident;
   Result<DType> state = parse_state_dtype(e.state_dtype);
   if (!state.ok()) throw std::invalid_argument(state.status().message());
   o.state_dtype = state.value();
@@ -441,6 +443,7 @@ nb::dict config_dict(const LoadedConfig& c) {
   opts["block_size"] = o.nvme.block_size;
   opts["queue_depth"] = o.nvme.queue_depth;
   opts["nvme_durability"] = std::string(durability_name(o.nvme.durability));
+  opts["nvme_keep_resident"] = o.nvme.keep_resident;
   opts["state_dtype"] = std::string(state_dtype_name(o.state_dtype));
   opts["schedule"] = std::string(schedule_name(o.schedule));
   opts["delayed_warmup_steps"] = o.delayed_warmup_steps;
@@ -604,6 +607,7 @@ void bind_engine(nb::module_& m) {
       .def_rw("block_size", &EngineOptions::block_size)
       .def_rw("queue_depth", &EngineOptions::queue_depth)
       .def_rw("nvme_durability", &EngineOptions::nvme_durability)
+      .def_rw("nvme_keep_resident", &EngineOptions::nvme_keep_resident)
       .def_rw("state_dtype", &EngineOptions::state_dtype)
       .def_rw("schedule", &EngineOptions::schedule)
       .def_rw("delayed_warmup_steps", &EngineOptions::delayed_warmup_steps)

@@ -95,6 +95,10 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             hold the last step or the one before, whole. ``"checkpoint"``: no fdatasync per step, the swap
             files are made durable at ``state_dict()``/save only; after a crash they may be refused (never
             used wrong) — resume from the last checkpoint, as a new optimizer does anyway.
+        keep_resident: tier nvme — when the whole state fits in ``buffer_count`` tiles, keep it in those
+            buffers between steps (True, the default): a step reads nothing from the swap files and its writes
+            finish during the next forward/backward (a write that fails is made again from RAM by the next
+            step, or that step fails, changing nothing). False: every step streams its tiles from the files.
         schedule: ``"sync"``, ``"overlap"`` (transfers and CPU Adam during backward) or ``"delayed"``
             (the CPU step runs beside the next forward/backward, one step stale, after
             ``delayed_warmup_steps`` sync steps).
@@ -148,7 +152,8 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                  min_loss_scale: float = 1.0, delayed_warmup_steps: int = 10, process_group=None,
                  isa: str = "auto", threads: int = 0, tile: int = 1 << 20, buffer_count: int = 4,
                  block_size: int = 1 << 20, queue_depth: int = 8, refuse_non_finite: bool = True,
-                 durability: str = "step", gradient_accumulation_steps: int | None = None,
+                 durability: str = "step", keep_resident: bool = True,
+                 gradient_accumulation_steps: int | None = None,
                  reduce_grads: bool = True, state_dtype: str = "fp32"):
         if not 0.0 <= lr:
             raise ValueError(f"lr = {lr} is invalid: need >= 0")
@@ -159,6 +164,8 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         if durability not in ("step", "checkpoint"):
             raise ValueError(f"durability = {durability!r} is unknown: use 'step' (each step durable in the "
                              "background) or 'checkpoint' (durable at save only)")
+        if not isinstance(keep_resident, bool):
+            raise ValueError(f"keep_resident = {keep_resident!r} is invalid: True or False")
         if schedule not in ("sync", "overlap", "delayed"):
             raise ValueError(f"schedule = {schedule!r} is unknown: use 'sync', 'overlap' or 'delayed'")
         if gradient_accumulation_steps is not None and (
@@ -181,7 +188,8 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                              hysteresis=hysteresis, min_loss_scale=min_loss_scale,
                              delayed_warmup_steps=delayed_warmup_steps, isa=isa, threads=threads, tile=tile,
                              buffer_count=buffer_count, block_size=block_size, queue_depth=queue_depth,
-                             refuse_non_finite=refuse_non_finite, durability=durability, state_dtype=state_dtype)
+                             refuse_non_finite=refuse_non_finite, durability=durability, keep_resident=keep_resident,
+                             state_dtype=state_dtype)
         # DTensor parameters (FSDP2) are partitioned already: the engine steps this rank's shards, world 1.
         self._dtensor = _dtensor.ShardedParams.detect(self.param_groups, process_group)
         if self._dtensor is not None:
@@ -333,6 +341,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         opts.block_size = o["block_size"]
         opts.queue_depth = o["queue_depth"]
         opts.nvme_durability = o["durability"]
+        opts.nvme_keep_resident = o["keep_resident"]
         opts.state_dtype = o["state_dtype"]
         opts.schedule = o["schedule"]
         opts.delayed_warmup_steps = o["delayed_warmup_steps"]

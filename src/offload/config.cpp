@@ -591,7 +591,7 @@ Status Parser::aio(const Json& section) {
 Status Parser::zoe_section(const Json& section) {
   const std::string p = "zoe";
   check_keys(section, p, {"schedule", "delayed_warmup_steps", "tile", "threads", "isa", "pin_threads", "cpu_tile",
-                          "nvme_durability", "state_dtype"});
+                          "nvme_durability", "nvme_keep_resident", "state_dtype"});
   OffloadOptions& o = out_->options;
   if (const auto it = section.find("state_dtype"); it != section.end()) {
     Result<DType> state = parse_state_dtype(it->is_string() ? it->get<std::string>() : std::string());
@@ -603,6 +603,7 @@ Status Parser::zoe_section(const Json& section) {
     if (!d.ok()) return bad(p + ".nvme_durability", *it, "need \"step\" or \"checkpoint\"");
     o.nvme.durability = d.value();
   }
+  if (Status s = get(section, p, "nvme_keep_resident", &o.nvme.keep_resident); !s.ok()) return s;
   if (const auto it = section.find("schedule"); it != section.end()) {
     Result<Schedule> schedule = parse_schedule(it->is_string() ? it->get<std::string>() : std::string());
     if (!schedule.ok()) return bad(p + ".schedule", *it, "need \"sync\", \"overlap\" or \"delayed\"");

@@ -153,8 +153,9 @@ struct OffloadOptimizer::Impl {
   std::vector<GradStats> stats[2];  // per piece
   void* weight_staging = nullptr;
 
-  // In place (a device whose memory is host memory, tier ram, not delayed): gradients are read where the
-  // device keeps them, 16-bit weights written there, and an f32 parameter's device weights are its master.
+  // In place (a device whose memory is host memory; tier ram, not delayed, or tier nvme, sync, 16-bit weights
+  // only): gradients are read where the device keeps them, 16-bit weights written there, and (tier ram) an
+  // f32 parameter's device weights are its master.
   bool in_place = false;
   // Gradient statistics cost a pass over the gradients; in place, they are taken only when clipping, loss
   // scaling or the NaN/Inf refusal needs them.

@@ -64,7 +64,12 @@ Status OffloadOptimizer::Impl::allocate() {
   first_piece.back() = pieces.size();
   // Weights in a parameter tier are written there from the staging, never in place.
   const bool tiered = std::any_of(params.begin(), params.end(), [](const ParamSpec& p) { return p.tier != nullptr; });
-  in_place = device.host_memory() && options.tier == Tier::ram && options.schedule != Schedule::delayed && !tiered;
+  // Tier nvme steps in place too when the swap store can write every device weight itself (16-bit ones: an
+  // f32 parameter's device weights are its master, which lives in the store) and the schedule is sync.
+  const bool all_16bit = std::none_of(params.begin(), params.end(), [](const ParamSpec& p) { return p.dtype == DType::f32; });
+  const bool tier_in_place =
+      options.tier == Tier::ram ? options.schedule != Schedule::delayed : options.schedule == Schedule::sync && all_16bit;
+  in_place = device.host_memory() && tier_in_place && !tiered;
   need_norm = !in_place || options.max_grad_norm > 0 || options.loss_scale.enabled;
   need_stats = need_norm || options.refuse_non_finite;
   if (options.tier == Tier::ram) {

@@ -273,6 +273,9 @@ TEST(Config, NvmeDurability) {
   EXPECT_EQ(parse_ok(R"({"zoe": {"nvme_durability": "step"}})").options.nvme.durability, Durability::step);
   expect_error(R"({"zoe": {"nvme_durability": "never"}})", {"zoe.nvme_durability", "never", "\"step\" or \"checkpoint\""});
   expect_error(R"({"zoe": {"nvme_durability": true}})", {"zoe.nvme_durability"});
+  EXPECT_TRUE(parse_ok("{}").options.nvme.keep_resident);
+  EXPECT_FALSE(parse_ok(R"({"zoe": {"nvme_keep_resident": false}})").options.nvme.keep_resident);
+  expect_error(R"({"zoe": {"nvme_keep_resident": "no"}})", {"zoe.nvme_keep_resident"});
   EXPECT_EQ(parse_durability("checkpoint").value(), Durability::checkpoint);
   const Result<Durability> bad = parse_durability("always");
   ASSERT_FALSE(bad.ok());

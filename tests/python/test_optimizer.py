@@ -334,6 +334,34 @@ def test_nvme_durability_changes_no_result(tmp_path, durability):
     assert opt.state_dict()["zoe"]["checkpoint"].numel() > 0
 
 
+@pytest.mark.parametrize("keep_resident", [True, False])
+def test_nvme_keep_resident_changes_no_result(tmp_path, keep_resident):
+    """keep_resident= reaches the engine: a state that fits in the buffers is never read back from the swap
+    files (True) or is streamed from them each step (False); the same bits either way, and the files hold
+    them (a state_dict, which makes them durable, round-trips)."""
+    data = batches(4)
+    ram, nvme = make_mlp(dtype=torch.bfloat16), make_mlp(dtype=torch.bfloat16)
+    train(ram, OffloadOptimizer(ram.parameters(), **HYPER), data)
+    try:
+        opt = OffloadOptimizer(nvme.parameters(), tier="nvme", nvme_path=str(tmp_path), keep_resident=keep_resident,
+                               **HYPER)
+    except zoe.UnsupportedError:
+        pytest.skip("this build has no NVMe tier")
+    train(nvme, opt, data)
+    assert max_diff(ram, nvme) == 0.0
+    stats = opt.stats()
+    assert stats["nvme_write_bytes"] > 0
+    assert (stats["nvme_read_bytes"] == 0) == keep_resident, stats
+    state = opt.state_dict()
+    again = OffloadOptimizer(make_mlp(dtype=torch.bfloat16).parameters(), tier="nvme", nvme_path=str(tmp_path / "b"),
+                             keep_resident=not keep_resident, **HYPER)
+    again.load_state_dict(state)
+    for p, q in zip(opt.param_groups[0]["params"], again.param_groups[0]["params"]):
+        assert torch.equal(opt.read_state(p)["exp_avg_sq"], again.read_state(q)["exp_avg_sq"])
+    with pytest.raises(ValueError, match="keep_resident = 'yes' is invalid"):
+        OffloadOptimizer(nvme.parameters(), tier="nvme", nvme_path=str(tmp_path), keep_resident="yes")
+
+
 def test_error_bad_durability():
     model = make_mlp()
     with pytest.raises(ValueError, match="durability = 'never' is unknown: use 'step'"):
@@ -350,6 +378,10 @@ def test_config_nvme_durability():
     assert zoe.parse_config("{}")["options"]["nvme_durability"] == "step"
     with pytest.raises(zoe.InvalidArgumentError, match="zoe.nvme_durability"):
         zoe.parse_config('{"zoe": {"nvme_durability": "never"}}')
+    assert zoe.parse_config("{}")["options"]["nvme_keep_resident"] is True
+    assert zoe.parse_config('{"zoe": {"nvme_keep_resident": false}}')["options"]["nvme_keep_resident"] is False
+    with pytest.raises(zoe.InvalidArgumentError, match="zoe.nvme_keep_resident"):
+        zoe.parse_config('{"zoe": {"nvme_keep_resident": "no"}}')
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
