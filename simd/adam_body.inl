@@ -176,14 +176,22 @@ inline void decode_block(const std::int8_t* mq, const std::uint8_t* vq, float m_
   V::store(v + i, V::mul(V::load_e5m3(tv), dv));
 }
 
+// Four accumulators: one chain of max would wait on its own latency. A NaN is never taken (the vector max
+// keeps its second operand, the scalar tail compares), so the order of the chains changes nothing.
 inline float block_max(const float* x, std::size_t count, bool absolute) {
-  V::F acc = V::set(0.0f);
+  V::F acc[4] = {V::set(0.0f), V::set(0.0f), V::set(0.0f), V::set(0.0f)};
+  auto at = [&](std::size_t i) { return absolute ? V::abs(V::load(x + i)) : V::load(x + i); };
   std::size_t i = 0;
-  for (; i + V::lanes <= count; i += V::lanes) acc = V::max(absolute ? V::abs(V::load(x + i)) : V::load(x + i), acc);
-  alignas(64) float lanes[V::lanes];
-  V::store(lanes, acc);
+  for (; i + 4 * V::lanes <= count; i += 4 * V::lanes) {
+    for (std::size_t k = 0; k < 4; ++k) acc[k] = V::max(at(i + k * V::lanes), acc[k]);
+  }
+  for (; i + V::lanes <= count; i += V::lanes) acc[0] = V::max(at(i), acc[0]);
+  alignas(64) float lanes[4][V::lanes];
+  for (std::size_t k = 0; k < 4; ++k) V::store(lanes[k], acc[k]);
   float out = 0.0f;
-  for (std::size_t k = 0; k < V::lanes; ++k) out = lanes[k] > out ? lanes[k] : out;
+  for (const float* chain : lanes) {
+    for (std::size_t k = 0; k < V::lanes; ++k) out = chain[k] > out ? chain[k] : out;
+  }
   for (; i < count; ++i) {
     const float e = absolute ? __builtin_fabsf(x[i]) : x[i];
     out = e > out ? e : out;
