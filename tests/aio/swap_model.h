@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "zoe/adam.h"
@@ -143,5 +144,23 @@ class SwapModel {
   std::vector<std::vector<unsigned char>> grads_;
   std::vector<std::vector<std::uint16_t>> out_store_, out_ref_;
 };
+
+// One store step of the model's segments with step t's gradients (the reference is stepped separately).
+inline Status step(SwapStore& store, SwapModel& model, std::int64_t t) {
+  model.make_grads(t);
+  auto segs = model.segments();
+  StepOptions o;
+  o.step = t;
+  return store.step(segs, o);
+}
+
+inline std::string mode_name(SwapDurability d) {
+  switch (d) {
+    case SwapDurability::each_call: return "each_call";
+    case SwapDurability::next_call: return "next_call";
+    case SwapDurability::on_flush: return "on_flush";
+  }
+  return "?";
+}
 
 }  // namespace zoe::testing

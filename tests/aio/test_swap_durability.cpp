@@ -18,6 +18,8 @@ namespace zoe {
 namespace {
 
 using testing::FaultPlan;
+using testing::mode_name;
+using testing::step;
 using testing::SwapModel;
 using testing::TempDir;
 
@@ -35,23 +37,6 @@ SwapOptions options_for(const std::string& dir, SwapDurability durability, IoFau
   o.durability = durability;
   o.fault_hook = std::move(hook);
   return o;
-}
-
-std::string mode_name(SwapDurability d) {
-  switch (d) {
-    case SwapDurability::each_call: return "each_call";
-    case SwapDurability::next_call: return "next_call";
-    case SwapDurability::on_flush: return "on_flush";
-  }
-  return "?";
-}
-
-Status step(SwapStore& store, SwapModel& model, std::int64_t t) {
-  model.make_grads(t);
-  auto segs = model.segments();
-  StepOptions o;
-  o.step = t;
-  return store.step(segs, o);
 }
 
 // What a crash would leave: the store's files as they are on disk now, put back over the originals later.

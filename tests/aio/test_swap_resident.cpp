@@ -21,6 +21,8 @@ namespace zoe {
 namespace {
 
 using testing::FaultPlan;
+using testing::mode_name;
+using testing::step;
 using testing::SwapModel;
 using testing::TempDir;
 
@@ -42,25 +44,8 @@ SwapOptions options_for(const std::string& dir, SwapDurability durability, bool 
   return o;
 }
 
-Status step(SwapStore& store, SwapModel& model, std::int64_t t) {
-  model.make_grads(t);
-  auto segs = model.segments();
-  StepOptions o;
-  o.step = t;
-  return store.step(segs, o);
-}
-
 void expect_all_at(const SwapStore& store, std::int64_t at) {
   for (std::size_t t = 0; t < store.tiles(); ++t) EXPECT_EQ(store.tile_step(t), at) << "tile " << t;
-}
-
-std::string mode_name(SwapDurability d) {
-  switch (d) {
-    case SwapDurability::each_call: return "each_call";
-    case SwapDurability::next_call: return "next_call";
-    case SwapDurability::on_flush: return "on_flush";
-  }
-  return "?";
 }
 
 class Resident : public ::testing::TestWithParam<SwapDurability> {};
@@ -134,21 +119,28 @@ TEST(ResidentEachCall, RetryAfterAFailedWriteEqualsAnUninterruptedRun) {
 
 class ResidentBehind : public ::testing::TestWithParam<SwapDurability> {};
 
+// A resident store stepped to step 2 with its writes settled, so that a fault armed next hits step 3's.
+Result<SwapStore> resident_at_step_2(const std::string& dir, SwapDurability mode, FaultPlan& faults, SwapModel& model) {
+  Result<SwapStore> store = SwapStore::create(options_for(dir, mode, true, faults.hook()), "rank0", kN, kTile);
+  if (!store.ok()) return store;
+  Status s = store->initialize(testing::fill_initial);
+  for (std::int64_t t = 1; t <= 2 && s.ok(); ++t) {
+    s = step(*store, model, t);
+    model.reference_step(t);
+  }
+  if (s.ok()) s = store->flush();
+  if (!s.ok()) return s;
+  return store;
+}
+
 // The write fails once, after step 3 returned: the next call writes the tile again from RAM and goes on.
 TEST_P(ResidentBehind, AWriteThatFailsAfterTheCallReturnedIsRewrittenFromRam) {
   TempDir dir;
   FaultPlan faults;
   SwapModel model(kN, testing::default_specs(kN));
   {
-    Result<SwapStore> store =
-        SwapStore::create(options_for(dir.path(), GetParam(), true, faults.hook()), "rank0", kN, kTile);
+    Result<SwapStore> store = resident_at_step_2(dir.path(), GetParam(), faults, model);
     ASSERT_TRUE(store.ok()) << store.status().to_string();
-    ASSERT_TRUE(store->initialize(testing::fill_initial).ok());
-    for (std::int64_t t = 1; t <= 2; ++t) {
-      ASSERT_TRUE(step(*store, model, t).ok());
-      model.reference_step(t);
-    }
-    ASSERT_TRUE(store->flush().ok());  // step 2's writes done: the fault below hits step 3's
     faults.arm(IoOp::write, 7, EIO);
     ASSERT_TRUE(step(*store, model, 3).ok()) << "its writes finish after it returns";
     model.reference_step(3);
@@ -173,15 +165,8 @@ TEST_P(ResidentBehind, AWriteThatKeepsFailingStopsTheNextCallWithNothingChanged)
   FaultPlan faults;
   SwapModel model(kN, testing::default_specs(kN));
   {
-    Result<SwapStore> store =
-        SwapStore::create(options_for(dir.path(), GetParam(), true, faults.hook()), "rank0", kN, kTile);
+    Result<SwapStore> store = resident_at_step_2(dir.path(), GetParam(), faults, model);
     ASSERT_TRUE(store.ok()) << store.status().to_string();
-    ASSERT_TRUE(store->initialize(testing::fill_initial).ok());
-    for (std::int64_t t = 1; t <= 2; ++t) {
-      ASSERT_TRUE(step(*store, model, t).ok());
-      model.reference_step(t);
-    }
-    ASSERT_TRUE(store->flush().ok());
     faults.arm(IoOp::write, 7, EIO, -1, /*persist=*/true);
     ASSERT_TRUE(step(*store, model, 3).ok());
     model.reference_step(3);
