@@ -4,9 +4,10 @@ and the PyTorch adapter's Python overhead on the demo model.
 
 Reported, not asserted (BENCHMARKING.md): medians of --reps timed steps after a warm-up, with min and max.
 Every contender steps the same fp32 parameters with fp32 gradients; bytes counted per parameter are the 28 B
-of fp32 Adam (read p, g, m, v; write p, m, v). zoe's OffloadOptimizer step also copies the gradients to its
-staging and the weights back to the parameters (the D2H and H2D of the host stand-in), so the bare kernel
-(zoe.CpuAdam on the same arrays) is listed too."""
+of fp32 Adam (read p, g, m, v; write p, m, v). zoe's OffloadOptimizer steps the CPU parameters in place, and by
+default first refuses a NaN/Inf gradient (refuse_non_finite=True), which reads every gradient once more before
+anything is written; it is listed with the refusal off too, beside the bare kernel (zoe.CpuAdam on the same
+arrays), and the refusal's cost is put beside the rate at which the Adam pass itself reads memory."""
 from __future__ import annotations
 
 import argparse
@@ -53,12 +54,14 @@ def bench_step(n: int, tensors: int, reps: int) -> list[dict]:
     except (RuntimeError, TypeError, ValueError) as e:
         print(f"note: this torch has no fused AdamW on CPU ({e})", file=sys.stderr)
     contenders.append(("zoe OffloadOptimizer (sync, ram)", lambda ps: OffloadOptimizer(ps, **hyper)))
+    contenders.append(("zoe, refuse_non_finite=False",
+                       lambda ps: OffloadOptimizer(ps, refuse_non_finite=False, **hyper)))
     for name, make in contenders:
         ps = _params(n, tensors)
         opt = make(ps)
         rows.append({"name": name, **_time(opt.step, reps)})
         del opt, ps
-    # The bare kernel on the same amount of data: what the engine's step costs without its copies.
+    # The bare kernel on the same amount of data: what the step costs without the engine around it.
     ps = _params(n, tensors)
     adam = zoe.CpuAdam()
     m = [torch.zeros_like(p) for p in ps]
@@ -80,6 +83,14 @@ def bench_step(n: int, tensors: int, reps: int) -> list[dict]:
         r["speedup_vs_foreach"] = base / r["median_s"]
         if fused:
             r["speedup_vs_fused"] = fused / r["median_s"]
+    # The refusal must see every gradient before the first write: one more read of 4 B per parameter, which
+    # is set beside the rate at which the Adam pass reads (16 of its 28 B per parameter).
+    on = next(r["median_s"] for r in rows if r["name"].startswith("zoe OffloadOptimizer"))
+    off = next(r["median_s"] for r in rows if "refuse_non_finite=False" in r["name"])
+    kernel_s = rows[-1]["median_s"]
+    refusal = {"refusal_s": on - off, "refusal_read_gbps": 4 * n / (on - off) / 1e9 if on > off else None,
+               "adam_read_gbps": 16 * n / kernel_s / 1e9}
+    rows.append({"name": "refusal of NaN/Inf (the difference)", "n": n, **refusal})
     return rows
 
 
@@ -183,6 +194,11 @@ def main(argv=None) -> int:
     print(f"Adam step on {int(a.n) / 1e6:.0f}M fp32 CPU parameters in {a.tensors} tensors, {torch.get_num_threads()} "
           f"torch threads; median of {a.reps} (min-max); GB/s at 28 B/param")
     for r in rows:
+        if "refusal_s" in r:
+            rate = f"{r['refusal_read_gbps']:.1f} GB/s" if r["refusal_read_gbps"] else "(within noise)"
+            print(f"  refusal of NaN/Inf: {1e3 * r['refusal_s']:+.1f} ms, one read of the gradients at {rate}; "
+                  f"the Adam kernel reads at {r['adam_read_gbps']:.1f} GB/s")
+            continue
         extra = f"  x{r['speedup_vs_fused']:.2f} vs fused" if "speedup_vs_fused" in r else ""
         print(f"  {r['name']:<36} {1e3 * r['median_s']:8.1f} ms ({1e3 * r['min_s']:.1f}-{1e3 * r['max_s']:.1f})"
               f"  {r['gbps']:6.1f} GB/s  x{r['speedup_vs_foreach']:.2f} vs foreach{extra}")
