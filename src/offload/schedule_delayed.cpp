@@ -4,8 +4,11 @@
 // once a parameter's gradient is final, the device reads its weights no more in that iteration, so its H2D
 // may overwrite them while backward goes on. The trainer usually runs ahead of the device, so whichever
 // comes second — the gradient's report or the end of the background step — sends the weights; step() sends
-// what is left.
+// what is left. A send that a parameter tier refuses (a failed write) does not interrupt the backward: it is
+// made again by the next step(), from the staging that still holds those weights, before anything else — so
+// before any forward reads them; if it fails again, that step() fails having started nothing.
 #include <algorithm>
+#include <cstdio>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -72,6 +75,8 @@ class DelayedSchedule final : public StepSchedule {
   // Every parameter not yet reported is reported now; after retake(), every gradient comes down again.
   Status report_all();
   Status send_weights(std::size_t i);                      // with h2d_mutex_ held
+  Status send(std::size_t i);                              // with h2d_mutex_ held: a tier's refusal is kept
+  Status send_again();                                     // with h2d_mutex_ held: the failed sends
   Status finish_background_step(const Status& status);  // the background step, as its last act
   // Joins the background step and sends what is left of its weights; returns the event the host waits
   // for before the weight staging is written again.
@@ -93,6 +98,8 @@ class DelayedSchedule final : public StepSchedule {
   std::vector<char> h2d_sent_;
   std::vector<EventId> grad_done_;
   std::vector<std::size_t> report_order_;
+  std::vector<std::size_t> unsent_;  // sends that failed, with the first failure: made again by flush()
+  Status unsent_cause_;
   std::unique_ptr<WorkQueue> background_ = std::make_unique<WorkQueue>();
 };
 
@@ -101,7 +108,33 @@ Status DelayedSchedule::send_weights(std::size_t i) {
   const EventId after = std::exchange(grad_done_[i], 0);
   if (Status s = m_.device.wait(Stream::h2d, after); !s.ok()) return s;
   h2d_sent_[i] = 1;
-  return pending_h2d_ ? m_.enqueue_h2d(i) : Status::success();
+  return pending_h2d_ ? send(i) : Status::success();
+}
+
+Status DelayedSchedule::send(std::size_t i) {
+  Status s = m_.enqueue_h2d(i);
+  if (s.ok() || m_.params[i].tier == nullptr) return s;
+  std::fprintf(stderr, "zoe: warning: writing the weights of parameter '%s' to the parameter tier failed (%s); the next "
+               "step() writes them again\n", m_.params[i].name.c_str(), s.message().c_str());
+  if (unsent_.empty()) unsent_cause_ = s;
+  unsent_.push_back(i);
+  return Status::success();
+}
+
+Status DelayedSchedule::send_again() {
+  while (!unsent_.empty()) {
+    const std::size_t i = unsent_.back();
+    if (Status s = m_.enqueue_h2d(i); !s.ok()) {
+      return Status(s.code(), "the weights of parameter '" + m_.params[i].name + "' after step " +
+                                  std::to_string(m_.step_count.load()) + " could not be written to the parameter tier (" +
+                                  unsent_cause_.message() + "; again now: " + s.message() +
+                                  "); that step was applied and the tier keeps their previous copy: call step() again "
+                                  "once the fault is cleared — it writes them first and steps nothing twice",
+                    s.sys_errno());
+    }
+    unsent_.pop_back();
+  }
+  return Status::success();
 }
 
 Status DelayedSchedule::finish_background_step(const Status& status) {
@@ -117,6 +150,8 @@ Status DelayedSchedule::finish_background_step(const Status& status) {
 Result<EventId> DelayedSchedule::flush() {
   background_->drain();
   std::lock_guard lock(h2d_mutex_);
+  // Before anything else: nothing has rewritten the staging since those weights were stepped.
+  if (Status s = send_again(); !s.ok()) return s;
   Status status = std::exchange(worker_status_, Status::success());
   // Every parameter not reported this iteration: after all the compute enqueued so far.
   Result<EventId> computed = m_.device.record(Stream::compute);
@@ -128,13 +163,14 @@ Result<EventId> DelayedSchedule::flush() {
       if (Status s = m_.device.wait(Stream::h2d, std::exchange(grad_done_[i], 0)); !s.ok()) return s;
     }
     if (pending_h2d_ && status.ok()) {
-      if (Status s = m_.enqueue_h2d(i); !s.ok()) return s;
+      if (Status s = send(i); !s.ok()) return s;
     }
   }
   pending_h2d_ = false;
   update_done_ = false;
   std::fill(h2d_sent_.begin(), h2d_sent_.end(), 0);
   report_order_.clear();
+  if (Status s = send_again(); !s.ok()) return s;
   // The background step failed or was refused: nothing of it reached the state or the device.
   if (!status.ok()) return Status(status.code(), "the previous step (delayed schedule): " + status.message(), status.sys_errno());
   m_.visible_scale = m_.scaler.scale();

@@ -288,6 +288,43 @@ TEST(ParamTraining, NvmeFaultsDuringFetchAndCopyOutAreRetriedExactly) {
   EXPECT_EQ(write_faults, 2);
   expect_same_training(tiered.model, *tiered.opt, resident.model, *resident.opt);
 }
+
+// The delayed schedule writes each parameter's new weights while the next backward runs (or as its background
+// step ends). A write the tier refuses is made again by the next step(), before any forward reads the block;
+// if it fails again, that step() fails with nothing new stepped and is simply called again. Either way the
+// training equals the resident run's.
+TEST(ParamTraining, NvmeWriteFaultsUnderTheDelayedScheduleAreRetriedExactly) {
+  testing::TempDir dir("zoe-param");
+  testing::FaultPlan plan;
+  ParamTierOptions o = eighth_of_the_model();
+  o.home = ParamHome::nvme;
+  o.nvme_paths = {dir.path()};
+  o.fault_hook = plan.hook();
+  TrainingRun resident, tiered;
+  ASSERT_TRUE(resident.start(nullptr, Schedule::delayed).ok());
+  ASSERT_TRUE(tiered.start(&o, Schedule::delayed).ok());
+  ASSERT_TRUE(resident.train(kSteps, Schedule::delayed).ok());
+  int failed_steps = 0, fired = 0;
+  for (int t = 0; t < kSteps; ++t) {
+    if (t == 12) plan.arm(IoOp::write, 2, EIO);                       // once: the next step()'s retry succeeds
+    if (t == 15) plan.arm(IoOp::write, 0, ENOSPC, -1, /*persist=*/true);  // until cleared
+    ASSERT_TRUE(tiered.model.iteration(*tiered.opt, t, true).ok()) << "a refused write does not stop the backward";
+    Status s = tiered.opt->step();
+    if (t == 15 || t == 16) fired += plan.fired;
+    if (!s.ok()) {
+      EXPECT_NE(s.message().find("could not be written to the parameter tier"), std::string::npos) << s.to_string();
+      EXPECT_NE(s.message().find("call step() again"), std::string::npos) << s.to_string();
+      ++failed_steps;
+      plan.clear();
+      s = tiered.opt->step();
+      ASSERT_TRUE(s.ok()) << s.to_string();
+    }
+  }
+  ASSERT_TRUE(tiered.opt->wait().ok());
+  EXPECT_GT(fired, 0);
+  EXPECT_GE(failed_steps, 1);
+  expect_same_training(tiered.model, *tiered.opt, resident.model, *resident.opt);
+}
 #endif
 
 }  // namespace
