@@ -94,6 +94,34 @@ TEST_F(NvmeTier, EveryScheduleEqualsRamSyncBitwise) {
   test::expect_bitwise_equal(ram_delayed, nvme_delayed);
 }
 
+// A state that fits in the store's buffers stays resident (NvmeOptions::keep_resident): no reads after the
+// first, writes finished after step() returns; the same bits as tier ram, on the host stand-in (staged) and
+// on the CPU device (sync steps tier nvme in place there), with loss scaling and clipping.
+TEST_F(NvmeTier, ResidentStateGivesTheBitsOfRamAndReadsNothing) {
+  OffloadOptions o;
+  o.loss_scale.enabled = true;
+  o.loss_scale.initial_scale = 1024;
+  o.loss_scale.hysteresis = 1;
+  o.max_grad_norm = 0.1f;
+  const test::GradFn grads = test::random_grads(1e-2, {5});
+  for (bool cpu_device : {false, true}) {
+    for (Schedule schedule : {Schedule::sync, Schedule::overlap, Schedule::delayed}) {
+      SCOPED_TRACE(std::string(schedule_name(schedule)) + (cpu_device ? " on the CPU device" : " staged"));
+      const int warmup = schedule == Schedule::delayed ? 3 : 0;
+      test::Trainer ram(schedule, DType::f16, o, warmup, {1000, 37, 4096, 1}, nullptr, 0, cpu_device);
+      ram.run(1, 12, grads);
+      OffloadOptions on_disk = nvme(o);
+      on_disk.nvme.buffer_count = 8;  // the 6 tiles of 1024 elements (Trainer's tile 700, aligned) all fit
+      test::Trainer trainer(schedule, DType::f16, on_disk, warmup, {1000, 37, 4096, 1}, nullptr, 0, cpu_device);
+      trainer.run(1, 12, grads);
+      const test::RunResult a = ram.result(), b = trainer.result();
+      test::expect_bitwise_equal(a, b);
+      EXPECT_EQ(b.stats.nvme_read_bytes, 0u) << "a resident state is never read back";
+      EXPECT_GT(b.stats.nvme_write_bytes, 0u);
+    }
+  }
+}
+
 // Durability changes when the swap files are synced, never the result: checkpoint gives the bits of step
 // (and of tier ram), and save() leaves the swap store durable (its manifest and table reopen at that step).
 TEST_F(NvmeTier, BothDurabilitiesGiveTheSameBitsAndSaveMakesTheStoreDurable) {
