@@ -125,7 +125,7 @@ struct OffloadOptions {
   // How the Adam moments m and v are stored (zoe config: zoe.state_dtype): f32; bf16 — 4 bytes less per
   // parameter for each, rounded to nearest even after every fp32 update; or i8 — one byte each and an fp32
   // scale per 2048 elements (AdamTensor::state_dtype has the codes). The master weights stay fp32. bf16
-  // and i8 are built for tier ram. read_state() and checkpoints give fp32 values (an i8 checkpoint also
+  // is built for both tiers, i8 for tier ram only. read_state() and checkpoints give fp32 values (an i8 checkpoint also
   // holds the codes, so the run resumes exactly), and a checkpoint of any dtype loads into any (fp32
   // moments are rounded or encoded).
   DType state_dtype = DType::f32;
