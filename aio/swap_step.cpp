@@ -141,8 +141,8 @@ Status SwapStore::Impl::run_resident_tiles(std::span<const TileTask> tasks, cons
     if (r != 0) (void)engine->wait(r);
   }
   if (!failure.ok()) return failure;  // tiles computed but not written are read again by a retry
-  // The new entries. Left in flight, their checksums are taken by the background task (launch_background);
-  // waited here, now, one tile per thread at a time.
+  // The new entries. Writes left in flight get their checksums in the background task (launch_background);
+  // writes this call waits for get them now, one tile per thread at a time.
   std::vector<TileEntry> next(T);
   for (std::size_t j = 0; j < T; ++j) next[j] = {tasks[j].new_step, 1 - table[tasks[j].tile].slot, {0, 0, 0}};
   if (!behind) {
