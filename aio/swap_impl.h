@@ -91,7 +91,6 @@ struct SwapStore::Impl {
   };
   std::vector<char> resident;
   std::vector<PendingWrite> pending_writes;
-  std::uint64_t behind_write_bytes = 0;  // of the current call's writes left in flight
 
   PathFile& file_of(std::size_t t) { return files[t % files.size()]; }
   std::uint64_t file_offset(std::size_t t, std::uint32_t slot) const {

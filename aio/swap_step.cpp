@@ -88,7 +88,7 @@ Status SwapStore::Impl::verify_tile(std::size_t t, const float* p, const void* m
 // state is in RAM), and settle() waits for them — and rewrites any that failed — before the next call
 // touches a buffer or a slot.
 Status SwapStore::Impl::run_resident_tiles(std::span<const TileTask> tasks, const TileCompute& compute) {
-  if (Status s = settle(); !s.ok()) return s;
+  // streaming_call() has settled the last call: no write is in flight from any buffer.
   const bool behind = options.durability != SwapDurability::each_call;
   const std::size_t T = tasks.size();
   Status failure;
@@ -168,7 +168,6 @@ Status SwapStore::Impl::run_resident_tiles(std::span<const TileTask> tasks, cons
       table[t] = next[j];
       resident[t] = 1;
       pending_writes.push_back({t, w.value(), false, Status::success()});
-      behind_write_bytes += slot_bytes;
     } else {
       writes[j] = w.value();
     }
@@ -318,14 +317,15 @@ Status streaming_call(SwapStore::Impl& im, bool writes, Body&& body) {
     if (Status s = im.settle(); !s.ok()) return im.with_state(std::move(s));
   }
   im.engine->reset_counters();
-  im.behind_write_bytes = 0;
   const std::vector<TileEntry> before = im.table;
   Status s = body();
   const aio::EngineCounters c = im.engine->counters();
-  const bool wrote = writes && (c.write_bytes > 0 || im.behind_write_bytes > 0);
+  // Settled above, so what is pending now is this call's: writes it left in flight, not yet counted.
+  const std::uint64_t behind = im.pending_writes.size() * im.slot_bytes;
+  const bool wrote = writes && (c.write_bytes > 0 || behind > 0);
   Status persisted = im.after_call(before, wrote);
   im.stats.read_bytes = c.read_bytes;
-  im.stats.write_bytes = im.behind_write_bytes > 0 ? im.behind_write_bytes : c.write_bytes;
+  im.stats.write_bytes = behind > 0 ? behind : c.write_bytes;
   im.stats.read_s = c.read_busy_s;
   im.stats.write_s = c.write_busy_s;
   im.stats.total_s = since(t0);
