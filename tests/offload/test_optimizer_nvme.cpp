@@ -72,13 +72,19 @@ TEST_F(NvmeTier, AccumulationEqualsRam) {
   }
 }
 
-TEST_F(NvmeTier, EveryScheduleEqualsRamSyncBitwise) {
+// fp16 loss scaling that backs off at the first overflow, and clipping that bites: every branch of a step.
+OffloadOptions fp16_scaled_and_clipped() {
   OffloadOptions o;
   o.loss_scale.enabled = true;
   o.loss_scale.initial_scale = 1024;
   o.loss_scale.hysteresis = 1;
   o.max_grad_norm = 0.1f;
-  const test::GradFn grads = test::random_grads(1e-2, {5});
+  return o;
+}
+
+TEST_F(NvmeTier, EveryScheduleEqualsRamSyncBitwise) {
+  const OffloadOptions o = fp16_scaled_and_clipped();
+  const test::GradFn grads = test::random_grads(1e-2, {5});  // an overflow at step 5
   const test::RunResult ram = test::train(Schedule::sync, DType::f16, o, 12, grads);
   EXPECT_EQ(ram.stats.skipped, 1);
   for (Schedule schedule : {Schedule::sync, Schedule::overlap}) {
@@ -98,12 +104,8 @@ TEST_F(NvmeTier, EveryScheduleEqualsRamSyncBitwise) {
 // first, writes finished after step() returns; the same bits as tier ram, on the host stand-in (staged) and
 // on the CPU device (sync steps tier nvme in place there), with loss scaling and clipping.
 TEST_F(NvmeTier, ResidentStateGivesTheBitsOfRamAndReadsNothing) {
-  OffloadOptions o;
-  o.loss_scale.enabled = true;
-  o.loss_scale.initial_scale = 1024;
-  o.loss_scale.hysteresis = 1;
-  o.max_grad_norm = 0.1f;
-  const test::GradFn grads = test::random_grads(1e-2, {5});
+  const OffloadOptions o = fp16_scaled_and_clipped();
+  const test::GradFn grads = test::random_grads(1e-2, {5});  // an overflow at step 5
   for (bool cpu_device : {false, true}) {
     for (Schedule schedule : {Schedule::sync, Schedule::overlap, Schedule::delayed}) {
       SCOPED_TRACE(std::string(schedule_name(schedule)) + (cpu_device ? " on the CPU device" : " staged"));

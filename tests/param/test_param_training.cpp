@@ -219,6 +219,16 @@ ParamTierOptions eighth_of_the_model() {
   return o;
 }
 
+#ifdef ZOE_HAVE_AIO
+ParamTierOptions eighth_on_nvme(const std::string& dir, IoFaultHook hook = nullptr) {
+  ParamTierOptions o = eighth_of_the_model();
+  o.home = ParamHome::nvme;
+  o.nvme_paths = {dir};
+  o.fault_hook = std::move(hook);
+  return o;
+}
+#endif
+
 TEST(ParamTraining, RamTierSyncEqualsResident) { train_and_compare(eighth_of_the_model(), Schedule::sync); }
 TEST(ParamTraining, RamTierOverlapEqualsResident) { train_and_compare(eighth_of_the_model(), Schedule::overlap); }
 TEST(ParamTraining, RamTierDelayedEqualsResident) { train_and_compare(eighth_of_the_model(), Schedule::delayed); }
@@ -238,20 +248,14 @@ TEST(ParamTraining, MismatchedEntriesAreRefused) {
 TEST(ParamTraining, NvmeTierEveryScheduleEqualsResident) {
   testing::TempDir dir("zoe-param");
   for (Schedule schedule : {Schedule::sync, Schedule::overlap, Schedule::delayed}) {
-    ParamTierOptions o = eighth_of_the_model();
-    o.home = ParamHome::nvme;
-    o.nvme_paths = {dir.path()};
-    train_and_compare(o, schedule);
+    train_and_compare(eighth_on_nvme(dir.path()), schedule);
   }
 }
 
 TEST(ParamTraining, NvmeFaultsDuringFetchAndCopyOutAreRetriedExactly) {
   testing::TempDir dir("zoe-param");
   testing::FaultPlan plan;
-  ParamTierOptions o = eighth_of_the_model();
-  o.home = ParamHome::nvme;
-  o.nvme_paths = {dir.path()};
-  o.fault_hook = plan.hook();
+  const ParamTierOptions o = eighth_on_nvme(dir.path(), plan.hook());
   TrainingRun resident, tiered;
   ASSERT_TRUE(resident.start(nullptr, Schedule::sync).ok());
   ASSERT_TRUE(tiered.start(&o, Schedule::sync).ok());
@@ -296,10 +300,7 @@ TEST(ParamTraining, NvmeFaultsDuringFetchAndCopyOutAreRetriedExactly) {
 TEST(ParamTraining, NvmeWriteFaultsUnderTheDelayedScheduleAreRetriedExactly) {
   testing::TempDir dir("zoe-param");
   testing::FaultPlan plan;
-  ParamTierOptions o = eighth_of_the_model();
-  o.home = ParamHome::nvme;
-  o.nvme_paths = {dir.path()};
-  o.fault_hook = plan.hook();
+  const ParamTierOptions o = eighth_on_nvme(dir.path(), plan.hook());
   TrainingRun resident, tiered;
   ASSERT_TRUE(resident.start(nullptr, Schedule::delayed).ok());
   ASSERT_TRUE(tiered.start(&o, Schedule::delayed).ok());
