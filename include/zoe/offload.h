@@ -149,6 +149,11 @@ struct ParamSpec {
   // then). They are read from it at create() and each step writes the updated weights into it, not to the
   // device — delayed as it sends them to the device, once the parameter's gradient of the next iteration is
   // final, so a forward always reads whole blocks of one step. Not partitioned.
+  // On a device with its own memory, its gradient leaves the device when grad_ready() reports it, in every
+  // schedule (sync included: report it as its block's backward ends), and the compute stream waits for that
+  // copy: the trainer may hand device_grads' memory to the next block at once (device_grads may then alias
+  // another tiered parameter's). With micro-batches the reports are summed in fp32 on the host and nothing
+  // is written back to device_grads. Unreported, it is taken at step() from device_grads, as any other.
   ParamTier* tier = nullptr;
   std::size_t tier_block = 0, tier_entry = 0;
   int group = 0;
@@ -210,7 +215,8 @@ class OffloadOptimizer {
   // The trainer changed gradients after they were final (it clipped or unscaled them, or edited them in
   // place, between backward and step()): step() takes every gradient again, and the overlap schedule undoes
   // what it stepped speculatively with the old values, so the step is the one sync gives with the changed
-  // gradients. Costs the overlap of this step, never its result.
+  // gradients. Costs the overlap of this step, never its result. Refused, changing nothing, once a tiered
+  // parameter's gradient has left the device (ParamSpec::tier).
   Status grads_changed();
   // The global L2 norm of this iteration's gradients, unscaled (over every rank when partitioned; NaN if any
   // is NaN/Inf), as step() will compute it: the gradients are taken now (copied down, their statistics

@@ -3,6 +3,7 @@
 // where the fp32 state lives (tier_ram.cpp, tier_nvme.cpp) and the schedule that meets the device's
 // forward/backward (schedule_sync.cpp, schedule_overlap.cpp, schedule_delayed.cpp), over what they share
 // (optimizer_step.cpp). Partitioning is partition.cpp; save/load optimizer_io.cpp.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -209,6 +210,8 @@ Status OffloadOptimizer::step() {
     if (s.ok()) s = m.schedule->step();
     // The sums were read (delayed: the background step reads the other set's); the next step starts anew.
     m.reset_accumulation(m.schedule->current_set());
+    // A failed step may be called again: it reads the gradients taken at their report from the staging.
+    if (s.ok()) std::fill(m.grad_down.begin(), m.grad_down.end(), 0);
   }
   ++m.step_calls;
   m.stats_.step_call_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -222,6 +225,14 @@ Status OffloadOptimizer::wait() {
 }
 
 Status OffloadOptimizer::grads_changed() {
+  const std::vector<char>& down = impl_->grad_down;
+  if (auto it = std::find(down.begin(), down.end(), 1); it != down.end()) {
+    const std::size_t i = static_cast<std::size_t>(it - down.begin());
+    return invalid_argument("grads_changed: the gradient of offloaded parameter '" + impl_->params[i].name + "' (" +
+                            std::to_string(i) + ") left the device when it was reported, and the device's buffer "
+                            "may hold another block's since; change gradients before reporting them (clipping: "
+                            "max_grad_norm or set_max_grad_norm). Nothing changed");
+  }
   impl_->grads_reduced = false;
   impl_->drop_accumulation(impl_->schedule->current_set());
   impl_->schedule->retake();

@@ -204,6 +204,16 @@ struct OffloadOptimizer::Impl {
     *dtype = params[i].dtype;
     return grad_of(i, set);
   }
+  // Parameter offload on a device with its own memory (DESIGN.md "Parameters off the device"): a tiered
+  // parameter's gradient comes down when it is reported, in every schedule, and the compute stream waits for
+  // that copy, so the trainer may give the gradient's device memory to the next block at once. grad_down[i]:
+  // this iteration's gradient of parameter i is on the host; step() does not read the device's buffer again.
+  std::vector<char> grad_down;
+  bool grad_leaves_when_reported(std::size_t i) const { return params[i].tier != nullptr && !device.host_memory(); }
+  // After parameter i's gradient was enqueued down (enqueue_d2h): the compute stream waits for the copy.
+  Status grad_left_device(std::size_t i);
+  // Schedules that otherwise take gradients at step() (sync, the delayed warm-up): parameter i's into `set` now.
+  Status take_reported_grad(std::size_t i, int set);
   void* weights_of(std::size_t i) {
     if (in_place) return params[i].device_weights;
     return static_cast<unsigned char*>(weight_staging) + weight_offsets[i];

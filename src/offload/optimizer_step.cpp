@@ -62,6 +62,7 @@ Status OffloadOptimizer::Impl::allocate() {
     for (std::size_t b = 0; b < params[i].n; b += piece) pieces.push_back({i, b, std::min(piece, params[i].n - b)});
   }
   first_piece.back() = pieces.size();
+  grad_down.assign(params.size(), 0);
   // Weights in a parameter tier are written there from the staging, never in place.
   const bool tiered = std::any_of(params.begin(), params.end(), [](const ParamSpec& p) { return p.tier != nullptr; });
   // Tier nvme steps in place too when the swap store can write every device weight itself (16-bit ones: an
@@ -148,6 +149,21 @@ Status OffloadOptimizer::Impl::enqueue_d2h(std::size_t i, int set, const PieceDo
   }
   if (!in_place && !summed) stats_.d2h_bytes += staging_bytes(p);
   return Status::success();
+}
+
+Status OffloadOptimizer::Impl::grad_left_device(std::size_t i) {
+  // The statistics (grad_stats) read the device's buffer on the same stream, before this event.
+  Result<EventId> copied = device.record(Stream::d2h);
+  if (!copied.ok()) return copied.status();
+  if (Status s = device.wait(Stream::compute, copied.value()); !s.ok()) return s;
+  grad_down[i] = 1;
+  return Status::success();
+}
+
+Status OffloadOptimizer::Impl::take_reported_grad(std::size_t i, int set) {
+  if (!grad_leaves_when_reported(i)) return Status::success();
+  if (Status s = enqueue_d2h(i, set); !s.ok()) return s;
+  return grad_left_device(i);
 }
 
 // The gradients are host memory already: their statistics (the NaN/Inf refusal's count, the norm) run on

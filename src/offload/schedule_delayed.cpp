@@ -26,10 +26,13 @@ class DelayedSchedule final : public StepSchedule {
   ~DelayedSchedule() override { background_.reset(); }  // joins the step before the members it uses go
 
   Status grad_ready(std::size_t i) override {
-    if (warming_up()) return Status::success();  // the sync warm-up takes every gradient at step()
+    if (warming_up()) return m_.take_reported_grad(i, 0);  // the sync warm-up takes the others at step()
     if (reported_[i]) return invalid_argument("parameter " + std::to_string(i) + " was reported ready twice in one iteration");
     reported_[i] = 1;
     if (Status s = m_.enqueue_d2h(i, grad_set_); !s.ok()) return s;
+    if (m_.grad_leaves_when_reported(i)) {
+      if (Status s = m_.grad_left_device(i); !s.ok()) return s;
+    }
     // Marks the work that produced gradient i: the last to read weights i in this iteration.
     Result<EventId> produced = m_.device.record(Stream::compute);
     if (!produced.ok()) return produced.status();

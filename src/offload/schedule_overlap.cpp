@@ -56,8 +56,11 @@ class OverlapSchedule final : public StepSchedule {
   Status grad_ready(std::size_t i) override {
     if (reported_[i]) return invalid_argument("parameter " + std::to_string(i) + " was reported ready twice in one iteration");
     reported_[i] = 1;
-    if (!m_.tier->in_ram()) return m_.enqueue_d2h(i, 0);
-    return m_.enqueue_d2h(i, 0, [this](std::size_t k, EventId copied) { return step_piece_when_down(k, copied); });
+    Status s = m_.tier->in_ram()
+                   ? m_.enqueue_d2h(i, 0, [this](std::size_t k, EventId copied) { return step_piece_when_down(k, copied); })
+                   : m_.enqueue_d2h(i, 0);
+    if (!s.ok() || !m_.grad_leaves_when_reported(i)) return s;
+    return m_.grad_left_device(i);
   }
 
   Status step() override;

@@ -8,6 +8,7 @@ namespace zoe {
 Status take_all_grads(Impl& m) {
   if (m.in_place) return m.grad_stats_in_place(0);
   for (std::size_t i = 0; i < m.params.size(); ++i) {
+    if (m.grad_down[i]) continue;  // taken when reported; the device's buffer may hold another block's now
     if (Status s = m.enqueue_d2h(i, 0); !s.ok()) return s;
   }
   Result<EventId> copied = m.device.record(Stream::d2h);
@@ -41,7 +42,8 @@ namespace {
 class SyncSchedule final : public StepSchedule {
  public:
   explicit SyncSchedule(Impl& m) : m_(m) {}
-  Status grad_ready(std::size_t) override { return Status::success(); }  // every gradient is taken at step()
+  // Every gradient is taken at step(), but a tiered one's, which leaves the device when reported.
+  Status grad_ready(std::size_t i) override { return m_.take_reported_grad(i, 0); }
   Status step() override {
     Result<int> taken = take_grads();
     taken_ = false;

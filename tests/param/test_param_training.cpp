@@ -2,7 +2,9 @@
 // 12-layer model on the host stand-in device whose 16-bit weights are 8x the device pool. Each "forward"
 // and "backward" fetches a layer's block and computes from the weights it finds there, so a wrong or stale
 // fetch changes the gradients and shows. Faults on the NVMe home (a failed read during a fetch, a failed
-// write of the updated weights) are retried and give the uninterrupted result.
+// write of the updated weights) are retried and give the uninterrupted result. A trainer may keep one
+// block's worth of gradient memory on the device and hand it from block to block: each gradient leaves the
+// device when reported.
 #include <gtest/gtest.h>
 
 #include <cerrno>
@@ -28,6 +30,10 @@ constexpr std::size_t kBiasN = 64;
 struct Model {
   std::unique_ptr<Device> device = make_host_device();
   std::vector<void*> grads;                // per parameter (2 per layer), device memory
+  // One weight and one bias gradient buffer for every layer (the trainer reuses them block after block),
+  // with a slow d2h stream: a gradient overwritten before the optimizer's copy of it has run shows.
+  bool shared_grads = false;
+  std::vector<std::vector<std::uint16_t>> host_grads;  // sources of this iteration's enqueued gradient copies
   std::vector<void*> resident;             // per parameter, device memory; empty with a tier
   std::unique_ptr<ParamTier> tier;
   std::vector<ParamSpec> specs;
@@ -42,12 +48,15 @@ struct Model {
   }
 
   Status build(const ParamTierOptions* tier_options) {
+    if (shared_grads) {
+      for (std::size_t i : {2 * kLayers - 2, 2 * kLayers - 1}) grads.push_back(device->allocate(n(i) * 2).value());
+    }
     for (std::size_t i = 0; i < 2 * kLayers; ++i) {
-      grads.push_back(device->allocate(n(i) * 2).value());
+      if (!shared_grads) grads.push_back(device->allocate(n(i) * 2).value());
       ParamSpec p;
       p.n = n(i);
       p.dtype = DType::bf16;
-      p.device_grads = grads.back();
+      p.device_grads = grads[shared_grads ? i % 2 : i];
       p.name = "layer." + std::to_string(i / 2) + (i % 2 == 0 ? ".weight" : ".bias");
       specs.push_back(p);
     }
@@ -93,9 +102,15 @@ struct Model {
   Status done(std::size_t layer) { return tier ? tier->release(layer) : Status::success(); }
 
   // One forward and backward: the loss sums the weights, each gradient is a function of the weights the
-  // backward fetched and of the iteration.
-  Status iteration(OffloadOptimizer& opt, int t, bool report) {
+  // backward fetched, of the iteration and of the micro-batch.
+  Status iteration(OffloadOptimizer& opt, int t, bool report, int micro = 0) {
     double loss = 0;
+    if (!host_grads.empty()) {  // the copies from them were enqueued on the compute stream
+      Result<EventId> copied = device->record(Stream::compute);
+      if (!copied.ok()) return copied.status();
+      if (Status s = device->synchronize(copied.value()); !s.ok()) return s;
+      host_grads.clear();
+    }
     for (std::size_t l = 0; l < kLayers; ++l) {
       Result<void*> block = use(l, false);
       if (!block.ok()) return block.status();
@@ -111,10 +126,17 @@ struct Model {
         const std::vector<std::uint16_t> w = weights_on_device(i, block.value());
         std::vector<std::uint16_t> g(w.size());
         for (std::size_t j = 0; j < w.size(); ++j) {
-          g[j] = float_to_bf16(bf16_to_float(w[j]) * 0.3f + std::cos(0.01f * j + t) * 0.02f);
+          g[j] = float_to_bf16(bf16_to_float(w[j]) * 0.3f + std::cos(0.01f * j + t + 0.5f * micro) * 0.02f);
         }
-        if (Status s = device->copy_to_device(grads[i], g.data(), g.size() * 2, Stream::compute); !s.ok()) return s;
-        if (Status s = device->synchronize(); !s.ok()) return s;  // g leaves scope
+        void* to = const_cast<void*>(specs[i].device_grads);
+        if (Status s = device->copy_to_device(to, g.data(), g.size() * 2, Stream::compute); !s.ok()) return s;
+        if (shared_grads) {
+          // No synchronize(): it would wait for the d2h stream too, and hide a missing wait for the copy.
+          host_grads.push_back(std::move(g));
+          if (Status s = device->simulate_compute(0.0005, Stream::d2h); !s.ok()) return s;
+        } else if (Status s = device->synchronize(); !s.ok()) {  // g leaves scope
+          return s;
+        }
         if (report) {
           if (Status s = opt.grad_ready(i); !s.ok()) return s;
         }
@@ -179,24 +201,36 @@ void expect_same_training(Model& tiered, OffloadOptimizer& tiered_opt, Model& re
 struct TrainingRun {
   Model model;
   std::unique_ptr<OffloadOptimizer> opt;
+  int micro_batches = 1;  // backward passes per step, summed by the optimizer
   Status start(const ParamTierOptions* tier, Schedule schedule) {
     if (Status s = model.build(tier); !s.ok()) return s;
-    Result<OffloadOptimizer> o = OffloadOptimizer::create(*model.device, {ParamGroup{hyper()}}, model.specs, options_for(schedule));
-    if (!o.ok()) return o.status();
-    opt = std::make_unique<OffloadOptimizer>(std::move(o).value());
+    OffloadOptions o = options_for(schedule);
+    o.gradient_accumulation_steps = micro_batches;
+    Result<OffloadOptimizer> made = OffloadOptimizer::create(*model.device, {ParamGroup{hyper()}}, model.specs, o);
+    if (!made.ok()) return made.status();
+    opt = std::make_unique<OffloadOptimizer>(std::move(made).value());
     return Status::success();
   }
+  // Gradients are reported where the optimizer needs them: overlap and delayed, micro-batches, and
+  // gradient memory handed from block to block.
+  bool reports(Schedule schedule) const { return schedule != Schedule::sync || micro_batches > 1 || model.shared_grads; }
   Status train(int steps, Schedule schedule) {
     for (int t = 0; t < steps; ++t) {
-      if (Status s = model.iteration(*opt, t, schedule != Schedule::sync); !s.ok()) return s;
+      for (int k = 0; k < micro_batches; ++k) {
+        if (Status s = model.iteration(*opt, t, reports(schedule), k); !s.ok()) return s;
+      }
       if (Status s = opt->step(); !s.ok()) return s;
     }
     return opt->wait();
   }
 };
 
-void train_and_compare(const ParamTierOptions& tier_options, Schedule schedule) {
+// `shared_grads`: the offloaded run keeps one layer's gradients on the device (the resident run keeps all).
+void train_and_compare(const ParamTierOptions& tier_options, Schedule schedule, bool shared_grads = false,
+                       int micro_batches = 1) {
   TrainingRun resident, tiered;
+  resident.micro_batches = tiered.micro_batches = micro_batches;
+  tiered.model.shared_grads = shared_grads;
   ASSERT_TRUE(resident.start(nullptr, schedule).ok());
   Status s = tiered.start(&tier_options, schedule);
   ASSERT_TRUE(s.ok()) << s.to_string();
@@ -233,6 +267,44 @@ TEST(ParamTraining, RamTierSyncEqualsResident) { train_and_compare(eighth_of_the
 TEST(ParamTraining, RamTierOverlapEqualsResident) { train_and_compare(eighth_of_the_model(), Schedule::overlap); }
 TEST(ParamTraining, RamTierDelayedEqualsResident) { train_and_compare(eighth_of_the_model(), Schedule::delayed); }
 
+TEST(ParamTraining, GradientsLeaveTheDeviceWhenReportedInEverySchedule) {
+  for (Schedule schedule : {Schedule::sync, Schedule::overlap, Schedule::delayed}) {
+    SCOPED_TRACE(schedule_name(schedule));
+    train_and_compare(eighth_of_the_model(), schedule, /*shared_grads=*/true);
+  }
+}
+
+TEST(ParamTraining, MicroBatchesOfOffloadedBlocksAreSummedOnTheHost) {
+  for (Schedule schedule : {Schedule::sync, Schedule::overlap, Schedule::delayed}) {
+    SCOPED_TRACE(schedule_name(schedule));
+    train_and_compare(eighth_of_the_model(), schedule, /*shared_grads=*/true, /*micro_batches=*/2);
+  }
+}
+
+// The trainer cannot change a gradient that left the device (its buffer holds another block's by then):
+// grads_changed() says so and changes nothing; the training goes on as if it had not been called.
+TEST(ParamTraining, ChangingGradientsThatLeftTheDeviceIsRefused) {
+  ParamTierOptions o = eighth_of_the_model();
+  TrainingRun resident, tiered;
+  tiered.model.shared_grads = true;
+  ASSERT_TRUE(resident.start(nullptr, Schedule::overlap).ok());
+  ASSERT_TRUE(tiered.start(&o, Schedule::overlap).ok());
+  ASSERT_TRUE(resident.train(kSteps, Schedule::overlap).ok());
+  for (int t = 0; t < kSteps; ++t) {
+    ASSERT_TRUE(tiered.model.iteration(*tiered.opt, t, true).ok());
+    if (t == 4) {
+      Status s = tiered.opt->grads_changed();
+      ASSERT_FALSE(s.ok());
+      EXPECT_EQ(s.code(), StatusCode::invalid_argument);
+      EXPECT_NE(s.message().find("of offloaded parameter 'layer.0.weight' (0) left the device when it was reported"),
+                std::string::npos) << s.message();
+    }
+    ASSERT_TRUE(tiered.opt->step().ok());
+  }
+  ASSERT_TRUE(tiered.opt->wait().ok());
+  expect_same_training(tiered.model, *tiered.opt, resident.model, *resident.opt);
+}
+
 TEST(ParamTraining, MismatchedEntriesAreRefused) {
   Model m;
   ParamTierOptions o = eighth_of_the_model();
@@ -248,7 +320,9 @@ TEST(ParamTraining, MismatchedEntriesAreRefused) {
 TEST(ParamTraining, NvmeTierEveryScheduleEqualsResident) {
   testing::TempDir dir("zoe-param");
   for (Schedule schedule : {Schedule::sync, Schedule::overlap, Schedule::delayed}) {
+    SCOPED_TRACE(schedule_name(schedule));
     train_and_compare(eighth_on_nvme(dir.path()), schedule);
+    train_and_compare(eighth_on_nvme(dir.path()), schedule, /*shared_grads=*/true);
   }
 }
 
