@@ -101,10 +101,11 @@ Status OffloadOptimizer::Impl::add_micro_batch(std::size_t i, int set, bool last
   }
   ++added[set][i];
   if (!last) return Status::success();  // in place: zeroed by the add
-  // A tiered parameter's gradient leaves the device when reported: its buffer may be the next block's now.
-  if (grad_leaves_when_reported(i)) return Status::success();
   round_into(adam, sum, grad, p.dtype, p.n, std::max<std::size_t>(options.tile, 1));
   if (in_place) return Status::success();
+  // A tiered parameter's gradient leaves the device when reported: its buffer may be the next block's now,
+  // and the rounded sum stays in the staging, where a step called again after a failure reads it.
+  if (grad_leaves_when_reported(i)) return Status::success();
   // The rounded sum back into the device's buffer; the compute stream (the trainer reading it, the next
   // backward) waits for it.
   if (Status s = device.copy_to_device(const_cast<void*>(p.device_grads), grad, bytes, Stream::h2d); !s.ok()) return s;

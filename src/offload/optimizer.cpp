@@ -210,9 +210,9 @@ Status OffloadOptimizer::step() {
     if (s.ok()) s = m.schedule->step();
     // The sums were read (delayed: the background step reads the other set's); the next step starts anew.
     m.reset_accumulation(m.schedule->current_set());
-    // A failed step may be called again: it reads the gradients taken at their report from the staging.
-    if (s.ok()) std::fill(m.grad_down.begin(), m.grad_down.end(), 0);
   }
+  // A failed step may be called again: it reads the gradients taken at their report from the staging.
+  if (s.ok()) std::fill(m.grad_down.begin(), m.grad_down.end(), 0);
   ++m.step_calls;
   m.stats_.step_call_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return s;
