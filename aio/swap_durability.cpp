@@ -75,8 +75,7 @@ void SwapStore::Impl::launch_background(bool durable) {
   persisting = std::async(std::launch::async, [this, entries = table, seq = persisting_seq, durable]() mutable {
     // Writes left in flight (a resident store): checksummed, then waited — what is synced must be on disk.
     for (PendingWrite& w : pending_writes) {
-      auto [p, m, v] = tile_arrays(w.tile);
-      checksum(p, m, v, tile_count(w.tile), w.crc);
+      checksum(arrays(w.tile), tile_count(w.tile), w.crc);
       std::copy(w.crc, w.crc + 3, entries[w.tile].crc);
     }
     Status failed;
@@ -93,8 +92,7 @@ void SwapStore::Impl::launch_background(bool durable) {
 Status SwapStore::Impl::finish_pending_writes() {
   for (PendingWrite& w : pending_writes) {
     if (w.waited) continue;
-    auto [p, m, v] = tile_arrays(w.tile);
-    checksum(p, m, v, tile_count(w.tile), w.crc);
+    checksum(arrays(w.tile), tile_count(w.tile), w.crc);
     w.result = engine->wait(w.ticket);
     w.waited = true;
   }

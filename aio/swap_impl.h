@@ -9,7 +9,6 @@
 #include <memory>
 #include <span>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "aio/files.h"
@@ -22,7 +21,8 @@ namespace zoe {
 inline constexpr int kSwapFormatVersion = 1;
 
 // A tile's entry in the tile table: which slot holds its valid copy, the step that copy is at, and the
-// CRC-32C of its p, m and v (count * 4 bytes each, padding excluded).
+// CRC-32C of its p, m and v (count elements each in their own sizes, padding excluded; i8 moments: the codes
+// followed by the tile's block scales).
 struct TileEntry {
   std::int64_t step = -1;  // -1: never written
   std::uint32_t slot = 0;
@@ -38,9 +38,19 @@ struct TileTask {
   std::int64_t new_step = 0;
 };
 
-// The compute stage: p, m, v point into the tile's buffer (count valid elements each).
-// m and v are in the store's state dtype (moment_bytes each).
-using TileCompute = std::function<Status(const TileTask&, float* p, void* m, void* v, std::size_t count)>;
+// A tile's arrays in its buffer (and slot): [p | m | v | m_scale | v_scale]. m and v are in the store's state
+// dtype (moment_bytes each); the scales exist for i8 moments only (one fp32 per kMomentBlock elements of the
+// tile, blocks counted from the tile's first element, which is also a block boundary of the store's range).
+struct TileArrays {
+  float* p;
+  unsigned char* m;
+  unsigned char* v;
+  float* m_scale;  // null unless i8
+  float* v_scale;
+};
+
+// The compute stage: the tile's arrays (count valid elements each).
+using TileCompute = std::function<Status(const TileTask&, const TileArrays&, std::size_t count)>;
 
 struct SwapStore::Impl {
   struct PathFile {
@@ -60,7 +70,8 @@ struct SwapStore::Impl {
   std::size_t n = 0, tile = 0, ntiles = 0, alignment = 4096;
   std::size_t tile_bytes = 0;  // the master p of a tile: tile * 4
   std::size_t moment_bytes = 4;  // per element of m and of v (SwapOptions::state_dtype)
-  std::size_t slot_bytes = 0;  // p, m, v of a tile: tile * (4 + 2 * moment_bytes)
+  std::size_t scale_count = 0;   // i8: block scales per tile and moment (tile / kMomentBlock); else 0
+  std::size_t slot_bytes = 0;  // p, m, v (and scales) of a tile, rounded up to the alignment
   std::vector<PathFile> files;
   std::vector<std::string> paths;
   std::unique_ptr<aio::IoEngine> engine;
@@ -125,20 +136,28 @@ struct SwapStore::Impl {
   // Waits the writes left in flight and rewrites from RAM each that failed; an error leaves them pending.
   Status finish_pending_writes();
   Status run_resident_tiles(std::span<const TileTask> tasks, const TileCompute& compute);
-  // Tile t's p, m and v in its buffer (a resident store).
-  std::tuple<float*, unsigned char*, unsigned char*> tile_arrays(std::size_t t) {
-    unsigned char* m = buffers[t].as<unsigned char>() + tile * 4;
-    return {buffers[t].as<float>(), m, m + tile * moment_bytes};
+  // The arrays of the tile held in buffer b (a resident store: tile t in buffers[t]).
+  TileArrays arrays(std::size_t b) {
+    unsigned char* base = buffers[b].as<unsigned char>();
+    unsigned char* m = base + tile * 4;
+    unsigned char* v = m + tile * moment_bytes;
+    float* m_scale = scale_count == 0 ? nullptr : reinterpret_cast<float*>(v + tile * moment_bytes);
+    return {reinterpret_cast<float*>(base), m, v, m_scale, m_scale == nullptr ? nullptr : m_scale + scale_count};
   }
+  // Bytes of one slot for the store's shape and state dtype, before rounding up to the alignment.
+  std::size_t slot_payload() const { return tile * (4 + 2 * moment_bytes) + 2 * scale_count * 4; }
+  // The last tile's padding (elements count..tile, and their blocks' scales) set to zeros, so that no stale
+  // buffer bytes are ever written.
+  void zero_padding(const TileArrays& a, std::size_t count) const;
   // A tile just read from its slot against its table entry's checksums.
-  Status verify_tile(std::size_t t, const float* p, const void* m, const void* v, std::size_t count);
+  Status verify_tile(std::size_t t, const TileArrays& a, std::size_t count);
   Status flush();
   Status load_table();
   Status check_file_sizes();
   Status sync_and_persist(const std::vector<TileEntry>& before, bool wrote);  // durability each_call
   Status ready_for_io();    // files intact and the persisted table current
   Status run_tiles(std::span<const TileTask> tasks, const TileCompute& compute);
-  void checksum(const float* p, const void* m, const void* v, std::size_t count, std::uint32_t out[3]) const;
+  void checksum(const TileArrays& a, std::size_t count, std::uint32_t out[3]) const;
   std::string describe() const;       // which tiles are at which step
   Status with_state(Status s) const;  // appends describe() to an error
 };

@@ -47,27 +47,37 @@ bool all_finite(const void* grad, DType dtype, std::size_t n) {
   return bad == 0;
 }
 
-// Buffer b holds tile task j for j % K == b. With K buffers the compute works on tile j while the reads of
-// tiles j+1 .. j+K-2 and the write of tile j-1 are in flight; the read of tile j+K-1 reuses tile j-1's
-// buffer, so it is issued only once that write completed. A tile's table entry flips only when its write
-// completed; after a failure nothing new is issued, and writes already in flight that complete still flip
-// (their tiles are then validly at the new step).
-// The CRC-32C of a tile's p, m and v (count elements each, in their own sizes).
-void SwapStore::Impl::checksum(const float* p, const void* m, const void* v, std::size_t count, std::uint32_t out[3]) const {
+// The CRC-32C of a tile's p, m and v (count elements each, in their own sizes; i8: each moment's codes then
+// its block scales).
+void SwapStore::Impl::checksum(const TileArrays& a, std::size_t count, std::uint32_t out[3]) const {
   if (moment_bytes == 4) {
-    crc32c_x3(p, m, v, count * 4, out);  // three interleaved streams of one length
+    crc32c_x3(a.p, a.m, a.v, count * 4, out);  // three interleaved streams of one length
     return;
   }
-  out[0] = crc32c(p, count * 4);
-  out[1] = crc32c(m, count * moment_bytes);
-  out[2] = crc32c(v, count * moment_bytes);
+  out[0] = crc32c(a.p, count * 4);
+  out[1] = crc32c(a.m, count * moment_bytes);
+  out[2] = crc32c(a.v, count * moment_bytes);
+  if (scale_count > 0) {
+    const std::size_t scales = moment_blocks(count) * 4;
+    out[1] = crc32c(a.m_scale, scales, out[1]);
+    out[2] = crc32c(a.v_scale, scales, out[2]);
+  }
 }
 
-Status SwapStore::Impl::verify_tile(std::size_t t, const float* p, const void* m, const void* v, std::size_t count) {
+void SwapStore::Impl::zero_padding(const TileArrays& a, std::size_t count) const {
+  if (count == tile) return;
+  std::memset(a.p + count, 0, (tile - count) * 4);
+  for (unsigned char* x : {a.m, a.v}) std::memset(x + count * moment_bytes, 0, (tile - count) * moment_bytes);
+  if (scale_count == 0) return;
+  const std::size_t used = moment_blocks(count);
+  for (float* x : {a.m_scale, a.v_scale}) std::memset(x + used, 0, (scale_count - used) * 4);
+}
+
+Status SwapStore::Impl::verify_tile(std::size_t t, const TileArrays& a, std::size_t count) {
   const TileEntry& entry = table[t];
   const auto t0 = Clock::now();
   std::uint32_t got[3];
-  checksum(p, m, v, count, got);
+  checksum(a, count, got);
   stats.crc_s += since(t0);
   for (int k = 0; k < 3; ++k) {
     if (got[k] != entry.crc[k]) {
@@ -109,7 +119,7 @@ Status SwapStore::Impl::run_resident_tiles(std::span<const TileTask> tasks, cons
   for (; computed < T && failure.ok(); ++computed) {
     const TileTask& task = tasks[computed];
     const std::size_t t = task.tile, count = tile_count(t);
-    auto [p, m, v] = tile_arrays(t);
+    const TileArrays a = arrays(t);
     if (reads[computed] != 0) {
       const auto t0 = Clock::now();
       Status s = engine->wait(reads[computed]);
@@ -119,7 +129,7 @@ Status SwapStore::Impl::run_resident_tiles(std::span<const TileTask> tasks, cons
         note(Status(s.code(), "reading " + tile_name(t) + ": " + s.message(), s.sys_errno()));
         break;
       }
-      if (Status bad = verify_tile(t, p, m, v, count); !bad.ok()) {
+      if (Status bad = verify_tile(t, a, count); !bad.ok()) {
         note(std::move(bad));
         break;
       }
@@ -127,15 +137,12 @@ Status SwapStore::Impl::run_resident_tiles(std::span<const TileTask> tasks, cons
       ++stats.tiles_resident;
     }
     resident[t] = 0;
-    if (Status s = compute(task, p, m, v, count); !s.ok()) {
+    if (Status s = compute(task, a, count); !s.ok()) {
       note(std::move(s));
       break;
     }
     if (!task.write) resident[t] = 1;
-    if (task.write && count < tile) {  // the padding of the last tile is written as zeros, never stale bytes
-      std::memset(p + count, 0, (tile - count) * 4);
-      for (unsigned char* a : {m, v}) std::memset(a + count * moment_bytes, 0, (tile - count) * moment_bytes);
-    }
+    if (task.write) zero_padding(a, count);
   }
   for (aio::IoEngine::Ticket r : reads) {
     if (r != 0) (void)engine->wait(r);
@@ -149,8 +156,7 @@ Status SwapStore::Impl::run_resident_tiles(std::span<const TileTask> tasks, cons
     const auto t0 = Clock::now();
     adam->parallel_for(T, [&](std::size_t j) {
       if (!tasks[j].write) return;
-      auto [p, m, v] = tile_arrays(tasks[j].tile);
-      checksum(p, m, v, tile_count(tasks[j].tile), next[j].crc);
+      checksum(arrays(tasks[j].tile), tile_count(tasks[j].tile), next[j].crc);
     });
     stats.crc_s += since(t0);
   }
@@ -189,6 +195,11 @@ Status SwapStore::Impl::run_resident_tiles(std::span<const TileTask> tasks, cons
   return failure;
 }
 
+// Buffer b holds tile task j for j % K == b. With K buffers the compute works on tile j while the reads of
+// tiles j+1 .. j+K-2 and the write of tile j-1 are in flight; the read of tile j+K-1 reuses tile j-1's
+// buffer, so it is issued only once that write completed. A tile's table entry flips only when its write
+// completed; after a failure nothing new is issued, and writes already in flight that complete still flip
+// (their tiles are then validly at the new step).
 Status SwapStore::Impl::run_tiles(std::span<const TileTask> tasks, const TileCompute& compute) {
   if (keeps_resident()) return run_resident_tiles(tasks, compute);
   const std::size_t K = buffers.size(), T = tasks.size();
@@ -241,9 +252,7 @@ Status SwapStore::Impl::run_tiles(std::span<const TileTask> tasks, const TileCom
     BufferState& b = state[j % K];
     const TileTask& task = tasks[j];
     const TileEntry& entry = table[task.tile];
-    float* p = buffers[j % K].as<float>();
-    unsigned char* m = buffers[j % K].as<unsigned char>() + tile * 4;
-    unsigned char* v = m + tile * moment_bytes;
+    const TileArrays a = arrays(j % K);
     const std::size_t count = tile_count(task.tile);
     if (task.read) {
       Status s = wait_timed(b.read);
@@ -252,12 +261,12 @@ Status SwapStore::Impl::run_tiles(std::span<const TileTask> tasks, const TileCom
         note(Status(s.code(), "reading " + tile_name(task.tile) + ": " + s.message(), s.sys_errno()));
         break;
       }
-      if (Status bad = verify_tile(task.tile, p, m, v, count); !bad.ok()) {
+      if (Status bad = verify_tile(task.tile, a, count); !bad.ok()) {
         note(std::move(bad));
         break;
       }
     }
-    if (Status s = compute(task, p, m, v, count); !s.ok()) {
+    if (Status s = compute(task, a, count); !s.ok()) {
       note(std::move(s));
       break;
     }
@@ -271,17 +280,14 @@ Status SwapStore::Impl::run_tiles(std::span<const TileTask> tasks, const TileCom
           break;
         }
       }
-      if (count < tile) {  // the padding of the last tile is written as zeros, never as stale buffer bytes
-        std::memset(p + count, 0, (tile - count) * 4);
-        for (unsigned char* a : {m, v}) std::memset(a + count * moment_bytes, 0, (tile - count) * moment_bytes);
-      }
+      zero_padding(a, count);
       const auto t0 = Clock::now();
       b.next.step = task.new_step;
       b.next.slot = 1 - entry.slot;
-      checksum(p, m, v, count, b.next.crc);
+      checksum(a, count, b.next.crc);
       stats.crc_s += since(t0);
       Result<aio::IoEngine::Ticket> w = engine->submit(IoOp::write, file_of(task.tile).engine_file,
-                                                       file_offset(task.tile, b.next.slot), p, slot_bytes);
+                                                       file_offset(task.tile, b.next.slot), a.p, slot_bytes);
       if (!w.ok()) {
         note(w.status());
         break;
@@ -343,10 +349,14 @@ Status SwapStore::initialize(const std::function<Status(std::size_t, std::size_t
   std::vector<TileTask> tasks(im.ntiles);
   for (std::size_t t = 0; t < im.ntiles; ++t) tasks[t] = {t, false, true, step};
   return streaming_call(im, true, [&] {
-    return im.run_tiles(tasks, [&](const TileTask& task, float* p, void* m, void* v, std::size_t count) {
-      std::memset(m, 0, count * im.moment_bytes);  // +0 in f32 and bf16 alike
-      std::memset(v, 0, count * im.moment_bytes);
-      Status s = fill(im.tile_begin(task.tile), count, p);
+    return im.run_tiles(tasks, [&](const TileTask& task, const TileArrays& a, std::size_t count) {
+      // All-zero bytes are +0 in f32 and bf16 alike, and zero codes with zero scales decode to +0.
+      std::memset(a.m, 0, count * im.moment_bytes);
+      std::memset(a.v, 0, count * im.moment_bytes);
+      for (float* scale : {a.m_scale, a.v_scale}) {
+        if (scale != nullptr) std::memset(scale, 0, moment_blocks(count) * 4);
+      }
+      Status s = fill(im.tile_begin(task.tile), count, a.p);
       if (!s.ok()) {
         return Status(s.code(), "initialize: the fill callback failed for elements [" + std::to_string(im.tile_begin(task.tile)) +
                                     ", " + std::to_string(im.tile_begin(task.tile) + count) + "): " + s.message(),
@@ -359,13 +369,19 @@ Status SwapStore::initialize(const std::function<Status(std::size_t, std::size_t
 
 namespace {
 
-Status check_segments(std::span<const SwapSegment> segments, std::size_t n) {
+// i8 moments (`blocks`): a block's scales belong to one tensor, so every segment starts on a block boundary.
+Status check_segments(std::span<const SwapSegment> segments, std::size_t n, bool blocks) {
   std::size_t end = 0;
   for (std::size_t i = 0; i < segments.size(); ++i) {
     const SwapSegment& s = segments[i];
     const std::string name = "segment " + std::to_string(i);
     if (Status r = check_range(s.offset, s.n, n, name.c_str()); !r.ok()) return r;
     if (s.n == 0) continue;
+    if (blocks && s.offset % kMomentBlock != 0) {
+      return invalid_argument(name + " starts at " + std::to_string(s.offset) + ", not on a block of " +
+                              std::to_string(kMomentBlock) + " elements: with i8 moments each segment starts a block "
+                              "(pad the flattened range so every tensor does)");
+    }
     if (i > 0 && s.offset < end) {
       return invalid_argument(name + " starts at " + std::to_string(s.offset) +
                               ", inside an earlier segment (ending at " + std::to_string(end) +
@@ -397,7 +413,7 @@ void copy_out(const float* p, void* out, DType dtype, std::size_t count) {
 Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions& options) {
   Impl& im = *impl_;
   if (options.step < 1) return invalid_argument("step = " + std::to_string(options.step) + ": steps count from 1");
-  if (Status s = check_segments(segments, im.n); !s.ok()) return s;
+  if (Status s = check_segments(segments, im.n, im.scale_count > 0); !s.ok()) return s;
   if (options.check_finite) {
     for (std::size_t i = 0; i < segments.size(); ++i) {
       const SwapSegment& s = segments[i];
@@ -455,7 +471,7 @@ Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions&
   std::vector<std::pair<const AdamHyper*, std::vector<AdamTensor>>> groups;
   double adam_s = 0;
   Status s = streaming_call(im, true, [&] {
-    return im.run_tiles(tasks, [&](const TileTask& task, float* p, void* m, void* v, std::size_t count) -> Status {
+    return im.run_tiles(tasks, [&](const TileTask& task, const TileArrays& a, std::size_t count) -> Status {
       const auto t0 = Clock::now();
       const std::size_t begin = im.tile_begin(task.tile), end = begin + count;
       const std::size_t index = static_cast<std::size_t>(&task - tasks.data());
@@ -469,16 +485,20 @@ Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions&
         const std::size_t at = lo - begin, from = lo - seg.offset;
         void* out = seg.out == nullptr ? nullptr : static_cast<char*>(seg.out) + from * 2;
         if (!task.write) {  // a retried tile: already stepped, only its copy-out is refilled
-          if (out != nullptr) copy_out(p + at, out, seg.out_dtype, hi - lo);
+          if (out != nullptr) copy_out(a.p + at, out, seg.out_dtype, hi - lo);
           continue;
         }
         auto group = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == seg.hyper; });
         if (group == groups.end()) group = groups.insert(groups.end(), {seg.hyper, {}});
         AdamTensor t;
-        t.param = p + at;
-        t.exp_avg = static_cast<unsigned char*>(m) + at * im.moment_bytes;
-        t.exp_avg_sq = static_cast<unsigned char*>(v) + at * im.moment_bytes;
+        t.param = a.p + at;
+        t.exp_avg = a.m + at * im.moment_bytes;
+        t.exp_avg_sq = a.v + at * im.moment_bytes;
         t.state_dtype = im.options.state_dtype;
+        if (a.m_scale != nullptr) {  // i8: `at` is a block boundary (check_segments, tile % kMomentBlock == 0)
+          t.exp_avg_scale = a.m_scale + at / kMomentBlock;
+          t.exp_avg_sq_scale = a.v_scale + at / kMomentBlock;
+        }
         t.grad = static_cast<const char*>(seg.grad) + from * dtype_size(seg.grad_dtype);
         t.grad_dtype = seg.grad_dtype;
         t.out = out;
@@ -536,28 +556,90 @@ void narrow(const float* src, unsigned char* dst, std::size_t size, std::size_t 
   }
 }
 
+// i8 moments of tile elements [lo, hi) (tile-relative) to fp32 m[0, hi - lo) and v (either may be null), block
+// by block; or, `in`, from them: each block touched is decoded, its covered part replaced and encoded again
+// with new scales. Only the moment given is re-encoded: the other keeps its codes and scales bit for bit.
+void q8_moments(const TileArrays& a, std::size_t count, std::size_t lo, std::size_t hi, float* m, float* v, bool in) {
+  float tm[kMomentBlock], tv[kMomentBlock];
+  alignas(64) std::int8_t mq[kMomentBlock];
+  alignas(64) std::uint8_t vq[kMomentBlock];
+  auto* codes_m = reinterpret_cast<std::int8_t*>(a.m);
+  auto* codes_v = a.v;
+  for (std::size_t j = lo / kMomentBlock; j * kMomentBlock < hi; ++j) {
+    const std::size_t start = j * kMomentBlock, nb = std::min(kMomentBlock, count - start);
+    decode_moments(codes_m + start, codes_v + start, a.m_scale + j, a.v_scale + j, nb, tm, tv);
+    const std::size_t from = std::max(lo, start), to = std::min(hi, start + nb);
+    for (std::size_t x = from; x < to; ++x) {
+      if (in) {
+        if (m != nullptr) tm[x - start] = m[x - lo];
+        if (v != nullptr) tv[x - start] = v[x - lo];
+      } else {
+        if (m != nullptr) m[x - lo] = tm[x - start];
+        if (v != nullptr) v[x - lo] = tv[x - start];
+      }
+    }
+    if (!in) continue;
+    float ms, vs;
+    encode_moments(tm, tv, nb, mq, vq, &ms, &vs);
+    if (m != nullptr) {
+      std::memcpy(codes_m + start, mq, nb);
+      a.m_scale[j] = ms;
+    }
+    if (v != nullptr) {
+      std::memcpy(codes_v + start, vq, nb);
+      a.v_scale[j] = vs;
+    }
+  }
+}
+
+// The tasks of a read or write of [offset, offset + count): every tile it touches.
+Result<std::vector<TileTask>> range_tasks(const SwapStore::Impl& im, std::size_t offset, std::size_t count, bool write,
+                                          bool whole_arrays, const char* what) {
+  if (Status s = check_range(offset, count, im.n, what); !s.ok()) return s;
+  std::vector<TileTask> tasks;
+  for (std::size_t t = offset / im.tile; count > 0 && t <= (offset + count - 1) / im.tile; ++t) {
+    const bool written = im.table[t].step >= 0;
+    if (!write) {
+      if (!written) return invalid_argument(std::string(what) + ": " + im.tile_name(t) + " was never written: call initialize() first");
+      tasks.push_back({t, true, false, im.table[t].step});
+      continue;
+    }
+    const std::size_t begin = im.tile_begin(t);
+    const bool whole = whole_arrays && offset <= begin && offset + count >= begin + im.tile_count(t);
+    // A tile never written has nothing valid to merge with: its missing parts start at zero.
+    tasks.push_back({t, written && !whole, true, written ? im.table[t].step : 0});
+  }
+  return tasks;
+}
+
+// A tile that is written without being read starts as zeros (an all-zero state).
+void zero_tile(const SwapStore::Impl& im, const TileArrays& a, std::size_t count) {
+  std::memset(a.p, 0, count * 4);
+  for (unsigned char* x : {a.m, a.v}) std::memset(x, 0, count * im.moment_bytes);
+  for (float* x : {a.m_scale, a.v_scale}) {
+    if (x != nullptr) std::memset(x, 0, moment_blocks(count) * 4);
+  }
+}
+
 }  // namespace
 
 Status SwapStore::read(std::size_t offset, std::size_t count, float* p, float* m, float* v) {
   Impl& im = *impl_;
-  if (Status s = check_range(offset, count, im.n, "read"); !s.ok()) return s;
+  Result<std::vector<TileTask>> tasks = range_tasks(im, offset, count, false, false, "read");
+  if (!tasks.ok()) return tasks.status();
   if (count == 0) return Status::success();
-  std::vector<TileTask> tasks;
-  for (std::size_t t = offset / im.tile; t <= (offset + count - 1) / im.tile; ++t) {
-    if (im.table[t].step < 0) return invalid_argument("read: " + im.tile_name(t) + " was never written: call initialize() first");
-    tasks.push_back({t, true, false, im.table[t].step});
-  }
-  float* dst[3] = {p, m, v};
   return streaming_call(im, false, [&] {
-    return im.run_tiles(tasks, [&](const TileTask& task, float* tp, void* tm, void* tv, std::size_t tcount) {
+    return im.run_tiles(tasks.value(), [&](const TileTask& task, const TileArrays& a, std::size_t tcount) {
       const std::size_t begin = im.tile_begin(task.tile);
-      const std::size_t lo = std::max(begin, offset), hi = std::min(begin + tcount, offset + count);
-      const void* src[3] = {tp, tm, tv};
-      for (int k = 0; k < 3; ++k) {
-        if (dst[k] == nullptr) continue;
-        const std::size_t size = k == 0 ? 4 : im.moment_bytes;
-        widen(static_cast<const unsigned char*>(src[k]) + (lo - begin) * size, size, dst[k] + (lo - offset), hi - lo);
+      const std::size_t lo = std::max(begin, offset) - begin, hi = std::min(begin + tcount, offset + count) - begin;
+      const std::size_t out = begin + lo - offset;
+      if (p != nullptr) std::memcpy(p + out, a.p + lo, (hi - lo) * 4);
+      if (im.scale_count > 0) {
+        if (m != nullptr || v != nullptr) q8_moments(a, tcount, lo, hi, m == nullptr ? nullptr : m + out, v == nullptr ? nullptr : v + out, false);
+        return Status::success();
       }
+      if (m != nullptr) widen(a.m + lo * im.moment_bytes, im.moment_bytes, m + out, hi - lo);
+      if (v != nullptr) widen(a.v + lo * im.moment_bytes, im.moment_bytes, v + out, hi - lo);
       return Status::success();
     });
   });
@@ -565,30 +647,79 @@ Status SwapStore::read(std::size_t offset, std::size_t count, float* p, float* m
 
 Status SwapStore::write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v) {
   Impl& im = *impl_;
-  if (Status s = check_range(offset, count, im.n, "write"); !s.ok()) return s;
+  Result<std::vector<TileTask>> tasks = range_tasks(im, offset, count, true, p && m && v, "write");
+  if (!tasks.ok()) return tasks.status();
   if (count == 0) return Status::success();
-  const float* src[3] = {p, m, v};
-  std::vector<TileTask> tasks;
-  for (std::size_t t = offset / im.tile; t <= (offset + count - 1) / im.tile; ++t) {
-    const std::size_t begin = im.tile_begin(t);
-    const bool whole = offset <= begin && offset + count >= begin + im.tile_count(t) && p && m && v;
-    const bool written = im.table[t].step >= 0;
-    // A tile never written has nothing valid to merge with: its missing parts start at zero.
-    tasks.push_back({t, written && !whole, true, written ? im.table[t].step : 0});
-  }
   return streaming_call(im, true, [&] {
-    return im.run_tiles(tasks, [&](const TileTask& task, float* tp, void* tm, void* tv, std::size_t tcount) {
+    return im.run_tiles(tasks.value(), [&](const TileTask& task, const TileArrays& a, std::size_t tcount) {
       const std::size_t begin = im.tile_begin(task.tile);
-      const std::size_t lo = std::max(begin, offset), hi = std::min(begin + tcount, offset + count);
-      void* dst[3] = {tp, tm, tv};
-      for (int k = 0; k < 3; ++k) {
-        const std::size_t size = k == 0 ? 4 : im.moment_bytes;
-        if (!task.read && (src[k] == nullptr || hi - lo < tcount)) std::memset(dst[k], 0, tcount * size);
-        if (src[k] != nullptr) narrow(src[k] + (lo - offset), static_cast<unsigned char*>(dst[k]) + (lo - begin) * size, size, hi - lo);
+      const std::size_t lo = std::max(begin, offset) - begin, hi = std::min(begin + tcount, offset + count) - begin;
+      const std::size_t in = begin + lo - offset;
+      if (!task.read) zero_tile(im, a, tcount);
+      if (p != nullptr) std::memcpy(a.p + lo, p + in, (hi - lo) * 4);
+      if (im.scale_count > 0) {
+        if (m != nullptr || v != nullptr) {
+          q8_moments(a, tcount, lo, hi, const_cast<float*>(m == nullptr ? nullptr : m + in),
+                     const_cast<float*>(v == nullptr ? nullptr : v + in), true);
+        }
+        return Status::success();
       }
+      if (m != nullptr) narrow(m + in, a.m + lo * im.moment_bytes, im.moment_bytes, hi - lo);
+      if (v != nullptr) narrow(v + in, a.v + lo * im.moment_bytes, im.moment_bytes, hi - lo);
       return Status::success();
     });
   });
+}
+
+namespace {
+
+// i8 moments as stored, between the store and caller arrays: the codes of [offset, offset + count) and the
+// scales of the blocks those elements fall in (the caller's first scale is block offset / kMomentBlock). `in`:
+// into the store. A null array is skipped (kept as stored).
+Status transfer_q8(SwapStore::Impl& im, std::size_t offset, std::size_t count, std::int8_t* mq, std::uint8_t* vq,
+                   float* m_scale, float* v_scale, bool in) {
+  const char* what = in ? "write_q8" : "read_q8";
+  if (im.scale_count == 0) {
+    return invalid_argument(std::string(what) + ": the store holds " + std::string(dtype_name(im.options.state_dtype)) +
+                            " moments, not i8 codes");
+  }
+  Result<std::vector<TileTask>> tasks = range_tasks(im, offset, count, in, false, what);
+  if (!tasks.ok()) return tasks.status();
+  if (count == 0) return Status::success();
+  const std::size_t first_block = offset / kMomentBlock;
+  return streaming_call(im, in, [&] {
+    return im.run_tiles(tasks.value(), [&](const TileTask& task, const TileArrays& a, std::size_t tcount) {
+      const std::size_t begin = im.tile_begin(task.tile);
+      const std::size_t lo = std::max(begin, offset) - begin, hi = std::min(begin + tcount, offset + count) - begin;
+      if (!task.read) zero_tile(im, a, tcount);
+      auto move = [in](void* tile_side, void* caller_side, std::size_t bytes) {
+        if (in) std::memcpy(tile_side, caller_side, bytes);
+        else std::memcpy(caller_side, tile_side, bytes);
+      };
+      const std::size_t at = begin + lo - offset;
+      if (mq != nullptr) move(a.m + lo, mq + at, hi - lo);
+      if (vq != nullptr) move(a.v + lo, vq + at, hi - lo);
+      const std::size_t b0 = lo / kMomentBlock, b1 = (hi + kMomentBlock - 1) / kMomentBlock;
+      const std::size_t scale_at = begin / kMomentBlock + b0 - first_block;
+      if (m_scale != nullptr) move(a.m_scale + b0, m_scale + scale_at, (b1 - b0) * 4);
+      if (v_scale != nullptr) move(a.v_scale + b0, v_scale + scale_at, (b1 - b0) * 4);
+      return Status::success();
+    });
+  });
+}
+
+}  // namespace
+
+Status SwapStore::read_q8(std::size_t offset, std::size_t count, std::int8_t* mq, std::uint8_t* vq, float* m_scale,
+                          float* v_scale) {
+  return transfer_q8(*impl_, offset, count, mq, vq, m_scale, v_scale, false);
+}
+
+Status SwapStore::write_q8(std::size_t offset, std::size_t count, const std::int8_t* mq, const std::uint8_t* vq,
+                           const float* m_scale, const float* v_scale) {
+  // Only read from in this direction.
+  return transfer_q8(*impl_, offset, count, const_cast<std::int8_t*>(mq), const_cast<std::uint8_t*>(vq),
+                     const_cast<float*>(m_scale), const_cast<float*>(v_scale), true);
 }
 
 Status SwapStore::set_step(std::int64_t step) {

@@ -311,14 +311,19 @@ namespace {
 Result<std::unique_ptr<SwapStore::Impl>> make_impl(const SwapOptions& options, const std::string& name, std::size_t n,
                                                    std::size_t tile) {
   if (Status s = validate_shape(options, name, n, tile); !s.ok()) return s;
-  if (options.state_dtype != DType::f32 && options.state_dtype != DType::bf16) {
-    return Status(StatusCode::unsupported, "swap store " + name + ": moments in " +
-                                               std::string(dtype_name(options.state_dtype)) +
-                                               " are not built on the NVMe tier (f32 or bf16)");
+  if (options.state_dtype != DType::f32 && options.state_dtype != DType::bf16 && options.state_dtype != DType::i8) {
+    return invalid_argument("swap store " + name + ": state_dtype " + std::string(dtype_name(options.state_dtype)) +
+                            " is not a moment dtype (f32, bf16 or i8)");
+  }
+  const bool q8 = options.state_dtype == DType::i8;
+  if (q8 && tile % kMomentBlock != 0) {
+    return invalid_argument("swap store " + name + ": tile = " + std::to_string(tile) + " elements is not a multiple of " +
+                            std::to_string(kMomentBlock) + ", the block of i8 moments (a block must lie in one tile)");
   }
   auto impl = std::make_unique<SwapStore::Impl>();
   impl->options = options;
   impl->moment_bytes = dtype_size(options.state_dtype);
+  impl->scale_count = q8 ? tile / kMomentBlock : 0;
   impl->name = name;
   impl->n = n;
   impl->tile = tile;
@@ -358,7 +363,7 @@ Status settle_alignment(SwapStore::Impl& impl) {
                             "-byte O_DIRECT block)");
   }
   impl.tile_bytes = impl.tile * 4;
-  impl.slot_bytes = impl.tile * (4 + 2 * impl.moment_bytes);
+  impl.slot_bytes = (impl.slot_payload() + impl.alignment - 1) / impl.alignment * impl.alignment;
   for (auto& f : impl.files) f.bytes = 2ull * f.tiles_here * impl.slot_bytes;
   return Status::success();
 }
@@ -400,8 +405,10 @@ nlohmann::json manifest_json(const SwapStore::Impl& impl, std::size_t k) {
           {"data_file", data_file_name(impl.name)},
           {"owner", aio::owner_record()},
           {"file_bytes", impl.files[k].bytes},
-          {"layout", "tile t on path t % len(paths); slot s of a tile at s * file_bytes / 2 + (t / len(paths)) * (4 + 2 * moment bytes) * tile; "
-                     "a slot is [p | m | v], tile elements each, p fp32 and m, v in state_dtype; the valid slot, step and CRC-32C per tile are in "
+          {"slot_bytes", impl.slot_bytes},
+          {"layout", "tile t on path t % len(paths); slot s of a tile at s * file_bytes / 2 + (t / len(paths)) * slot_bytes; "
+                     "a slot is [p | m | v], tile elements each, p fp32 and m, v in state_dtype (i8: then [m scales | v scales], "
+                     "one fp32 per 2048 elements), padded to the O_DIRECT alignment; the valid slot, step and CRC-32C per tile are in "
                      "<name>.zoe-swap.table under paths[0]"}};
 }
 
@@ -420,7 +427,7 @@ Result<SwapStore> SwapStore::create(const SwapOptions& options, const std::strin
   // Sizes are known only with the alignment, which needs an open file; a first pass at 4 KiB-alignment
   // sizes checks free space before anything is written.
   impl.tile_bytes = impl.tile * 4;
-  impl.slot_bytes = impl.tile * (4 + 2 * impl.moment_bytes);
+  impl.slot_bytes = (impl.slot_payload() + 4095) / 4096 * 4096;
   for (auto& f : impl.files) {
     const std::uint64_t need = 2ull * f.tiles_here * impl.slot_bytes;
     Result<aio::FsInfo> fs = aio::fs_info(f.dir);

@@ -124,9 +124,10 @@ struct OffloadOptions {
   PartitionOptions partition;  // with a Collectives of world > 1 only
   // How the Adam moments m and v are stored (zoe config: zoe.state_dtype): f32; bf16 — 4 bytes less per
   // parameter for each, rounded to nearest even after every fp32 update; or i8 — one byte each and an fp32
-  // scale per 2048 elements (AdamTensor::state_dtype has the codes). The master weights stay fp32. bf16
-  // is built for both tiers, i8 for tier ram only. read_state() and checkpoints give fp32 values (an i8 checkpoint also
-  // holds the codes, so the run resumes exactly), and a checkpoint of any dtype loads into any (fp32
+  // scale per 2048 elements (AdamTensor::state_dtype has the codes). The master weights stay fp32. Both
+  // tiers hold every dtype (tier nvme's swap slots hold the compact form; with i8 each parameter starts a
+  // block of the swap range). read_state() and checkpoints give fp32 values (an i8 checkpoint also holds the
+  // codes, so the run resumes exactly, on either tier), and a checkpoint of any dtype loads into any (fp32
   // moments are rounded or encoded).
   DType state_dtype = DType::f32;
   std::size_t tile = 1 << 20;          // elements per unit of pipelined work. DeepSpeed's sub_group_size is larger

@@ -82,8 +82,11 @@ struct SwapOptions {
   SwapDurability durability = SwapDurability::each_call;
   CpuAdam* adam = nullptr;             // the Adam engine to use (not owned); null: the store makes its own
   CpuAdamOptions cpu;                  // for the store's own engine when `adam` is null
-  // How a slot holds the moments m and v: f32, or bf16 (8 bytes of I/O per element instead of 12; the
-  // kernel steps them as AdamTensor::state_dtype bf16). Recorded in the manifest: open() refuses another.
+  // How a slot holds the moments m and v: f32; bf16 (8 bytes of I/O per element instead of 12); or i8 (6 bytes
+  // per element, plus an fp32 scale per moment and kMomentBlock elements: zoe/adam.h), whose blocks are
+  // counted from element 0, so the tile must be a multiple of kMomentBlock and every SwapSegment must start
+  // on a block. The kernel steps them as AdamTensor::state_dtype. Recorded in the manifest: open() refuses
+  // another.
   DType state_dtype = DType::f32;
   // When every tile has a buffer (tiles <= buffer_count), the tiles stay in their buffers between calls: a
   // call reads none it holds, and with durability next_call / on_flush its writes finish after it returns.
@@ -170,9 +173,19 @@ class SwapStore {
 
   // Copies [offset, offset + count) out of (read) or into (write) the store; a null array is skipped
   // (write: kept as stored). write() keeps each tile's step number; use set_step() after loading a
-  // checkpoint. Both verify what they read; write() never overwrites a tile's only valid copy.
+  // checkpoint. Both verify what they read; write() never overwrites a tile's only valid copy. i8 moments
+  // are decoded to fp32 (read), or (write) each block touched is decoded, its covered part replaced and the
+  // moment given encoded again with new scales.
   Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v);
   Status write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v);
+  // State dtype i8: the moments exactly as stored, for checkpoints that keep them — the codes of elements
+  // [offset, offset + count) and the scales of the kMomentBlock-element blocks those elements fall in (blocks
+  // counted from element 0; the caller's scale arrays start at block offset / kMomentBlock). A null array is
+  // skipped (write: kept as stored). read() and write() convert i8 moments to and from fp32 instead.
+  Status read_q8(std::size_t offset, std::size_t count, std::int8_t* mq, std::uint8_t* vq, float* m_scale,
+                 float* v_scale);
+  Status write_q8(std::size_t offset, std::size_t count, const std::int8_t* mq, const std::uint8_t* vq,
+                  const float* m_scale, const float* v_scale);
   // Makes every completed call durable now, whatever `durability` says: waits for a background sync, then
   // fdatasyncs the swap files and persists the tile table if any call wrote since the last durable table.
   Status flush();
@@ -192,7 +205,8 @@ class SwapStore {
   std::vector<TileRun> tile_runs() const;
   std::string describe_state() const;       // "tiles [0, 12) (elements [0, 12582912)) at step 4; ..."
   const SwapStats& last_stats() const;
-  // Bytes of RAM the store holds for its buffers (buffer_count x tile x 12, rounded to the alignment).
+  // Bytes of RAM the store holds for its buffers (buffer_count slots: tile x 12 bytes for fp32 moments,
+  // rounded up to the alignment).
   std::size_t buffer_bytes() const;
 
   // The raw I/O ceiling: reads every tile's current slot and writes every tile's other slot, with the

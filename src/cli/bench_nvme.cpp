@@ -75,6 +75,12 @@ Status one_step(SwapStore& store, const Config& cfg, std::int64_t step, std::vec
   return Status::success();
 }
 
+// Bytes of p, m and v of n parameters as the swap slots hold them (int8 moments: and a scale per block each).
+std::uint64_t slot_state_bytes(std::uint64_t n, DType state) {
+  const std::uint64_t scales = state == DType::i8 ? 2 * 4 * moment_blocks(n) : 0;
+  return n * (4 + 2 * dtype_size(state)) + scales;
+}
+
 Result<Measured> measure(const Config& cfg) {
   SwapOptions o;
   o.paths = cfg.paths;
@@ -150,8 +156,8 @@ int bench_nvme(std::span<char* const> args) {
   const Option options[] = {
       {"path", &path_text, nullptr, "swap folder (a comma list stripes over several); required"},
       {"n", &n_text, nullptr, "parameters (K, M, G suffixes are powers of 1024)"},
-      {"tile", &tile_text, nullptr, "bytes of p, m and v per tile (12 per parameter, 8 with --state bf16; rounded down to whole 4 KiB blocks)"},
-      {"state", &state_text, nullptr, "the moments in the swap files: fp32 or bf16"},
+      {"tile", &tile_text, nullptr, "bytes of p, m and v per tile (12 per parameter, 8 with --state bf16, 6 with int8; rounded down to whole 4 KiB blocks, int8: 2048 parameters)"},
+      {"state", &state_text, nullptr, "the moments in the swap files: fp32, bf16 or int8"},
       {"buffers", &buffers_text, nullptr, "tiles in RAM at once (DeepSpeed buffer_count)"},
       {"queue-depth", &qd_text, nullptr, "I/O requests in flight (DeepSpeed aio.queue_depth)"},
       {"block-size", &block_text, nullptr, "bytes per I/O request (DeepSpeed aio.block_size)"},
@@ -217,16 +223,15 @@ int bench_nvme(std::span<char* const> args) {
   }
   cfg.n = n.value();
   Result<DType> state = parse_state_dtype(state_text);
-  if (!state.ok() || state.value() == DType::i8) {
-    return fail(invalid_argument("--state " + state_text + " is not fp32 or bf16" +
-                                 (state.ok() ? " (int8 moments are built for tier ram only)" : "")));
-  }
+  if (!state.ok()) return fail(invalid_argument("--state " + state_text + " is not fp32, bf16 or int8"));
   cfg.state = state.value();
+  // Whole 4 KiB blocks of p per tile; int8 moments: whole blocks of codes (kMomentBlock elements) too.
+  const std::uint64_t unit = cfg.state == DType::i8 ? kMomentBlock : 1024;
   const std::uint64_t bytes_per_param = 4 + 2 * dtype_size(cfg.state);
-  cfg.tile = tile.value() / bytes_per_param / 1024 * 1024;
+  cfg.tile = tile.value() / bytes_per_param / unit * unit;
   if (cfg.tile == 0) {
-    return fail(invalid_argument("--tile " + tile_text + " is below " + std::to_string(bytes_per_param) +
-                                 " KiB (1024 parameters: whole 4 KiB blocks)"));
+    return fail(invalid_argument("--tile " + tile_text + " is below " + std::to_string(bytes_per_param * unit) + " bytes (" +
+                                 std::to_string(unit) + " parameters of " + std::to_string(bytes_per_param) + " bytes)"));
   }
   cfg.buffers = static_cast<int>(buffers.value());
   cfg.queue_depth = static_cast<int>(qd.value());
@@ -253,7 +258,7 @@ int bench_nvme(std::span<char* const> args) {
   const double moved = static_cast<double>(m->moved);
   const double read_gbps = moved / m->raw_read.median / 1e9, write_gbps = moved / m->raw_write.median / 1e9;
   const double ratio = m->io_bound.median / m->step.median;
-  const std::uint64_t state_bytes = cfg.n * (4 + 2 * dtype_size(cfg.state));
+  const std::uint64_t state_bytes = slot_state_bytes(cfg.n, cfg.state);
   const std::uint64_t rss = peak_rss_bytes();
   std::string paths;
   for (const auto& p : cfg.paths) paths += (paths.empty() ? "" : ",") + p;
@@ -278,7 +283,7 @@ int bench_nvme(std::span<char* const> args) {
                 std::string(state_dtype_name(cfg.state)).c_str(), paths.c_str(),
                 m->direct ? "yes" : "NO, buffered");
     std::printf("tile %llu params (%.1f MiB), %d buffers, queue depth %d, %zu KiB requests, %d reps (median [min, max])\n",
-                static_cast<unsigned long long>(cfg.tile), static_cast<double>(cfg.tile * (4 + 2 * dtype_size(cfg.state))) / (1 << 20), cfg.buffers,
+                static_cast<unsigned long long>(cfg.tile), static_cast<double>(slot_state_bytes(cfg.tile, cfg.state)) / (1 << 20), cfg.buffers,
                 cfg.queue_depth, cfg.block / 1024, cfg.reps);
     std::printf("  raw read         %8.3f s  [%.3f, %.3f]  %6.2f GB/s\n", m->raw_read.median, m->raw_read.min,
                 m->raw_read.max, read_gbps);

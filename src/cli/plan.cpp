@@ -113,7 +113,7 @@ std::vector<std::string> reader_notes(const std::string& config) {
 
 Json placement_json(const Inputs& in, const Evaluated& e, const Rates& rates) {
   const StepEstimate step = estimate_step(in.model, in.cluster, e.placement, in.training, rates);
-  const std::string gap = zoe_gap(e.placement, in.training.state);
+  const std::string gap = zoe_gap(e.placement);
   Json j{{"stage", e.placement.stage},
          {"offload_optimizer", offload_name(e.placement.optimizer)},
          {"offload_param", offload_name(e.placement.param)},
@@ -153,7 +153,7 @@ void print_placement(const Inputs& in, const Evaluated& e, const Rates& rates, c
   row("total", u.per_gpu.total(), u.per_host.total(), u.per_nvme_path.total());
   const std::uint64_t capacity = in.cluster.nvme_capacity.empty() ? 0 : in.cluster.nvme_capacity[0];
   row("usable", usable_gpu(in.cluster), usable_host(in.cluster), capacity);
-  const std::string gap = zoe_gap(e.placement, in.training.state);
+  const std::string gap = zoe_gap(e.placement);
   std::printf("  zoe: %s\n", gap.empty() ? "runs this placement" : ("cannot run it as planned: " + gap).c_str());
   const StepEstimate s = estimate_step(in.model, in.cluster, e.placement, in.training, rates);
   if (e.placement.optimizer == Offload::none) {
@@ -330,7 +330,7 @@ int plan(std::span<char* const> args) {
   for (const Placement& p : candidates()) all.push_back(evaluate(in, p));
   const auto cheapest = std::find_if(all.begin(), all.end(), [](const Evaluated& e) { return e.verdict.fits; });
   const auto zoe_cheapest = std::find_if(all.begin(), all.end(), [&in](const Evaluated& e) {
-    return e.verdict.fits && zoe_gap(e.placement, in.training.state).empty();
+    return e.verdict.fits && zoe_gap(e.placement).empty();
   });
   const Evaluated shown = requested ? evaluate(in, asked) : cheapest != all.end() ? *cheapest : all.back();
 

@@ -128,10 +128,6 @@ Status check_inputs(const std::vector<ParamGroup>& groups, const std::vector<Par
     return invalid_argument("state_dtype " + std::string(dtype_name(options.state_dtype)) +
                             " is invalid: the moments are stored as f32, bf16 or i8");
   }
-  if (options.state_dtype == DType::i8 && options.tier == Tier::nvme) {
-    return Status(StatusCode::unsupported, "state_dtype int8 is built for tier ram only: tier nvme's swap tiles hold "
-                                           "fp32 or bf16 moments (use state_dtype fp32 or bf16 with tier nvme)");
-  }
   if (options.delayed_warmup_steps < 0) return invalid_argument("delayed_warmup_steps must be >= 0");
   if (options.gradient_accumulation_steps < 1) {
     return invalid_argument("gradient_accumulation_steps = " + std::to_string(options.gradient_accumulation_steps) +

@@ -22,6 +22,10 @@
 namespace zoe {
 
 class CheckpointReader;
+class CheckpointWriter;
+
+// The blobs of i8 moments in a checkpoint: m codes, v codes, m block scales, v block scales.
+inline constexpr const char* kQ8Blobs[4] = {"exp_avg_q8", "exp_avg_sq_q8", "exp_avg_scale", "exp_avg_sq_scale"};
 
 // A piece: elements [begin, begin + n) of one parameter, the unit the overlap schedule copies, steps and
 // sends (OffloadOptions::tile elements). Gradient statistics are kept per piece and summed in piece order
@@ -66,14 +70,10 @@ class StateTier {
   // Tier ram: array `which` (0 p, 1 m, 2 v) as one contiguous fp32 array, or null (in place, p is not;
   // bf16 moments are not fp32).
   virtual const float* flat(int) const { return nullptr; }
-  // State dtype i8: the codes and scales as they are kept, for checkpoints to hold exactly (their fp32 values
-  // are written too, for readers that convert).
-  struct Blob {
-    const char* name;
-    const void* data;
-    std::size_t bytes;
-  };
-  virtual std::vector<Blob> q8_blobs() const { return {}; }
+  // State dtype i8: the codes and scales as they are kept, added to a checkpoint so that it holds them exactly
+  // (their fp32 values are written too, for readers that convert). Every tier writes the same blobs:
+  // kQ8Blobs, the codes in flat order and each parameter's block scales in parameter order.
+  virtual Status save_q8(CheckpointWriter&) { return Status::success(); }
 
   // The master weights of parameter i where the staging cannot hold them (f32 parameters; tier ram only).
   virtual float* master(std::size_t) { return nullptr; }

@@ -132,9 +132,7 @@ Status OffloadOptimizer::save(const std::string& path) {
     });
     if (!s.ok()) return s;
   }
-  for (const StateTier::Blob& b : m.tier->q8_blobs()) {
-    if (Status s = writer->add(b.name, b.data, b.bytes); !s.ok()) return s;
-  }
+  if (Status s = m.tier->save_q8(writer.value()); !s.ok()) return s;
   // In place, the 16-bit weights are the device's own.
   std::vector<unsigned char> weights16;
   if (m.in_place) {

@@ -1,6 +1,9 @@
 // Tier nvme: the fp32 master weights and moments of the flattened parameters in a swap store (zoe/swap.h),
-// streamed through a few RAM buffers by each step; never whole in RAM.
+// streamed through a few RAM buffers by each step; never whole in RAM. With i8 moments every parameter starts
+// on a block of the store (kMomentBlock elements; the gap after a parameter holds zeros that no step
+// touches), so its blocks and their scales are the ones tier ram keeps, and both tiers step the same bits.
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "src/offload/checkpoint.h"
@@ -13,20 +16,19 @@ namespace {
 
 class NvmeTier final : public StateTier {
  public:
-  NvmeTier(Impl& m, SwapStore store) : m_(m), store_(std::move(store)) {}
+  NvmeTier(Impl& m, SwapStore store, std::vector<std::size_t> at) : m_(m), store_(std::move(store)), at_(std::move(at)) {}
 
   // The store starts from the device's 16-bit weights, widened tile by tile.
   Status initialize() override {
-    std::size_t param = 0;
-    return store_.initialize([this, &param](std::size_t offset, std::size_t count, float* p) {
-      for (std::size_t done = 0; done < count;) {
-        while (m_.offsets[param + 1] <= offset + done) ++param;
-        const std::size_t at = offset + done - m_.offsets[param];
-        const std::size_t n = std::min(count - done, m_.params[param].n - at);
-        const auto* w = static_cast<const std::uint16_t*>(m_.weights_of(param)) + at;
-        const bool f16 = m_.params[param].dtype == DType::f16;
-        for (std::size_t k = 0; k < n; ++k) p[done + k] = f16 ? f16_to_float(w[k]) : bf16_to_float(w[k]);
-        done += n;
+    return store_.initialize([this](std::size_t offset, std::size_t count, float* p) {
+      const std::size_t end = offset + count;
+      std::memset(p, 0, count * 4);  // the gaps between parameters
+      std::size_t i = static_cast<std::size_t>(std::upper_bound(at_.begin(), at_.end(), offset) - at_.begin()) - 1;
+      for (; i < m_.params.size() && at_[i] < end; ++i) {
+        const std::size_t lo = std::max(offset, at_[i]), hi = std::min(end, at_[i] + m_.params[i].n);
+        const auto* w = static_cast<const std::uint16_t*>(m_.weights_of(i)) + (lo - at_[i]);
+        const bool f16 = m_.params[i].dtype == DType::f16;
+        for (std::size_t k = 0; k + lo < hi; ++k) p[lo - offset + k] = f16 ? f16_to_float(w[k]) : bf16_to_float(w[k]);
       }
       return Status::success();
     });
@@ -45,7 +47,7 @@ class NvmeTier final : public StateTier {
       if (p.n == 0) continue;
       DType grad_dtype;
       const void* grad = m_.step_grad(i, set, &grad_dtype);
-      segments.push_back({m_.offsets[i], p.n, &hyper[p.group].hyper, grad, grad_dtype, m_.weights_of(i), p.dtype});
+      segments.push_back({at_[i], p.n, &hyper[p.group].hyper, grad, grad_dtype, m_.weights_of(i), p.dtype});
     }
     StepOptions o;
     o.step = m_.step_count.load() + 1;
@@ -62,28 +64,39 @@ class NvmeTier final : public StateTier {
   }
 
   Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v) override {
-    return store_.read(offset, count, p, m, v);
+    return through_gaps(offset, count, {{p, 4}, {m, 4}, {v, 4}}, false,
+                        [&](std::size_t at, std::size_t n, const std::vector<void*>& a) {
+                          return store_.read(at, n, static_cast<float*>(a[0]), static_cast<float*>(a[1]),
+                                             static_cast<float*>(a[2]));
+                        });
   }
   Status write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v) override {
-    return store_.write(offset, count, p, m, v);
+    return through_gaps(offset, count, {{const_cast<float*>(p), 4}, {const_cast<float*>(m), 4}, {const_cast<float*>(v), 4}},
+                        true, [&](std::size_t at, std::size_t n, const std::vector<void*>& a) {
+                          return store_.write(at, n, static_cast<const float*>(a[0]), static_cast<const float*>(a[1]),
+                                              static_cast<const float*>(a[2]));
+                        });
   }
 
   // The state does not fit in RAM: verify every blob first, then stream it into the swap store.
   Status load(const CheckpointReader& reader, const std::string& path, std::int64_t step) override {
     const std::size_t total = m_.offsets.back();
-    const char* names[3] = {"master", "exp_avg", "exp_avg_sq"};
-    for (const char* name : names) {
-      const Status s = reader.read_streamed(name, total * 4, CheckpointWriter::kStreamSlice,
+    // An i8 run's own codes and scales resume it exactly; fp32 moments (any other run) are encoded.
+    const bool codes = q8() && reader.has(kQ8Blobs[0]);
+    std::vector<std::pair<const char*, std::size_t>> blobs = {{"master", total * 4}};
+    if (codes) {
+      for (int k = 0; k < 4; ++k) blobs.push_back({kQ8Blobs[k], k < 2 ? total : blocks() * 4});
+    } else {
+      blobs.insert(blobs.end(), {{"exp_avg", total * 4}, {"exp_avg_sq", total * 4}});
+    }
+    for (const auto& [name, bytes] : blobs) {
+      const Status s = reader.read_streamed(name, bytes, CheckpointWriter::kStreamSlice,
                                             [](std::size_t, const void*, std::size_t) { return Status::success(); });
       if (!s.ok()) return s;
     }
-    for (int k = 0; k < 3; ++k) {
-      const Status s = reader.read_streamed(names[k], total * 4, CheckpointWriter::kStreamSlice,
-                                            [&](std::size_t offset, const void* data, std::size_t n) {
-        const float* arrays[3] = {nullptr, nullptr, nullptr};
-        arrays[k] = static_cast<const float*>(data);
-        return store_.write(offset / 4, n / 4, arrays[0], arrays[1], arrays[2]);
-      });
+    for (std::size_t k = 0; k < blobs.size(); ++k) {
+      const Status s = k == 0 || !codes ? load_fp32(reader, blobs[k].first, static_cast<int>(k))
+                                        : load_q8(reader, blobs[k].first, static_cast<int>(k) - 1);
       if (!s.ok()) {
         return Status(s.code(), s.message() + " — while loading " + path + " into the swap store, whose state is now "
                                 "partly the checkpoint's: load again, or start afresh", s.sys_errno());
@@ -92,13 +105,130 @@ class NvmeTier final : public StateTier {
     return store_.set_step(step);
   }
 
+  // The codes in flat order (without the gaps) and the scales of every block, which are each parameter's
+  // blocks in parameter order: the blobs tier ram writes.
+  Status save_q8(CheckpointWriter& writer) override {
+    if (!q8()) return Status::success();
+    std::vector<unsigned char> slice(CheckpointWriter::kStreamSlice);
+    for (int k = 0; k < 4; ++k) {
+      const std::size_t bytes = k < 2 ? m_.offsets.back() : blocks() * 4;
+      const Status s = writer.add_streamed(kQ8Blobs[k], bytes, [&](std::size_t offset, std::size_t n, const void** out) {
+        *out = slice.data();
+        return transfer_q8(k, offset, n, slice.data(), false);
+      });
+      if (!s.ok()) return s;
+    }
+    return Status::success();
+  }
+
   Status flush() override { return store_.flush(); }
 
   bool in_ram() const override { return false; }
 
  private:
+  bool q8() const { return m_.options.state_dtype == DType::i8; }
+  std::size_t blocks() const { return at_.back() / kMomentBlock; }  // i8: every parameter's blocks
+
+  struct Array {
+    void* data;  // null: skipped
+    std::size_t size;
+  };
+  using StoreIo = std::function<Status(std::size_t at, std::size_t n, const std::vector<void*>& arrays)>;
+  // Flat elements [offset, offset + count) of `arrays`, moved by io() from (or, `in`, to) the store: directly
+  // where the store holds them without a gap, else through scratch arrays that span the gaps (zeros going in).
+  Status through_gaps(std::size_t offset, std::size_t count, const std::vector<Array>& arrays, bool in, const StoreIo& io) {
+    std::vector<void*> direct;
+    for (const Array& a : arrays) direct.push_back(a.data);
+    if (count == 0) return Status::success();
+    const std::size_t first = param_of(offset), last = param_of(offset + count - 1);
+    const std::size_t s0 = at_[first] + (offset - m_.offsets[first]);
+    const std::size_t s1 = at_[last] + (offset + count - m_.offsets[last]);
+    if (s1 - s0 == count) return io(s0, count, direct);
+    std::vector<std::vector<unsigned char>> scratch(arrays.size());
+    std::vector<void*> staged(arrays.size(), nullptr);
+    for (std::size_t k = 0; k < arrays.size(); ++k) {
+      if (arrays[k].data == nullptr) continue;
+      scratch[k].assign((s1 - s0) * arrays[k].size, 0);
+      staged[k] = scratch[k].data();
+    }
+    auto copy_runs = [&](bool into_scratch) {
+      for (std::size_t i = first; i <= last; ++i) {
+        const std::size_t lo = std::max(offset, m_.offsets[i]), hi = std::min(offset + count, m_.offsets[i + 1]);
+        if (lo >= hi) continue;
+        const std::size_t store_at = at_[i] + (lo - m_.offsets[i]) - s0, caller_at = lo - offset;
+        for (std::size_t k = 0; k < arrays.size(); ++k) {
+          if (arrays[k].data == nullptr) continue;
+          unsigned char* a = scratch[k].data() + store_at * arrays[k].size;
+          unsigned char* b = static_cast<unsigned char*>(arrays[k].data) + caller_at * arrays[k].size;
+          std::memcpy(into_scratch ? a : b, into_scratch ? b : a, (hi - lo) * arrays[k].size);
+        }
+      }
+    };
+    if (in) copy_runs(true);
+    if (Status s = io(s0, s1 - s0, staged); !s.ok()) return s;
+    if (!in) copy_runs(false);
+    return Status::success();
+  }
+  std::size_t param_of(std::size_t flat) const {
+    const auto& o = m_.offsets;
+    return static_cast<std::size_t>(std::upper_bound(o.begin(), o.end(), flat) - o.begin()) - 1;
+  }
+
+  // i8 blob k of kQ8Blobs, bytes [offset, offset + n), out of (or, `in`, into) the store: codes by flat
+  // element, scales by block.
+  Status transfer_q8(int k, std::size_t offset, std::size_t n, void* data, bool in) {
+    if (k >= 2) {
+      float* scales = static_cast<float*>(data);
+      float* ms = k == 2 ? scales : nullptr;
+      float* vs = k == 3 ? scales : nullptr;
+      const std::size_t at = offset / 4 * kMomentBlock, count = n / 4 * kMomentBlock;
+      return in ? store_.write_q8(at, count, nullptr, nullptr, ms, vs) : store_.read_q8(at, count, nullptr, nullptr, ms, vs);
+    }
+    return through_gaps(offset, n, {{data, 1}}, in, [&](std::size_t at, std::size_t count, const std::vector<void*>& a) {
+      auto* mq = k == 0 ? static_cast<std::int8_t*>(a[0]) : nullptr;
+      auto* vq = k == 1 ? static_cast<std::uint8_t*>(a[0]) : nullptr;
+      return in ? store_.write_q8(at, count, mq, vq, nullptr, nullptr) : store_.read_q8(at, count, mq, vq, nullptr, nullptr);
+    });
+  }
+
+  Status load_q8(const CheckpointReader& reader, const char* name, int k) {
+    const std::size_t bytes = k < 2 ? m_.offsets.back() : blocks() * 4;
+    return reader.read_streamed(name, bytes, CheckpointWriter::kStreamSlice,
+                                [&](std::size_t offset, const void* data, std::size_t n) {
+      return transfer_q8(k, offset, n, const_cast<void*>(data), true);
+    });
+  }
+
+  // fp32 array k (0 master, 1 exp_avg, 2 exp_avg_sq) into the store. With i8 moments each block must be encoded
+  // once from all its values: a slice is written up to the last block boundary in it, the rest carried over.
+  Status load_fp32(const CheckpointReader& reader, const char* name, int k) {
+    const std::size_t total = m_.offsets.back();
+    std::vector<float> carry;
+    std::size_t carry_at = 0;  // the flat element of carry[0]
+    return reader.read_streamed(name, total * 4, CheckpointWriter::kStreamSlice,
+                                [&](std::size_t, const void* data, std::size_t n) {
+      const auto* values = static_cast<const float*>(data);
+      carry.insert(carry.end(), values, values + n / 4);
+      const std::size_t end = carry_at + carry.size();
+      std::size_t cut = end;
+      if (k > 0 && q8() && end < total) {
+        const std::size_t i = param_of(end);
+        cut = std::max(carry_at, m_.offsets[i] + (end - m_.offsets[i]) / kMomentBlock * kMomentBlock);
+      }
+      const float* arrays[3] = {nullptr, nullptr, nullptr};
+      arrays[k] = carry.data();
+      if (Status s = write(carry_at, cut - carry_at, arrays[0], arrays[1], arrays[2]); !s.ok()) return s;
+      carry.erase(carry.begin(), carry.begin() + static_cast<std::ptrdiff_t>(cut - carry_at));
+      carry_at = cut;
+      return Status::success();
+    });
+  }
+
   Impl& m_;
   SwapStore store_;
+  // Where parameter i's elements start in the store (at_.back(): the store's size): m_.offsets, or with i8
+  // moments each parameter rounded up to whole blocks.
+  std::vector<std::size_t> at_;
 };
 
 }  // namespace
@@ -106,14 +236,18 @@ class NvmeTier final : public StateTier {
 Result<std::unique_ptr<StateTier>> make_nvme_tier(Impl& m, const char* name) {
   SwapOptions so = SwapOptions::from(m.options.nvme);
   so.adam = &m.adam;
-  so.state_dtype = m.options.state_dtype;  // bf16 moments: slots of 8 bytes per element instead of 12
-  // Tiles are whole O_DIRECT blocks of fp32 values.
-  const std::size_t align_elems = std::max<std::size_t>(so.alignment, 4096) / 4;
-  const std::size_t tile = (std::max<std::size_t>(m.options.tile, 1) + align_elems - 1) / align_elems * align_elems;
+  so.state_dtype = m.options.state_dtype;  // bf16 moments: slots of 8 bytes per element instead of 12; i8: 6 and scales
+  const bool q8 = so.state_dtype == DType::i8;
+  std::vector<std::size_t> at(m.params.size() + 1, 0);
+  const std::size_t unit = q8 ? kMomentBlock : 1;
+  for (std::size_t i = 0; i < m.params.size(); ++i) at[i + 1] = at[i] + (m.params[i].n + unit - 1) / unit * unit;
+  // Tiles are whole O_DIRECT blocks of fp32 values and, with i8 moments, whole blocks of codes (both powers of two).
+  const std::size_t tile_unit = std::max<std::size_t>(std::max<std::size_t>(so.alignment, 4096) / 4, unit);
+  const std::size_t tile = (std::max<std::size_t>(m.options.tile, 1) + tile_unit - 1) / tile_unit * tile_unit;
   if (Status s = SwapStore::remove(so, name); !s.ok()) return s;
-  Result<SwapStore> made = SwapStore::create(so, name, m.offsets.back(), tile);
+  Result<SwapStore> made = SwapStore::create(so, name, at.back(), tile);
   if (!made.ok()) return made.status();
-  return std::unique_ptr<StateTier>(std::make_unique<NvmeTier>(m, std::move(made).value()));
+  return std::unique_ptr<StateTier>(std::make_unique<NvmeTier>(m, std::move(made).value(), std::move(at)));
 }
 #else
 Result<std::unique_ptr<StateTier>> make_nvme_tier(Impl&, const char*) {

@@ -145,13 +145,14 @@ class RamTier final : public StateTier {
     return st;
   }
 
-  std::vector<Blob> q8_blobs() const override {
-    if (!q8()) return {};
+  Status save_q8(CheckpointWriter& writer) override {
+    if (!q8()) return Status::success();
     const std::size_t total = m_.offsets.back(), scales = scale_offsets_.back() * 4;
-    return {{"exp_avg_q8", exp_avg_.data(), total},
-            {"exp_avg_sq_q8", exp_avg_sq_.data(), total},
-            {"exp_avg_scale", m_scale_.data(), scales},
-            {"exp_avg_sq_scale", v_scale_.data(), scales}};
+    const AlignedBuffer* arrays[4] = {&exp_avg_, &exp_avg_sq_, &m_scale_, &v_scale_};
+    for (int k = 0; k < 4; ++k) {
+      if (Status s = writer.add(kQ8Blobs[k], arrays[k]->data(), k < 2 ? total : scales); !s.ok()) return s;
+    }
+    return Status::success();
   }
 
   const float* flat(int which) const override {
@@ -243,11 +244,10 @@ class RamTier final : public StateTier {
       if (!r.ok()) return r.status();
       *b = std::move(r).value();
     }
-    const char* names[4] = {"exp_avg_q8", "exp_avg_sq_q8", "exp_avg_scale", "exp_avg_sq_scale"};
     AlignedBuffer* dst[4] = {&codes[0], &codes[1], &scale[0], &scale[1]};
-    if (reader.has(names[0])) {
+    if (reader.has(kQ8Blobs[0])) {
       for (int k = 0; k < 4; ++k) {
-        if (Status s = reader.read(names[k], dst[k]->data(), k < 2 ? total : scales); !s.ok()) return s;
+        if (Status s = reader.read(kQ8Blobs[k], dst[k]->data(), k < 2 ? total : scales); !s.ok()) return s;
       }
     } else {
       for (std::size_t i = 0; i < m_.params.size(); ++i) {

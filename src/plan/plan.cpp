@@ -195,7 +195,7 @@ std::string placement_name(const Placement& p) {
          std::string(offload_name(p.param));
 }
 
-std::string zoe_gap(const Placement& p, StateDtype state) {
+std::string zoe_gap(const Placement& p) {
   std::string gap;
   auto add = [&gap](const std::string& s) { gap += (gap.empty() ? "" : "; ") + s; };
   if (p.optimizer == Offload::none) add("the optimizer state stays on the GPU, where zoe is not needed");
@@ -204,9 +204,6 @@ std::string zoe_gap(const Placement& p, StateDtype state) {
         "GPU, not yet partitioned across ranks");
   }
   if (p.stage == 3) add("zoe does not partition the 16-bit weights (stage 3) yet");
-  if (p.optimizer == Offload::nvme && state == StateDtype::int8) {
-    add("int8 moments are built for the RAM tier only, not yet for NVMe swap files (bf16 moments are)");
-  }
   return gap;
 }
 

@@ -68,8 +68,8 @@ struct Placement {
 std::string placement_name(const Placement& p);
 // "14.0 GiB", "1.82 TiB", "578.0 MiB": binary units, as the plan prints them.
 std::string format_bytes(std::uint64_t bytes);
-// What zoe cannot run of this placement, with these moments, yet ("" when it runs it).
-std::string zoe_gap(const Placement& p, StateDtype state = StateDtype::fp32);
+// What zoe cannot run of this placement yet ("" when it runs it); every state dtype runs on both tiers.
+std::string zoe_gap(const Placement& p);
 
 struct Training {
   StateDtype state = StateDtype::fp32;

@@ -136,7 +136,7 @@ TEST(SwapStore, OpenRefusesAMismatchWithTheReason) {
   bf16.state_dtype = DType::bf16;  // its slots are laid out for 2-byte moments
   expect_refused(SwapStore::open(bf16, "rank0", kN, kTile), "state_dtype = f32, this run asks for bf16");
   bf16.state_dtype = DType::i8;
-  expect_refused(SwapStore::open(bf16, "rank0", kN, kTile), "not built on the NVMe tier");
+  expect_refused(SwapStore::open(bf16, "rank0", kN, kTile), "state_dtype = f32, this run asks for i8");
   expect_refused(SwapStore::open(small_options({b, a}), "rank0", kN, kTile), "paths = ");
   expect_refused(SwapStore::open(small_options({a, c}), "rank0", kN, kTile), "paths = ");
   expect_refused(SwapStore::open(small_options({c}), "rank0", kN, kTile), "no swap store named rank0");

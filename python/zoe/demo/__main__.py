@@ -39,7 +39,7 @@ def parse_args(argv=None):
                         "per transformer block with prefetch 2 (zoe.torch.offload_parameters)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="the device weights")
     p.add_argument("--state", choices=["fp32", "bf16", "int8"], default="fp32",
-                   help="how zoe keeps the Adam moments (bf16: half their bytes; int8, tier ram only: a quarter and "
+                   help="how zoe keeps the Adam moments (bf16: half their bytes; int8: a quarter and "
                         "a scale per 2048)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--out", default="zoe-demo", help="folder for loss.png, summary.json and the swap files")
@@ -87,8 +87,6 @@ def make_optimizer(model, args, swap_dir):
     decay = [p for n, p in model.named_parameters() if len(full_shape(p)) >= 2]
     no_decay = [p for n, p in model.named_parameters() if len(full_shape(p)) < 2]
     groups = lambda: [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]  # noqa: E731
-    if args.tier == "auto" and args.state == "int8":
-        return OffloadOptimizer(groups(), tier="ram", **common), "ram", f"{args.state} moments are built for tier ram: using it"
     if args.tier in ("auto", "nvme"):
         try:
             return OffloadOptimizer(groups(), tier="nvme", nvme_path=swap_dir, **common), "nvme", None
