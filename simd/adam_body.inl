@@ -72,18 +72,23 @@ struct Broadcast {
 //   g = g * scale (+ wd * p for Adam);  m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g;
 //   p = p * (1 - lr * wd) for AdamW;  p = p - step_size * m / (sqrt(v) / sqrt(bc2) + eps).
 // With bf16 moments the step uses the fp32 m and v it computed; only what is stored is rounded.
-template <int G, int O, int S, bool L2>
-inline void adam_lanes(const Broadcast& b, float* p, void* m, void* v, const void* g, void* out, std::size_t i) {
-  V::F gv = V::mul(load_grad<G>(g, i), b.grad_scale);
-  V::F pv = V::load(p + i);
+// The update itself, on a vector of loaded values (the gradient as stored, before its scale): every
+// moment storage (fp32, bf16, 8-bit blocks) runs this one body.
+template <bool L2>
+inline void adam_math(const Broadcast& b, V::F gv, V::F& pv, V::F& mv, V::F& vv) {
+  gv = V::mul(gv, b.grad_scale);
   if constexpr (L2) gv = V::fma(b.l2, pv, gv);
-  V::F mv = load_state<S>(m, i);
   mv = V::fma(b.one_minus_beta1, V::sub(gv, mv), mv);
-  V::F vv = V::mul(load_state<S>(v, i), b.beta2);
-  vv = V::fma(V::mul(b.one_minus_beta2, gv), gv, vv);
+  vv = V::fma(V::mul(b.one_minus_beta2, gv), gv, V::mul(vv, b.beta2));
   const V::F denom = V::fma(V::sqrt(vv), b.inv_bc2_sqrt, b.eps);
   pv = V::mul(pv, b.decay);
   pv = V::fma(b.neg_step_size, V::div(mv, denom), pv);
+}
+
+template <int G, int O, int S, bool L2>
+inline void adam_lanes(const Broadcast& b, float* p, void* m, void* v, const void* g, void* out, std::size_t i) {
+  V::F pv = V::load(p + i), mv = load_state<S>(m, i), vv = load_state<S>(v, i);
+  adam_math<L2>(b, load_grad<G>(g, i), pv, mv, vv);
   V::store(p + i, pv);
   store_state<S>(m, i, mv);
   store_state<S>(v, i, vv);
@@ -156,7 +161,7 @@ void streams(const AdamConstants& c, float* p, void* m, void* v, const void* g, 
   run<G, O, S, false, StreamsLanes>(c, p, m, v, g, out, n);
 }
 
-// ---- 8-bit moments (kernels.h): a block decoded into fp32, stepped by run<kStateF32>, encoded again ----
+// ---- 8-bit moments (kernels.h): a block decoded, stepped and encoded again with its new scales ----
 
 // Codes [0, count) of one block into m[] and v[] (room for count rounded up to whole vectors).
 inline void decode_block(const std::int8_t* mq, const std::uint8_t* vq, float m_scale, float v_scale, float* m,
@@ -176,8 +181,21 @@ inline void decode_block(const std::int8_t* mq, const std::uint8_t* vq, float m_
   V::store(v + i, V::mul(V::load_e5m3(tv), dv));
 }
 
-// Four accumulators: one chain of max would wait on its own latency. A NaN is never taken (the vector max
-// keeps its second operand, the scalar tail compares), so the order of the chains changes nothing.
+// The largest of `acc`'s lanes and of x[0, count) (|x| when `absolute`); 0 for none. A NaN is never taken
+// (the vector max keeps its second operand, the scalar loop compares), so the order changes nothing.
+inline float max_of(V::F acc, const float* x, std::size_t count, bool absolute) {
+  alignas(64) float lanes[V::lanes];
+  V::store(lanes, acc);
+  float out = 0.0f;
+  for (float e : lanes) out = e > out ? e : out;
+  for (std::size_t i = 0; i < count; ++i) {
+    const float e = absolute ? __builtin_fabsf(x[i]) : x[i];
+    out = e > out ? e : out;
+  }
+  return out;
+}
+
+// Four accumulators: one chain of max would wait on its own latency.
 inline float block_max(const float* x, std::size_t count, bool absolute) {
   V::F acc[4] = {V::set(0.0f), V::set(0.0f), V::set(0.0f), V::set(0.0f)};
   auto at = [&](std::size_t i) { return absolute ? V::abs(V::load(x + i)) : V::load(x + i); };
@@ -186,25 +204,13 @@ inline float block_max(const float* x, std::size_t count, bool absolute) {
     for (std::size_t k = 0; k < 4; ++k) acc[k] = V::max(at(i + k * V::lanes), acc[k]);
   }
   for (; i + V::lanes <= count; i += V::lanes) acc[0] = V::max(at(i), acc[0]);
-  alignas(64) float lanes[4][V::lanes];
-  for (std::size_t k = 0; k < 4; ++k) V::store(lanes[k], acc[k]);
-  float out = 0.0f;
-  for (const float* chain : lanes) {
-    for (std::size_t k = 0; k < V::lanes; ++k) out = chain[k] > out ? chain[k] : out;
-  }
-  for (; i < count; ++i) {
-    const float e = absolute ? __builtin_fabsf(x[i]) : x[i];
-    out = e > out ? e : out;
-  }
-  return out;
+  return max_of(V::max(V::max(acc[0], acc[1]), V::max(acc[2], acc[3])), x + i, count - i, absolute);
 }
 
-// fp32 m[] and v[] of one block (room for whole vectors) to codes, and the block's new scales.
-inline void encode_block(const float* m, const float* v, std::size_t count, std::int8_t* mq, std::uint8_t* vq,
-                         float* m_scale, float* v_scale) {
-  const float ms = block_max(m, count, true), vs = block_max(v, count, false);
-  *m_scale = ms;
-  *v_scale = vs;
+// fp32 m[] and v[] of one block (room for whole vectors) to codes with the block's scales ms = max |m|,
+// vs = max v.
+inline void encode_with(const float* m, const float* v, std::size_t count, float ms, float vs, std::int8_t* mq,
+                        std::uint8_t* vq) {
   const V::F qm = V::set(ms > 0.0f ? 127.0f / ms : 0.0f), qv = V::set(vs > 0.0f ? 1.0f / vs : 0.0f);
   std::size_t i = 0;
   for (; i + V::lanes <= count; i += V::lanes) {
@@ -223,16 +229,74 @@ inline void encode_block(const float* m, const float* v, std::size_t count, std:
   copy_bytes(vq + i, cv, count - i);
 }
 
+inline void encode_block(const float* m, const float* v, std::size_t count, std::int8_t* mq, std::uint8_t* vq,
+                         float* m_scale, float* v_scale) {
+  *m_scale = block_max(m, count, true);
+  *v_scale = block_max(v, count, false);
+  encode_with(m, v, count, *m_scale, *v_scale, mq, vq);
+}
+
+// One block in one pass: its codes decoded in registers, stepped by adam_math, the new fp32 moments kept in
+// tm/tv (L1) with their running maxima; then encoded with the new scales. The last block's tail is staged
+// through zero-padded lane buffers, as run() stages it; only its real elements count toward the maxima.
+template <int G, int O, bool L2>
+inline void adam_q8_block(const Broadcast& b, float* p, std::int8_t* mq, std::uint8_t* vq, float* m_scale,
+                          float* v_scale, const void* g, void* out, std::size_t count, float* tm, float* tv) {
+  const V::F dm = V::set(*m_scale / 127.0f), dv = V::set(*v_scale);
+  V::F mmax = V::set(0.0f), vmax = V::set(0.0f);
+  V::F mv, vv;
+  auto lanes = [&](float* pp, const std::int8_t* mc, const std::uint8_t* vc, const void* gg, void* oo, std::size_t i,
+                   float* m_out, float* v_out) {
+    V::F pv = V::load(pp + i);
+    mv = V::mul(V::load_i8(mc + i), dm);
+    vv = V::mul(V::load_e5m3(vc + i), dv);
+    adam_math<L2>(b, load_grad<G>(gg, i), pv, mv, vv);
+    V::store(pp + i, pv);
+    V::store(m_out, mv);
+    V::store(v_out, vv);
+    store_out<O>(oo, i, pv);
+  };
+  std::size_t i = 0;
+  for (; i + V::lanes <= count; i += V::lanes) {
+    lanes(p, mq, vq, g, out, i, tm + i, tv + i);
+    mmax = V::max(V::abs(mv), mmax);
+    vmax = V::max(vv, vmax);
+  }
+  const std::size_t tail = count - i;
+  if (tail > 0) {
+    alignas(64) float sp[V::lanes] = {};
+    alignas(64) std::int8_t sm[V::lanes] = {};
+    alignas(64) std::uint8_t sv[V::lanes] = {};
+    alignas(64) unsigned char sg[V::lanes * 4] = {};
+    alignas(64) std::uint16_t so[V::lanes] = {};
+    copy_bytes(sp, p + i, tail * 4);
+    copy_bytes(sm, mq + i, tail);
+    copy_bytes(sv, vq + i, tail);
+    copy_bytes(sg, static_cast<const unsigned char*>(g) + i * elem_bytes(G), tail * elem_bytes(G));
+    lanes(sp, sm, sv, sg, so, 0, tm + i, tv + i);
+    copy_bytes(p + i, sp, tail * 4);
+    if constexpr (O != kOutNone) copy_bytes(static_cast<unsigned char*>(out) + i * out_bytes(O), so, tail * out_bytes(O));
+  }
+  *m_scale = max_of(mmax, tm + i, tail, true);
+  *v_scale = max_of(vmax, tv + i, tail, false);
+  encode_with(tm, tv, count, *m_scale, *v_scale, mq, vq);
+}
+
 template <int G, int O>
 void adam_q8(const AdamConstants& c, float* p, std::int8_t* m, std::uint8_t* v, float* m_scale, float* v_scale,
              const void* g, void* out, std::size_t n) {
-  alignas(64) float tm[kQuantBlock], tv[kQuantBlock];
+  // Room for a whole last vector: a short block's tail is written there as a full vector.
+  alignas(64) float tm[kQuantBlock + V::lanes], tv[kQuantBlock + V::lanes];
+  const Broadcast b(c);
   for (std::size_t start = 0, j = 0; start < n; start += kQuantBlock, ++j) {
     const std::size_t count = n - start < kQuantBlock ? n - start : kQuantBlock;
-    decode_block(m + start, v + start, m_scale[j], v_scale[j], tm, tv, count);
-    adam<G, O, kStateF32>(c, p + start, tm, tv, static_cast<const unsigned char*>(g) + start * elem_bytes(G),
-                          O == kOutNone ? nullptr : static_cast<unsigned char*>(out) + start * out_bytes(O), count);
-    encode_block(tm, tv, count, m + start, v + start, &m_scale[j], &v_scale[j]);
+    const void* gj = static_cast<const unsigned char*>(g) + start * elem_bytes(G);
+    void* oj = O == kOutNone ? nullptr : static_cast<unsigned char*>(out) + start * out_bytes(O);
+    if (c.l2 != 0.0f) {  // as adam(): AdamW and weight_decay = 0 never compute 0 * p
+      adam_q8_block<G, O, true>(b, p + start, m + start, v + start, m_scale + j, v_scale + j, gj, oj, count, tm, tv);
+    } else {
+      adam_q8_block<G, O, false>(b, p + start, m + start, v + start, m_scale + j, v_scale + j, gj, oj, count, tm, tv);
+    }
   }
 }
 
