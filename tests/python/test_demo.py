@@ -136,7 +136,7 @@ def test_demo_with_parameters_offloaded_trains_as_resident(tmp_path):
     assert not any((tmp_path / "nvme" / "params").iterdir())  # the scratch parameter file is gone
 
 
-def test_demo_with_low_bit_moments_reports_their_resident_bytes(tmp_path):
+def test_demo_with_low_bit_moments_reports_their_state_bytes(tmp_path):
     small = ["--steps", "3", "--batch", "2", "--seq", "32", "--d-model", "64", "--layers", "1", "--heads", "2",
              "--evals", "1", "--tier", "ram"]
     summaries = {}
@@ -154,6 +154,19 @@ def test_demo_with_low_bit_moments_reports_their_resident_bytes(tmp_path):
     for state in ("bf16", "int8"):
         assert summaries[state]["state_dtype"] == state
         assert all(math.isfinite(v) for v in summaries[state]["losses"])
+    # Tier nvme: the swap files hold the compact form (int8: 6 bytes per element and the block scales, in
+    # tiles of the same element count as fp32's 12).
+    swap = {}
+    for state in ("fp32", "int8"):
+        out = tmp_path / f"nvme-{state}"
+        r = subprocess.run([sys.executable, "-m", "zoe.demo", *small[:-1], "nvme", "--state", state, "--out", str(out)],
+                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert r.returncode == 0, r.stdout + r.stderr
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["tier"] == "nvme" and summary["resident_state_bytes"] == 0
+        assert all(math.isfinite(v) for v in summary["losses"])
+        swap[state] = summary["swap_file_bytes"]
+    assert 0 < swap["int8"] < 0.55 * swap["fp32"]
 
 
 @pytest.mark.parametrize("module, args, message", [

@@ -80,6 +80,10 @@ def held_out_loss(model, batches, device) -> float:
         return sum(model(x.to(device), y.to(device))[1].item() for x, y in batches) / len(batches)
 
 
+def _swap_file_bytes(swap_dir: str) -> int:
+    return sum(os.path.getsize(os.path.join(swap_dir, f)) for f in os.listdir(swap_dir) if f.endswith(".zoe-swap"))
+
+
 def make_optimizer(model, args, swap_dir):
     common = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, schedule=args.schedule,
                   max_grad_norm=1.0, state_dtype=args.state)
@@ -244,6 +248,8 @@ def main(argv=None) -> int:
         "state_dtype": args.state,
         # fp32 master + two moments, per parameter, as zoe holds them in RAM (tier ram)
         "resident_state_bytes": _resident_state_bytes(model, args.state) if tier == "ram" else 0,
+        # tier nvme: the swap files, which hold each tile twice (a step writes the slot it did not read)
+        "swap_file_bytes": _swap_file_bytes(swap_dir) if tier == "nvme" else 0,
         "param_tier": offload.stats() if offload is not None else None, "weights_dtype": args.dtype, "tier": tier,
         "schedule": args.schedule, "steps": args.steps, "batch": args.batch, "seq": args.seq,
         "tokens_per_s": tokens_per_step * args.steps / wall, "tokens_per_s_per_step": r["tokens_per_s"],
