@@ -128,9 +128,9 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         isa, threads, tile: the CPU kernel's instruction set, worker threads, elements per unit of work.
         state_dtype: how the Adam moments are kept: ``"fp32"``; ``"bf16"`` (8 bytes less per parameter in
             RAM, or 4 bytes less of NVMe traffic each way on tier nvme; each moment rounded to nearest even
-            after its fp32 update); or ``"int8"`` (tier ram;
-            2 bytes per parameter and an fp32 scale per 2048 elements: m linear in its block's largest, v an
-            8-bit float relative to its block's largest). The master weights stay fp32, and
+            after its fp32 update); or ``"int8"`` (2 bytes per parameter and an fp32 scale per 2048
+            elements, in RAM or in the swap files: m linear in its block's largest, v an 8-bit float
+            relative to its block's largest). The master weights stay fp32, and
             ``read_state``/``state_dict`` give fp32 values.
 
     With torch FSDP2 (``fully_shard``; the parameters are DTensors): pass ``model.parameters()`` after
