@@ -130,7 +130,7 @@ int bench_step(std::span<char* const> args) {
       {"tier", &tier_text, nullptr, "where p, m, v live: ram or nvme"},
       {"path", &path_text, nullptr, "tier nvme: swap folder(s), comma-separated"},
       {"durability", &durability_text, nullptr, "tier nvme: step (durable in the background) or checkpoint (at save)"},
-      {"state", &state_text, nullptr, "Adam moments: fp32, bf16 or int8 (tier ram)"},
+      {"state", &state_text, nullptr, "Adam moments: fp32, bf16 or int8"},
       {"n", &n_text, nullptr, "parameters (K, M, G suffixes are powers of 1024)"},
       {"buckets", &buckets_text, nullptr, "gradient buckets reported during backward"},
       {"compute-ms", &compute_text, nullptr, "device forward+backward time (default: 1.5x the CPU step measured at start)"},
