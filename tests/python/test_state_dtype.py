@@ -1,6 +1,6 @@
-"""OffloadOptimizer(state_dtype="bf16" | "int8"): Adam moments kept in bf16 or 8-bit codes (tier ram), the
-master weights in fp32. Each step is checked against float64 Adam started from zoe's own stored state;
-state_dicts come back exactly; what is not built is refused with a message."""
+"""OffloadOptimizer(state_dtype="bf16" | "int8"): Adam moments kept in bf16 or 8-bit codes (tier ram, and tier
+nvme stepping the same bits), the master weights in fp32. Each step is checked against float64 Adam started
+from zoe's own stored state; state_dicts come back exactly; an unknown dtype is refused with a message."""
 import pytest
 import torch
 
