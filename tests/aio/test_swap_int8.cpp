@@ -1,11 +1,13 @@
 // A swap store of i8 moments: its slots hold the codes and each block's scales, stepped bit for bit as
 // CpuAdam steps the same tensors in RAM; read/read_q8 give the decoded moments and the raw codes; the block
-// rules (tile and segments on blocks) are refused with the reason; a damaged scale fails the checksum.
+// rules (tile and segments on blocks) are refused with the reason; a failed write is retried to the
+// uninterrupted result; a damaged scale fails the checksum.
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <vector>
@@ -199,6 +201,63 @@ TEST(SwapStoreInt8, BlockRulesAreRefusedWithTheReason) {
   ASSERT_FALSE(reopened.ok());
   EXPECT_NE(reopened.status().message().find("state_dtype = f32, this run asks for i8"), std::string::npos)
       << reopened.status().to_string();
+}
+
+// Steps 1..3 of the two segments on `store`, step 3 failing once on its 3rd tile write when `faults` is set
+// (then retried with the same gradients); returns p, codes and scales as stored.
+struct Stored {
+  std::vector<float> p, ms, vs;
+  std::vector<std::int8_t> mq;
+  std::vector<std::uint8_t> vq;
+};
+
+Stored three_steps(SwapStore& store, testing::FaultPlan* faults) {
+  AdamHyper h;
+  h.lr = 1e-2f;
+  std::vector<float> g(kN);
+  for (std::int64_t step = 1; step <= 3; ++step) {
+    test::Random rng(static_cast<std::uint64_t>(step));
+    for (float& x : g) x = static_cast<float>(rng.uniform(-1e-2, 1e-2));
+    const SwapSegment segments[2] = {{0, kFirstN, &h, g.data(), DType::f32, nullptr, DType::bf16},
+                                     {kSplit, kN - kSplit, &h, g.data() + kSplit, DType::f32, nullptr, DType::bf16}};
+    StepOptions so;
+    so.step = step;
+    if (faults != nullptr && step == 3) {
+      faults->arm(IoOp::write, 2, EIO);
+      const Status failed = store.step(segments, so);
+      EXPECT_FALSE(failed.ok());
+      EXPECT_NE(failed.message().find("step 3 incomplete"), std::string::npos) << failed.to_string();
+      faults->clear();
+    }
+    const Status s = store.step(segments, so);
+    EXPECT_TRUE(s.ok()) << s.to_string();
+  }
+  Stored out{std::vector<float>(kN), std::vector<float>(moment_blocks(kN)), std::vector<float>(moment_blocks(kN)),
+             std::vector<std::int8_t>(kN), std::vector<std::uint8_t>(kN)};
+  EXPECT_TRUE(store.read(0, kN, out.p.data(), nullptr, nullptr).ok());
+  EXPECT_TRUE(store.read_q8(0, kN, out.mq.data(), out.vq.data(), out.ms.data(), out.vs.data()).ok());
+  return out;
+}
+
+// A tile write that fails mid-step leaves every tile's codes and scales at a step it names; the step called
+// again completes the rest, and the store equals one that never failed, bit for bit.
+TEST(SwapStoreInt8, AFailedWriteIsRetriedToTheUninterruptedResult) {
+  TempDir clean_dir, faulty_dir;
+  Result<SwapStore> clean = SwapStore::create(int8_options(clean_dir.path()), "rank0", kN, kTile);
+  testing::FaultPlan faults;
+  SwapOptions o = int8_options(faulty_dir.path());
+  o.fault_hook = faults.hook();
+  Result<SwapStore> faulty = SwapStore::create(o, "rank0", kN, kTile);
+  ASSERT_TRUE(clean.ok() && faulty.ok());
+  ASSERT_TRUE(clean->initialize(testing::fill_initial).ok());
+  ASSERT_TRUE(faulty->initialize(testing::fill_initial).ok());
+  const Stored a = three_steps(*clean, nullptr), b = three_steps(*faulty, &faults);
+  EXPECT_EQ(faults.fired.load(), 1);
+  EXPECT_EQ(std::memcmp(a.p.data(), b.p.data(), kN * 4), 0);
+  EXPECT_EQ(a.mq, b.mq);
+  EXPECT_EQ(a.vq, b.vq);
+  EXPECT_EQ(a.ms, b.ms);
+  EXPECT_EQ(a.vs, b.vs);
 }
 
 // A block scale altered on disk is caught by the tile's m checksum, never used.
