@@ -7,10 +7,12 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "tests/aio/aio_test_util.h"
 #include "tests/offload/trainer.h"
 #include "zoe/partition.h"
 
@@ -33,7 +35,12 @@ std::vector<RankRun> run_ranks(int world, DType dtype, const OffloadOptions& o, 
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
-      Trainer t(Schedule::sync, dtype, o, 0, {1000, 37, 4096, 1}, group, r);
+      OffloadOptions mine = o;
+      for (std::string& path : mine.nvme.paths) {  // tier nvme: one swap folder per rank, as the Python front makes
+        path += "/rank" + std::to_string(r);
+        std::filesystem::create_directories(path);
+      }
+      Trainer t(Schedule::sync, dtype, mine, 0, {1000, 37, 4096, 1}, group, r);
       if (!t.created()) return;
       t.run(1, iterations, grads(r));
       out[r].weights = t.device_weights();
@@ -89,6 +96,26 @@ TEST(Partition, Int8MomentsGiveEveryRankTheSameWeights) {
   const std::vector<RankRun> reference = run_ranks(2, DType::bf16, fp32, 8, [](int) { return random_grads(1e-2); });
   EXPECT_NE(ranks[0].weights, reference[0].weights);
 }
+
+#ifdef ZOE_HAVE_AIO
+// Each rank's pieces on tier nvme: every piece starts a block of that rank's swap range, so the ranks step
+// the bits they step on tier ram.
+TEST(Partition, Int8MomentsOnNvmeEqualRamBitwise) {
+  testing::TempDir dir("zoe-partition");
+  OffloadOptions ram;
+  ram.state_dtype = DType::i8;
+  OffloadOptions nvme = ram;
+  nvme.tier = Tier::nvme;
+  nvme.nvme.paths = {dir.path()};
+  const auto grads = [](int) { return random_grads(1e-2); };
+  const std::vector<RankRun> on_ram = run_ranks(2, DType::bf16, ram, 6, grads);
+  const std::vector<RankRun> on_nvme = run_ranks(2, DType::bf16, nvme, 6, grads);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(on_nvme[r].steps, 6) << "rank " << r;
+    EXPECT_EQ(on_nvme[r].weights, on_ram[r].weights) << "rank " << r;
+  }
+}
+#endif
 
 // The global norm summed in another order (per rank, then across ranks) in double: a few ulps of a double.
 constexpr double kNormSumOrderRelTol = 1e-9;
