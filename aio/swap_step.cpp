@@ -312,6 +312,16 @@ Status SwapStore::Impl::run_tiles(std::span<const TileTask> tasks, const TileCom
 
 namespace {
 
+// A tile that is written without being read starts as zeros: all-zero bytes are +0 in f32 and bf16 alike,
+// and zero codes with zero scales decode to +0.
+void zero_tile(const SwapStore::Impl& im, const TileArrays& a, std::size_t count) {
+  std::memset(a.p, 0, count * 4);
+  for (unsigned char* x : {a.m, a.v}) std::memset(x, 0, count * im.moment_bytes);
+  for (float* x : {a.m_scale, a.v_scale}) {
+    if (x != nullptr) std::memset(x, 0, moment_blocks(count) * 4);
+  }
+}
+
 // Runs the common frame of a streaming call: checks, the pipeline, fdatasync and the table update, stats.
 template <typename Body>
 Status streaming_call(SwapStore::Impl& im, bool writes, Body&& body) {
@@ -350,12 +360,7 @@ Status SwapStore::initialize(const std::function<Status(std::size_t, std::size_t
   for (std::size_t t = 0; t < im.ntiles; ++t) tasks[t] = {t, false, true, step};
   return streaming_call(im, true, [&] {
     return im.run_tiles(tasks, [&](const TileTask& task, const TileArrays& a, std::size_t count) {
-      // All-zero bytes are +0 in f32 and bf16 alike, and zero codes with zero scales decode to +0.
-      std::memset(a.m, 0, count * im.moment_bytes);
-      std::memset(a.v, 0, count * im.moment_bytes);
-      for (float* scale : {a.m_scale, a.v_scale}) {
-        if (scale != nullptr) std::memset(scale, 0, moment_blocks(count) * 4);
-      }
+      zero_tile(im, a, count);  // m = v = 0; fill() writes p
       Status s = fill(im.tile_begin(task.tile), count, a.p);
       if (!s.ok()) {
         return Status(s.code(), "initialize: the fill callback failed for elements [" + std::to_string(im.tile_begin(task.tile)) +
@@ -610,15 +615,6 @@ Result<std::vector<TileTask>> range_tasks(const SwapStore::Impl& im, std::size_t
     tasks.push_back({t, written && !whole, true, written ? im.table[t].step : 0});
   }
   return tasks;
-}
-
-// A tile that is written without being read starts as zeros (an all-zero state).
-void zero_tile(const SwapStore::Impl& im, const TileArrays& a, std::size_t count) {
-  std::memset(a.p, 0, count * 4);
-  for (unsigned char* x : {a.m, a.v}) std::memset(x, 0, count * im.moment_bytes);
-  for (float* x : {a.m_scale, a.v_scale}) {
-    if (x != nullptr) std::memset(x, 0, moment_blocks(count) * 4);
-  }
 }
 
 }  // namespace
