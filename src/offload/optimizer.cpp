@@ -248,7 +248,7 @@ Result<double> OffloadOptimizer::grad_norm() {
   }
   Result<int> set = m.schedule->take_grads();
   if (!set.ok()) return set.status();
-  const Impl::Decision d = m.decide(set.value(), m.visible_scale);
+  const Impl::Decision d = m.decide(set.value(), m.visible_scale, m.options.max_grad_norm);
   if (!d.error.ok()) return d.error;
   return d.grad_norm;
 }

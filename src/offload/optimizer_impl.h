@@ -246,7 +246,9 @@ struct OffloadOptimizer::Impl {
   };
   // The error a refused step returns: which parameters hold NaN/Inf gradients (from the statistics of `set`).
   Status non_finite_error(int set) const;
-  Decision decide(int set, float scale_used) const;
+  // max_grad_norm: the clipping in force when the step was called (the delayed schedule decides later, in
+  // the background, while the trainer may already have set the next step's).
+  Decision decide(int set, float scale_used, float max_grad_norm) const;
   void record_outcome(const Decision& d);
   // Parameter offload (ParamSpec::tier): the updated weights of a tiered parameter are written to its tier
   // once the step is decided (overlap does not send them speculatively). A write that fails leaves the step

@@ -230,7 +230,7 @@ Status OffloadOptimizer::Impl::step_all(float grad_scale, int set, const std::ve
 // From the gradients' statistics, summed in parameter order: skip (fp16 overflow), and the grad_scale that
 // unscales and clips. Clipping follows torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6),
 // applied only when below 1.
-OffloadOptimizer::Impl::Decision OffloadOptimizer::Impl::decide(int set, float scale_used) const {
+OffloadOptimizer::Impl::Decision OffloadOptimizer::Impl::decide(int set, float scale_used, float max_grad_norm) const {
   double sum_sq = 0;
   std::uint64_t non_finite = 0;
   for (const GradStats& s : stats[set]) {
@@ -254,8 +254,8 @@ OffloadOptimizer::Impl::Decision OffloadOptimizer::Impl::decide(int set, float s
   d.refused = !options.loss_scale.enabled && options.refuse_non_finite && non_finite > 0;
   d.grad_norm = non_finite > 0 ? NAN : std::sqrt(sum_sq) / scale_used / ranks;
   double coef = 1.0;
-  if (options.max_grad_norm > 0 && non_finite == 0) {
-    coef = std::min(1.0, static_cast<double>(options.max_grad_norm) / (d.grad_norm + 1e-6));
+  if (max_grad_norm > 0 && non_finite == 0) {
+    coef = std::min(1.0, static_cast<double>(max_grad_norm) / (d.grad_norm + 1e-6));
   }
   d.grad_scale = static_cast<float>(coef / (scale_used * ranks));
   return d;

@@ -203,6 +203,9 @@ Status DelayedSchedule::step() {
   if (Status s = report_all(); !s.ok()) return s;
   std::fill(reported_.begin(), reported_.end(), 0);
   const float scale_used = m_.visible_scale;  // what this iteration's loss was scaled by
+  // The clipping set for this step: the trainer may set the next step's (set_max_grad_norm) while this one
+  // is decided in the background.
+  const float max_norm = m_.options.max_grad_norm;
   Result<EventId> sent = flush();
   if (!sent.ok()) return sent.status();
   Result<EventId> copied = m_.device.record(Stream::d2h);
@@ -212,12 +215,12 @@ Status DelayedSchedule::step() {
   // The next backward must not overwrite the gradients before they are down.
   if (Status s = m_.device.wait(Stream::compute, copied_compute.value()); !s.ok()) return s;
   grad_set_ ^= 1;
-  background_->enqueue([this, set, scale_used, copied = copied.value(), sent = sent.value(), hyper = m_.groups] {
+  background_->enqueue([this, set, scale_used, max_norm, copied = copied.value(), sent = sent.value(), hyper = m_.groups] {
     Status s = m_.device.synchronize(copied);
     // The weight staging is still being sent up until `sent` completes.
     if (Status t = m_.device.synchronize(sent); s.ok()) s = t;
     if (s.ok()) {
-      const Impl::Decision d = m_.decide(set, scale_used);
+      const Impl::Decision d = m_.decide(set, scale_used, max_norm);
       if (d.refused) s = m_.non_finite_error(set);
       if (s.ok() && !d.overflow) {
         s = m_.step_all(d.grad_scale, set, hyper);

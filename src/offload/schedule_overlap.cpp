@@ -168,7 +168,7 @@ Status OverlapSchedule::step() {
   if (Status s = report_the_rest(); !s.ok()) return s;
   worker_->drain();
   if (!worker_status_.ok()) return std::exchange(worker_status_, Status::success());
-  const Impl::Decision d = m_.decide(0, m_.visible_scale);
+  const Impl::Decision d = m_.decide(0, m_.visible_scale, m_.options.max_grad_norm);
   const float speculative_scale = static_cast<float>(1.0 / m_.visible_scale);
   const bool skip = d.overflow || d.refused;
   const bool wrong = skip || d.grad_scale != speculative_scale;

@@ -4,9 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <future>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "src/offload/host_device.h"
 #include "tests/offload/trainer.h"
 #include "tests/reference.h"
 #include "zoe/offload.h"
@@ -126,6 +130,36 @@ TEST(ChangedGrads, SetMaxGradNormEqualsClippingFromCreation) {
   }
   Trainer trainer(Schedule::sync, DType::bf16, {}, 0, kSizes);
   for (float bad : {-1.0f, NAN, INFINITY}) EXPECT_FALSE(trainer.opt().set_max_grad_norm(bad).ok()) << bad;
+}
+
+// The delayed schedule decides its step (the clip coefficient among it) in the background after step() has
+// returned, and a trainer may set the next step's clipping at once: zoe.torch puts its own max_grad_norm back
+// after a step clipped by clip_grad_norm_(). Each step keeps the clipping set when it was called. The
+// background step is held on the copy stream until the trainer has changed the setting, so that the order
+// is certain.
+TEST(ChangedGrads, DelayedStepKeepsTheClippingSetWhenItWasCalled) {
+  OffloadOptions clip;
+  clip.max_grad_norm = 0.1f;
+  const Case c{Schedule::delayed, DType::bf16, false};
+  const RunResult from_creation = run(c, clip, random_grads(1e-2));
+  const int warmup = 2;  // sync steps, which wait for the copies before they return
+  Trainer trainer(c.schedule, c.dtype, {}, warmup, kSizes);
+  int iteration = 0;
+  std::shared_ptr<std::promise<void>> gate;
+  trainer.run(
+      1, 8, random_grads(1e-2),
+      [&](DeviceParams&, OffloadOptimizer& opt) {
+        ASSERT_TRUE(opt.set_max_grad_norm(0.1f).ok());
+        if (++iteration <= warmup) return;
+        gate = std::make_shared<std::promise<void>>();
+        std::shared_future<void> open = gate->get_future().share();
+        ASSERT_TRUE(enqueue_on_host_device(trainer.device(), Stream::d2h, [open] { open.wait(); }).ok());
+      },
+      [&](OffloadOptimizer& opt) {
+        ASSERT_TRUE(opt.set_max_grad_norm(0.0f).ok());
+        if (gate) std::exchange(gate, nullptr)->set_value();
+      });
+  expect_bitwise_equal(from_creation, trainer.result());
 }
 
 }  // namespace

@@ -144,7 +144,11 @@ class Trainer {
   // What a trainer does between the end of backward and step() (clip, unscale, edit the gradients).
   using AfterBackward = std::function<void(DeviceParams&, OffloadOptimizer&)>;
 
-  void run(int first, int last, const GradFn& grads, const AfterBackward& after_backward = nullptr) {
+  // What a trainer does as soon as step() has returned (the delayed schedule's step is still running).
+  using AfterStep = std::function<void(OffloadOptimizer&)>;
+
+  void run(int first, int last, const GradFn& grads, const AfterBackward& after_backward = nullptr,
+           const AfterStep& after_step = nullptr) {
     for (int t = first; t <= last; ++t) {
       ASSERT_TRUE(device_->synchronize().ok());  // the previous iteration is done: gradients may be written
       result_.scales.push_back(opt_->loss_scale());
@@ -161,6 +165,7 @@ class Trainer {
       }
       const Status s = opt_->step();
       ASSERT_TRUE(s.ok()) << s.to_string();
+      if (after_step) after_step(*opt_);
     }
   }
 
