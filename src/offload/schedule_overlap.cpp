@@ -4,6 +4,8 @@
 // speculative step and resends the old weights; a clip coefficient below 1 undoes and redoes them with it.
 // Gradients the trainer changed after reporting them (retake()) undo every speculative step too, and the
 // step is then sync's, over the gradients taken again.
+// Speculative steps use the hyper-parameters set when the iteration's first gradient was reported; a trainer
+// that sets others before step() (a learning-rate schedule stepped late) has them undone and redone too.
 // Tier nvme does not speculate: its steps are not undone (the gradients come down during backward, and the
 // step runs once they are all down).
 #include <algorithm>
@@ -56,6 +58,11 @@ class OverlapSchedule final : public StepSchedule {
   Status grad_ready(std::size_t i) override {
     if (reported_[i]) return invalid_argument("parameter " + std::to_string(i) + " was reported ready twice in one iteration");
     reported_[i] = 1;
+    if (!speculating_) {
+      // Copied for the worker: the trainer may set the groups' hyper-parameters while it steps.
+      speculated_with_ = m_.groups;
+      speculating_ = true;
+    }
     Status s = m_.tier->in_ram()
                    ? m_.enqueue_d2h(i, 0, [this](std::size_t k, EventId copied) { return step_piece_when_down(k, copied); })
                    : m_.enqueue_d2h(i, 0);
@@ -110,6 +117,9 @@ class OverlapSchedule final : public StepSchedule {
   // The gradients changed after they were reported (retake()); they were taken again, synchronously, after
   // the speculation was undone (taken_again_): step() then steps every piece.
   bool retake_ = false, taken_again_ = false;
+  // The groups' hyper-parameters the speculative steps of this iteration use (speculating_: set).
+  std::vector<ParamGroup> speculated_with_;
+  bool speculating_ = false;
   Status worker_status_;  // the first failure inside the worker
   std::unique_ptr<WorkQueue> worker_ = std::make_unique<WorkQueue>();  // per-piece steps during backward
 };
@@ -126,7 +136,7 @@ Status OverlapSchedule::step_piece_when_down(std::size_t k, EventId copied) {
     if ((o.loss_scale.enabled || o.refuse_non_finite) && m_.stats[0][k].non_finite > 0) overflow_seen_ = true;
     if (overflow_seen_) return;  // this step will be skipped: stepping more would only be undone
     if (speculation_can_fail_) save_undo(m_.pieces[k]);
-    if (Status s = m_.tier->step({k}, speculative_scale, 0, m_.groups); !s.ok()) {
+    if (Status s = m_.tier->step({k}, speculative_scale, 0, speculated_with_); !s.ok()) {
       worker_status_ = s;
       return;
     }
@@ -155,6 +165,15 @@ void OverlapSchedule::end_iteration() {
   std::fill(stepped_.begin(), stepped_.end(), 0);
   overflow_seen_ = false;
   retake_ = taken_again_ = false;
+  speculating_ = false;
+}
+
+bool same_hyper(const std::vector<ParamGroup>& a, const std::vector<ParamGroup>& b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const ParamGroup& x, const ParamGroup& y) {
+    const AdamHyper &p = x.hyper, &q = y.hyper;
+    return p.lr == q.lr && p.beta1 == q.beta1 && p.beta2 == q.beta2 && p.eps == q.eps &&
+           p.weight_decay == q.weight_decay && p.adamw == q.adamw && p.bias_correction == q.bias_correction;
+  });
 }
 
 Status OverlapSchedule::step() {
@@ -171,7 +190,7 @@ Status OverlapSchedule::step() {
   const Impl::Decision d = m_.decide(0, m_.visible_scale, m_.options.max_grad_norm);
   const float speculative_scale = static_cast<float>(1.0 / m_.visible_scale);
   const bool skip = d.overflow || d.refused;
-  const bool wrong = skip || d.grad_scale != speculative_scale;
+  const bool wrong = skip || d.grad_scale != speculative_scale || !same_hyper(speculated_with_, m_.groups);
   std::vector<std::size_t> redo;
   for (std::size_t k = 0; k < m_.pieces.size(); ++k) {
     if (stepped_[k] && wrong) {

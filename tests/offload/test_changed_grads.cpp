@@ -132,6 +132,25 @@ TEST(ChangedGrads, SetMaxGradNormEqualsClippingFromCreation) {
   for (float bad : {-1.0f, NAN, INFINITY}) EXPECT_FALSE(trainer.opt().set_max_grad_norm(bad).ok()) << bad;
 }
 
+// A learning-rate schedule stepped between backward and step() (or a C++ trainer setting group_hyper there):
+// the overlap schedule's speculative steps used the earlier values, and are redone with the new ones.
+TEST(ChangedGrads, HyperParametersSetAfterBackwardAreTheStepsOwn) {
+  for (bool cpu_device : {false, true}) {
+    SCOPED_TRACE(cpu_device ? "in place" : "staged");
+    std::vector<RunResult> runs;
+    for (Schedule s : {Schedule::sync, Schedule::overlap}) {
+      Trainer trainer(s, DType::bf16, {}, 0, kSizes, nullptr, 0, cpu_device);
+      int t = 0;
+      trainer.run(1, 8, random_grads(1e-2), [&t](DeviceParams&, OffloadOptimizer& opt) {
+        opt.group_hyper(0).lr = 1e-2f / float(++t);
+        opt.group_hyper(1).weight_decay = 0.1f + 0.01f * float(t);
+      });
+      runs.push_back(trainer.result());
+    }
+    expect_bitwise_equal(runs[0], runs[1]);
+  }
+}
+
 // The delayed schedule decides its step (the clip coefficient among it) in the background after step() has
 // returned, and a trainer may set the next step's clipping at once: zoe.torch puts its own max_grad_norm back
 // after a step clipped by clip_grad_norm_(). Each step keeps the clipping set when it was called. The
