@@ -590,6 +590,8 @@ void bind_param_tier(nb::module_& m) {
 void bind_engine(nb::module_& m) {
   nb::class_<PyDevice>(m, "Device", "Where the model's weights and gradients live, as zoe's engine sees it.")
       .def_prop_ro("name", [](const PyDevice& d) { return d.device->name(); })
+      .def_prop_ro("host_memory", [](const PyDevice& d) { return d.device->host_memory(); },
+                   "True when the device's memory is host memory (the CPU): gradients never leave it.")
       .def("synchronize", &PyDevice::synchronize, "Waits for every copy the engine has enqueued.");
   m.def("host_device", [] { return std::make_unique<PyDevice>(PyDevice{make_host_device()}); },
         "The host stand-in: any host address is device memory; copies run on stream threads.");

@@ -52,6 +52,10 @@ class _LocalBucket:
         self.shard_numel = sum(s.numel for s in slots)
         self.weights = None
         self.grads = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+        self.window = None  # offloaded parameters are refused with FSDP2
+
+    def grad_buffer(self, s) -> torch.Tensor:
+        return self.grads
 
 
 class ShardedParams:

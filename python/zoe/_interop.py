@@ -121,6 +121,9 @@ def pieces(opt) -> list[tuple]:
     for b in opt._buckets:
         lo, hi = opt._rank * b.shard_numel, (opt._rank + 1) * b.shard_numel
         for s in b.slots:
+            if s.windowed:  # not partitioned (one rank), and not in the flat buffers
+                out.append((s, 0, s.numel))
+                continue
             a, z = max(lo, s.offset), min(hi, s.offset + s.numel)
             if a < z:
                 out.append((s, a - s.offset, z - a))
@@ -266,11 +269,15 @@ def _gathered_state(opt) -> dict:
     """{index: (master, exp_avg, exp_avg_sq)}, whole, every rank's partition gathered."""
     flat = {b.dtype: torch.zeros(3, b.shard_numel, dtype=torch.float32) for b in opt._buckets}
     owner = {id(s): b for b in opt._buckets for s in b.slots}
+    windowed = {}
     for s, begin, n in pieces(opt):
         b = owner[id(s)]
         at = s.offset + begin - opt._rank * b.shard_numel
         bufs = [torch.empty(n, dtype=torch.float32) for _ in range(3)]
         opt._engine.read_state(s.engine_ids[0], *bufs)
+        if s.windowed:
+            windowed[s.index] = tuple(t.view(s.shape) for t in bufs)
+            continue
         for k in range(3):
             flat[b.dtype][k, at:at + n] = bufs[k]
     out = {}
@@ -283,7 +290,8 @@ def _gathered_state(opt) -> dict:
         else:
             whole = mine
         for s in b.slots:
-            out[s.index] = tuple(whole[k, s.offset:s.offset + s.numel].clone().view(s.shape) for k in range(3))
+            out[s.index] = windowed[s.index] if s.windowed else \
+                tuple(whole[k, s.offset:s.offset + s.numel].clone().view(s.shape) for k in range(3))
     return out
 
 

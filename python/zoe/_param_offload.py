@@ -47,7 +47,8 @@ What the tier must guarantee: the address ``fetch`` returns holds the block for 
 thread frees the last tensor on the block, autograd's device thread included — lets the memory be reused
 only after torch's work enqueued before it.
 
-Optimizers. zoe's ``OffloadOptimizer`` steps the weights in the tier. A torch optimizer needs full tensors:
+Optimizers. zoe's ``OffloadOptimizer`` steps the weights in the tier and, on a GPU, takes each gradient off
+the device as soon as it is accumulated, so that gradients too take one window of device memory (torch.py). A torch optimizer needs full tensors:
 ``with offload.gathered(): opt.step()`` gives every parameter its full weights (fresh device tensors, not
 the pool: all blocks at once need not fit in it) and writes them back to the tier when the block ends.
 

@@ -20,6 +20,14 @@ How it meets torch:
 * With ``torch.distributed`` initialised, each rank owns 1/W of every flat buffer: gradients are averaged
   (reduce-scatter, or all-reduce where the backend lacks it, as gloo does), the rank steps its shard, and
   the weights are all-gathered.
+* Parameters offloaded with ``offload_parameters`` live in their parameter tier; the step writes their new
+  weights there. On a GPU their gradients leave the device as each one's backward ends (into zoe's fp32
+  sum on the host, with declared micro-batches): all of them take turns in one window on the device, as
+  large as the largest, and ``p.grad`` holds zeros after backward. Clipping therefore goes through zoe:
+  ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` — what Hugging Face's Trainer and Accelerate
+  call — is answered by the optimizer's ``clip_grad_norm_`` while such an optimizer exists; an edit of
+  ``p.grad`` zoe cannot apply (GradScaler's unscaling, a copy of torch's clipping) makes ``step()`` raise,
+  stepping nothing.
 * DTensor parameters (torch FSDP2, ``fully_shard``) are partitioned already: each rank's engine steps its
   local shards in place, and only the gradient norm and skip decisions are agreed across the mesh
   (``_dtensor.py``).
@@ -47,11 +55,45 @@ _ZOE_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16
 _UNSUPPORTED_FLAGS = _state_dict.UNSUPPORTED_FLAGS
 
 
+# torch's own, kept before zoe routes it for optimizers whose gradients left the device (_route_clipping).
+_torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
+_optimizers_with_windows: "weakref.WeakSet[OffloadOptimizer]" = weakref.WeakSet()
+
+
+def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """``torch.nn.utils.clip_grad_norm_`` while an OffloadOptimizer holds gradients that left the device
+    (offloaded parameters on a GPU; p.grad holds zeros there): over exactly that optimizer's parameters —
+    what trainers pass, ``model.parameters()`` — it is the optimizer's ``clip_grad_norm_``, which computes
+    the norm of the gradients zoe took and clips inside the step. Any other call is torch's."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    for opt in list(_optimizers_with_windows):
+        if opt._answers_clipping(params):
+            return opt.clip_grad_norm_(max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
+    return _torch_clip_grad_norm_(params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
+                                  foreach=foreach)
+
+
+def _route_clipping(opt) -> None:
+    """Trainers clip (Hugging Face's Trainer computes the norm to log it even with max_grad_norm=0) through
+    ``torch.nn.utils.clip_grad_norm_``, looked up at each call: zoe answers it for its offloaded gradients.
+    A trainer that bound torch's function earlier is caught at step() instead (_check_windows)."""
+    _optimizers_with_windows.add(opt)
+    if torch.nn.utils.clip_grad_norm_ is _torch_clip_grad_norm_:
+        torch.nn.utils.clip_grad_norm_ = _clip_grad_norm_
+
+
+def _cpu_device():
+    """The engine's device for a model on the CPU: the CPU itself, stepped in place. Tests put the host
+    stand-in (``zoe.host_device``: memory of its own and copy streams, as a GPU has) in its place to run the
+    paths of a device with its own memory without one."""
+    return _zoe.cpu_device()
+
+
 class _Slot:
     """Where one trainable parameter lives in its dtype's flat buffers."""
 
-    __slots__ = ("param", "index", "group", "offset", "numel", "shape", "tier", "grad_view", "engine_ids",
-                 "accumulated", "taken")
+    __slots__ = ("param", "index", "group", "offset", "numel", "shape", "tier", "windowed", "grad_view",
+                 "engine_ids", "accumulated", "taken")
 
     def __init__(self, param, index, group, offset):
         self.param = param
@@ -63,6 +105,9 @@ class _Slot:
         self.tier = getattr(param, "_zoe_param_offload", None)  # (ParamOffload, block, entry)
         self.shape = _param_offload.full_shape(param)
         self.numel = _dtensor.local_numel(param) if self.tier is None else math.prod(self.shape)
+        # Its gradient leaves the device as its backward ends, and its place in the bucket is a window that
+        # every such parameter of the dtype uses in turn (OffloadOptimizer._build).
+        self.windowed = False
         self.grad_view = None
         self.engine_ids: list[int] = []
         self.accumulated = 0  # backward passes that accumulated into this gradient since the last step
@@ -70,17 +115,31 @@ class _Slot:
 
 
 class _Bucket:
-    """The flat weights and gradients of every trainable parameter of one dtype, and this rank's shard."""
+    """The flat weights and gradients of every trainable parameter of one dtype, and this rank's shard.
+
+    Windowed slots (offloaded parameters, whose gradients leave the device when reported; one rank only)
+    are not in the flat buffers: their weights are in the parameter tier, and their gradients take turns in
+    one ``window`` as large as the largest of them — each is there only from its accumulation to its report,
+    which follow each other on autograd's thread. A tensor of its own, so that its version counter tells
+    a trainer's edit of those gradients from edits of the others."""
 
     def __init__(self, dtype, device, slots, world):
         self.dtype = dtype
         self.slots = slots
-        total = sum(s.numel for s in slots)
+        total = 0
+        for s in slots:
+            s.offset = 0 if s.windowed else total
+            total += 0 if s.windowed else s.numel
         self.shard_numel = -(-total // world) if total else 0
         padded = self.shard_numel * world
         # Padded to W x shard_numel elements: the engine reduces and gathers in these buffers.
         self.weights = torch.zeros(padded, dtype=dtype, device=device)
         self.grads = torch.zeros(padded, dtype=dtype, device=device)
+        window = max((s.numel for s in slots if s.windowed), default=0)
+        self.window = torch.zeros(window, dtype=dtype, device=device) if window else None
+
+    def grad_buffer(self, s: _Slot) -> torch.Tensor:
+        return self.window if s.windowed else self.grads
 
 
 class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
@@ -219,6 +278,8 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                                                  and dist.get_world_size(process_group) > 1))
         self._reported = False
         self._taken_versions: list[int] | None = None
+        self._window_versions: list[int] = []  # of the windows' gradients when zoe last wrote them (_Bucket)
+        self._windowed_slots: list[_Slot] = []
         self._clip_once: float | None = None  # clip_grad_norm_'s max_norm for the coming step
         self._warned_changed = False
         self._reduce = reduce_grads
@@ -256,7 +317,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         if self._device.type == "cuda":
             self._zoe_device = _zoe.cuda_device(self._device.index or 0)
         elif self._device.type == "cpu":
-            self._zoe_device = _zoe.cpu_device()
+            self._zoe_device = _cpu_device()
         else:
             raise ValueError(f"zoe.torch.OffloadOptimizer: device {self._device} is not supported (cpu or cuda)")
         if self._device.type == "cuda" and self._options["schedule"] == "delayed":
@@ -291,6 +352,13 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             self._buckets = self._dtensor.make_buckets(slots_by_dtype, self._device)
             self._make_engine()
             return
+        # On a device with memory of its own, offloaded parameters' gradients leave it as each one's backward
+        # ends (DESIGN.md, "Parameters off the device"): on CUDA they take one window's memory, not theirs.
+        for s in self._slots:
+            s.windowed = s.tier is not None and not self._zoe_device.host_memory
+        self._windowed_slots = [s for s in self._slots if s.windowed]
+        if self._windowed_slots:
+            _route_clipping(self)
         self._buckets = [_Bucket(dt, self._device, slots, self._world) for dt, slots in slots_by_dtype.items()]
         if self._world > 1:
             self._dp = _data_parallel.DataParallel(self._group, self._device, self._reduce)
@@ -300,7 +368,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                     if s.tier is None:
                         b.weights[s.offset:s.offset + s.numel].copy_(s.param.data.reshape(-1))
                         s.param.data = b.weights[s.offset:s.offset + s.numel].view_as(s.param)
-                    s.grad_view = b.grads[s.offset:s.offset + s.numel].view(s.shape)
+                    s.grad_view = b.grad_buffer(s)[s.offset:s.offset + s.numel].view(s.shape)
                     if s.param.grad is not None:
                         s.grad_view.copy_(s.param.grad)
                     _param_offload.set_grad(s.param, s.grad_view)
@@ -308,9 +376,12 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                     # Every rank starts from rank 0's weights, as DistributedDataParallel does.
                     dist.broadcast(b.weights, src=dist.get_global_rank(self._group, 0), group=self._group)
         self._make_engine()
-        if (self._options["schedule"] in ("overlap", "delayed") or self._engine_accumulates) and self._world == 1:
+        hook_all = self._options["schedule"] in ("overlap", "delayed") or self._engine_accumulates
+        if self._world == 1:
             for s in self._slots:
-                self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_hook(s)))
+                if hook_all or s.windowed:
+                    self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_hook(s)))
+        self._window_versions = self._versions_of_windows()
 
     def _loss_scale_options(self):
         ls = self._options["loss_scale"]
@@ -389,9 +460,10 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                     offload, block, entry = s.tier
                     tiered.append((len(specs), offload.tier, block, entry))
                     weights_ptr = 0
-                specs.append((s.numel, _ZOE_DTYPES[b.dtype], weights_ptr, b.grads.data_ptr() + s.offset * esize,
-                              s.group, names.get(s.index, ""), shape))
-                if max(lo, s.offset) < min(hi, s.offset + s.numel):
+                grads_ptr = b.grad_buffer(s).data_ptr() + s.offset * esize
+                specs.append((s.numel, _ZOE_DTYPES[b.dtype], weights_ptr, grads_ptr, s.group, names.get(s.index, ""),
+                              shape))
+                if s.windowed or max(lo, s.offset) < min(hi, s.offset + s.numel):
                     s.engine_ids.append(pieces)
                     pieces += 1
         collectives = self._dp.collectives if self._dp is not None else None
@@ -415,9 +487,12 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
 
         def hook(param):
             opt = ref()
-            if opt is None or opt._accumulating:
+            if opt is None:
                 return
-            opt._on_grad_accumulated(slot)
+            if slot.windowed:
+                opt._on_windowed_grad(slot)  # it cannot wait on the device, inside accumulating() too
+            elif not opt._accumulating:
+                opt._on_grad_accumulated(slot)
         return hook
 
     def _on_grad_accumulated(self, slot: _Slot) -> None:
@@ -446,7 +521,74 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         if self._engine_accumulates or slot.accumulated == passes:
             self._report(slot, last=slot.accumulated == passes)
 
+    def _on_windowed_grad(self, slot: _Slot) -> None:
+        """After autograd accumulated the gradient of an offloaded parameter into its window: it goes down
+        now (with micro-batches declared, added into zoe's fp32 sum on the host), and the window is zeroed for
+        the next parameter. p.grad holds zeros from then on."""
+        self._adopt_grad(slot)
+        slot.accumulated += 1
+        passes = self._accumulation_steps if self._engine_accumulates else 1
+        if slot.accumulated > passes:
+            slot.grad_view.zero_()
+            self._window_versions = self._versions_of_windows()
+            raise RuntimeError(
+                f"zoe.torch.OffloadOptimizer: backward pass {slot.accumulated} since the last step reached offloaded "
+                f"parameter {slot.index} (shape {tuple(slot.shape)}), whose gradient left the device after pass "
+                f"{passes}: gradients of offloaded parameters cannot accumulate in p.grad. Pass "
+                "gradient_accumulation_steps=<micro-batches per step> to OffloadOptimizer (zoe then sums them in "
+                "fp32 on the host), or call step() after every backward pass")
+        self._sync_hyper()  # as in _report
+        if self._device.type == "cuda":
+            # zoe's copy stream cannot yet wait on torch's: the gradient must exist before zoe copies it.
+            torch.cuda.current_stream(self._device).synchronize()
+        for i in slot.engine_ids:
+            self._engine.grad_ready(i)
+        # The copy down must have read the window before the next parameter's gradient is accumulated there.
+        self._zoe_device.synchronize()
+        slot.grad_view.zero_()
+        self._window_versions = self._versions_of_windows()
+        slot.taken = slot.accumulated == passes
+
+    def _answers_clipping(self, params: list) -> bool:
+        """Whether torch's clip_grad_norm_ over ``params`` is this optimizer's (_clip_grad_norm_): they
+        include a parameter whose gradient left the device. Then they must be exactly this optimizer's
+        parameters with gradients, or the norm would be another set's."""
+        windowed = {id(s.param) for s in self._windowed_slots}
+        if not any(id(p) in windowed for p in params):
+            return False
+        mine = {id(s.param) for s in self._slots}
+        foreign = {id(p) for p in params if p.grad is not None} - mine
+        missing = mine - {id(p) for p in params}
+        if foreign or missing:
+            raise RuntimeError(
+                "zoe.torch.OffloadOptimizer: torch.nn.utils.clip_grad_norm_ over parameters that include offloaded "
+                "ones (offload_parameters) must be given this optimizer's parameters (e.g. model.parameters()): "
+                f"{len(foreign)} given with gradients are not the optimizer's, {len(missing)} of the optimizer's "
+                "are not given. Their gradients left the device, and zoe computes the norm over all of the "
+                "optimizer's")
+        return True
+
+    def _versions_of_windows(self) -> list[int]:
+        return [b.window._version for b in self._buckets if b.window is not None]
+
+    def _check_windows(self) -> None:
+        """Gradients that left the device cannot be changed: a trainer that clips, unscales or edits p.grad
+        after backward (it finds zeros in the windows) gets an error, not a step that ignores its edit."""
+        if self._versions_of_windows() == self._window_versions:
+            return
+        self._window_versions = self._versions_of_windows()
+        raise RuntimeError(
+            "zoe.torch.OffloadOptimizer: p.grad of an offloaded parameter (offload_parameters) was changed after "
+            "backward, but its gradient had left the device as its backward ended (p.grad holds zeros since), "
+            "so the change cannot be applied. Nothing was stepped. Let zoe clip: OffloadOptimizer("
+            "max_grad_norm=...), opt.clip_grad_norm_(max_norm), or torch.nn.utils.clip_grad_norm_(model.parameters(), "
+            "max_norm) called through torch.nn.utils (zoe answers it; a copy of torch's function bound before the "
+            "optimizer existed is not); and zoe's loss scaling (loss_scale) in place of GradScaler.")
+
     def _report(self, slot: _Slot, last: bool) -> None:
+        # A learning-rate scheduler stepped after the last step(): the overlap schedule's speculative steps use
+        # the group's values at the first report (the engine redoes them if step() brings others).
+        self._sync_hyper()
         if self._device.type == "cuda":
             # zoe's streams cannot yet wait on torch's; the gradient must exist before zoe copies it.
             torch.cuda.current_stream(self._device).synchronize()
@@ -465,6 +607,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         """Every gradient into the flat buffers before the engine reads them all; one the engine had read
         already that the trainer replaced by another tensor (``p.grad = ...``) is a changed gradient."""
         replaced = [s for s in self._slots if self._adopt_grad(s)]
+        self._window_versions = self._versions_of_windows()
         if self._check_changes and any(s.taken for s in replaced):
             self._take_again()
 
@@ -545,6 +688,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         t0 = time.perf_counter()
         comm = engine_s = 0.0
         try:
+            self._check_windows()
             self._note_changed_grads()
             self._adopt_grads()
             self._sync_hyper()
@@ -595,13 +739,22 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         returns the total norm of the (unscaled) gradients, computed by zoe, and clips the step by
         ``max_norm / (norm + 1e-6)`` when that is below 1. The coefficient is applied inside the step (fused
         into the kernel's gradient scale), so ``p.grad`` keeps its values and the overlap schedule keeps its
-        overlap. Other ``norm_type`` values clip ``p.grad`` in place with torch (exact, not overlapped)."""
+        overlap. ``max_norm=inf`` returns the norm and clips nothing; with the optimizer's own ``max_grad_norm``
+        the tighter of the two applies. Other ``norm_type`` values clip ``p.grad`` in place with torch (exact,
+        not overlapped; not with offloaded parameters on a GPU, whose gradients left the device)."""
         max_norm = float(max_norm)
-        if not (max_norm >= 0 and math.isfinite(max_norm)):
-            raise ValueError(f"max_norm = {max_norm} is invalid: need >= 0")
+        if not max_norm >= 0:
+            raise ValueError(f"max_norm = {max_norm} is invalid: need >= 0 (inf: the norm, no clipping)")
         if float(norm_type) != 2.0:
-            return torch.nn.utils.clip_grad_norm_([s.param for s in self._slots], max_norm, norm_type=norm_type,
-                                                  error_if_nonfinite=error_if_nonfinite)
+            if self._windowed_slots:
+                raise RuntimeError(
+                    f"zoe.torch.OffloadOptimizer: clip_grad_norm_ with norm_type={norm_type} over offloaded "
+                    "parameters (offload_parameters) is not supported: their gradients left the device as their "
+                    "backward ended, and zoe computes the 2-norm only")
+            return _torch_clip_grad_norm_([s.param for s in self._slots], max_norm, norm_type=norm_type,
+                                          error_if_nonfinite=error_if_nonfinite)
+        limit = min(max_norm, self._max_grad_norm) if self._max_grad_norm > 0 else max_norm
+        self._check_windows()
         self._note_changed_grads()
         self._adopt_grads()
         for s in self._slots:
@@ -611,9 +764,9 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         else:
             if self._dp is not None:
                 self._dp.check_reduction(self._buckets)
-            self._engine.set_max_grad_norm(max_norm)
+            self._engine.set_max_grad_norm(limit if math.isfinite(limit) else 0.0)
             norm = self._engine.grad_norm()
-        self._clip_once = max_norm
+        self._clip_once = limit
         self._taken_versions = self._grad_versions()
         if error_if_nonfinite and not math.isfinite(norm):
             raise RuntimeError(f"The total norm of order 2.0 for gradients from `parameters` is non-finite ({norm}), "
@@ -627,6 +780,9 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         that the next step must copy)."""
         for b in self._buckets:
             b.grads.zero_()
+            if b.window is not None:
+                b.window.zero_()
+        self._window_versions = self._versions_of_windows()
         for s in self._slots:
             if s.param.grad is not s.grad_view:
                 _param_offload.set_grad(s.param, s.grad_view)
@@ -669,9 +825,13 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
     def stats(self) -> dict:
         """The engine's counters (steps, skipped, last_grad_norm, adam_s, step_call_s, d2h/h2d bytes) and the
         adapter's own time: ``engine_s`` inside the engine's step (zoe's own partitioning communicates there),
-        ``comm_s`` in torch.distributed outside it (FSDP2's global norm), ``adapter_s`` the rest of step()."""
+        ``comm_s`` in torch.distributed outside it (FSDP2's global norm), ``adapter_s`` the rest of step();
+        ``device_grad_bytes``, the gradient buffers the adapter keeps on the model's device."""
         s = dict(self._engine.stats())
         s.update(self._timing)
+        s["device_grad_bytes"] = sum(
+            (b.grads.numel() + (b.window.numel() if b.window is not None else 0)) * b.grads.element_size()
+            for b in self._buckets)
         return s
 
     def read_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -126,3 +126,40 @@ def test_accelerate_loop_with_accumulation_and_clipping(schedule):
     print(f"Accelerate loop, accumulate(2), clip_grad_norm_(1.0), {schedule}: max weight difference to torch "
           f"AdamW {diff:.2e}")
     assert diff < TORCH_TOL
+
+
+def test_hf_trainer_with_offloaded_parameters_on_a_device_with_its_own_memory(tmp_path, monkeypatch):
+    # On a GPU the gradients of offloaded parameters leave the device as their backward ends (here: the host
+    # stand-in, which has memory of its own), and p.grad holds zeros after backward. The Trainer's clipping
+    # (torch.nn.utils.clip_grad_norm_; its norm is logged even with max_grad_norm=0) is then answered by zoe:
+    # the norm of the gradients zoe took, the clip inside the step. The same as the resident model with the
+    # Trainer's clipping off and zoe's max_grad_norm, bit for bit.
+    import zoe
+    from zoe.torch import offload_parameters
+    monkeypatch.setattr(zoe.torch, "_cpu_device", zoe.host_device)
+
+    def run(name, trainer_clip, offload, **zoe_args):
+        model = tiny_llama()
+        if offload:
+            offload_parameters(model)
+        opt = zoe_adamw("overlap", gradient_accumulation_steps=2, **zoe_args)(model)
+        args = TrainingArguments(output_dir=str(tmp_path / name), max_steps=6, per_device_train_batch_size=4,
+                                 gradient_accumulation_steps=2, max_grad_norm=trainer_clip, learning_rate=LR,
+                                 use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, seed=0,
+                                 disable_tqdm=True, dataloader_num_workers=0)
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(opt, None))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        return [h["loss"] for h in logs], [h["grad_norm"] for h in logs], opt, seen
+
+    clip = 0.5  # below the norms of this run (about 0.8)
+    want, want_norms, ref_opt, _ = run("resident", 0.0, False, max_grad_norm=clip)
+    got, got_norms, opt, seen = run("offloaded", clip, True)
+    assert got == want
+    assert opt.stats()["last_grad_norm"] == ref_opt.stats()["last_grad_norm"]
+    assert min(want_norms) > clip  # the clip acted
+    # Logged: torch's norm of p.grad (resident) and zoe's of the gradients it took, in another summation order.
+    assert got_norms == pytest.approx(want_norms, rel=1e-5)
+    assert not [w for w in seen if "zoe" in str(w.message)]  # nothing was taken again

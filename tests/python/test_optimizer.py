@@ -68,6 +68,32 @@ def test_param_groups_and_lr_scheduler():
     assert max_diff(ref, mine) < PARITY_TOL
 
 
+@pytest.mark.parametrize("late", [False, True])
+def test_overlap_with_an_lr_scheduler_steps_the_bits_of_sync(late):
+    # The overlap schedule steps during backward: with the scheduler stepped after step() it must already use
+    # the new learning rates (no step redone); stepped late, between backward and step(), it redoes them.
+    data = batches(12)
+    runs = []
+    for schedule in ("sync", "overlap"):
+        model = make_mlp()
+        opt = OffloadOptimizer(_groups(model), lr=3e-3, schedule=schedule)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[5e-3, 2e-2], total_steps=13)
+        for x, y in data:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if late:
+                sched.step()
+            opt.step()
+            if not late:
+                sched.step()
+        runs.append((model, opt))
+    (sync, _), (overlap, opt) = runs
+    assert max_diff(sync, overlap) == 0.0
+    # The first step runs as sync (the backward passes per step are not known yet); each later one redoes its
+    # speculative steps exactly when the rates changed after its backward.
+    assert opt.stats()["redone"] == (len(data) - 1 if late else 0)
+
+
 def test_clipping_matches_clip_grad_norm():
     data = batches(20)
     ref, mine = make_mlp(), make_mlp()
