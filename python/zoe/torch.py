@@ -10,6 +10,10 @@ How it meets torch:
 * ``step()`` hands the hyper-parameters of each param group (an LR scheduler's ``group['lr']`` included) to
   the engine, then runs the engine's step with the GIL released; the updated weights are back in ``p.data``
   when it returns (one step later for ``schedule="delayed"``).
+* Clipping: ``torch.nn.utils.clip_grad_norm_`` over all of an optimizer's parameters (``model.parameters()``,
+  as Hugging Face's Trainer and Accelerate pass them) is answered by the optimizer's ``clip_grad_norm_``:
+  zoe's norm, the clip fused into the step, ``p.grad`` left as it is (_route_clipping says why). Over part of
+  them, it is torch's, and the edit is seen at ``step()`` as any other.
 * ``schedule="overlap"`` reports each parameter to the engine from a post-accumulate-grad hook during
   backward, so its transfer and CPU Adam overlap the rest of backward. With gradient accumulation only the
   last micro-batch's backward reports (the k-th time a parameter's gradient is accumulated since the last
@@ -55,18 +59,18 @@ _ZOE_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16
 _UNSUPPORTED_FLAGS = _state_dict.UNSUPPORTED_FLAGS
 
 
-# torch's own, kept before zoe routes it for optimizers whose gradients left the device (_route_clipping).
+# torch's own, kept before zoe routes it to its optimizers (_route_clipping).
 _torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
-_optimizers_with_windows: "weakref.WeakSet[OffloadOptimizer]" = weakref.WeakSet()
+_optimizers_answering: "weakref.WeakSet[OffloadOptimizer]" = weakref.WeakSet()
 
 
 def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-    """``torch.nn.utils.clip_grad_norm_`` while an OffloadOptimizer holds gradients that left the device
-    (offloaded parameters on a GPU; p.grad holds zeros there): over exactly that optimizer's parameters —
-    what trainers pass, ``model.parameters()`` — it is the optimizer's ``clip_grad_norm_``, which computes
-    the norm of the gradients zoe took and clips inside the step. Any other call is torch's."""
+    """``torch.nn.utils.clip_grad_norm_`` while an OffloadOptimizer exists: over exactly one optimizer's
+    parameters — what trainers pass, ``model.parameters()`` — it is that optimizer's ``clip_grad_norm_``,
+    which computes the norm of the gradients zoe takes and clips inside the step, leaving ``p.grad`` as it
+    is. Any other call is torch's."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    for opt in list(_optimizers_with_windows):
+    for opt in list(_optimizers_answering):
         if opt._answers_clipping(params):
             return opt.clip_grad_norm_(max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
     return _torch_clip_grad_norm_(params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
@@ -74,10 +78,14 @@ def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fal
 
 
 def _route_clipping(opt) -> None:
-    """Trainers clip (Hugging Face's Trainer computes the norm to log it even with max_grad_norm=0) through
-    ``torch.nn.utils.clip_grad_norm_``, looked up at each call: zoe answers it for its offloaded gradients.
-    A trainer that bound torch's function earlier is caught at step() instead (_check_windows)."""
-    _optimizers_with_windows.add(opt)
+    """Trainers clip through ``torch.nn.utils.clip_grad_norm_``, looked up at each call; Hugging Face's Trainer
+    also computes the norm with it to log it, even with max_grad_norm=0. Done by torch, that is a write to
+    every p.grad (a multiplication, by 1 when nothing is clipped) after backward, which costs the overlap and
+    delayed schedules their overlap and, with declared micro-batches, replaces zoe's fp32 sum by p.grad's
+    rounding of it; and offloaded parameters' gradients are no longer in p.grad on a GPU. So zoe answers it
+    for its optimizers (one rank, not FSDP2). A trainer that bound torch's function earlier still works as
+    before: zoe sees the edit at step() (or refuses it, for gradients that left the device)."""
+    _optimizers_answering.add(opt)
     if torch.nn.utils.clip_grad_norm_ is _torch_clip_grad_norm_:
         torch.nn.utils.clip_grad_norm_ = _clip_grad_norm_
 
@@ -357,7 +365,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         for s in self._slots:
             s.windowed = s.tier is not None and not self._zoe_device.host_memory
         self._windowed_slots = [s for s in self._slots if s.windowed]
-        if self._windowed_slots:
+        if self._world == 1:
             _route_clipping(self)
         self._buckets = [_Bucket(dt, self._device, slots, self._world) for dt, slots in slots_by_dtype.items()]
         if self._world > 1:
@@ -550,23 +558,26 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         slot.taken = slot.accumulated == passes
 
     def _answers_clipping(self, params: list) -> bool:
-        """Whether torch's clip_grad_norm_ over ``params`` is this optimizer's (_clip_grad_norm_): they
-        include a parameter whose gradient left the device. Then they must be exactly this optimizer's
-        parameters with gradients, or the norm would be another set's."""
-        windowed = {id(s.param) for s in self._windowed_slots}
-        if not any(id(p) in windowed for p in params):
-            return False
+        """Whether torch's clip_grad_norm_ over ``params`` is this optimizer's (_clip_grad_norm_): they are its
+        parameters, all of them, and no other with a gradient (frozen ones may be among them). Over part of
+        them, torch clips p.grad in place and step() takes the edit — impossible for gradients that left the
+        device, which is an error."""
         mine = {id(s.param) for s in self._slots}
+        given = {id(p) for p in params}
+        if not mine & given:
+            return False
         foreign = {id(p) for p in params if p.grad is not None} - mine
-        missing = mine - {id(p) for p in params}
-        if foreign or missing:
+        missing = mine - given
+        if not (foreign or missing):
+            return True
+        if any(id(s.param) in given for s in self._windowed_slots):
             raise RuntimeError(
                 "zoe.torch.OffloadOptimizer: torch.nn.utils.clip_grad_norm_ over parameters that include offloaded "
                 "ones (offload_parameters) must be given this optimizer's parameters (e.g. model.parameters()): "
                 f"{len(foreign)} given with gradients are not the optimizer's, {len(missing)} of the optimizer's "
                 "are not given. Their gradients left the device, and zoe computes the norm over all of the "
                 "optimizer's")
-        return True
+        return False
 
     def _versions_of_windows(self) -> list[int]:
         return [b.window._version for b in self._buckets if b.window is not None]
@@ -640,9 +651,10 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             warnings.warn(
                 "zoe.torch.OffloadOptimizer: the gradients changed after backward (the trainer clipped, unscaled "
                 f"or edited them): {'; '.join(cost)}. To avoid this, let zoe clip: OffloadOptimizer("
-                "max_grad_norm=...) or opt.clip_grad_norm_(max_norm) in place of torch.nn.utils.clip_grad_norm_ "
-                "(Hugging Face Trainer: max_grad_norm=0 in TrainingArguments and max_grad_norm in zoe). This "
-                "warning is shown once.", stacklevel=3)
+                "max_grad_norm=...), opt.clip_grad_norm_(max_norm), or torch.nn.utils.clip_grad_norm_ called "
+                "through torch.nn.utils over all of this optimizer's parameters, which zoe answers (Hugging Face's "
+                "Trainer and Accelerate call it so; a copy of torch's function bound before the optimizer existed "
+                "is torch's). This warning is shown once.", stacklevel=3)
 
     # ---- the step -------------------------------------------------------------------------------------
 
