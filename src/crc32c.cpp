@@ -63,6 +63,44 @@ __attribute__((target("sse4.2"))) void crc_hw_x3(const unsigned char* a, const u
   out[2] = crc_hw(c + i, n - i, ~static_cast<std::uint32_t>(cc));
 }
 
+// Polynomial arithmetic modulo the CRC-32C polynomial, in the CRC's bit-reflected form: bit 31 is the
+// coefficient of x^0, bit 0 that of x^31. It joins CRCs computed apart: for the conditioned CRC,
+// crc(A then B) = crc(A) * x^(8 |B|) + crc(B) (mod P), whatever the lengths.
+std::uint32_t multiply_mod(std::uint32_t a, std::uint32_t b) {
+  std::uint32_t product = 0;
+  for (int i = 0; i < 32; ++i) {
+    if (a & (0x80000000u >> i)) product ^= b;    // a's x^i term times b
+    b = (b & 1u) ? (b >> 1) ^ kPolynomial : b >> 1;  // b *= x: x^32 is the polynomial's low terms
+  }
+  return product;
+}
+
+// x^(8 bytes) mod P: the factor that moves a CRC past `bytes` more bytes.
+std::uint32_t shift_factor(std::uint64_t bytes) {
+  std::uint32_t result = 0x80000000u;  // 1
+  std::uint32_t power = 0x00800000u;   // x^8
+  for (; bytes != 0; bytes >>= 1) {
+    if (bytes & 1u) result = multiply_mod(result, power);
+    power = multiply_mod(power, power);
+  }
+  return result;
+}
+
+// One long buffer as three interleaved chains over its thirds, joined: the crc32 instruction's latency is
+// three times its issue interval, so one chain runs at a third of the unit's rate. Same value as crc_hw.
+__attribute__((target("sse4.2"))) std::uint32_t crc_hw_long(const unsigned char* p, std::size_t n, std::uint32_t crc) {
+  const std::size_t third = n / 3 / 8 * 8;
+  std::uint32_t parts[3];
+  crc_hw_x3(p, p + third, p + 2 * third, third, parts);
+  const std::uint32_t one_third = shift_factor(third);
+  std::uint32_t c = multiply_mod(parts[0], multiply_mod(one_third, one_third)) ^ multiply_mod(parts[1], one_third) ^ parts[2];
+  c = crc_hw(p + 3 * third, n - 3 * third, c);
+  return crc == 0 ? c : multiply_mod(crc, shift_factor(n)) ^ c;
+}
+
+// Below this, the joining's few thousand cycles are not repaid.
+constexpr std::size_t kLongBuffer = 64 * 1024;
+
 bool detect_hardware() {
   __builtin_cpu_init();  // may run before the libgcc constructor that fills the CPU model
   return __builtin_cpu_supports("sse4.2");
@@ -75,8 +113,9 @@ const bool kHardware = detect_hardware();
 bool crc32c_hardware() { return kHardware; }
 
 std::uint32_t crc32c(const void* data, std::size_t bytes, std::uint32_t crc) {
-  if (kHardware) return crc_hw(static_cast<const unsigned char*>(data), bytes, crc);
-  return crc32c_software(data, bytes, crc);
+  if (!kHardware) return crc32c_software(data, bytes, crc);
+  const auto* p = static_cast<const unsigned char*>(data);
+  return bytes >= kLongBuffer ? crc_hw_long(p, bytes, crc) : crc_hw(p, bytes, crc);
 }
 
 void crc32c_x3(const void* a, const void* b, const void* c, std::size_t bytes, std::uint32_t out[3]) {

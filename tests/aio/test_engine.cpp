@@ -233,6 +233,18 @@ TEST(AioCrc32c, FastMatchesSoftwareAtEveryLengthAndOffset) {
       EXPECT_EQ(crc32c(data.data() + off, len, 0x1234u), crc32c_software(data.data() + off, len, 0x1234u));
     }
   }
+  // Long buffers run as three chains joined (crc_hw_long): lengths around the switch and not divisible by 24,
+  // from every start, continuing from another CRC.
+  std::vector<unsigned char> big(3 << 20);
+  for (auto& b : big) b = static_cast<unsigned char>(rng());
+  for (std::size_t len : {std::size_t{65535}, std::size_t{65536}, std::size_t{65537}, std::size_t{100003},
+                          big.size() - 5}) {
+    for (std::size_t off : {0, 3}) {
+      EXPECT_EQ(crc32c(big.data() + off, len), crc32c_software(big.data() + off, len)) << off << " " << len;
+      EXPECT_EQ(crc32c(big.data() + off, len, 0xDEADBEEFu), crc32c_software(big.data() + off, len, 0xDEADBEEFu))
+          << off << " " << len;
+    }
+  }
   for (std::size_t len : {0, 3, 8, 17, 4096}) {
     std::uint32_t x3[3];
     crc32c_x3(data.data(), data.data() + 7, data.data() + 13, len, x3);
