@@ -288,6 +288,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         self._taken_versions: list[int] | None = None
         self._window_versions: list[int] = []  # of the windows' gradients when zoe last wrote them (_Bucket)
         self._windowed_slots: list[_Slot] = []
+        self._hyper_pushed = False  # this iteration's hyper-parameters went to the engine at a report
         self._clip_once: float | None = None  # clip_grad_norm_'s max_norm for the coming step
         self._warned_changed = False
         self._reduce = reduce_grads
@@ -545,7 +546,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                 f"{passes}: gradients of offloaded parameters cannot accumulate in p.grad. Pass "
                 "gradient_accumulation_steps=<micro-batches per step> to OffloadOptimizer (zoe then sums them in "
                 "fp32 on the host), or call step() after every backward pass")
-        self._sync_hyper()  # as in _report
+        self._push_hyper_once()
         if self._device.type == "cuda":
             # zoe's copy stream cannot yet wait on torch's: the gradient must exist before zoe copies it.
             torch.cuda.current_stream(self._device).synchronize()
@@ -579,6 +580,14 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                 "optimizer's")
         return False
 
+    def _push_hyper_once(self) -> None:
+        """At the iteration's first report: a learning-rate scheduler stepped after the last step() reaches the
+        overlap schedule's speculative steps, which use the values of the first report (the engine redoes
+        them if step() brings others)."""
+        if not self._hyper_pushed:
+            self._sync_hyper()
+            self._hyper_pushed = True
+
     def _versions_of_windows(self) -> list[int]:
         return [b.window._version for b in self._buckets if b.window is not None]
 
@@ -597,9 +606,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             "optimizer existed is not); and zoe's loss scaling (loss_scale) in place of GradScaler.")
 
     def _report(self, slot: _Slot, last: bool) -> None:
-        # A learning-rate scheduler stepped after the last step(): the overlap schedule's speculative steps use
-        # the group's values at the first report (the engine redoes them if step() brings others).
-        self._sync_hyper()
+        self._push_hyper_once()
         if self._device.type == "cuda":
             # zoe's streams cannot yet wait on torch's; the gradient must exist before zoe copies it.
             torch.cuda.current_stream(self._device).synchronize()
@@ -738,6 +745,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             s.taken = False
         self._reported = False
         self._taken_versions = None
+        self._hyper_pushed = False
         if self._dtensor is not None:
             self._dtensor.end_iteration()
         if self._clip_once is not None:
