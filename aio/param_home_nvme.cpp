@@ -90,7 +90,7 @@ class NvmeParamHome final : public ParamHomeStore {
     if (!engine.ok()) return engine.status();
     engine_ = std::move(engine.value());
     for (File& f : files_) f.engine_file = engine_->add_file(f.fd.get(), f.path);
-    Result<AlignedBuffer> bounce = AlignedBuffer::allocate(std::max(largest, alignment_), alignment_);
+    Result<AlignedBuffer> bounce = AlignedBuffer::allocate_for_io(std::max(largest, alignment_), alignment_);
     if (!bounce.ok()) return bounce.status();
     bounce_ = std::move(bounce.value());
     return Status::success();
@@ -129,7 +129,7 @@ class NvmeParamHome final : public ParamHomeStore {
     for (const ParamBlockWrite& w : writes) largest = std::max(largest, blocks_[w.block].bytes);
     for (AlignedBuffer& b : block_bounce_) {
       if (b.size() >= largest) continue;
-      Result<AlignedBuffer> grown = AlignedBuffer::allocate(largest, alignment_);
+      Result<AlignedBuffer> grown = AlignedBuffer::allocate_for_io(largest, alignment_);
       if (!grown.ok()) return grown.status();
       b = std::move(grown.value());
     }
@@ -162,9 +162,12 @@ class NvmeParamHome final : public ParamHomeStore {
   Status read_block(std::size_t block, void* dst) override {
     const ParamBlockLayout& layout = blocks_[block];
     const File& f = files_[block % files_.size()];
-    // Every entry's request in flight at once, then each checked.
+    // Every entry's request in flight at once, then each checked. The engine serves jobs in the order
+    // they came: a block's entries go in together, so that the block completes ahead of the one another
+    // loader queues next, not along with it (its small entries behind that block's large one).
     std::vector<aio::IoEngine::Ticket> tickets;
     Status first;
+    std::unique_lock submitting(submit_mutex_);
     for (std::size_t e = 0; e < layout.entry_bytes.size(); ++e) {
       const EntrySlots& es = entries_[block][e];
       if (!es.written) {
@@ -180,6 +183,7 @@ class NvmeParamHome final : public ParamHomeStore {
       }
       tickets.push_back(t.value());
     }
+    submitting.unlock();
     for (std::size_t e = 0; e < tickets.size(); ++e) {
       const EntrySlots& es = entries_[block][e];
       Status s = engine_->wait(tickets[e]);
@@ -305,6 +309,7 @@ class NvmeParamHome final : public ParamHomeStore {
   AlignedBuffer bounce_;           // one entry, for writes and single-entry reads
   AlignedBuffer block_bounce_[2];  // write_blocks(): two blocks, one in flight while the next is filled
   std::mutex mutex_;               // write(), write_blocks() and read() one at a time: the bounces
+  std::mutex submit_mutex_;        // read_block(): one block's requests queued at a time
 };
 
 }  // namespace

@@ -277,7 +277,7 @@ Status SwapStore::Impl::setup_runtime() {
   engine = std::move(e).value();
   for (PathFile& f : files) f.engine_file = engine->add_file(f.fd.get(), f.data_path);
   for (int b = 0; b < options.buffer_count; ++b) {
-    Result<AlignedBuffer> buf = AlignedBuffer::allocate(slot_bytes, std::max<std::size_t>(alignment, 4096));
+    Result<AlignedBuffer> buf = AlignedBuffer::allocate_for_io(slot_bytes, std::max<std::size_t>(alignment, 4096));
     if (!buf.ok()) return buf.status();
     buffers.push_back(std::move(buf).value());
   }

@@ -41,7 +41,7 @@ Status measure(const std::string& file, int fd, std::size_t bytes, double& write
   if (!engine.ok()) return engine.status();
   const int f = (*engine)->add_file(fd, file);
   constexpr std::size_t kChunk = 16 << 20;
-  Result<AlignedBuffer> buf = AlignedBuffer::allocate(2 * kChunk, 4096);
+  Result<AlignedBuffer> buf = AlignedBuffer::allocate_for_io(2 * kChunk, 4096);  // as the swap store's buffers
   if (!buf.ok()) return buf.status();
   for (std::size_t i = 0; i < 2 * kChunk / 4; ++i) buf->as<std::uint32_t>()[i] = static_cast<std::uint32_t>(i * 2654435761u);
   for (int pass = 0; pass < 2; ++pass) {

@@ -8,11 +8,11 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <set>
 #include <thread>
 #include <type_traits>
 
 #include "simd/dispatch.h"
+#include "src/aligned_buffer.h"
 #include "src/offload/host_device.h"
 #include "src/offload/work_queue.h"
 #include "zoe/device.h"
@@ -48,7 +48,6 @@ class HostDevice final : public Device {
   explicit HostDevice(bool cpu) : cpu_(cpu) {}
   ~HostDevice() override {
     streams_.clear();  // drains and joins every stream before memory goes
-    for (void* p : allocations_) std::free(p);
   }
 
   std::string name() const override { return cpu_ ? "cpu" : "host stand-in"; }
@@ -128,18 +127,20 @@ class HostDevice final : public Device {
  private:
   const bool cpu_;
 
+  // As the CUDA device's pinned memory: huge pages from 2 MiB up (AlignedBuffer::allocate_for_io).
   Result<void*> allocate_bytes(std::size_t bytes) {
-    void* p = std::aligned_alloc(4096, (std::max<std::size_t>(bytes, 1) + 4095) / 4096 * 4096);
-    if (p == nullptr) return Status(StatusCode::out_of_memory, "host device: cannot allocate " + std::to_string(bytes) + " bytes");
+    Result<AlignedBuffer> b = AlignedBuffer::allocate_for_io(std::max<std::size_t>(bytes, 1));
+    if (!b.ok()) return Status(StatusCode::out_of_memory, "host device: cannot allocate " + std::to_string(bytes) + " bytes");
+    void* p = b->data();
     std::lock_guard lock(mutex_);
-    allocations_.insert(p);
+    allocations_.emplace(p, std::move(b).value());
     return p;
   }
 
   void free_bytes(void* p) {
     if (p == nullptr) return;
     std::lock_guard lock(mutex_);
-    if (allocations_.erase(p) != 0) std::free(p);
+    allocations_.erase(p);
   }
 
   // Events are consumed by their one wait or synchronize.
@@ -153,7 +154,7 @@ class HostDevice final : public Device {
   }
 
   std::mutex mutex_;
-  std::set<void*> allocations_;
+  std::map<void*, AlignedBuffer> allocations_;
   std::map<EventId, std::shared_ptr<EventState>> events_;
   EventId last_event_ = 0;
   std::vector<std::unique_ptr<WorkQueue>> streams_ = [] {
