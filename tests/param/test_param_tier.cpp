@@ -3,10 +3,12 @@
 // write never races a copy or a block in use, and NVMe faults name what failed and lose nothing.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <random>
 #include <vector>
 
@@ -289,6 +291,53 @@ TEST(ParamTierNvme, AFetchTakesTheRoomOfABlockStillBeingPrefetched) {
     f.expect_on_device(tier.value(), 0, a.value());
     ASSERT_TRUE(tier->release(0).ok());
     ASSERT_TRUE(tier->release(2).ok());
+  }
+}
+
+// Two loaders read two blocks at once, and the engine issues requests in the order they were queued. A
+// block's requests must go in together: interleaved, each block's small entries would wait behind the
+// other block's large one, and both blocks would complete together instead of one after the other. The
+// fault hook sees every read with its issue index.
+TEST(ParamTierNvme, ABlocksReadsAreIssuedTogether) {
+  TempDir dir("zoe-param");
+  constexpr std::size_t kBlocks = 8, kEntries = 6, kEntryBytes = 8192, kRequest = 4096;
+  std::vector<ParamBlockSpec> specs;
+  for (std::size_t b = 0; b < kBlocks; ++b) {
+    specs.push_back({"layer." + std::to_string(b), std::vector<std::size_t>(kEntries, kEntryBytes)});
+  }
+  Fixture f(specs);
+  std::mutex mutex;
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> reads;  // issue index, file offset
+  ParamTierOptions o = nvme_home({dir.path()});
+  o.request_bytes = kRequest;
+  o.queue_depth = 2;
+  o.prefetch = 2;
+  o.fault_hook = [&](const IoSite& site) {
+    if (site.op == IoOp::read) {
+      std::lock_guard lock(mutex);
+      reads.emplace_back(site.index, site.offset);
+    }
+    return IoFault{};
+  };
+  Result<ParamTier> tier = ParamTier::create(*f.device, f.specs, o);
+  ASSERT_TRUE(tier.ok()) << tier.status().to_string();
+  ASSERT_TRUE(f.write_all(tier.value()).ok());
+  for (int it = 0; it < 10; ++it) f.iteration(tier.value());
+  ASSERT_TRUE(tier->synchronize().ok());
+  // Blocks lie back to back in each half of the file, entries unpadded (8 KiB is a multiple of the alignment).
+  const std::uint64_t block_span = kEntries * kEntryBytes, half = kBlocks * block_span;
+  std::sort(reads.begin(), reads.end());
+  const std::size_t per_block = kEntries * kEntryBytes / kRequest;
+  ASSERT_GE(reads.size(), 10 * per_block);
+  std::size_t run = 0;
+  for (std::size_t i = 0; i < reads.size(); ++i) {
+    const std::uint64_t block = reads[i].second % half / block_span;
+    ++run;
+    const bool last = i + 1 == reads.size() || reads[i + 1].second % half / block_span != block;
+    if (!last) continue;
+    ASSERT_EQ(run % per_block, 0u) << "block " << block << "'s reads were split by another block's, ending at issue "
+                                   << reads[i].first;
+    run = 0;
   }
 }
 
