@@ -160,7 +160,7 @@ int bench_param_offload(std::span<char* const> args) {
     std::printf("\nOn the host stand-in device. device_idle_fraction = 1 - compute / iteration; the pool holds the\n"
                 "block in use, `prefetch` ahead and one released. nvme: fetch_gbps is what fetches read\n"
                 "with no compute in the way, raw_read_gbps O_DIRECT reads of as many bytes of the same files;\n"
-                "fetch_ratio = fetch_gbps / raw_read_gbps.\n");
+                "fetch_ratio = fetch_gbps / raw_read_gbps. Fetch and raw passes alternate, best of 5 each.\n");
     return 0;
   }
   Result<ParamHome> home = parse_param_home(home_text);
