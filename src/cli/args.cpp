@@ -96,6 +96,12 @@ Status require_items(const std::vector<std::string>& items, std::string_view opt
   return invalid_argument(std::string(option) + " is empty: give one or more of " + std::string(choices));
 }
 
+Result<std::unique_ptr<Device>> open_bench_device(const std::string& name) {
+  if (name == "host") return make_host_device();
+  if (name == "cuda") return make_cuda_device(0);
+  return invalid_argument("--device " + name + " is not host or cuda");
+}
+
 std::string json_escape(std::string_view s) {
   std::string out;
   for (char ch : s) {

@@ -3,11 +3,13 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "zoe/device.h"
 #include "zoe/status.h"
 
 namespace zoe::cli {
@@ -32,6 +34,9 @@ std::vector<std::string> split_list(std::string_view text);
 Status require_at_least(std::uint64_t value, std::uint64_t min, std::string_view option, std::string_view counts);
 // Refuses a comma list with no items ("--isa ''" would run nothing and exit 0).
 Status require_items(const std::vector<std::string>& items, std::string_view option, std::string_view choices);
+
+// --device for the benches: "host" (the stand-in) or "cuda" (the first GPU).
+Result<std::unique_ptr<Device>> open_bench_device(const std::string& name);
 
 // Exit status for a failed subcommand: 2 when the command line was at fault, 1 when the run failed.
 inline int exit_status(const Status& s) { return s.code() == StatusCode::invalid_argument ? 2 : 1; }

@@ -12,6 +12,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "src/cli/args.h"
@@ -26,6 +27,12 @@
 
 namespace zoe::cli {
 namespace {
+
+std::string two_places(double x) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.2f", x);
+  return text;
+}
 
 struct LayerRun {
   std::size_t layers = 0;
@@ -70,6 +77,51 @@ Result<ParamTier> make_tier(Device& device, std::size_t layers, std::size_t laye
   }
   return tier;
 }
+
+// Plain copies of a layer's bytes from the device's page-locked host memory into device memory, one after
+// another on the copy stream: the ceiling of what a fetch from the cpu home can move.
+class CopyCeiling {
+ public:
+  static Result<CopyCeiling> open(Device& device, std::size_t bytes) {
+    CopyCeiling c;
+    c.device_ = &device;
+    c.bytes_ = bytes;
+    Result<void*> host = device.allocate_host(bytes);
+    if (!host.ok()) return host.status();
+    c.host_ = host.value();
+    std::memset(c.host_, 0x3c, bytes);
+    Result<void*> dev = device.allocate(bytes);
+    if (!dev.ok()) return dev.status();
+    c.device_memory_ = dev.value();
+    return c;
+  }
+  CopyCeiling(CopyCeiling&& o) noexcept
+      : device_(std::exchange(o.device_, nullptr)), bytes_(o.bytes_), host_(std::exchange(o.host_, nullptr)),
+        device_memory_(std::exchange(o.device_memory_, nullptr)) {}
+  CopyCeiling& operator=(CopyCeiling&&) = delete;
+  ~CopyCeiling() {
+    if (device_ == nullptr) return;
+    if (device_memory_ != nullptr) device_->free(device_memory_);
+    if (host_ != nullptr) device_->free_host(host_);
+  }
+
+  Result<double> pass(std::size_t copies) {
+    Status s;
+    const double seconds = time_seconds([&] {
+      for (std::size_t k = 0; k < copies && s.ok(); ++k) s = device_->copy_to_device(device_memory_, host_, bytes_, Stream::h2d);
+      if (s.ok()) s = device_->synchronize();
+    });
+    if (!s.ok()) return s;
+    return seconds;
+  }
+
+ private:
+  CopyCeiling() = default;
+  Device* device_ = nullptr;
+  std::size_t bytes_ = 0;
+  void* host_ = nullptr;
+  void* device_memory_ = nullptr;
+};
 
 #ifdef ZOE_HAVE_AIO
 // Raw O_DIRECT reads of `bytes` from the start of each file, spread evenly, with the tier's request size
@@ -134,11 +186,12 @@ class RawReader {
 }  // namespace
 
 int bench_param_offload(std::span<char* const> args) {
-  std::string home_text, path_text, layers_text = "24", layer_bytes_text = "16M", prefetch_text = "0,1,2,4",
+  std::string home_text, device_name = "host", path_text, layers_text = "24", layer_bytes_text = "16M", prefetch_text = "0,1,2,4",
               ratio_text = "1.5", iters_text = "5";
   bool json = false, help = false, host_waits = false;
   const Option options[] = {
       {"offload-param", &home_text, nullptr, "where the layers' 16-bit weights live: cpu (pinned RAM) or nvme"},
+      {"device", &device_name, nullptr, "host (the stand-in) or cuda"},
       {"path", &path_text, nullptr, "nvme: folder(s) for the parameter file, comma-separated"},
       {"layers", &layers_text, nullptr, "layers (one block each)"},
       {"layer-bytes", &layer_bytes_text, nullptr, "bytes of 16-bit weights per layer (K, M, G suffixes)"},
@@ -157,7 +210,7 @@ int bench_param_offload(std::span<char* const> args) {
   if (Status s = parse_options(args, options); !s.ok()) return fail(s);
   if (help) {
     std::printf("usage: zoe bench step --offload-param cpu|nvme [options]\n\n%s", options_help(options).c_str());
-    std::printf("\nOn the host stand-in device. device_idle_fraction = 1 - compute / iteration; the pool holds the\n"
+    std::printf("\ndevice_idle_fraction = 1 - compute / iteration; the pool holds the\n"
                 "block in use, `prefetch` ahead and one released. nvme: fetch_gbps is what fetches read\n"
                 "with no compute in the way, raw_read_gbps O_DIRECT reads of as many bytes of the same files;\n"
                 "fetch_ratio = fetch_gbps / raw_read_gbps. Fetch and raw passes alternate, best of 5 each.\n");
@@ -195,17 +248,23 @@ int bench_param_offload(std::span<char* const> args) {
     return fail(invalid_argument("--offload-param nvme needs --path DIR[,DIR...]"));
   }
   const std::size_t bytes = (layer_bytes.value() + 4095) / 4096 * 4096;
-  std::unique_ptr<Device> device = make_host_device();
+  Result<std::unique_ptr<Device>> opened = open_bench_device(device_name);
+  if (!opened.ok()) return fail(opened.status());
+  std::unique_ptr<Device> device = std::move(opened).value();
 
   // The fetch time of a layer: every layer fetched in order and released, nothing computing, prefetch 2.
-  // Best of a few passes, so that a cold first touch of the pool does not count; on NVMe each pass is
-  // followed by a raw read of as many bytes of the same files, so that both see the disk as it is then.
+  // Best of a few passes, so that a cold first touch of the pool does not count. Each pass is followed by
+  // plain copies of as many bytes from page-locked host memory to the device (cudaMemcpyAsync on CUDA) and,
+  // on NVMe, by a raw read of as many bytes of the same files, so that all see the machine as it is then.
   double fetch_s = 1e30, fetch_gbps = 0;
   {
     ParamTierOptions o = base;
     o.prefetch = 2;
     Result<ParamTier> tier = make_tier(*device, layers.value(), bytes, o);
     if (!tier.ok()) return fail(tier.status());
+    Result<CopyCeiling> copies = CopyCeiling::open(*device, bytes);
+    if (!copies.ok()) return fail(copies.status());
+    double copy = 1e30;
 #ifdef ZOE_HAVE_AIO
     std::optional<RawReader> raw_reader;
     if (base.home == ParamHome::nvme) {
@@ -227,6 +286,9 @@ int bench_param_offload(std::span<char* const> args) {
       });
       if (!s.ok()) return fail(s);
       fetch_s = std::min(fetch_s, t / static_cast<double>(layers.value()));
+      Result<double> c = copies->pass(layers.value());
+      if (!c.ok()) return fail(c.status());
+      copy = std::min(copy, c.value());
 #ifdef ZOE_HAVE_AIO
       if (raw_reader) {
         Result<double> r = raw_reader->pass();
@@ -235,22 +297,24 @@ int bench_param_offload(std::span<char* const> args) {
       }
 #endif
     }
+    const double total = static_cast<double>(bytes * layers.value());
     fetch_gbps = static_cast<double>(bytes) / fetch_s / 1e9;
+    const double copy_gbps = total / copy / 1e9;
+    JsonLine line;
+    line.add("bench", "param_fetch").add("device", device_name).add("home", param_home_name(base.home))
+        .add("layers", layers.value()).add("layer_bytes", static_cast<std::uint64_t>(bytes))
+        .add("fetch_gbps", fetch_gbps).add("copy_ceiling_gbps", copy_gbps).add("copy_ratio", fetch_gbps / copy_gbps);
+    std::string text = std::string(param_home_name(base.home)) + " fetch: " + two_places(fetch_gbps) + " GB/s" +
+                       ", plain copies to the device: " + two_places(copy_gbps) + " GB/s";
 #ifdef ZOE_HAVE_AIO
     if (raw_reader) {
-      const double raw_gbps = static_cast<double>(bytes * layers.value()) / raw / 1e9;
-      JsonLine line;
-      line.add("bench", "param_fetch").add("home", "nvme").add("layers", layers.value()).add("layer_bytes", static_cast<std::uint64_t>(bytes))
-          .add("direct_io", tier->direct_io()).add("fetch_gbps", fetch_gbps).add("raw_read_gbps", raw_gbps)
-          .add("fetch_ratio", fetch_gbps / raw_gbps);
-      if (json) {
-        std::printf("%s\n", line.str().c_str());
-      } else {
-        std::printf("nvme fetch: %.2f GB/s, raw O_DIRECT read of as many bytes: %.2f GB/s, ratio %.2f%s\n", fetch_gbps,
-                    raw_gbps, fetch_gbps / raw_gbps, tier->direct_io() ? "" : " (buffered: O_DIRECT refused)");
-      }
+      const double raw_gbps = total / raw / 1e9;
+      line.add("direct_io", tier->direct_io()).add("raw_read_gbps", raw_gbps).add("fetch_ratio", fetch_gbps / raw_gbps);
+      text += ", raw O_DIRECT read of as many bytes: " + two_places(raw_gbps) + " GB/s" + ", fetch_ratio " +
+              two_places(fetch_gbps / raw_gbps) + (tier->direct_io() ? "" : " (buffered: O_DIRECT refused)");
     }
 #endif
+    std::printf("%s\n", json ? line.str().c_str() : text.c_str());
   }
   const LayerRun run{layers.value(), ratio * fetch_s, host_waits};
   if (!json) {
@@ -277,7 +341,7 @@ int bench_param_offload(std::span<char* const> args) {
     const ParamTierStats st = tier->stats();
     if (json) {
       JsonLine line;
-      line.add("bench", "param_offload").add("home", param_home_name(base.home)).add("layers", layers.value())
+      line.add("bench", "param_offload").add("device", device_name).add("home", param_home_name(base.home)).add("layers", layers.value())
           .add("layer_bytes", static_cast<std::uint64_t>(bytes)).add("prefetch", depth)
           .add("budget_bytes", static_cast<std::uint64_t>(st.budget_bytes))
           .add("pool_peak_bytes", static_cast<std::uint64_t>(st.pool_peak_bytes))

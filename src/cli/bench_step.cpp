@@ -174,16 +174,9 @@ int bench_step(std::span<char* const> args) {
                                  ": every bucket needs at least one parameter"));
   }
 
-  std::unique_ptr<Device> device;
-  if (device_name == "host") {
-    device = make_host_device();
-  } else if (device_name == "cuda") {
-    Result<std::unique_ptr<Device>> d = make_cuda_device(0);
-    if (!d.ok()) return fail(d.status());
-    device = std::move(d).value();
-  } else {
-    return fail(invalid_argument("--device " + device_name + " is not host or cuda"));
-  }
+  Result<std::unique_ptr<Device>> opened = open_bench_device(device_name);
+  if (!opened.ok()) return fail(opened.status());
+  std::unique_ptr<Device> device = std::move(opened).value();
   DeviceModel model(*device, n.value(), buckets.value());
   if (Status s = model.allocate(); !s.ok()) return fail(s);
 

@@ -1,4 +1,4 @@
-// The parameter tier on the host stand-in device (its own memory, asynchronous streams): what a fetch
+// The parameter tier on the test device (the host stand-in, or a GPU: param_test_device.h): what a fetch
 // returns is the home's bytes, the pool never holds more than its budget, prefetch follows the order, a
 // write never races a copy or a block in use, and NVMe faults name what failed and lose nothing.
 #include <gtest/gtest.h>
@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "tests/param/param_test_device.h"
 #include "zoe/param_tier.h"
 #ifdef ZOE_HAVE_AIO
 #include "tests/aio/aio_test_util.h"
@@ -19,6 +20,9 @@
 
 namespace zoe {
 namespace {
+
+using ParamTierCpu = OnTestDevice;
+using ParamTierNvme = OnTestDevice;
 
 std::vector<unsigned char> random_bytes(std::size_t n, unsigned seed) {
   std::mt19937 rng(seed);
@@ -37,7 +41,7 @@ std::vector<ParamBlockSpec> layer_blocks(std::size_t layers, std::size_t width) 
 }
 
 struct Fixture {
-  std::unique_ptr<Device> device = make_host_device();
+  std::unique_ptr<Device> device = make_test_device();
   std::vector<ParamBlockSpec> specs;
   std::vector<std::vector<std::vector<unsigned char>>> contents;  // [block][entry]
 
@@ -93,7 +97,7 @@ std::size_t largest_block(ParamTier& tier) {
   return m;
 }
 
-TEST(ParamTier, FetchesTheHomesBytesWithinTheBudget) {
+TEST_F(ParamTierCpu, FetchesTheHomesBytesWithinTheBudget) {
   Fixture f(layer_blocks(12, 64));
   ParamTierOptions o;
   o.budget_bytes = 1;  // replaced below, once the block size is known
@@ -112,7 +116,7 @@ TEST(ParamTier, FetchesTheHomesBytesWithinTheBudget) {
   for (std::size_t b = 0; b < tier->blocks(); ++b) EXPECT_EQ(tier->in_use(b), 0u);
 }
 
-TEST(ParamTier, PrefetchFollowsTheOrderForwardAndBackward) {
+TEST_F(ParamTierCpu, PrefetchFollowsTheOrderForwardAndBackward) {
   Fixture f(layer_blocks(8, 32));
   ParamTierOptions o;
   o.prefetch = 2;
@@ -139,7 +143,7 @@ TEST(ParamTier, PrefetchFollowsTheOrderForwardAndBackward) {
   EXPECT_FALSE(tier->set_order({9}).ok());
 }
 
-TEST(ParamTier, ABlockLargerThanTheBudgetIsRefusedAtSetUp) {
+TEST_F(ParamTierCpu, ABlockLargerThanTheBudgetIsRefusedAtSetUp) {
   Fixture f({{"small", {1000}}, {"huge.mlp", {1 << 20}}});
   ParamTierOptions o;
   o.budget_bytes = 1 << 16;
@@ -150,7 +154,7 @@ TEST(ParamTier, ABlockLargerThanTheBudgetIsRefusedAtSetUp) {
   EXPECT_NE(tier.status().message().find("65536"), std::string::npos);
 }
 
-TEST(ParamTier, NoRoomWhileEveryBlockIsInUseIsAnErrorNamingThem) {
+TEST_F(ParamTierCpu, NoRoomWhileEveryBlockIsInUseIsAnErrorNamingThem) {
   Fixture f({{"a", {4096}}, {"b", {4096}}, {"c", {4096}}});
   ParamTierOptions o;
   o.budget_bytes = 2 * 4096;
@@ -171,7 +175,7 @@ TEST(ParamTier, NoRoomWhileEveryBlockIsInUseIsAnErrorNamingThem) {
   EXPECT_FALSE(tier->release(0).ok());  // released more often than fetched
 }
 
-TEST(ParamTier, AWriteReachesTheNextFetchAndNeverTheCopyInUse) {
+TEST_F(ParamTierCpu, AWriteReachesTheNextFetchAndNeverTheCopyInUse) {
   Fixture f(layer_blocks(3, 48));
   Result<ParamTier> tier = ParamTier::create(*f.device, f.specs, ParamTierOptions{});
   ASSERT_TRUE(tier.ok());
@@ -207,7 +211,7 @@ TEST(ParamTier, AWriteReachesTheNextFetchAndNeverTheCopyInUse) {
   EXPECT_FALSE(tier->fetch(3).ok());
 }
 
-TEST(ParamTier, RandomUseNeverServesStaleOrForeignBytes) {
+TEST_F(ParamTierCpu, RandomUseNeverServesStaleOrForeignBytes) {
   // Fetches, releases and rewrites in random order against a model of the contents, with a pool that
   // holds about three blocks: every reuse of room and every dropped copy is exercised.
   Fixture f(layer_blocks(10, 40));
@@ -254,7 +258,7 @@ ParamTierOptions nvme_home(std::vector<std::string> paths) {
   return o;
 }
 
-TEST(ParamTierNvme, FetchesTheHomesBytesFromTheFile) {
+TEST_F(ParamTierNvme, FetchesTheHomesBytesFromTheFile) {
   TempDir dir("zoe-param");
   Fixture f(layer_blocks(12, 64));
   ParamTierOptions o = nvme_home({dir.sub("a"), dir.sub("b")});
@@ -273,7 +277,7 @@ TEST(ParamTierNvme, FetchesTheHomesBytesFromTheFile) {
   for (const std::string& p : files) EXPECT_FALSE(std::filesystem::exists(p)) << p;  // scratch, removed
 }
 
-TEST(ParamTierNvme, AFetchTakesTheRoomOfABlockStillBeingPrefetched) {
+TEST_F(ParamTierNvme, AFetchTakesTheRoomOfABlockStillBeingPrefetched) {
   TempDir dir("zoe-param");
   Fixture f({{"a", {1 << 20}}, {"b", {1 << 20}}, {"c", {1 << 20}}});
   ParamTierOptions o = nvme_home({dir.path()});
@@ -298,7 +302,7 @@ TEST(ParamTierNvme, AFetchTakesTheRoomOfABlockStillBeingPrefetched) {
 // block's requests must go in together: interleaved, each block's small entries would wait behind the
 // other block's large one, and both blocks would complete together instead of one after the other. The
 // fault hook sees every read with its issue index.
-TEST(ParamTierNvme, ABlocksReadsAreIssuedTogether) {
+TEST_F(ParamTierNvme, ABlocksReadsAreIssuedTogether) {
   TempDir dir("zoe-param");
   constexpr std::size_t kBlocks = 8, kEntries = 6, kEntryBytes = 8192, kRequest = 4096;
   std::vector<ParamBlockSpec> specs;
@@ -341,7 +345,7 @@ TEST(ParamTierNvme, ABlocksReadsAreIssuedTogether) {
   }
 }
 
-TEST(ParamTierNvme, AFailedReadNamesBlockFileAndOffsetAndARetryFetches) {
+TEST_F(ParamTierNvme, AFailedReadNamesBlockFileAndOffsetAndARetryFetches) {
   TempDir dir("zoe-param");
   Fixture f(layer_blocks(4, 32));
   FaultPlan plan;
@@ -365,7 +369,7 @@ TEST(ParamTierNvme, AFailedReadNamesBlockFileAndOffsetAndARetryFetches) {
   ASSERT_TRUE(tier->release(2).ok());
 }
 
-TEST(ParamTierNvme, AFailedWriteKeepsThePreviousCopyAndARetryLands) {
+TEST_F(ParamTierNvme, AFailedWriteKeepsThePreviousCopyAndARetryLands) {
   TempDir dir("zoe-param");
   Fixture f(layer_blocks(3, 32));
   FaultPlan plan;
@@ -401,7 +405,7 @@ TEST(ParamTierNvme, AFailedWriteKeepsThePreviousCopyAndARetryLands) {
 
 // write_blocks: a block's entries in flight together, the next block's behind them. One failing request
 // leaves its entry's previous copy and only it; the others land; a retry lands all.
-TEST(ParamTierNvme, BlockWritesFailingInOneEntryKeepThatEntrysCopy) {
+TEST_F(ParamTierNvme, BlockWritesFailingInOneEntryKeepThatEntrysCopy) {
   TempDir dir("zoe-param");
   Fixture f(layer_blocks(3, 32));
   // The failing request is picked by its issue number (the engine numbers requests as it issues them, in
@@ -461,7 +465,7 @@ TEST(ParamTierNvme, BlockWritesFailingInOneEntryKeepThatEntrysCopy) {
   EXPECT_EQ(tier->write_blocks(writes).code(), StatusCode::invalid_argument);
 }
 
-TEST(ParamTierNvme, ACorruptedFileIsRefusedByItsChecksum) {
+TEST_F(ParamTierNvme, ACorruptedFileIsRefusedByItsChecksum) {
   TempDir dir("zoe-param");
   Fixture f(layer_blocks(2, 32));
   ParamTierOptions o = nvme_home({dir.path()});
@@ -481,7 +485,7 @@ TEST(ParamTierNvme, ACorruptedFileIsRefusedByItsChecksum) {
   EXPECT_NE(a.status().message().find("fails its CRC-32C"), std::string::npos) << a.status().message();
 }
 
-TEST(ParamTierNvme, AFullPathFailsAtSetUp) {
+TEST_F(ParamTierNvme, AFullPathFailsAtSetUp) {
   TempDir dir("zoe-param");
   Fixture f(layer_blocks(2, 32));
   FaultPlan plan;

@@ -1,5 +1,5 @@
 // Training with the weights in a parameter tier equals training with them resident, bit for bit: a
-// 12-layer model on the host stand-in device whose 16-bit weights are 8x the device pool. Each "forward"
+// 12-layer model on the test device (host stand-in or GPU: param_test_device.h) whose 16-bit weights are 8x the device pool. Each "forward"
 // and "backward" fetches a layer's block and computes from the weights it finds there, so a wrong or stale
 // fetch changes the gradients and shows. Faults on the NVMe home (a failed read during a fetch, a failed
 // write of the updated weights) are retried and give the uninterrupted result. A trainer may keep one
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "zoe/offload.h"
+#include "tests/param/param_test_device.h"
 #include "zoe/param_tier.h"
 #ifdef ZOE_HAVE_AIO
 #include "tests/aio/aio_test_util.h"
@@ -21,6 +22,8 @@
 namespace zoe {
 namespace {
 
+using ParamTraining = OnTestDevice;
+
 constexpr std::size_t kLayers = 12;
 constexpr int kSteps = 20;
 
@@ -28,7 +31,7 @@ std::size_t weight_n(std::size_t layer) { return 30000 + 17 * layer; }
 constexpr std::size_t kBiasN = 64;
 
 struct Model {
-  std::unique_ptr<Device> device = make_host_device();
+  std::unique_ptr<Device> device = make_test_device();
   std::vector<void*> grads;                // per parameter (2 per layer), device memory
   // One weight and one bias gradient buffer for every layer (the trainer reuses them block after block),
   // with a slow d2h stream: a gradient overwritten before the optimizer's copy of it has run shows.
@@ -263,18 +266,18 @@ ParamTierOptions eighth_on_nvme(const std::string& dir, IoFaultHook hook = nullp
 }
 #endif
 
-TEST(ParamTraining, RamTierSyncEqualsResident) { train_and_compare(eighth_of_the_model(), Schedule::sync); }
-TEST(ParamTraining, RamTierOverlapEqualsResident) { train_and_compare(eighth_of_the_model(), Schedule::overlap); }
-TEST(ParamTraining, RamTierDelayedEqualsResident) { train_and_compare(eighth_of_the_model(), Schedule::delayed); }
+TEST_F(ParamTraining, RamTierSyncEqualsResident) { train_and_compare(eighth_of_the_model(), Schedule::sync); }
+TEST_F(ParamTraining, RamTierOverlapEqualsResident) { train_and_compare(eighth_of_the_model(), Schedule::overlap); }
+TEST_F(ParamTraining, RamTierDelayedEqualsResident) { train_and_compare(eighth_of_the_model(), Schedule::delayed); }
 
-TEST(ParamTraining, GradientsLeaveTheDeviceWhenReportedInEverySchedule) {
+TEST_F(ParamTraining, GradientsLeaveTheDeviceWhenReportedInEverySchedule) {
   for (Schedule schedule : {Schedule::sync, Schedule::overlap, Schedule::delayed}) {
     SCOPED_TRACE(schedule_name(schedule));
     train_and_compare(eighth_of_the_model(), schedule, /*shared_grads=*/true);
   }
 }
 
-TEST(ParamTraining, MicroBatchesOfOffloadedBlocksAreSummedOnTheHost) {
+TEST_F(ParamTraining, MicroBatchesOfOffloadedBlocksAreSummedOnTheHost) {
   for (Schedule schedule : {Schedule::sync, Schedule::overlap, Schedule::delayed}) {
     SCOPED_TRACE(schedule_name(schedule));
     train_and_compare(eighth_of_the_model(), schedule, /*shared_grads=*/true, /*micro_batches=*/2);
@@ -283,7 +286,7 @@ TEST(ParamTraining, MicroBatchesOfOffloadedBlocksAreSummedOnTheHost) {
 
 // The trainer cannot change a gradient that left the device (its buffer holds another block's by then):
 // grads_changed() says so and changes nothing; the training goes on as if it had not been called.
-TEST(ParamTraining, ChangingGradientsThatLeftTheDeviceIsRefused) {
+TEST_F(ParamTraining, ChangingGradientsThatLeftTheDeviceIsRefused) {
   ParamTierOptions o = eighth_of_the_model();
   TrainingRun resident, tiered;
   tiered.model.shared_grads = true;
@@ -305,7 +308,7 @@ TEST(ParamTraining, ChangingGradientsThatLeftTheDeviceIsRefused) {
   expect_same_training(tiered.model, *tiered.opt, resident.model, *resident.opt);
 }
 
-TEST(ParamTraining, MismatchedEntriesAreRefused) {
+TEST_F(ParamTraining, MismatchedEntriesAreRefused) {
   Model m;
   ParamTierOptions o = eighth_of_the_model();
   ASSERT_TRUE(m.build(&o).ok());
@@ -317,7 +320,7 @@ TEST(ParamTraining, MismatchedEntriesAreRefused) {
 }
 
 #ifdef ZOE_HAVE_AIO
-TEST(ParamTraining, NvmeTierEveryScheduleEqualsResident) {
+TEST_F(ParamTraining, NvmeTierEveryScheduleEqualsResident) {
   testing::TempDir dir("zoe-param");
   for (Schedule schedule : {Schedule::sync, Schedule::overlap, Schedule::delayed}) {
     SCOPED_TRACE(schedule_name(schedule));
@@ -326,7 +329,7 @@ TEST(ParamTraining, NvmeTierEveryScheduleEqualsResident) {
   }
 }
 
-TEST(ParamTraining, NvmeFaultsDuringFetchAndCopyOutAreRetriedExactly) {
+TEST_F(ParamTraining, NvmeFaultsDuringFetchAndCopyOutAreRetriedExactly) {
   testing::TempDir dir("zoe-param");
   testing::FaultPlan plan;
   const ParamTierOptions o = eighth_on_nvme(dir.path(), plan.hook());
@@ -371,7 +374,7 @@ TEST(ParamTraining, NvmeFaultsDuringFetchAndCopyOutAreRetriedExactly) {
 // step ends). A write the tier refuses is made again by the next step(), before any forward reads the block;
 // if it fails again, that step() fails with nothing new stepped and is simply called again. Either way the
 // training equals the resident run's.
-TEST(ParamTraining, NvmeWriteFaultsUnderTheDelayedScheduleAreRetriedExactly) {
+TEST_F(ParamTraining, NvmeWriteFaultsUnderTheDelayedScheduleAreRetriedExactly) {
   testing::TempDir dir("zoe-param");
   testing::FaultPlan plan;
   const ParamTierOptions o = eighth_on_nvme(dir.path(), plan.hook());

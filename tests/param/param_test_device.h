@@ -1,0 +1,42 @@
+// The device the parameter suites run on. Meson runs each suite twice: on the host stand-in (memory of its
+// own, asynchronous streams) and with ZOE_TEST_DEVICE=cuda on the first GPU. Without a usable GPU the CUDA
+// run skips every test (OnTestDevice), naming why; on a machine with one, any other failure to open it fails.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include "zoe/device.h"
+
+namespace zoe {
+
+inline bool test_device_is_cuda() {
+  const char* d = std::getenv("ZOE_TEST_DEVICE");
+  return d != nullptr && std::string(d) == "cuda";
+}
+
+inline std::unique_ptr<Device> make_test_device() {
+  if (!test_device_is_cuda()) return make_host_device();
+  Result<std::unique_ptr<Device>> d = make_cuda_device(0);
+  if (!d.ok()) return nullptr;  // OnTestDevice has skipped or failed the test
+  return std::move(d).value();
+}
+
+// The fixture of every test in these suites: skips, naming why, when the CUDA run finds no usable GPU.
+class OnTestDevice : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const char* d = std::getenv("ZOE_TEST_DEVICE");
+    ASSERT_TRUE(d == nullptr || test_device_is_cuda() || std::string(d) == "host")
+        << "ZOE_TEST_DEVICE=" << d << ": host or cuda";
+    if (!test_device_is_cuda()) return;
+    Result<std::unique_ptr<Device>> cuda = make_cuda_device(0);
+    if (!cuda.ok() && cuda.status().code() == StatusCode::unsupported) GTEST_SKIP() << cuda.status().to_string();
+    ASSERT_TRUE(cuda.ok()) << cuda.status().to_string();
+  }
+};
+
+}  // namespace zoe
