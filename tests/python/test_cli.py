@@ -128,6 +128,7 @@ def test_probe_reports_a_killed_runs_swap_store_with_the_command_that_removes_it
     (["--offload-param", "cpu", "--layers", "1"], "--layers 1"),
     (["--offload-param", "cpu", "--prefetch", ""], "--prefetch is empty"),
     (["--offload-param", "cpu", "--compute-ratio", "0"], "--compute-ratio 0"),
+    (["--offload-param", "cpu", "--device", "tpu"], "--device tpu is not host or cuda"),
 ])
 def test_bench_step_offload_param_refuses_bad_input(args, message):
     r = zoe("bench", "step", *args)
@@ -150,7 +151,9 @@ def test_bench_step_offload_param_reports_each_prefetch_depth(home, tmp_path):
         assert 0 <= x["device_idle_fraction"] <= 1
         assert x["pool_peak_bytes"] <= x["budget_bytes"]
         assert x["compute_ms"] > 0 and x["iteration_ms"] > 0
+    fetch = [x for x in lines if x["bench"] == "param_fetch"]
+    assert len(fetch) == 1 and fetch[0]["device"] == "host" and fetch[0]["home"] == home
+    assert fetch[0]["fetch_gbps"] > 0 and fetch[0]["copy_ceiling_gbps"] > 0
     if home == "nvme":
-        fetch = [x for x in lines if x["bench"] == "param_fetch"][0]
-        assert fetch["fetch_gbps"] > 0 and fetch["raw_read_gbps"] > 0
+        assert fetch[0]["raw_read_gbps"] > 0 and fetch[0]["fetch_ratio"] > 0
         assert list(tmp_path.iterdir()) == []  # the scratch parameter file is removed
