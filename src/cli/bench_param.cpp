@@ -1,8 +1,9 @@
 // zoe bench step --offload-param cpu|nvme: training iterations whose layers' weights live in a parameter
 // tier (zoe/param_tier.h) and are fetched per layer, forward then backward, against a device that computes
 // each layer for a set time. The ceiling is the device's compute alone: device_idle_fraction = 1 - compute /
-// iteration, for each prefetch depth asked. The NVMe home also reports its fetch bandwidth (loads with no
-// compute in the way) against raw O_DIRECT reads of as many bytes of the same files, in the same run.
+// iteration, for each prefetch depth asked. The fetch bandwidth (loads with no compute in the way) is
+// reported against plain copies to the device and, for the NVMe home, against raw O_DIRECT reads of as many
+// bytes of the same files, in the same run.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -108,7 +109,9 @@ class CopyCeiling {
   Result<double> pass(std::size_t copies) {
     Status s;
     const double seconds = time_seconds([&] {
-      for (std::size_t k = 0; k < copies && s.ok(); ++k) s = device_->copy_to_device(device_memory_, host_, bytes_, Stream::h2d);
+      for (std::size_t k = 0; k < copies && s.ok(); ++k) {
+        s = device_->copy_to_device(device_memory_, host_, bytes_, Stream::h2d);
+      }
       if (s.ok()) s = device_->synchronize();
     });
     if (!s.ok()) return s;
@@ -186,8 +189,8 @@ class RawReader {
 }  // namespace
 
 int bench_param_offload(std::span<char* const> args) {
-  std::string home_text, device_name = "host", path_text, layers_text = "24", layer_bytes_text = "16M", prefetch_text = "0,1,2,4",
-              ratio_text = "1.5", iters_text = "5";
+  std::string home_text, device_name = "host", path_text, layers_text = "24", layer_bytes_text = "16M",
+              prefetch_text = "0,1,2,4", ratio_text = "1.5", iters_text = "5";
   bool json = false, help = false, host_waits = false;
   const Option options[] = {
       {"offload-param", &home_text, nullptr, "where the layers' 16-bit weights live: cpu (pinned RAM) or nvme"},
@@ -210,10 +213,12 @@ int bench_param_offload(std::span<char* const> args) {
   if (Status s = parse_options(args, options); !s.ok()) return fail(s);
   if (help) {
     std::printf("usage: zoe bench step --offload-param cpu|nvme [options]\n\n%s", options_help(options).c_str());
-    std::printf("\ndevice_idle_fraction = 1 - compute / iteration; the pool holds the\n"
-                "block in use, `prefetch` ahead and one released. nvme: fetch_gbps is what fetches read\n"
-                "with no compute in the way, raw_read_gbps O_DIRECT reads of as many bytes of the same files;\n"
-                "fetch_ratio = fetch_gbps / raw_read_gbps. Fetch and raw passes alternate, best of 5 each.\n");
+    std::printf("\ndevice_idle_fraction = 1 - compute / iteration; the pool holds the block in use, `prefetch`\n"
+                "ahead and one released. fetch_gbps is what fetches move with no compute in the way,\n"
+                "copy_ceiling_gbps plain copies of as many bytes from page-locked memory to the device\n"
+                "(cudaMemcpyAsync on CUDA), copy_ratio = fetch_gbps / copy_ceiling_gbps. nvme: raw_read_gbps\n"
+                "is O_DIRECT reads of as many bytes of the same files, fetch_ratio = fetch_gbps / raw_read_gbps.\n"
+                "The passes alternate, best of 5 each.\n");
     return 0;
   }
   Result<ParamHome> home = parse_param_home(home_text);

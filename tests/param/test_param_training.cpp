@@ -1,10 +1,10 @@
 // Training with the weights in a parameter tier equals training with them resident, bit for bit: a
-// 12-layer model on the test device (host stand-in or GPU: param_test_device.h) whose 16-bit weights are 8x the device pool. Each "forward"
-// and "backward" fetches a layer's block and computes from the weights it finds there, so a wrong or stale
-// fetch changes the gradients and shows. Faults on the NVMe home (a failed read during a fetch, a failed
-// write of the updated weights) are retried and give the uninterrupted result. A trainer may keep one
-// block's worth of gradient memory on the device and hand it from block to block: each gradient leaves the
-// device when reported.
+// 12-layer model on the test device (the host stand-in, or a GPU: param_test_device.h) whose 16-bit weights
+// are 8x the device pool. Each "forward" and "backward" fetches a layer's block and computes from the
+// weights it finds there, so a wrong or stale fetch changes the gradients and shows. Faults on the NVMe home
+// (a failed read during a fetch, a failed write of the updated weights) are retried and give the
+// uninterrupted result. A trainer may keep one block's worth of gradient memory on the device and hand it
+// from block to block: each gradient leaves the device when reported.
 #include <gtest/gtest.h>
 
 #include <cerrno>
