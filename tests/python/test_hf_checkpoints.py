@@ -16,6 +16,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 from test_hf import LR, Tokens, flat, tiny_llama  # noqa: E402
 
+import transformers  # noqa: E402
+
+# transformers before 5.18 resumes a CPU rank of a distributed run with torch.load(optimizer.pt,
+# map_location="cpu:0"), which torch cannot restore; its own AdamW control fails the same way. Seen with
+# 5.16 and 5.17 (on the GPU machine and here); 5.18 loads with map_location="cpu".
+_INDEXED_CPU_RESUME_BUG = tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 18)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -98,6 +105,8 @@ def _run(out, **job):
     return results
 
 
+@pytest.mark.xfail(_INDEXED_CPU_RESUME_BUG, strict=True,
+                   reason=f"transformers {transformers.__version__} cannot resume a CPU rank (map_location 'cpu:0')")
 @pytest.mark.parametrize("optimizer", ["torch", "zoe", "zoe-nvme"])
 def test_hf_trainer_two_ranks_resume_equals_the_uninterrupted_run(optimizer, tmp_path):
     zoe, nvme = optimizer.startswith("zoe"), optimizer == "zoe-nvme"
