@@ -3,11 +3,13 @@ a 12-layer GPT whose 16-bit weights are 8x the device pool trains bit-identicall
 weights resident, for the cpu and nvme homes and the sync and overlap schedules. The optimizer writes the
 updated weights into the tier; the pool's peak (counted by the tier) stays within its budget."""
 import copy
+import json
 import math
 
 import pytest
 import torch
 
+import zoe
 from zoe.demo.data import ByteBatches
 from zoe.demo.model import GPT, Block, GPTConfig
 from zoe.torch import OffloadOptimizer, full_shape, offload_parameters
@@ -73,6 +75,33 @@ def test_gpt_trains_bitwise_as_resident(home, schedule, tmp_path):
     off.remove()
     for name, w in reference.state_dict().items():
         assert torch.equal(model.state_dict()[name], w), name  # remove() puts the trained weights back
+
+
+def test_a_deepspeed_offload_param_section_configures_offload_parameters(tmp_path):
+    # A DeepSpeed user's zero_optimization.offload_param, read by zoe's config reader, is offload_parameters'
+    # arguments: buffer_count blocks of buffer_size 16-bit elements make the pool, buffer_count - 2 of them are
+    # fetched ahead (one more is in use and one released).
+    model = _gpt()
+    reference = copy.deepcopy(model)
+    per_buffer = -(-_weight_bytes(model) // 8 // 4 // 2)  # elements: four buffers hold 1/8 of the weights
+    ds = {"zero_optimization": {"stage": 3, "offload_param": {
+        "device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 4, "buffer_size": per_buffer,
+        "max_in_cpu": 10**9, "pin_memory": True}}}
+    cfg = zoe.parse_config(json.dumps(ds), "ds.json")
+    assert cfg["offload_param"] == {"device": "nvme", "nvme_path": [str(tmp_path)], "prefetch": 2,
+                                    "budget_bytes": 4 * per_buffer * 2}
+    assert any("max_in_cpu" in n for n in cfg["notes"])  # read, and said to be unused
+    off = offload_parameters(model, **cfg["offload_param"], block_modules=(Block,))
+    assert [f.name for f in tmp_path.iterdir()] != []  # the parameter file is on the configured path
+    s = off.stats()
+    assert 0 < s["budget_bytes"] <= 4 * per_buffer * 2
+    _, want = _train(reference, "sync", {}, steps=3)
+    opt, got = _train(model, "sync", {}, steps=3)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert off.stats()["pool_peak_bytes"] <= s["budget_bytes"]
+    assert zoe.parse_config('{"zero_optimization": {"offload_param": {"device": "none"}}}')["offload_param"] is None
+    del opt
+    off.remove()
 
 
 def test_the_optimizer_step_writes_the_tier_and_the_next_forward_sees_it():

@@ -238,7 +238,8 @@ def main(argv=None) -> int:
     png = os.path.join(args.out, "loss.png")
     plot.draw(png, plot.Curves(list(range(1, args.steps + 1)), losses, smooth, window, r["held_steps"],
                                r["held_losses"], HELD_OUT_BATCHES, r["tokens_per_s"]),
-              title=f"zoe demo: GPT {params_m:.2f}M params on Python's docs, tier {tier}, schedule {args.schedule}",
+              title=f"zoe demo: GPT {params_m:.2f}M params on Python's docs, tier {tier}, schedule {args.schedule}"
+                    + (f"\nweights offloaded to {args.offload_param}, fetched per block (prefetch 2)" if offload else ""),
               subtitle=f"{args.layers} layers, d={args.d_model}, {args.dtype} weights on {device}, fp32 master + Adam "
                        f"moments in zoe; batch {args.batch} x {args.seq} bytes, lr {args.lr:g}")
     stats = opt.stats()
