@@ -473,7 +473,12 @@ Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions&
   }
   StepOptions adam_options = options;
   adam_options.check_finite = false;  // checked above, over all segments, before anything changed
-  std::vector<std::pair<const AdamHyper*, std::vector<AdamTensor>>> groups;
+  struct Call {
+    const AdamHyper* hyper;
+    std::int64_t step;
+    std::vector<AdamTensor> tensors;
+  };
+  std::vector<Call> groups;
   double adam_s = 0;
   Status s = streaming_call(im, true, [&] {
     return im.run_tiles(tasks, [&](const TileTask& task, const TileArrays& a, std::size_t count) -> Status {
@@ -482,7 +487,7 @@ Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions&
       const std::size_t index = static_cast<std::size_t>(&task - tasks.data());
       // One Adam call per set of hyper-parameters in the tile (param groups often alternate, e.g. weights
       // with weight decay and norms without): each call is a parallel pass with its own start-up cost.
-      for (auto& g : groups) g.second.clear();
+      for (Call& g : groups) g.tensors.clear();
       for (std::size_t si = first_segment[index]; si < segments.size() && segments[si].offset < end; ++si) {
         const SwapSegment& seg = segments[si];
         const std::size_t lo = std::max(begin, seg.offset), hi = std::min(end, seg.offset + seg.n);
@@ -493,8 +498,10 @@ Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions&
           if (out != nullptr) copy_out(a.p + at, out, seg.out_dtype, hi - lo);
           continue;
         }
-        auto group = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == seg.hyper; });
-        if (group == groups.end()) group = groups.insert(groups.end(), {seg.hyper, {}});
+        const std::int64_t step = seg.step > 0 ? seg.step : options.step;
+        auto group = std::find_if(groups.begin(), groups.end(),
+                                  [&](const Call& g) { return g.hyper == seg.hyper && g.step == step; });
+        if (group == groups.end()) group = groups.insert(groups.end(), Call{seg.hyper, step, {}});
         AdamTensor t;
         t.param = a.p + at;
         t.exp_avg = a.m + at * im.moment_bytes;
@@ -509,11 +516,14 @@ Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions&
         t.out = out;
         t.out_dtype = seg.out_dtype;
         t.n = hi - lo;
-        group->second.push_back(t);
+        group->tensors.push_back(t);
       }
       Status r;
-      for (const auto& [hyper, tensors] : groups) {
-        if (!tensors.empty() && r.ok()) r = im.adam->step(*hyper, adam_options, tensors);
+      for (const Call& g : groups) {
+        if (g.tensors.empty() || !r.ok()) continue;
+        StepOptions o = adam_options;
+        o.step = g.step;
+        r = im.adam->step(*g.hyper, o, g.tensors);
       }
       adam_s += since(t0);
       if (!r.ok()) return Status(r.code(), "Adam on " + im.tile_name(task.tile) + ": " + r.message(), r.sys_errno());

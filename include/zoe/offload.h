@@ -205,6 +205,13 @@ class OffloadOptimizer {
   // unless gradients are accumulated (OffloadOptions::gradient_accumulation_steps), where every schedule
   // takes each micro-batch's gradient when it is reported.
   Status grad_ready(std::size_t param);
+  // torch's rule for a parameter whose gradient is None at step(): the coming step leaves it exactly as it
+  // is — master, moments, device weights and its own step count — and neither copies its gradient nor
+  // counts it in the norm or the NaN/Inf check. Names every such parameter of this iteration, replacing an
+  // earlier call's list (an empty list: every parameter has a gradient); a step that succeeds clears it.
+  // Partitioned: the pieces of this rank, as read_state() numbers them. Call before step(), after any
+  // grad_ready() of theirs (grads_changed() first if they were reported: overlap may have stepped them).
+  Status set_grads_absent(const std::vector<std::size_t>& params);
   // Ends the iteration: every gradient is final. Applies the step (or, delayed, starts it) and leaves the
   // updated weights on the device — after wait() for the delayed schedule's previous step. Tier nvme: a
   // step that failed on I/O says which state is valid and may be called again once the fault is cleared;
@@ -226,7 +233,9 @@ class OffloadOptimizer {
   // Clipping from the next step on (0: none); torch's clip_grad_norm_ semantics, fused into the step.
   Status set_max_grad_norm(float max_norm);
 
-  Status save(const std::string& path);
+  // record_names false leaves the parameters' names out (a checkpoint carried inside a framework's own
+  // state_dict, which names them itself): the same state then gives the same bytes however it was named.
+  Status save(const std::string& path, bool record_names = true);
   Status load(const std::string& path);
 
   // Hyper-parameters may change between steps (learning-rate schedules).
@@ -236,7 +245,10 @@ class OffloadOptimizer {
   // front-end's checkpoint): refused, changing nothing, unless loss scaling is on, the scale finite and > 0 and the counts >= 0.
   LossScaleState loss_scale_state() const;
   Status set_loss_scale_state(const LossScaleState& state);
-  std::int64_t step_count() const;  // steps applied, as torch's state["step"]
+  std::int64_t step_count() const;  // steps applied (skipped fp16 overflows not counted)
+  // Steps applied to parameter `param` (read_state()'s numbering), as torch's state[p]["step"]: the steps
+  // in which it had a gradient (set_grads_absent). Adam's bias correction of that parameter uses it.
+  std::int64_t param_step_count(std::size_t param) const;
   bool last_step_skipped() const;
   const StepStats& stats() const;  // exact after wait(); the delayed schedule updates it in the background
   // Elements of each parameter read_state() and write_state() take (partitioned: of each piece).
@@ -249,8 +261,16 @@ class OffloadOptimizer {
   // Partitioned: `param` is this rank's piece, as in read_state(); the other ranks' weights are not
   // gathered (step() or load() does that).
   Status write_state(std::size_t param, const float* master, const float* exp_avg, const float* exp_avg_sq);
-  // Sets the number of steps applied (Adam's bias correction continues from it), as after load().
+  // Tier ram with fp32 moments: the address of parameter `param`'s exp_avg (which = 1) or exp_avg_sq (2),
+  // p.n floats, for views that read and write the optimizer's own state (as torch's state[p] tensors are);
+  // valid while the optimizer lives (load() keeps them). Null for any other tier or moment dtype, or a bad
+  // argument. Call wait() before reading them.
+  float* moments_of(std::size_t param, int which);
+  // Sets the number of steps applied (Adam's bias correction continues from it), as after load(): of the
+  // optimizer and of every parameter.
   Status set_step_count(std::int64_t steps);
+  // Sets one parameter's step count (state taken over from torch, where each parameter has its own).
+  Status set_param_step_count(std::size_t param, std::int64_t steps);
 
   struct Impl;  // opaque; defined in src/offload/ (named here so the engine's schedules and tiers can take it)
 

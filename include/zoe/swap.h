@@ -109,6 +109,9 @@ struct SwapSegment {
   DType grad_dtype = DType::f32;
   void* out = nullptr;
   DType out_dtype = DType::bf16;
+  // Adam's bias-correction step for this segment (its parameter's own count, as torch keeps one per
+  // parameter); 0: StepOptions::step. The tile table records StepOptions::step whatever this is.
+  std::int64_t step = 0;
 };
 
 // What the last call that streamed tiles (initialize, step, read, write) did. read_s / write_s are wall

@@ -666,7 +666,11 @@ void bind_engine(nb::module_& m) {
       .def("set_max_grad_norm",
            [](PyEngine& e, float max_norm) { e.call([max_norm](OffloadOptimizer& o) { return o.set_max_grad_norm(max_norm); }); },
            nb::arg("max_norm"), "Clipping from the next step on (0: none).")
-      .def("save", [](PyEngine& e, const std::string& path) { e.call([&path](OffloadOptimizer& o) { return o.save(path); }); })
+      .def("save",
+           [](PyEngine& e, const std::string& path, bool record_names) {
+             e.call([&](OffloadOptimizer& o) { return o.save(path, record_names); });
+           },
+           nb::arg("path"), nb::arg("record_names") = true)
       .def("load", [](PyEngine& e, const std::string& path) { e.call([&path](OffloadOptimizer& o) { return o.load(path); }); })
       .def("set_hyper",
            [](PyEngine& e, std::size_t group, float lr, float beta1, float beta2, float eps, float weight_decay,
@@ -717,7 +721,33 @@ void bind_engine(nb::module_& m) {
                    "Elements of each parameter (partitioned: each piece) read_state/write_state take.")
       .def("set_step_count",
            [](PyEngine& e, std::int64_t steps) { e.call([steps](OffloadOptimizer& o) { return o.set_step_count(steps); }); },
-           nb::arg("steps"));
+           nb::arg("steps"))
+      .def("set_grads_absent",
+           [](PyEngine& e, const std::vector<std::size_t>& which) {
+             e.call([&which](OffloadOptimizer& o) { return o.set_grads_absent(which); });
+           },
+           nb::arg("params"),
+           "The parameters (engine numbering) whose gradient is None this iteration: the coming step leaves them "
+           "as they are (state, weights, step count). Replaces the previous list.")
+      .def("moments_view",
+           [](nb::handle self, std::size_t i, int which) -> nb::object {
+             PyEngine& e = nb::cast<PyEngine&>(self);
+             float* at = e.get().moments_of(i, which);
+             if (at == nullptr) return nb::none();
+             const std::size_t n = e.get().state_sizes()[i];
+             // The array keeps the engine alive: the view cannot outlive the memory it shows.
+             return nb::cast(nb::ndarray<nb::numpy, float, nb::ndim<1>>(at, {n}, self));
+           },
+           nb::arg("param"), nb::arg("which"),
+           "Tier ram with fp32 moments: a numpy view of parameter `param`'s exp_avg (1) or exp_avg_sq (2) in the "
+           "engine's memory (it keeps the engine alive); None otherwise.")
+      .def("param_step_count", [](PyEngine& e, std::size_t i) { return e.get().param_step_count(i); }, nb::arg("param"),
+           "Steps applied to this parameter (torch's state[p]['step']).")
+      .def("set_param_step_count",
+           [](PyEngine& e, std::size_t i, std::int64_t steps) {
+             e.call([i, steps](OffloadOptimizer& o) { return o.set_param_step_count(i, steps); });
+           },
+           nb::arg("param"), nb::arg("steps"));
 
   m.def("read_checkpoint",
         [](const std::string& path) {
@@ -744,6 +774,21 @@ void bind_engine(nb::module_& m) {
         },
         nb::arg("path"),
         "A zoe checkpoint file, every blob's checksum verified: (manifest JSON text, {blob name: uint8 array}).");
+  m.def("checkpoint_blobs",
+        [](const std::string& path) {
+          Result<CheckpointReader> r = Status(StatusCode::internal, "not read");
+          {
+            nb::gil_scoped_release release;
+            r = CheckpointReader::open(path);
+          }
+          const CheckpointReader& reader = take(std::move(r));
+          nb::dict blobs;
+          for (const std::string& name : reader.names()) {
+            blobs[name.c_str()] = nb::make_tuple(take(reader.offset(name)), take(reader.size(name)));
+          }
+          return blobs;
+        },
+        nb::arg("path"), "Where each blob of a zoe checkpoint file lies in it: {blob name: (offset, bytes)}; nothing is read.");
   m.def("parse_config",
         [](const std::string& text, const std::string& source) { return config_dict(take(parse_config(text, source))); },
         nb::arg("text"), nb::arg("source") = "<string>");

@@ -94,6 +94,16 @@ class DataParallel:
         self.reduce = reduce  # False: the gradients come averaged (DistributedDataParallel)
         self._reduction_checked = False
 
+    def absent_everywhere(self, slots, absent) -> list:
+        """Of the parameters whose gradient is None here, those whose gradient is None on every rank: only they
+        are left unstepped. One that has a gradient elsewhere is averaged with a zero from this rank, as
+        DistributedDataParallel does with a parameter a rank did not use."""
+        mine = {id(s) for s in absent}
+        present = torch.tensor([0 if id(s) in mine else 1 for s in slots], dtype=torch.int32,
+                               device="cpu" if self.collectives._gloo else self.collectives.device)
+        dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.collectives.group)
+        return [s for s, p in zip(slots, present.tolist()) if p == 0]
+
     def check_reduction(self, buckets) -> None:
         """Once: are the gradients equal on every rank (averaged already, as DistributedDataParallel leaves
         them)? A fingerprint of each bucket (its 1- and 2-norms: sums of positive terms, so a sum in another

@@ -74,7 +74,7 @@ class ShardedParams:
     def detect(cls, param_groups, process_group) -> "ShardedParams | None":
         """None when no parameter is a DTensor; else checks that zoe can step them all as local shards."""
         params = [p for g in param_groups for p in g["params"]]
-        trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        trainable = [i for i, p in enumerate(params) if p.requires_grad or p.is_floating_point()]
         sharded = [i for i in trainable if is_dtensor(params[i])]
         if not sharded:
             return None

@@ -172,7 +172,7 @@ def read_torch_state(opt, sd: dict):
     state = sd.get("state", {})
     masters = sd.get("zoe_masters", {})
     keys = _saved_keys(opt, sd)
-    steps = set()
+    steps = {}  # torch keeps a step per parameter; one without state has not been stepped
     full = {}
     for s in opt._slots:
         key = keys[s.index]
@@ -188,7 +188,7 @@ def read_torch_state(opt, sd: dict):
                                      "step, exp_avg and exp_avg_sq)")
             m = _as_local(st["exp_avg"], s, "exp_avg")
             v = _as_local(st["exp_avg_sq"], s, "exp_avg_sq")
-            steps.add(int(float(st["step"])))
+            steps[s.index] = int(float(st["step"]))
         master = masters.get(s.index, masters.get(str(s.index)))
         if master is None and st is not None:
             master = st.get("zoe_master")
@@ -198,13 +198,12 @@ def read_torch_state(opt, sd: dict):
         elif master is None:
             master = s.param.detach()
         full[s.index] = (_as_local(master, s, "its master"), m, v)
-    if len(steps) > 1:
-        raise ValueError(f"the parameters were stepped different numbers of times ({sorted(steps)}); zoe keeps one "
-                         "step count for all")
     for i, (master, _, v) in full.items():
         if not bool(torch.isfinite(master).all()) or not bool((v >= 0).all()):
             raise ValueError(f"parameter {i}: its master weights are not finite or its exp_avg_sq has negative values")
-    return full, (steps.pop() if steps else 0)
+        if steps.get(i, 0) < 0:
+            raise ValueError(f"parameter {i}: its step {steps[i]} is negative")
+    return full, steps
 
 
 def read_loss_scale(opt, sd: dict):
@@ -221,12 +220,15 @@ def read_loss_scale(opt, sd: dict):
     return scale, clean, left
 
 
-def write_torch_state(opt, full: dict, step: int) -> None:
-    """The state read_torch_state made, into this rank's pieces; the weights then agree on every rank."""
+def write_torch_state(opt, full: dict, steps: dict) -> None:
+    """The state read_torch_state made, into this rank's pieces; the weights then agree on every rank. The
+    optimizer's step count is the largest parameter's; each parameter keeps its own."""
+    opt._engine.set_step_count(max(steps.values(), default=0))
     for s, begin, n in pieces(opt):
         master, m, v = (t[begin:begin + n].contiguous() for t in full[s.index])
         opt._engine.write_state(s.engine_ids[0], master, m, v)
-    opt._engine.set_step_count(step)
+        for i in s.engine_ids:
+            opt._engine.set_param_step_count(i, steps.get(s.index, 0))
     if opt._world > 1:
         _gather_weights(opt)
 
@@ -253,8 +255,9 @@ def torch_state(opt, masters_in_state: bool = False) -> dict:
     else:
         weights = _gathered_state(opt)
     state, masters = {}, {}
+    own = {s.index: opt._engine.param_step_count(s.engine_ids[0]) for s in opt._slots if s.engine_ids}
     for index, (p, m, v) in weights.items():
-        state[index] = {"step": torch.tensor(float(step)), "exp_avg": m, "exp_avg_sq": v}
+        state[index] = {"step": torch.tensor(float(own.get(index, step))), "exp_avg": m, "exp_avg_sq": v}
         if masters_in_state:
             state[index]["zoe_master"] = p
         else:
@@ -333,7 +336,7 @@ def consolidate(state_dicts) -> dict:
     sds = list(state_dicts)
     if not sds:
         raise ValueError("consolidate: no state_dicts given")
-    metas = []
+    metas, states = [], {}
     for k, sd in enumerate(sds):
         meta = sd.get("zoe") if isinstance(sd, dict) else None
         if meta is None or meta.get("format") != STATE_FORMAT:
@@ -342,6 +345,7 @@ def consolidate(state_dicts) -> dict:
             raise ValueError(f"state_dict {k} predates partition records (no 'pieces'); it loads only on the ranks "
                              "that wrote it")
         metas.append(meta)
+        states[id(meta)] = sd.get("state")
     world = metas[0]["world_size"]
     if any(m["world_size"] != world for m in metas):
         raise ValueError(f"the state_dicts come from runs of different sizes: {sorted({m['world_size'] for m in metas})} ranks")
@@ -359,7 +363,7 @@ def consolidate(state_dicts) -> dict:
     full, filled, steps = {}, {}, set()
     for meta in metas:
         try:
-            manifest, blobs = _read_blob(meta["checkpoint"])
+            manifest, blobs = _read_blob(meta, states[id(meta)])
         except _zoe.ZoeError as e:
             raise type(e)(f"rank {meta['rank']}'s state_dict: its zoe checkpoint is damaged: {e}") from e
         steps.add(manifest["step"])
@@ -397,17 +401,35 @@ def consolidate(state_dicts) -> dict:
 
 
 @contextlib.contextmanager
-def blob_file(blob: torch.Tensor):
-    """A state_dict's engine checkpoint (uint8 tensor) as a temporary file, for the engine's readers."""
+def blob_file(meta: dict, state: dict | None):
+    """A state_dict's engine checkpoint as a temporary file, for the engine's readers: ``meta["checkpoint"]``
+    (uint8), with the moments put back from torch's ``state`` where ``meta["moments"]`` cut them out
+    (OffloadOptimizer._save_engine_into). The file's checksums then tell whether they are the ones saved."""
+    blob = meta["checkpoint"].cpu().numpy()
     with tempfile.TemporaryDirectory(prefix="zoe-state-") as tmp:
         path = os.path.join(tmp, "optimizer.zoe")
         with open(path, "wb") as f:
-            f.write(memoryview(blob.cpu().numpy()))  # no copy of the blob
+            at = 0
+            for offset, n, key in meta.get("moments") or []:
+                gap = offset - f.tell()
+                f.write(memoryview(blob[at:at + gap]))  # no copy of the blob
+                at += gap
+                for index, begin, count in meta["pieces"]:
+                    st = (state or {}).get(index, (state or {}).get(str(index), {}))
+                    if key not in st:
+                        raise ValueError(f"this state_dict's 'state' has no {key} for parameter {index}: zoe's "
+                                         "checkpoint in it needs the moments it was saved with")
+                    t = st[key].detach().reshape(-1)[begin:begin + count]
+                    f.write(memoryview(t.to("cpu", torch.float32).contiguous().numpy()))
+                if f.tell() != offset + n:
+                    raise ValueError(f"this state_dict's {key} tensors hold {f.tell() - offset} bytes, zoe's "
+                                     f"checkpoint in it {n}: it is for a different model")
+            f.write(memoryview(blob[at:]))
         yield path
 
 
-def _read_blob(blob: torch.Tensor):
-    with blob_file(blob) as path:
+def _read_blob(meta: dict, state: dict | None):
+    with blob_file(meta, state) as path:
         manifest, blobs = _zoe.read_checkpoint(path)
     return json.loads(manifest), blobs
 

@@ -69,7 +69,9 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 from torch import nn
 
+from . import _zoe
 from ._data_parallel import _CudaMemory
+from ._dtensor import is_dtensor
 
 __all__ = ["ParamOffload", "offload_parameters", "full_shape", "set_grad"]
 
@@ -80,10 +82,10 @@ def full_shape(p: torch.Tensor) -> torch.Size:
     return off[0]._shapes[p] if off is not None else p.shape
 
 
-def set_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
+def set_grad(p: torch.Tensor, grad: torch.Tensor | None) -> None:
     """``p.grad = grad``, also for an offloaded parameter, whose placeholder torch would compare the gradient's
     shape with: the weights' place is taken by the gradient itself for the assignment (nothing is copied)."""
-    if getattr(p, "_zoe_param_offload", None) is None or p.data.shape == grad.shape:
+    if grad is None or getattr(p, "_zoe_param_offload", None) is None or p.data.shape == grad.shape:
         p.grad = grad
         return
     placeholder = p.data
@@ -134,6 +136,13 @@ def offload_parameters(model: nn.Module, device: str = "cpu", nvme_path: str | S
         paths = []
     if prefetch < 0:
         raise ValueError("offload_parameters: prefetch must be >= 0")
+    sharded = [name for name, p in model.named_parameters() if is_dtensor(p)]
+    if sharded:
+        raise _zoe.UnsupportedError(
+            f"offload_parameters: the model's parameters are DTensors (FSDP2 fully_shard; {sharded[0]!r} and "
+            f"{len(sharded) - 1} more). zoe's parameter tier holds whole tensors of one process and cannot offload "
+            "FSDP2's shards yet: offload the parameters of a model that is not sharded, or use FSDP2's own "
+            "CPUOffloadPolicy with zoe's OffloadOptimizer for the optimizer state. Nothing was changed.")
     return ParamOffload(model, "ram" if device == "cpu" else "nvme", paths, prefetch, budget_bytes or 0,
                         tier_factory, _block_selector(block_modules))
 
@@ -242,7 +251,6 @@ class ParamOffload:
         self._strides = {p: _contiguous_strides(p.shape) for p in self._shapes}
         entry_bytes = [[p.numel() * p.element_size() for p in ps] for _, ps in self.blocks]
         if tier_factory is None:
-            from . import _zoe  # the binding is only needed once a model is offloaded
             zdev = _zoe.cpu_device() if self._device.type == "cpu" else _zoe.cuda_device(self._device.index)
             # torch's kernels run on torch's stream, not zoe's: a fetch returns once its block is there.
             self.tier = _zoe.ParamTier(zdev, entry_bytes, self._names, home, nvme_paths, budget_bytes, prefetch,

@@ -8,11 +8,20 @@ import tempfile
 
 import torch
 
-from . import _interop, _param_offload
+from . import _interop, _param_offload, _torch_flags, _zoe
 
 _STATE_FORMAT = _interop.STATE_FORMAT
-# Keys of torch.optim.AdamW's groups whose non-default values zoe cannot honour.
-UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+def _read_into(f, buffer: memoryview) -> int:
+    """Fills ``buffer`` from ``f``; returns its size."""
+    done = 0
+    while done < len(buffer):
+        n = f.readinto(buffer[done:])
+        if not n:
+            raise OSError(f"{f.name}: ended {len(buffer) - done} bytes early")
+        done += n
+    return done
 
 
 class StateDictMethods:
@@ -44,7 +53,8 @@ class StateDictMethods:
         live = folder is None and _interop.called_by_accelerate_prepare()
         if folder is None and not live:
             _interop.refuse_rank0_only_save(world)
-        sd = super().state_dict()
+        with self.state.hidden():  # torch's packing would copy every parameter's moments
+            sd = super().state_dict()
         empty = torch.empty(0, dtype=torch.uint8)
         sd["zoe"] = {
             "format": _STATE_FORMAT,
@@ -62,17 +72,42 @@ class StateDictMethods:
             # to the device): it names this optimizer at this step instead of copying the state.
             sd["zoe"]["live"] = [id(self), self.step_count]
         else:
-            sd["zoe"]["checkpoint"] = self._engine_blob()
+            self._save_engine_into(sd)
         return sd
 
-    def _engine_blob(self) -> torch.Tensor:
+    def _save_engine_into(self, sd: dict) -> None:
+        """The engine's checkpoint into ``sd``, read from its file once, without a second copy. One rank's
+        whole parameters: its fp32 moments become torch's ``state`` ({index: step, exp_avg, exp_avg_sq} for
+        every parameter), which ``torch.optim.AdamW.load_state_dict`` takes, and the rest of the file is
+        ``zoe.checkpoint`` with those two ranges cut out (``zoe.moments``: where they go back, for zoe's own
+        load, which checks every byte against the file's checksums). A partitioned optimizer (zoe's pieces,
+        FSDP2's shards) keeps the whole file in ``zoe.checkpoint``."""
         with tempfile.TemporaryDirectory(prefix="zoe-state-") as tmp:
             path = os.path.join(tmp, "optimizer.zoe")
-            self._engine.save(path)
-            blob = bytearray(os.path.getsize(path))  # read into its final buffer: one copy of the state
+            self._engine.save(path, record_names=False)  # param_groups name them, as torch's do
+            size = os.path.getsize(path)
+            holes = []
+            if self._world == 1 and self._dtensor is None:
+                index = _zoe.checkpoint_blobs(path)
+                holes = sorted([*index[key], key] for key in ("exp_avg", "exp_avg_sq"))
+            moments = {key: torch.empty(n // 4, dtype=torch.float32) for _, n, key in holes}
+            blob = bytearray(size - sum(n for _, n, _ in holes))
             with open(path, "rb") as f:
-                f.readinto(blob)
-        return torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+                at = 0
+                for offset, n, key in holes:
+                    at += _read_into(f, memoryview(blob)[at:at + offset - f.tell()])
+                    _read_into(f, memoryview(moments[key].numpy()).cast("B"))
+                _read_into(f, memoryview(blob)[at:])
+        sd["zoe"]["checkpoint"] = torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+        if not holes:
+            return
+        sd["zoe"]["moments"] = holes
+        sd["state"], first = {}, 0
+        for s, _, n in _interop.pieces(self):
+            m, v = (moments[key][first:first + n].view(s.shape) for key in ("exp_avg", "exp_avg_sq"))
+            steps = float(self._engine.param_step_count(s.engine_ids[0]))
+            sd["state"][s.index] = {"step": torch.tensor(steps), "exp_avg": m, "exp_avg_sq": v}
+            first += n
 
     def save_to(self, folder) -> str:
         """On every rank: writes this rank's state as ``folder/zoe/rank<r>-of-<W>.zoe`` (atomic, checksummed),
@@ -136,21 +171,23 @@ class StateDictMethods:
                 f"{meta['world_size']} ranks' state_dicts (zoe.torch.consolidate_state_dicts) to load it on "
                 "another number of ranks")
         self._check_layout(meta)
-        rest = {k: v for k, v in state_dict.items() if k != "zoe"}
-        super().load_state_dict(rest)
-        blob = meta["checkpoint"]
-        with _interop.blob_file(blob) as path:
+        # The param groups only: the state is the engine's (torch would copy each tensor to its parameter).
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        with _interop.blob_file(meta, state_dict.get("state")) as path:
             self._engine.load(path)  # across ranks collective: the loaded shards are all-gathered
         self._hyper_sent = [None] * len(self.param_groups)
 
     def _check_layout(self, meta: dict) -> None:
+        # requires_grad (the layout's third entry) may differ: frozen parameters are held and stepped alike.
+        def essential(layout):
+            return [entry[:2] + entry[3:] for entry in layout]
         layout = self._layout()
-        if meta["layout"] == layout:
+        if essential(meta["layout"]) == essential(layout):
             return
         if len(meta["layout"]) != len(layout):
             why = f"it holds {len(meta['layout'])} parameters, this optimizer {len(layout)}"
         else:
-            i = next(k for k, (x, y) in enumerate(zip(meta["layout"], layout)) if x != y)
+            i = next(k for k, (x, y) in enumerate(zip(essential(meta["layout"]), essential(layout))) if x != y)
             why = f"parameter {i} is {meta['layout'][i]} there and {layout[i]} here (shape, dtype, requires_grad)"
         raise ValueError(f"this state_dict is for a different model: {why}")
 
@@ -175,17 +212,15 @@ class StateDictMethods:
 
     def _load_torch_state_dict(self, state_dict: dict) -> None:
         for gi, g in enumerate(state_dict["param_groups"]):
-            for flag in UNSUPPORTED_FLAGS:
-                if g.get(flag, False):
-                    raise ValueError(f"param group {gi} of this state_dict has {flag}=True, which zoe does not run")
-        full, step = _interop.read_torch_state(self, state_dict)
+            _torch_flags.check_group(g, f"param group {gi} of this state_dict")
+        full, steps = _interop.read_torch_state(self, state_dict)
         scaler = _interop.read_loss_scale(self, state_dict)
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         for g in self.param_groups:
             g.pop("zoe_loss_scale", None)  # the engine's, not a hyper-parameter
             if "decoupled_weight_decay" in g:  # torch.optim.Adam(W)'s name for zoe's adamw
                 g["adamw"] = bool(g["decoupled_weight_decay"])
-        _interop.write_torch_state(self, full, step)
+        _interop.write_torch_state(self, full, steps)
         if scaler is not None:
             self._engine.set_loss_scale_state(*scaler)
         self._hyper_sent = [None] * len(self.param_groups)

@@ -38,6 +38,7 @@ How it meets torch:
 """
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import math
 import os
@@ -49,14 +50,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import _data_parallel, _dtensor, _interop, _param_offload, _state_dict, _zoe
+from . import _data_parallel, _dtensor, _interop, _param_offload, _state_dict, _torch_flags, _zoe
 from ._param_offload import full_shape, offload_parameters
 
 __all__ = ["OffloadOptimizer", "offload_parameters", "full_shape"]
 
 _ZOE_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-# Keys of torch.optim.AdamW's groups whose non-default values zoe cannot honour.
-_UNSUPPORTED_FLAGS = _state_dict.UNSUPPORTED_FLAGS
 
 
 # torch's own, kept before zoe routes it to its optimizers (_route_clipping).
@@ -100,8 +99,8 @@ def _cpu_device():
 class _Slot:
     """Where one trainable parameter lives in its dtype's flat buffers."""
 
-    __slots__ = ("param", "index", "group", "offset", "numel", "shape", "tier", "windowed", "grad_view",
-                 "engine_ids", "accumulated", "taken")
+    __slots__ = ("param", "index", "group", "offset", "numel", "shape", "tier", "windowed", "bucket", "grad_view",
+                 "grad_ptr", "own_grad", "own_version", "weight_view", "engine_ids", "accumulated", "taken")
 
     def __init__(self, param, index, group, offset):
         self.param = param
@@ -116,10 +115,74 @@ class _Slot:
         # Its gradient leaves the device as its backward ends, and its place in the bucket is a window that
         # every such parameter of the dtype uses in turn (OffloadOptimizer._build).
         self.windowed = False
+        self.bucket = None  # its dtype's _Bucket
         self.grad_view = None
+        self.grad_ptr = 0  # grad_view's address: a p.grad.data = ... keeps the tensor and changes it
+        # A gradient tensor of the trainer's (autograd's) in p.grad, copied into grad_view at this version.
+        self.own_grad = None
+        self.own_version = 0
+        self.weight_view = None  # p.data as the optimizer laid it (a view of its bucket)
         self.engine_ids: list[int] = []
         self.accumulated = 0  # backward passes that accumulated into this gradient since the last step
         self.taken = False  # the engine has read this iteration's gradient (reported, or for a norm)
+
+
+class _StateView(collections.abc.Mapping):
+    """``opt.state`` as torch's optimizers have it: ``state[p]`` is ``{"step", "exp_avg", "exp_avg_sq"}`` for each
+    parameter stepped at least once (``{}`` for the others, as torch's defaultdict gives). The moments are
+    views of zoe's own memory where it keeps them as fp32 in RAM (tier ram, ``state_dtype="fp32"``, one rank):
+    reading and writing them reads and writes the optimizer's state. Elsewhere (bf16 or int8 moments, tier
+    nvme, a partitioned optimizer: this rank's piece, flat) they are fp32 copies decoded when asked for —
+    writing them changes nothing. Built on access; the engine's work in flight is waited for first."""
+
+    def __init__(self, opt: "OffloadOptimizer"):
+        self._opt = weakref.ref(opt)
+        self._hidden = False
+
+    def _slot(self, p):
+        opt = self._opt()
+        if opt is None or self._hidden:
+            return None
+        return next((s for s in opt._slots if s.param is p), None)
+
+    def _stepped(self, s) -> int:
+        return self._opt()._engine.param_step_count(s.engine_ids[0]) if s.engine_ids else 0
+
+    def __getitem__(self, p) -> dict:
+        s = self._slot(p)
+        if s is None or self._stepped(s) == 0:
+            return {}
+        opt = self._opt()
+        opt._engine.wait()
+        views = [opt._engine.moments_view(s.engine_ids[0], which) for which in (1, 2)]
+        if len(s.engine_ids) == 1 and opt._world == 1 and all(v is not None for v in views):
+            m, v = (torch.from_numpy(x).view(s.shape) for x in views)
+        else:
+            st = opt.read_state(p)
+            m, v = st["exp_avg"], st["exp_avg_sq"]
+        return {"step": torch.tensor(float(self._stepped(s))), "exp_avg": m, "exp_avg_sq": v}
+
+    def __contains__(self, p) -> bool:
+        s = self._slot(p)
+        return s is not None and self._stepped(s) > 0
+
+    def __iter__(self):
+        opt = self._opt()
+        if opt is None or self._hidden:
+            return iter(())
+        return iter([s.param for s in opt._slots if self._stepped(s) > 0])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    @contextlib.contextmanager
+    def hidden(self):
+        """Empty for a while: torch's state_dict() packing, which zoe fills from its checkpoint instead."""
+        self._hidden = True
+        try:
+            yield
+        finally:
+            self._hidden = False
 
 
 class _Bucket:
@@ -136,6 +199,7 @@ class _Bucket:
         self.slots = slots
         total = 0
         for s in slots:
+            s.bucket = self
             s.offset = 0 if s.windowed else total
             total += 0 if s.windowed else s.numel
         self.shard_numel = -(-total // world) if total else 0
@@ -213,7 +277,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, adamw: bool = True, tier: str = "ram", nvme_path=None,
+                 weight_decay: float = 1e-2, adamw: bool = True, tier: str = "ram", nvme_path=None,
                  schedule: str = "sync", max_grad_norm: float | None = None, *, loss_scale=None,
                  initial_scale: float = 2.0 ** 16, growth_interval: int = 1000, hysteresis: int = 2,
                  min_loss_scale: float = 1.0, delayed_warmup_steps: int = 10, process_group=None,
@@ -221,9 +285,15 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                  block_size: int = 1 << 20, queue_depth: int = 8, refuse_non_finite: bool = True,
                  durability: str = "step", keep_resident: bool = True,
                  gradient_accumulation_steps: int | None = None,
-                 reduce_grads: bool = True, state_dtype: str = "fp32"):
-        if not 0.0 <= lr:
-            raise ValueError(f"lr = {lr} is invalid: need >= 0")
+                 reduce_grads: bool = True, state_dtype: str = "fp32",
+                 amsgrad: bool = False, maximize: bool = False, foreach: bool | None = None,
+                 fused: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 decoupled_weight_decay: bool | None = None):
+        _torch_flags.check_hyper(lr, betas, eps, weight_decay)
+        if decoupled_weight_decay is not None:
+            if not adamw and decoupled_weight_decay:
+                raise ValueError("adamw=False and decoupled_weight_decay=True contradict each other: pass one of them")
+            adamw = bool(decoupled_weight_decay)
         if tier not in ("ram", "nvme"):
             raise ValueError(f"tier = {tier!r} is unknown: use 'ram' or 'nvme'")
         if tier == "nvme" and not nvme_path:
@@ -247,7 +317,11 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                              "ranks) or False (they are averaged already, e.g. by DistributedDataParallel)")
         if max_grad_norm is not None and not (max_grad_norm >= 0 and math.isfinite(max_grad_norm)):
             raise ValueError(f"max_grad_norm = {max_grad_norm} is invalid: need >= 0 (or None: no clipping)")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=adamw)
+        # torch.optim.AdamW's keys, so that torch reads these groups as its own (state_dict, schedulers).
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=adamw,
+                        decoupled_weight_decay=adamw, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
+                        fused=fused, capturable=capturable, differentiable=differentiable)
+        _torch_flags.check_group(defaults, "OffloadOptimizer")
         self._built = False
         super().__init__(params, defaults)
         self._options = dict(tier=tier, nvme_path=nvme_path, schedule=schedule, max_grad_norm=max_grad_norm,
@@ -299,8 +373,25 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         self._hooks = []
         self._hyper_sent: list[tuple | None] = []
         self._timing = {"engine_s": 0.0, "adapter_s": 0.0, "comm_s": 0.0, "steps": 0}
+        self._checked_slots: list[_Slot] = []  # whose p.data zoe laid out, checked for edits at step()
+        self._weight_marks: list[tuple] = []
+        self._absent_sent = False  # the engine holds a non-empty list of parameters without a gradient
+        self._scaled = False  # this iteration's loss was scaled by zoe's loss scale (fp16)
         self._build()
         self._built = True
+
+    @property
+    def state(self) -> _StateView:
+        """torch's per-parameter state, read from zoe (``_StateView``)."""
+        view = self.__dict__.get("_zoe_state")
+        if view is None:
+            view = self.__dict__["_zoe_state"] = _StateView(self)
+        return view
+
+    @state.setter
+    def state(self, value) -> None:
+        """torch.optim.Optimizer sets its own dict (at construction, in load_state_dict); zoe's state lives in
+        its engine, and load_state_dict takes a state into it."""
 
     # ---- construction ---------------------------------------------------------------------------------
 
@@ -310,10 +401,13 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                 "zoe.torch.OffloadOptimizer: parameters cannot be added after construction — the engine has "
                 "already laid out the optimizer state. Create the optimizer with every param group "
                 "(e.g. unfreeze layers by setting their lr to 0 in a group of their own).")
-        for flag in _UNSUPPORTED_FLAGS:
-            if param_group.get(flag, False):
-                raise ValueError(f"zoe.torch.OffloadOptimizer does not support {flag}=True")
+        if isinstance(param_group, dict):
+            _torch_flags.normalise_group(param_group)
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _torch_flags.decoupled(group)
+        _torch_flags.check_group(group, f"param group {len(self.param_groups) - 1}")
+        _torch_flags.check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
     def _build(self) -> None:
         devices = {p.device for g in self.param_groups for p in g["params"]}
@@ -341,15 +435,17 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             for p in group["params"]:
                 if p.is_sparse or p.layout != torch.strided:
                     raise ValueError(f"parameter {index} (shape {tuple(p.shape)}) is sparse: zoe steps dense tensors")
-                if p.requires_grad:
-                    if p.dtype not in _ZOE_DTYPES:
-                        raise TypeError(f"parameter {index} (shape {tuple(p.shape)}) is {p.dtype}; zoe handles "
-                                        "float32, float16 and bfloat16")
+                # Frozen parameters (requires_grad=False) are held too, as torch's optimizers hold them: they are
+                # stepped once they are unfrozen and have a gradient (a None gradient is never stepped).
+                if p.dtype in _ZOE_DTYPES:
                     bucket = slots_by_dtype.setdefault(p.dtype, [])
                     offset = sum(s.numel for s in bucket)
                     slot = _Slot(p, index, gi, offset)
                     bucket.append(slot)
                     self._slots.append(slot)
+                elif p.requires_grad:
+                    raise TypeError(f"parameter {index} (shape {tuple(p.shape)}) is {p.dtype}; zoe handles "
+                                    "float32, float16 and bfloat16")
                 index += 1
         self._param_count = index
         if any(s.tier is not None for s in self._slots):
@@ -376,8 +472,10 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                 for s in b.slots:
                     if s.tier is None:
                         b.weights[s.offset:s.offset + s.numel].copy_(s.param.data.reshape(-1))
-                        s.param.data = b.weights[s.offset:s.offset + s.numel].view_as(s.param)
+                        s.weight_view = b.weights[s.offset:s.offset + s.numel].view_as(s.param)
+                        s.param.data = s.weight_view
                     s.grad_view = b.grad_buffer(s)[s.offset:s.offset + s.numel].view(s.shape)
+                    s.grad_ptr = s.grad_view.data_ptr()
                     if s.param.grad is not None:
                         s.grad_view.copy_(s.param.grad)
                     _param_offload.set_grad(s.param, s.grad_view)
@@ -388,9 +486,12 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         hook_all = self._options["schedule"] in ("overlap", "delayed") or self._engine_accumulates
         if self._world == 1:
             for s in self._slots:
-                if hook_all or s.windowed:
+                # A frozen parameter has no hook (torch refuses one); unfrozen later, it is taken at step().
+                if (hook_all or s.windowed) and s.param.requires_grad:
                     self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_hook(s)))
         self._window_versions = self._versions_of_windows()
+        self._checked_slots = [s for s in self._slots if s.weight_view is not None]
+        self._note_weights()
 
     def _loss_scale_options(self):
         ls = self._options["loss_scale"]
@@ -483,7 +584,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
     def _group_hyper(group: dict) -> dict:
         beta1, beta2 = group["betas"]
         return dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]), adamw=bool(group.get("adamw", True)))
+                    weight_decay=float(group["weight_decay"]), adamw=_torch_flags.decoupled(group))
 
     @staticmethod
     def _hyper_key(h: dict) -> tuple:
@@ -585,6 +686,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         overlap schedule's speculative steps, which use the values of the first report (the engine redoes
         them if step() brings others)."""
         if not self._hyper_pushed:
+            self._refuse_unscaled_fp16()  # before the engine steps anything of this iteration
             self._sync_hyper()
             self._hyper_pushed = True
 
@@ -623,11 +725,75 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
 
     def _adopt_grads(self) -> None:
         """Every gradient into the flat buffers before the engine reads them all; one the engine had read
-        already that the trainer replaced by another tensor (``p.grad = ...``) is a changed gradient."""
-        replaced = [s for s in self._slots if self._adopt_grad(s)]
+        already that the trainer replaced by another tensor (``p.grad = ...``, or None) is a changed gradient.
+        Parameters whose gradient is None are named to the engine, which leaves them as they are (torch's
+        rule: not stepped, their moments and step count unchanged)."""
+        absent = [s for s in self._slots if self._grad_absent(s)]
+        if absent and self._dp is not None:
+            absent = self._dp.absent_everywhere(self._slots, absent)
+        absent_ids = {id(s) for s in absent}
+        replaced = [s for s in self._slots if id(s) in absent_ids or self._adopt_grad(s)]
         self._window_versions = self._versions_of_windows()
         if self._check_changes and any(s.taken for s in replaced):
             self._take_again()
+            self._warn_changed()
+        if absent or self._absent_sent:
+            self._engine.set_grads_absent([i for s in absent for i in s.engine_ids])
+            self._absent_sent = bool(absent)
+
+    def _grad_absent(self, s: _Slot) -> bool:
+        """No gradient this iteration: p.grad is None (set so after backward too: the overlap schedule's
+        speculative step of it is undone). Where the engine sums the micro-batches, or the gradient left the
+        device (an offloaded parameter), one that was reported is present whatever p.grad says."""
+        if s.windowed:
+            return s.accumulated == 0
+        if self._engine_accumulates and s.accumulated:
+            return False
+        return s.param.grad is None
+
+    # ---- the model's weights are the truth between steps ----------------------------------------------
+
+    def _note_weights(self) -> None:
+        """What the weights zoe laid out look like now (torch's version counter, address, dtype): an edit or a
+        replacement by the trainer changes it. zoe's own writes go through addresses and change nothing."""
+        self._weight_marks = [(s.param._version, s.param.data_ptr(), s.param.dtype) for s in self._checked_slots]
+
+    def _take_edited_weights(self) -> None:
+        """Before a step: weights the trainer changed since the last one (``load_state_dict``, ``copy_`` under
+        no_grad, ``nn.init``, an EMA swap, ``p.data = other``) become the master weights — never reverted to
+        zoe's. A parameter moved to another dtype or device is refused, naming it."""
+        marks = [(s.param._version, s.param.data_ptr(), s.param.dtype) for s in self._checked_slots]
+        if marks == self._weight_marks:
+            return
+        changed = [s for s, now, then in zip(self._checked_slots, marks, self._weight_marks) if now != then]
+        for s in changed:
+            p = s.param
+            if p.data_ptr() != s.weight_view.data_ptr():
+                if p.dtype != s.weight_view.dtype or p.device != s.weight_view.device or p.shape != s.weight_view.shape:
+                    raise RuntimeError(
+                        f"zoe.torch.OffloadOptimizer: parameter {s.index} is now {p.dtype} {tuple(p.shape)} on {p.device}; "
+                        f"the optimizer was built for {s.weight_view.dtype} {tuple(s.weight_view.shape)} on "
+                        f"{s.weight_view.device} (model.to(...) or p.data = ... after creating it). Nothing was "
+                        "stepped. Convert or move the model first, then create the optimizer")
+                with torch.no_grad():
+                    s.weight_view.copy_(p.detach())
+                p.data = s.weight_view  # the new values, back in the buffer the engine writes
+        pieces = {id(s): (begin, n) for s, begin, n in _interop.pieces(self)}
+        self._engine.wait()
+        for s in changed:
+            if id(s) not in pieces:
+                continue  # partitioned: another rank holds this parameter's state
+            begin, n = pieces[id(s)]
+            now = s.weight_view.detach().reshape(-1)[begin:begin + n].cpu()
+            master = torch.empty(n, dtype=torch.float32)
+            self._engine.read_state(s.engine_ids[0], master, None, None)
+            # Element by element: a weight that still is its master rounded keeps the master's extra bits
+            # (a load of the same values, or of another part of the tensor); any other is the new truth.
+            kept = master.to(now.dtype) == now
+            if bool(kept.all()):
+                continue
+            self._engine.write_state(s.engine_ids[0], torch.where(kept, master, now.float()), None, None)
+        self._note_weights()
 
     def _take_again(self) -> None:
         self._engine.grads_changed()
@@ -645,6 +811,10 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         if self._grad_versions() == self._taken_versions:
             return
         self._take_again()
+        self._warn_changed()
+
+    def _warn_changed(self) -> None:
+        """Once: what a change of the gradients after zoe took them cost (the overlap, or the fp32 sum)."""
         overlapped = self._options["schedule"] in ("overlap", "delayed")
         if self._reported and (overlapped or self._engine_accumulates) and not self._warned_changed:
             self._warned_changed = True
@@ -661,28 +831,39 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                 "max_grad_norm=...), opt.clip_grad_norm_(max_norm), or torch.nn.utils.clip_grad_norm_ called "
                 "through torch.nn.utils over all of this optimizer's parameters, which zoe answers (Hugging Face's "
                 "Trainer and Accelerate call it so; a copy of torch's function bound before the optimizer existed "
-                "is torch's). This warning is shown once.", stacklevel=3)
+                "is torch's). This warning is shown once.", stacklevel=4)
 
     # ---- the step -------------------------------------------------------------------------------------
 
     def _adopt_grad(self, s: _Slot) -> bool:
-        """Makes sure the parameter's gradient is in its slot of the flat buffer (it is not when the caller
-        set ``p.grad = None``, e.g. with ``module.zero_grad()``, and autograd allocated a new one, or a trainer
-        assigned a new tensor). Returns whether it had to be brought there."""
+        """Makes sure the parameter's gradient is in its slot of the flat buffer (it is not when autograd
+        allocated it — after ``zero_grad()``, whose default sets None — or a trainer assigned a tensor, or
+        replaced its data). Returns whether it had to be brought there. As torch's optimizers, a step never
+        replaces or writes ``p.grad``: a gradient of its own stays in ``p.grad`` and is copied (again once it
+        changes). Only where zoe's design needs ``p.grad`` to be its buffer — micro-batches summed by the
+        engine, offloaded parameters' windows, FSDP2 shards — does ``p.grad`` become the buffer's view."""
         g = s.param.grad
-        if g is s.grad_view:
+        if g is s.grad_view and (self._dtensor is not None or g.data_ptr() == s.grad_ptr):
             return False
+        if g is s.grad_view:  # p.grad.data = other: the same tensor, holding other memory now
+            s.grad_view = s.bucket.grad_buffer(s)[s.offset:s.offset + s.numel].view(s.shape)
+        if g is not None and g is s.own_grad and g._version == s.own_version:
+            return False  # copied already, unchanged since
+        s.own_grad = None
         if g is None:
-            s.grad_view.zero_()
+            s.grad_view.zero_()  # present on another rank (zoe's partitioning): a zero here
+            return True
+        if g.is_sparse or g.layout != torch.strided:
+            raise RuntimeError(f"parameter {s.index} (shape {tuple(s.param.shape)}) has a sparse gradient; "
+                               "zoe steps dense gradients (use nn.Embedding(sparse=False))")
+        if self._dtensor is not None:
+            self._dtensor.copy_grad(s, g)  # a DTensor's data_ptr() is 0: its local tensor's tells
+        elif g.data_ptr() != s.grad_view.data_ptr():
+            s.grad_view.copy_(g)
+        if s.windowed or self._engine_accumulates or self._dtensor is not None:
+            _param_offload.set_grad(s.param, s.grad_view)
         else:
-            if g.is_sparse or g.layout != torch.strided:
-                raise RuntimeError(f"parameter {s.index} (shape {tuple(s.param.shape)}) has a sparse gradient; "
-                                   "zoe steps dense gradients (use nn.Embedding(sparse=False))")
-            if self._dtensor is not None:
-                self._dtensor.copy_grad(s, g)  # a DTensor's data_ptr() is 0: its local tensor's tells
-            elif g.data_ptr() != s.grad_view.data_ptr():
-                s.grad_view.copy_(g)
-        _param_offload.set_grad(s.param, s.grad_view)
+            s.own_grad, s.own_version = g, g._version
         return True
 
     def _sync_hyper(self) -> None:
@@ -707,6 +888,8 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         t0 = time.perf_counter()
         comm = engine_s = 0.0
         try:
+            self._refuse_unscaled_fp16()
+            self._take_edited_weights()
             self._check_windows()
             self._note_changed_grads()
             self._adopt_grads()
@@ -736,7 +919,20 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         tm["steps"] += 1
         return loss
 
+    def _refuse_unscaled_fp16(self) -> None:
+        """fp16 loss scaling divides each gradient by the scale: a loss that was not multiplied by it (a plain
+        ``loss.backward()``, or torch's GradScaler) would be stepped 65536 times too small, silently."""
+        if not self._loss_scaling or self._scaled:
+            return
+        raise RuntimeError(
+            "zoe.torch.OffloadOptimizer: this optimizer scales the fp16 loss (loss_scale="
+            f"{self._options['loss_scale']!r}: {self._engine.loss_scale:g} now), but this iteration's loss was not scaled by "
+            "it, and the step would divide the gradients by it. Nothing was stepped. Call opt.backward(loss) (or "
+            "opt.scale_loss(loss).backward(), or multiply the loss by opt.loss_scale) — or, to use torch's GradScaler "
+            "or no scaling, create the optimizer with loss_scale=False")
+
     def _end_iteration(self) -> None:
+        self._scaled = False
         passes = max((s.accumulated for s in self._slots), default=0)
         if self._accumulation_steps is None:
             self._reporting_pass = passes or None
@@ -795,26 +991,38 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         return torch.tensor(norm, dtype=torch.float32, device=self._device)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zeroes the flat gradient buffers in place. ``set_to_none`` is accepted and ignored: the gradients
-        must stay in the buffers zoe reads them from (a ``None`` would make autograd allocate a new tensor
-        that the next step must copy)."""
+        """As torch's: ``set_to_none=True`` (the default) sets every ``p.grad`` to None, and a parameter whose
+        gradient is still None at ``step()`` is not stepped. autograd then allocates each new gradient, which
+        zoe copies into its flat buffer when it takes it. ``set_to_none=False`` zeroes the flat buffers in
+        place (one fill per dtype; backward accumulates straight into them, no copy): every parameter then has
+        a gradient, zero where backward gave none, and is stepped — as with torch. Offloaded parameters'
+        gradients (``offload_parameters`` on a GPU) are zeroed either way: they leave the device as backward
+        reports them, and one that was not reported is not stepped."""
         for b in self._buckets:
-            b.grads.zero_()
             if b.window is not None:
                 b.window.zero_()
+            if not set_to_none:
+                b.grads.zero_()
         self._window_versions = self._versions_of_windows()
         for s in self._slots:
-            if s.param.grad is not s.grad_view:
+            s.own_grad = None
+            if set_to_none and not s.windowed:
+                _param_offload.set_grad(s.param, None)
+            elif s.param.grad is not s.grad_view and (s.param.grad is not None or s.windowed):
+                # Zeroed where backward accumulates without a copy; torch leaves a None gradient None.
                 _param_offload.set_grad(s.param, s.grad_view)
 
     # ---- loss scaling ---------------------------------------------------------------------------------
 
     @property
     def loss_scale(self) -> float:
-        """What this iteration's loss must be multiplied by before backward (1.0 without loss scaling)."""
+        """What this iteration's loss must be multiplied by before backward (1.0 without loss scaling). Reading
+        it counts as scaling this iteration's loss (step() refuses an fp16 loss that zoe's scale never reached)."""
+        self._scaled = True
         return float(self._engine.loss_scale)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        self._scaled = True
         return loss * self.loss_scale if self._loss_scaling else loss
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
@@ -875,6 +1083,17 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             shape = param._local_tensor.shape if self._dtensor is not None else _param_offload.full_shape(param)
             out = {k: v.view(shape) for k, v in out.items()}
         return out
+
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            "zoe.torch.OffloadOptimizer cannot be deep-copied: its state lives in zoe's engine (pinned memory or "
+            "swap files) and the parameters it steps are views of its flat buffers, so a copy could not be "
+            "independent. Create another OffloadOptimizer and load this one's state_dict() into it")
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "zoe.torch.OffloadOptimizer cannot be pickled: its state lives in zoe's engine, not in the object. "
+            "Save opt.state_dict() (torch.save) and load it into a new optimizer with load_state_dict()")
 
     def __del__(self):
         for h in getattr(self, "_hooks", []):

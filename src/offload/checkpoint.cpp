@@ -458,6 +458,12 @@ Result<std::size_t> CheckpointReader::size(const std::string& name) const {
   return static_cast<std::size_t>(it->second.size);
 }
 
+Result<std::uint64_t> CheckpointReader::offset(const std::string& name) const {
+  const auto it = blobs_.find(name);
+  if (it == blobs_.end()) return invalid_argument("checkpoint " + path_ + " has no blob '" + name + "'");
+  return it->second.offset;
+}
+
 Status CheckpointReader::read(const std::string& name, void* dst, std::size_t bytes) const {
   if (bytes != 0 && dst == nullptr) return invalid_argument("checkpoint " + path_ + ": null destination for blob '" + name + "'");
   return read_streamed(name, bytes, bytes, [dst](std::size_t, const void* slice, std::size_t n) {

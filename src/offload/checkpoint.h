@@ -86,6 +86,9 @@ class CheckpointReader {
   bool has(const std::string& name) const { return blobs_.count(name) != 0; }
   std::vector<std::string> names() const;  // sorted
   Result<std::size_t> size(const std::string& name) const;
+  // Where the blob's bytes start in the file (blobs are stored whole, aligned): a reader holding the file
+  // in memory can view an array in place.
+  Result<std::uint64_t> offset(const std::string& name) const;
   // Reads the whole blob into `dst`, which must hold exactly `bytes` = the blob's size. On a CRC mismatch
   // the contents of `dst` are unspecified and the error names the blob, the file and both checksums.
   Status read(const std::string& name, void* dst, std::size_t bytes) const;

@@ -190,6 +190,29 @@ Status OffloadOptimizer::grad_ready(std::size_t param) {
   return m.schedule->grad_ready(param);
 }
 
+Status OffloadOptimizer::set_grads_absent(const std::vector<std::size_t>& which) {
+  Impl& m = *impl_;
+  std::vector<char> absent(m.params.size(), 0);
+  for (std::size_t i : which) {
+    if (i >= m.params.size()) {
+      return invalid_argument("set_grads_absent: parameter " + std::to_string(i) + " does not exist (" +
+                              std::to_string(m.params.size()) + " parameters); nothing changed");
+    }
+    if (m.accumulates() && m.reports[i] > 0) {
+      return invalid_argument("set_grads_absent: parameter " + std::to_string(i) + " had " +
+                              std::to_string(m.reports[i]) + " micro-batch gradient(s) reported this step; nothing changed");
+    }
+    absent[i] = 1;
+  }
+  const int set = m.schedule->current_set();
+  if (which.empty()) {
+    m.absent[set].clear();
+  } else {
+    m.absent[set] = std::move(absent);
+  }
+  return Status::success();
+}
+
 Status OffloadOptimizer::step() {
   Impl& m = *impl_;
   const auto start = std::chrono::steady_clock::now();
@@ -207,8 +230,13 @@ Status OffloadOptimizer::step() {
     // The sums were read (delayed: the background step reads the other set's); the next step starts anew.
     m.reset_accumulation(m.schedule->current_set());
   }
-  // A failed step may be called again: it reads the gradients taken at their report from the staging.
-  if (s.ok()) std::fill(m.grad_down.begin(), m.grad_down.end(), 0);
+  // A failed step may be called again: it reads the gradients taken at their report from the staging, and
+  // leaves out the same parameters. Once applied (delayed: started on the other set, whose previous step has
+  // ended), the set the next iteration uses starts with every gradient present.
+  if (s.ok()) {
+    std::fill(m.grad_down.begin(), m.grad_down.end(), 0);
+    m.absent[m.schedule->current_set()].clear();
+  }
   ++m.step_calls;
   m.stats_.step_call_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return s;
@@ -286,6 +314,16 @@ Status OffloadOptimizer::set_loss_scale_state(const LossScaleState& state) {
 }
 
 std::int64_t OffloadOptimizer::step_count() const { return impl_->step_count.load(); }
+float* OffloadOptimizer::moments_of(std::size_t param, int which) {
+  Impl& m = *impl_;
+  if (param >= m.params.size() || (which != 1 && which != 2)) return nullptr;
+  const float* flat = m.tier->flat(which);
+  return flat == nullptr ? nullptr : const_cast<float*>(flat) + m.offsets[param];
+}
+
+std::int64_t OffloadOptimizer::param_step_count(std::size_t param) const {
+  return param < impl_->param_steps.size() ? impl_->param_steps[param] : -1;
+}
 bool OffloadOptimizer::last_step_skipped() const { return impl_->last_skipped.load(); }
 const StepStats& OffloadOptimizer::stats() const { return impl_->stats_; }
 
@@ -337,6 +375,17 @@ Status OffloadOptimizer::set_step_count(std::int64_t steps) {
   if (steps < 0) return invalid_argument("set_step_count: " + std::to_string(steps) + " steps (need >= 0)");
   if (Status s = wait(); !s.ok()) return s;
   impl_->step_count = steps;
+  std::fill(impl_->param_steps.begin(), impl_->param_steps.end(), steps);
+  return Status::success();
+}
+
+Status OffloadOptimizer::set_param_step_count(std::size_t param, std::int64_t steps) {
+  if (param >= impl_->params.size()) {
+    return invalid_argument("set_param_step_count: parameter " + std::to_string(param) + " does not exist");
+  }
+  if (steps < 0) return invalid_argument("set_param_step_count: " + std::to_string(steps) + " steps (need >= 0)");
+  if (Status s = wait(); !s.ok()) return s;
+  impl_->param_steps[param] = steps;
   return Status::success();
 }
 

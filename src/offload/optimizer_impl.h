@@ -109,6 +109,14 @@ struct OffloadOptimizer::Impl {
   LossScaler scaler;
   float visible_scale = 1.0f;  // the scale the trainer multiplies this iteration's loss by
   std::atomic<std::int64_t> step_count{0};
+  // Per parameter: steps applied to it (torch's state[p]["step"]; its bias correction), and, per staging
+  // set, whether its gradient is absent this iteration (set_grads_absent): such a parameter is not stepped,
+  // not copied down and not counted in the decision. Read by the delayed schedule's background step for
+  // the set it steps, while the trainer marks the other set's.
+  std::vector<std::int64_t> param_steps;
+  std::vector<char> absent[2];
+  bool is_absent(std::size_t i, int set) const { return !absent[set].empty() && absent[set][i] != 0; }
+  std::int64_t bias_step(std::size_t i) const { return param_steps[i] + 1; }
   std::atomic<bool> last_skipped{false};
   std::int64_t step_calls = 0;
   StepStats stats_;
@@ -249,17 +257,19 @@ struct OffloadOptimizer::Impl {
   // max_grad_norm: the clipping in force when the step was called (the delayed schedule decides later, in
   // the background, while the trainer may already have set the next step's).
   Decision decide(int set, float scale_used, float max_grad_norm) const;
-  void record_outcome(const Decision& d);
+  // The step of staging set `set` was decided (and, without overflow, applied): counts it.
+  void record_outcome(const Decision& d, int set);
   // Parameter offload (ParamSpec::tier): the updated weights of a tiered parameter are written to its tier
   // once the step is decided (overlap does not send them speculatively). A write that fails leaves the step
   // applied and its weights pending: the next step() call writes them all and does nothing else, so a
   // retried step gives the uninterrupted result.
   bool weights_pending = false;
   Decision pending_decision{};
+  int pending_set = 0;
   Status write_tier_weights();
   // Every parameter's updated weights to the device (enqueued, then waited for) and to the parameter tiers.
   Status send_all_weights();
-  Status weights_not_sent(const Decision& d, const Status& cause);
+  Status weights_not_sent(const Decision& d, int set, const Status& cause);
   Status send_pending_weights();
 };
 

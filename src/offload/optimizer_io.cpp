@@ -2,6 +2,7 @@
 // checksummed), described by a manifest that load compares with this optimizer before touching anything.
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -19,9 +20,9 @@ namespace {
 constexpr const char* kFormat = "zoe-offload-optimizer";
 constexpr int kManifestVersion = 1;
 
-nlohmann::json param_json(const ParamSpec& p) {
+nlohmann::json param_json(const ParamSpec& p, bool record_name) {
   nlohmann::json j = {{"n", p.n}, {"dtype", std::string(dtype_name(p.dtype))}, {"group", p.group}};
-  if (!p.name.empty()) j["name"] = p.name;
+  if (record_name && !p.name.empty()) j["name"] = p.name;
   if (!p.shape.empty()) j["shape"] = p.shape;
   return j;
 }
@@ -79,7 +80,7 @@ bool get(const nlohmann::json& j, const char* key, T& out) {
 
 }  // namespace
 
-Status OffloadOptimizer::save(const std::string& path) {
+Status OffloadOptimizer::save(const std::string& path, bool record_names) {
   Impl& m = *impl_;
   if (Status s = wait(); !s.ok()) return s;
   // Tier nvme with durability checkpoint: the swap files become durable here, and only here.
@@ -88,17 +89,21 @@ Status OffloadOptimizer::save(const std::string& path) {
   manifest["format"] = kFormat;
   manifest["version"] = kManifestVersion;
   manifest["step"] = m.step_count.load();
+  // Parameters that missed steps (no gradient) have their own count: recorded only then.
+  if (std::any_of(m.param_steps.begin(), m.param_steps.end(), [&](std::int64_t t) { return t != m.step_count.load(); })) {
+    manifest["param_steps"] = m.param_steps;
+  }
   const LossScaler::State ls = m.scaler.state();
   manifest["loss_scale"] = {{"scale", ls.scale}, {"clean_steps", ls.clean_steps}, {"hysteresis_left", ls.hysteresis_left}};
   manifest["partition"] = {{"rank", m.partition ? m.partition->comm->rank() : 0},
                            {"world", m.partition ? m.partition->comm->world() : 1}};
   for (const ParamGroup& g : m.groups) manifest["groups"].push_back(hyper_json(g.hyper));
-  for (const ParamSpec& p : m.params) manifest["params"].push_back(param_json(p));
+  for (const ParamSpec& p : m.params) manifest["params"].push_back(param_json(p, record_names));
   if (m.partition) {
     // The trainer's parameters and where each of ours lies in them: every rank's checkpoint together
     // holds each parameter whole (zoe export joins them).
     nlohmann::json& part = manifest["partition"];
-    for (const ParamSpec& p : m.partition->user) part["params"].push_back(param_json(p));
+    for (const ParamSpec& p : m.partition->user) part["params"].push_back(param_json(p, record_names));
     for (const Piece& k : m.partition->origin) part["pieces"].push_back({{"param", k.param}, {"begin", k.begin}, {"n", k.n}});
   }
   manifest["tier"] = std::string(tier_name(m.options.tier));
@@ -222,6 +227,16 @@ Status OffloadOptimizer::load(const std::string& path) {
       !get(scale, "hysteresis_left", ls.hysteresis_left) || ls.hysteresis_left < 1) {
     return Status(StatusCode::corrupt, "checkpoint " + path + ": step or loss-scale state is malformed");
   }
+  std::vector<std::int64_t> param_steps(m.params.size(), step);
+  if (manifest.contains("param_steps")) {
+    const nlohmann::json& ps = manifest["param_steps"];
+    bool ok = ps.is_array() && ps.size() == m.params.size();
+    for (std::size_t i = 0; ok && i < m.params.size(); ++i) {
+      ok = ps[i].is_number_integer() && ps[i].get<std::int64_t>() >= 0 && ps[i].get<std::int64_t>() <= step;
+      if (ok) param_steps[i] = ps[i].get<std::int64_t>();
+    }
+    if (!ok) return Status(StatusCode::corrupt, "checkpoint " + path + ": param_steps is malformed");
+  }
   Result<AlignedBuffer> weights = AlignedBuffer::allocate(m.weight_offsets.back());
   if (!weights.ok()) return weights.status();
   if (Status s = reader->read("weights16", weights->data(), m.weight_offsets.back()); !s.ok()) return s;
@@ -241,6 +256,7 @@ Status OffloadOptimizer::load(const std::string& path) {
   }
   m.groups = std::move(new_groups);
   m.step_count = step;
+  m.param_steps = std::move(param_steps);
   m.scaler.restore(ls);
   m.visible_scale = m.scaler.scale();
   for (std::size_t i = 0; i < m.params.size(); ++i) {

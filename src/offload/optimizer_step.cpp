@@ -45,6 +45,7 @@ OffloadOptimizer::Impl::~Impl() {
 }
 
 Status OffloadOptimizer::Impl::allocate() {
+  param_steps.assign(params.size(), 0);
   offsets.resize(params.size() + 1, 0);
   grad_offsets.resize(params.size() + 1, 0);
   weight_offsets.resize(params.size() + 1, 0);
@@ -233,9 +234,10 @@ Status OffloadOptimizer::Impl::step_all(float grad_scale, int set, const std::ve
 OffloadOptimizer::Impl::Decision OffloadOptimizer::Impl::decide(int set, float scale_used, float max_grad_norm) const {
   double sum_sq = 0;
   std::uint64_t non_finite = 0;
-  for (const GradStats& s : stats[set]) {
-    sum_sq += s.sum_sq;
-    non_finite += s.non_finite;
+  for (std::size_t k = 0; k < stats[set].size(); ++k) {
+    if (is_absent(pieces[k].param, set)) continue;  // torch's norm and step leave out a None gradient
+    sum_sq += stats[set][k].sum_sq;
+    non_finite += stats[set][k].non_finite;
   }
   // Partitioned: the norm is over every rank's shard, and gradients summed over the ranks are averaged.
   double ranks = 1;
@@ -266,6 +268,7 @@ Status OffloadOptimizer::Impl::non_finite_error(int set) const {
   std::uint64_t total = 0;
   std::size_t listed = 0;
   for (std::size_t i = 0; i < params.size(); ++i) {
+    if (is_absent(i, set)) continue;
     std::uint64_t count = 0;
     for (std::size_t k = first_piece[i]; k < first_piece[i + 1]; ++k) count += stats[set][k].non_finite;
     if (count == 0) continue;
@@ -309,9 +312,10 @@ Status OffloadOptimizer::Impl::send_all_weights() {
   return finish_h2d();
 }
 
-Status OffloadOptimizer::Impl::weights_not_sent(const Decision& d, const Status& cause) {
+Status OffloadOptimizer::Impl::weights_not_sent(const Decision& d, int set, const Status& cause) {
   weights_pending = true;
   pending_decision = d;
+  pending_set = set;
   return Status(cause.code(), "the step was applied, but its updated weights did not all reach their place: " +
                                   cause.message() + "; call step() again once the fault is cleared: it writes them "
                                   "and does nothing else",
@@ -319,19 +323,22 @@ Status OffloadOptimizer::Impl::weights_not_sent(const Decision& d, const Status&
 }
 
 Status OffloadOptimizer::Impl::send_pending_weights() {
-  if (Status s = send_all_weights(); !s.ok()) return weights_not_sent(pending_decision, s);
+  if (Status s = send_all_weights(); !s.ok()) return weights_not_sent(pending_decision, pending_set, s);
   weights_pending = false;
-  record_outcome(pending_decision);
+  record_outcome(pending_decision, pending_set);
   visible_scale = scaler.scale();
   return Status::success();
 }
 
-void OffloadOptimizer::Impl::record_outcome(const Decision& d) {
+void OffloadOptimizer::Impl::record_outcome(const Decision& d, int set) {
   stats_.last_grad_norm = d.grad_norm;
   last_skipped = d.overflow;
   if (d.overflow) {
     ++stats_.skipped;
   } else {
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      if (!is_absent(i, set)) ++param_steps[i];
+    }
     ++step_count;
     ++stats_.steps;
   }

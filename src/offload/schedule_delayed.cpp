@@ -184,6 +184,7 @@ Result<EventId> DelayedSchedule::flush() {
 Status DelayedSchedule::report_all() {
   for (std::size_t i = 0; i < m_.params.size(); ++i) {
     if (!reported_[i]) {
+      if (m_.is_absent(i, grad_set_)) continue;  // no gradient: the step leaves it as it is
       if (Status s = grad_ready(i); !s.ok()) return s;
     } else if (retake_) {
       // Queued after the compute that changed them; their statistics are taken again with them.
@@ -226,7 +227,7 @@ Status DelayedSchedule::step() {
         s = m_.step_all(d.grad_scale, set, hyper);
         if (s.ok()) pending_h2d_ = true;
       }
-      if (s.ok()) m_.record_outcome(d);
+      if (s.ok()) m_.record_outcome(d, set);
     }
     s = finish_background_step(s);
     if (!s.ok()) worker_status_ = s;

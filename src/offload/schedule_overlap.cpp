@@ -97,7 +97,7 @@ class OverlapSchedule final : public StepSchedule {
   // Every parameter the trainer did not report is reported now: its gradient is final at the end of backward.
   Status report_the_rest() {
     for (std::size_t i = 0; i < m_.params.size(); ++i) {
-      if (!reported_[i]) {
+      if (!reported_[i] && !m_.is_absent(i, 0)) {
         if (Status s = grad_ready(i); !s.ok()) return s;
       }
     }
@@ -210,11 +210,11 @@ Status OverlapSchedule::step() {
   }
   end_iteration();
   if (!skip) {
-    if (Status s = m_.write_tier_weights(); !s.ok()) return m_.weights_not_sent(d, s);
+    if (Status s = m_.write_tier_weights(); !s.ok()) return m_.weights_not_sent(d, 0, s);
   }
   if (Status s = m_.finish_h2d(); !s.ok()) return s;
   if (d.refused) return m_.non_finite_error(0);
-  m_.record_outcome(d);
+  m_.record_outcome(d, 0);
   m_.visible_scale = m_.scaler.scale();
   return Status::success();
 }

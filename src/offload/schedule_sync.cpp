@@ -9,6 +9,7 @@ Status take_all_grads(Impl& m) {
   if (m.in_place) return m.grad_stats_in_place(0);
   for (std::size_t i = 0; i < m.params.size(); ++i) {
     if (m.grad_down[i]) continue;  // taken when reported; the device's buffer may hold another block's now
+    if (m.is_absent(i, 0)) continue;  // no gradient: the step leaves it as it is
     if (Status s = m.enqueue_d2h(i, 0); !s.ok()) return s;
   }
   Result<EventId> copied = m.device.record(Stream::d2h);
@@ -30,9 +31,9 @@ Status finish_sync_step(Impl& m) {
   if (d.refused) return m.non_finite_error(0);
   if (!d.overflow) {
     if (Status s = m.step_all(d.grad_scale, 0, m.groups); !s.ok()) return s;
-    if (Status s = m.send_all_weights(); !s.ok()) return m.weights_not_sent(d, s);
+    if (Status s = m.send_all_weights(); !s.ok()) return m.weights_not_sent(d, 0, s);
   }
-  m.record_outcome(d);
+  m.record_outcome(d, 0);
   m.visible_scale = m.scaler.scale();
   return Status::success();
 }

@@ -44,10 +44,11 @@ class NvmeTier final : public StateTier {
     std::vector<SwapSegment> segments;
     for (std::size_t i = 0; i < m_.params.size(); ++i) {
       const ParamSpec& p = m_.params[i];
-      if (p.n == 0) continue;
+      if (p.n == 0 || m_.is_absent(i, set)) continue;  // no gradient: its tiles are not visited for it
       DType grad_dtype;
       const void* grad = m_.step_grad(i, set, &grad_dtype);
-      segments.push_back({at_[i], p.n, &hyper[p.group].hyper, grad, grad_dtype, m_.weights_of(i), p.dtype});
+      segments.push_back({at_[i], p.n, &hyper[p.group].hyper, grad, grad_dtype, m_.weights_of(i), p.dtype,
+                          m_.bias_step(i)});
     }
     StepOptions o;
     o.step = m_.step_count.load() + 1;

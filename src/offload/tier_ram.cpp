@@ -52,20 +52,32 @@ class RamTier final : public StateTier {
     return Status::success();
   }
 
-  // One CpuAdam call per param group over the given pieces (a multi-tensor step).
+  // One CpuAdam call per param group and step count over the given pieces (a multi-tensor step); pieces of
+  // parameters without a gradient this iteration are left as they are.
   Status step(const std::vector<std::size_t>& which, float grad_scale, int set,
               const std::vector<ParamGroup>& hyper) override {
     const auto start = std::chrono::steady_clock::now();
-    StepOptions o;
-    o.step = m_.step_count.load() + 1;
-    o.grad_scale = grad_scale;
-    for (std::size_t g = 0; g < hyper.size(); ++g) {
+    struct Call {
+      std::size_t group;
+      std::int64_t step;
       std::vector<AdamTensor> tensors;
-      for (std::size_t k : which) {
-        if (static_cast<std::size_t>(m_.params[m_.pieces[k].param].group) == g) tensors.push_back(tensor(m_.pieces[k], set));
-      }
-      if (tensors.empty()) continue;
-      if (Status s = m_.adam.step(hyper[g].hyper, o, tensors); !s.ok()) return s;
+    };
+    std::vector<Call> calls;  // parameters usually share one step count: one call per group
+    for (std::size_t k : which) {
+      const std::size_t i = m_.pieces[k].param;
+      if (m_.is_absent(i, set)) continue;
+      const std::size_t g = static_cast<std::size_t>(m_.params[i].group);
+      const std::int64_t t = m_.bias_step(i);
+      auto c = std::find_if(calls.begin(), calls.end(), [&](const Call& x) { return x.group == g && x.step == t; });
+      if (c == calls.end()) c = calls.insert(calls.end(), Call{g, t, {}});
+      c->tensors.push_back(tensor(m_.pieces[k], set));
+    }
+    std::sort(calls.begin(), calls.end(), [](const Call& a, const Call& b) { return a.group < b.group; });
+    for (const Call& c : calls) {
+      StepOptions o;
+      o.step = c.step;
+      o.grad_scale = grad_scale;
+      if (Status s = m_.adam.step(hyper[c.group].hyper, o, c.tensors); !s.ok()) return s;
     }
     m_.stats_.adam_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return Status::success();
@@ -126,9 +138,15 @@ class RamTier final : public StateTier {
       moments_in(loaded[k].as<float>(), 0, total, narrow);
       loaded[k] = std::move(narrow);
     }
-    master_ = std::move(loaded[0]);
-    exp_avg_ = std::move(loaded[1]);
-    exp_avg_sq_ = std::move(loaded[2]);
+    // Into the arrays in place: their addresses are handed out (moments_of) and stay valid.
+    AlignedBuffer* arrays[3] = {&master_, &exp_avg_, &exp_avg_sq_};
+    for (int k = 0; k < 3; ++k) {
+      if (k == 0 && m_.in_place) {
+        *arrays[k] = std::move(loaded[k]);  // read by the in-place load from master(i), never handed out
+      } else if (total > 0) {
+        std::memcpy(arrays[k]->data(), loaded[k].data(), total * (k == 0 ? 4 : m_.moment_bytes()));
+      }
+    }
     return Status::success();
   }
 

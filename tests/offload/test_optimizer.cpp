@@ -498,6 +498,71 @@ TEST(OffloadOptimizer, WriteStateReplacesTheStateAndTheDeviceWeightsFollow) {
 
 // The loss scaler's state, as another front-end's checkpoint carries it: read, replaced, and the scale
 // the trainer multiplies its loss by follows; bad values change nothing.
+// torch's rule for a None gradient: set_grads_absent() leaves the parameter exactly as it is (master,
+// moments, device weights, its own step count), in every schedule, staged or in place; the others step on,
+// and a checkpoint keeps each parameter's count, so a resumed run equals the uninterrupted one.
+TEST(OffloadOptimizer, AbsentGradientsLeaveTheirParameterAndItsStepCount) {
+  const GradFn grads = random_grads(1e-2);
+  constexpr std::size_t kAbsent = 1;
+  auto run = [&](Trainer& trainer, int first, int last) {
+    for (int t = first; t <= last; ++t) {
+      ASSERT_TRUE(trainer.device_synchronize().ok());
+      grads(trainer.model(), t, trainer.opt().loss_scale());
+      const bool absent = t >= 3 && t <= 5;
+      for (std::size_t b = trainer.model().specs.size(); b-- > 0;) {
+        if (absent && b == kAbsent) continue;  // no backward reached it
+        ASSERT_TRUE(trainer.opt().grad_ready(b).ok());
+      }
+      std::vector<std::size_t> none;
+      if (absent) none.push_back(kAbsent);
+      ASSERT_TRUE(trainer.opt().set_grads_absent(none).ok());
+      const Status s = trainer.opt().step();
+      ASSERT_TRUE(s.ok()) << s.to_string();
+    }
+  };
+  auto state_of = [](OffloadOptimizer& opt, std::size_t i, std::size_t n) {
+    EXPECT_TRUE(opt.wait().ok());
+    std::vector<float> st(3 * n);
+    EXPECT_TRUE(opt.read_state(i, st.data(), st.data() + n, st.data() + 2 * n).ok());
+    return st;
+  };
+  for (const bool in_place : {false, true}) {
+    for (Schedule schedule : {Schedule::sync, Schedule::overlap, Schedule::delayed}) {
+      SCOPED_TRACE(std::string(schedule_name(schedule)) + (in_place ? " in place" : " staged"));
+      const bool delayed = schedule == Schedule::delayed;
+      if (in_place && delayed) continue;  // the CPU device does not run the delayed schedule in place
+      Trainer whole(schedule, DType::bf16, {}, 1, {1000, 37, 4096, 1}, nullptr, 0, in_place);
+      ASSERT_TRUE(whole.created());
+      const std::size_t n = whole.model().specs[kAbsent].n;
+      run(whole, 1, 2);
+      const std::vector<float> before = state_of(whole.opt(), kAbsent, n);
+      run(whole, 3, 5);
+      EXPECT_EQ(state_of(whole.opt(), kAbsent, n), before) << "a parameter without a gradient changed";
+      EXPECT_EQ(whole.opt().param_step_count(kAbsent), 2);
+      EXPECT_EQ(whole.opt().param_step_count(0), 5);
+      EXPECT_EQ(whole.opt().step_count(), 5);
+      const std::string path = temp_path("absent");
+      ASSERT_TRUE(whole.opt().save(path).ok());
+      run(whole, 6, 8);
+      EXPECT_NE(state_of(whole.opt(), kAbsent, n), before) << "stepped again once it has a gradient";
+      EXPECT_EQ(whole.opt().param_step_count(kAbsent), 5);
+
+      Trainer resumed(schedule, DType::bf16, {}, 0, {1000, 37, 4096, 1}, nullptr, 0, in_place);
+      ASSERT_TRUE(resumed.opt().load(path).ok());
+      EXPECT_EQ(resumed.opt().param_step_count(kAbsent), 2);
+      EXPECT_EQ(resumed.opt().param_step_count(0), 5);
+      run(resumed, 6, 8);
+      const RunResult a = whole.result(), b = resumed.result();
+      EXPECT_EQ(std::memcmp(a.state.data(), b.state.data(), a.state.size() * 4), 0);
+      EXPECT_EQ(a.device_weights, b.device_weights);
+      std::remove(path.c_str());
+    }
+  }
+  Trainer trainer(Schedule::sync, DType::bf16, {});
+  EXPECT_EQ(trainer.opt().set_grads_absent({99}).code(), StatusCode::invalid_argument);
+  EXPECT_EQ(trainer.opt().set_param_step_count(0, -1).code(), StatusCode::invalid_argument);
+}
+
 TEST(OffloadOptimizer, LossScaleStateIsReadAndReplaced) {
   OffloadOptions o;
   o.loss_scale.enabled = true;

@@ -270,7 +270,7 @@ def _single(out, first, last, load, nvme=False, dcp_load=None):
             model.zero_grad(set_to_none=True)
             _loss(model, x[r * 12:(r + 1) * 12], y[r * 12:(r + 1) * 12]).backward()
             halves.append([p.grad.clone() for p in model.parameters()])
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=False)  # p.grad kept, zeroed: written below
         for p, g0, g1 in zip(model.parameters(), *halves):
             p.grad.copy_((g0 + g1) / 2)
         opt.step()

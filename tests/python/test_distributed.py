@@ -87,7 +87,7 @@ def _single_process(options, skip=()):
             model.zero_grad(set_to_none=True)
             torch.nn.functional.mse_loss(_forward(model, x[r * 8:(r + 1) * 8]), y[r * 8:(r + 1) * 8]).backward()
             halves.append([p.grad.clone() for p in model.parameters()])
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=False)  # p.grad kept, zeroed: written below
         for p, g0, g1 in zip(model.parameters(), *halves):
             p.grad.copy_((g0 + g1) / 2)  # what the all-reduce and the division by W give
         opt.step()

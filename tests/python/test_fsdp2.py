@@ -19,7 +19,7 @@ from conftest import batches, make_mlp  # noqa: E402
 
 WORLD = 2
 STEPS = 10
-# torch AdamW's weight_decay default is 0.01, zoe's 0.0: both are given it.
+# AdamW's default weight_decay (torch's and zoe's), given explicitly.
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
 MAX_NORM = 0.05  # below the MLP's gradient norms (~0.3): clipping acts at every step
 # fp32 against torch.optim.AdamW: only the order of float operations in each element's update differs
@@ -101,10 +101,15 @@ def _fsdp_parity(rank, out):
                 plain = _local(mine)
             else:
                 out[key + "_clip_effect"] = _diff(plain, _local(mine))
-        # FSDP2 adds its reduce-scattered gradients into zoe's p.grad (no copy at step) and all-gathers the
-        # weights from the shards zoe writes: on the CPU with CPUOffloadPolicy.
-        grads = [p.grad for p in mine.parameters()]
+        # With zero_grad(set_to_none=False) (p.grad: zoe's zeroed buffers once a step has taken the first
+        # gradients; torch leaves a None gradient None), FSDP2 adds its reduce-scattered gradients into zoe's
+        # p.grad (no copy at step) and all-gathers the weights from the shards zoe writes: on the CPU with
+        # CPUOffloadPolicy.
         x, y = batches(1)[0]
+        torch.nn.functional.mse_loss(mine(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        grads = [p.grad for p in mine.parameters()]
         torch.nn.functional.mse_loss(mine(x), y).backward()
         out[f"fsdp2{'_offload' if offload else ''}_in_place"] = (
             all(p.grad is g for p, g in zip(mine.parameters(), grads))
@@ -377,7 +382,7 @@ def _fsdp_fp16_overflow(rank, out):
         opt.step()
         out["fp16"].append((opt.last_step_skipped, opt.loss_scale, opt.step_count,
                             opt._buckets[0].grads[0].item() == first or math.isinf(first)))
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=False)  # FSDP2 accumulates into zoe's buffers, read above
 
 
 def _ddp(rank, out):

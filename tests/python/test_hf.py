@@ -45,7 +45,7 @@ def flat(model):
 
 
 def torch_adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    return torch.optim.AdamW(model.parameters(), lr=LR)  # weight_decay: AdamW's default, as zoe's
 
 
 def zoe_adamw(schedule, **kw):

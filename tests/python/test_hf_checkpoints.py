@@ -52,7 +52,7 @@ def _rank_main(rank, world, port, out_dir, job):
         opt = OffloadOptimizer(model.parameters(), lr=LR, reduce_grads=False, **tier)  # DDP averages the gradients
         callbacks = [ZoeCheckpointCallback(opt)] if job["callback"] else []
     else:
-        opt, callbacks = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0), []
+        opt, callbacks = torch.optim.AdamW(model.parameters(), lr=LR), []  # AdamW's default weight_decay, as zoe's
     calls = [0]  # the steps this process runs: a resumed run must run only the rest
 
     def counted(*a, _step=opt.step, **k):

@@ -231,7 +231,7 @@ def test_fp16_overflow_skips_step_and_lowers_scale():
     assert opt.step_count == 2 and not opt.last_step_skipped
     before = [p.detach().clone() for p in model.parameters()]
     scale = opt.loss_scale
-    opt.zero_grad()
+    opt.zero_grad(set_to_none=False)  # zeroed gradients, one of them edited below
     next(iter(model.parameters())).grad[0, 0] = float("inf")
     opt.step()
     assert opt.last_step_skipped
@@ -248,7 +248,7 @@ def test_nan_gradient_is_refused_and_changes_nothing(schedule):
     train(model, opt, batches(2))
     before = [p.detach().clone() for p in model.parameters()]
     state = opt.state_dict()["zoe"]
-    opt.zero_grad()
+    opt.zero_grad(set_to_none=False)  # zeroed gradients, one of them edited below
     list(model.parameters())[2].grad[3] = float("nan")
     with pytest.raises(zoe.InvalidArgumentError, match="NaN/Inf"):
         opt.step()
