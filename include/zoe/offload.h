@@ -212,6 +212,13 @@ class OffloadOptimizer {
   // Partitioned: the pieces of this rank, as read_state() numbers them. Call before step(), after any
   // grad_ready() of theirs (grads_changed() first if they were reported: overlap may have stepped them).
   Status set_grads_absent(const std::vector<std::size_t>& params);
+  // Parameter `param`'s gradient is at `grads` from now on (p.n elements of its dtype on the device), in place
+  // of ParamSpec::device_grads: a framework that allocates each iteration's gradients (torch after
+  // zero_grad(set_to_none=True)) hands them over without a copy. The memory must stay valid while the engine
+  // may read it — until the step that takes it has returned — and be replaced (set_grads_absent, or another
+  // call) before it is freed. Refused for partitioned optimizers (their gradients are reduced in flat
+  // buffers) and for tiered parameters on a device with its own memory (their gradient's place is a window).
+  Status set_grad_source(std::size_t param, const void* grads);
   // Ends the iteration: every gradient is final. Applies the step (or, delayed, starts it) and leaves the
   // updated weights on the device — after wait() for the delayed schedule's previous step. Tier nvme: a
   // step that failed on I/O says which state is valid and may be called again once the fault is cleared;

@@ -741,6 +741,18 @@ void bind_engine(nb::module_& m) {
            nb::arg("param"), nb::arg("which"),
            "Tier ram with fp32 moments: a numpy view of parameter `param`'s exp_avg (1) or exp_avg_sq (2) in the "
            "engine's memory (it keeps the engine alive); None otherwise.")
+      .def("set_grad_sources",
+           [](PyEngine& e, const std::vector<std::size_t>& params, const std::vector<std::uintptr_t>& addresses) {
+             if (params.size() != addresses.size()) throw nb::value_error("set_grad_sources: one address per parameter");
+             e.call([&](OffloadOptimizer& o) {
+               for (std::size_t k = 0; k < params.size(); ++k) {
+                 if (Status s = o.set_grad_source(params[k], reinterpret_cast<const void*>(addresses[k])); !s.ok()) return s;
+               }
+               return Status::success();
+             });
+           },
+           nb::arg("params"), nb::arg("addresses"),
+           "Where each parameter's gradient is from now on (a tensor's data_ptr(); it must outlive its use).")
       .def("param_step_count", [](PyEngine& e, std::size_t i) { return e.get().param_step_count(i); }, nb::arg("param"),
            "Steps applied to this parameter (torch's state[p]['step']).")
       .def("set_param_step_count",

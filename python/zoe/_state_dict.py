@@ -13,6 +13,14 @@ from . import _interop, _param_offload, _torch_flags, _zoe
 _STATE_FORMAT = _interop.STATE_FORMAT
 
 
+def _groups_and_extras(state_dict: dict) -> dict:
+    """What torch's own load_state_dict is given: the param groups, and the state's entries that are not a
+    parameter's (a hook's own), which it keeps as torch does; the parameters' state goes to the engine."""
+    params = {k for g in state_dict["param_groups"] for k in g["params"]}
+    extras = {k: v for k, v in state_dict.get("state", {}).items() if k not in params}
+    return {"state": extras, "param_groups": state_dict["param_groups"]}
+
+
 def _read_into(f, buffer: memoryview) -> int:
     """Fills ``buffer`` from ``f``; returns its size."""
     done = 0
@@ -102,7 +110,7 @@ class StateDictMethods:
         if not holes:
             return
         sd["zoe"]["moments"] = holes
-        sd["state"], first = {}, 0
+        first = 0
         for s, _, n in _interop.pieces(self):
             m, v = (moments[key][first:first + n].view(s.shape) for key in ("exp_avg", "exp_avg_sq"))
             steps = float(self._engine.param_step_count(s.engine_ids[0]))
@@ -172,7 +180,7 @@ class StateDictMethods:
                 "another number of ranks")
         self._check_layout(meta)
         # The param groups only: the state is the engine's (torch would copy each tensor to its parameter).
-        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        super().load_state_dict(_groups_and_extras(state_dict))
         with _interop.blob_file(meta, state_dict.get("state")) as path:
             self._engine.load(path)  # across ranks collective: the loaded shards are all-gathered
         self._hyper_sent = [None] * len(self.param_groups)
@@ -206,7 +214,7 @@ class StateDictMethods:
                 f"rank {rank}'s optimizer state {path} is missing: the checkpoint was saved with "
                 "OffloadOptimizer.save_to (zoe.hf's callback or hooks) and each rank's file must stay beside it; if "
                 "the folder moved, call opt.load_from(new_folder) before loading")
-        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        super().load_state_dict(_groups_and_extras(state_dict))
         self._engine.load(path)  # across ranks collective: the loaded shards are all-gathered
         self._hyper_sent = [None] * len(self.param_groups)
 
@@ -215,7 +223,7 @@ class StateDictMethods:
             _torch_flags.check_group(g, f"param group {gi} of this state_dict")
         full, steps = _interop.read_torch_state(self, state_dict)
         scaler = _interop.read_loss_scale(self, state_dict)
-        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        super().load_state_dict(_groups_and_extras(state_dict))
         for g in self.param_groups:
             g.pop("zoe_loss_scale", None)  # the engine's, not a hyper-parameter
             if "decoupled_weight_decay" in g:  # torch.optim.Adam(W)'s name for zoe's adamw

@@ -100,7 +100,8 @@ class _Slot:
     """Where one trainable parameter lives in its dtype's flat buffers."""
 
     __slots__ = ("param", "index", "group", "offset", "numel", "shape", "tier", "windowed", "bucket", "grad_view",
-                 "grad_ptr", "own_grad", "own_version", "weight_view", "engine_ids", "accumulated", "taken")
+                 "grad_ptr", "grads_at", "own_grad", "own_version", "weight_view", "engine_ids", "accumulated",
+                 "taken")
 
     def __init__(self, param, index, group, offset):
         self.param = param
@@ -118,7 +119,9 @@ class _Slot:
         self.bucket = None  # its dtype's _Bucket
         self.grad_view = None
         self.grad_ptr = 0  # grad_view's address: a p.grad.data = ... keeps the tensor and changes it
-        # A gradient tensor of the trainer's (autograd's) in p.grad, copied into grad_view at this version.
+        # A gradient tensor of the trainer's (autograd's) in p.grad, taken at this version: read by the engine
+        # where it is (grads_at, the address the engine reads this slot's gradient from) or copied.
+        self.grads_at = 0
         self.own_grad = None
         self.own_version = 0
         self.weight_view = None  # p.data as the optimizer laid it (a view of its bucket)
@@ -127,30 +130,37 @@ class _Slot:
         self.taken = False  # the engine has read this iteration's gradient (reported, or for a norm)
 
 
-class _StateView(collections.abc.Mapping):
+class _StateView(collections.abc.MutableMapping):
     """``opt.state`` as torch's optimizers have it: ``state[p]`` is ``{"step", "exp_avg", "exp_avg_sq"}`` for each
     parameter stepped at least once (``{}`` for the others, as torch's defaultdict gives). The moments are
     views of zoe's own memory where it keeps them as fp32 in RAM (tier ram, ``state_dtype="fp32"``, one rank):
     reading and writing them reads and writes the optimizer's state. Elsewhere (bf16 or int8 moments, tier
     nvme, a partitioned optimizer: this rank's piece, flat) they are fp32 copies decoded when asked for —
-    writing them changes nothing. Built on access; the engine's work in flight is waited for first."""
+    writing them changes nothing. Built on access; the engine's work in flight is waited for first. Keys that
+    are not parameters (a hook's own entries) are kept here and travel in ``state_dict()["state"]``, as with
+    torch; a parameter's entry cannot be replaced (``load_state_dict`` takes a state into the engine)."""
 
     def __init__(self, opt: "OffloadOptimizer"):
         self._opt = weakref.ref(opt)
         self._hidden = False
+        self.extras: dict = {}
 
-    def _slot(self, p):
+    def _slot(self, key):
         opt = self._opt()
-        if opt is None or self._hidden:
+        if opt is None or not isinstance(key, torch.Tensor):
             return None
-        return next((s for s in opt._slots if s.param is p), None)
+        return next((s for s in opt._slots if s.param is key), None)
 
     def _stepped(self, s) -> int:
         return self._opt()._engine.param_step_count(s.engine_ids[0]) if s.engine_ids else 0
 
-    def __getitem__(self, p) -> dict:
-        s = self._slot(p)
-        if s is None or self._stepped(s) == 0:
+    def __getitem__(self, key):
+        s = self._slot(key)
+        if s is None:
+            if isinstance(key, torch.Tensor):
+                return {}
+            return self.extras.setdefault(key, {})  # a defaultdict(dict), as torch's
+        if self._hidden or self._stepped(s) == 0:
             return {}
         opt = self._opt()
         opt._engine.wait()
@@ -158,26 +168,41 @@ class _StateView(collections.abc.Mapping):
         if len(s.engine_ids) == 1 and opt._world == 1 and all(v is not None for v in views):
             m, v = (torch.from_numpy(x).view(s.shape) for x in views)
         else:
-            st = opt.read_state(p)
+            st = opt.read_state(key)
             m, v = st["exp_avg"], st["exp_avg_sq"]
         return {"step": torch.tensor(float(self._stepped(s))), "exp_avg": m, "exp_avg_sq": v}
 
-    def __contains__(self, p) -> bool:
-        s = self._slot(p)
-        return s is not None and self._stepped(s) > 0
+    def __setitem__(self, key, value) -> None:
+        if self._slot(key) is not None:
+            raise TypeError("zoe.torch.OffloadOptimizer: a parameter's state lives in zoe's engine and cannot be "
+                            "replaced entry by entry: load a state_dict (load_state_dict), or write into the "
+                            "tensors of opt.state[p] where they are views (fp32 moments in RAM)")
+        self.extras[key] = value
+
+    def __delitem__(self, key) -> None:
+        if self._slot(key) is not None:
+            raise TypeError("zoe.torch.OffloadOptimizer: a parameter's state lives in zoe's engine; it cannot be "
+                            "deleted")
+        del self.extras[key]
+
+    def __contains__(self, key) -> bool:
+        s = self._slot(key)
+        if s is None:
+            return key in self.extras
+        return not self._hidden and self._stepped(s) > 0
 
     def __iter__(self):
         opt = self._opt()
-        if opt is None or self._hidden:
-            return iter(())
-        return iter([s.param for s in opt._slots if self._stepped(s) > 0])
+        params = [] if opt is None or self._hidden else [s.param for s in opt._slots if self._stepped(s) > 0]
+        return iter(params + list(self.extras))
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
 
     @contextlib.contextmanager
     def hidden(self):
-        """Empty for a while: torch's state_dict() packing, which zoe fills from its checkpoint instead."""
+        """Without the parameters' entries for a while: torch's state_dict() packing, which zoe fills from its
+        checkpoint instead (the extras are packed as torch packs them)."""
         self._hidden = True
         try:
             yield
@@ -376,6 +401,10 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         self._checked_slots: list[_Slot] = []  # whose p.data zoe laid out, checked for edits at step()
         self._weight_marks: list[tuple] = []
         self._absent_sent = False  # the engine holds a non-empty list of parameters without a gradient
+        # The engine may read a gradient where autograd put it (set_grad_sources) instead of a copy in the
+        # flat buffer: one rank, zoe's own buffers (not FSDP2's), no micro-batches summed by the engine.
+        self._grad_sources = False
+        self._retired_grads: list = []  # gradient tensors the engine read this iteration, replaced since
         self._scaled = False  # this iteration's loss was scaled by zoe's loss scale (fp16)
         self._build()
         self._built = True
@@ -390,8 +419,16 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
 
     @state.setter
     def state(self, value) -> None:
-        """torch.optim.Optimizer sets its own dict (at construction, in load_state_dict); zoe's state lives in
-        its engine, and load_state_dict takes a state into it."""
+        """torch.optim.Optimizer sets its own dict at construction; zoe's state lives in its engine."""
+
+    def __setstate__(self, state: dict) -> None:
+        # torch's load_state_dict ends here: the parameters' state went to the engine; entries of other keys
+        # (a hook's) are kept, as torch keeps them.
+        state = dict(state)
+        loaded = state.pop("state", None)
+        super().__setstate__(state)
+        if loaded is not None and "_zoe_state" in self.__dict__:
+            self.state.extras = {k: v for k, v in loaded.items() if not isinstance(k, torch.Tensor)}
 
     # ---- construction ---------------------------------------------------------------------------------
 
@@ -475,7 +512,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                         s.weight_view = b.weights[s.offset:s.offset + s.numel].view_as(s.param)
                         s.param.data = s.weight_view
                     s.grad_view = b.grad_buffer(s)[s.offset:s.offset + s.numel].view(s.shape)
-                    s.grad_ptr = s.grad_view.data_ptr()
+                    s.grad_ptr = s.grads_at = s.grad_view.data_ptr()
                     if s.param.grad is not None:
                         s.grad_view.copy_(s.param.grad)
                     _param_offload.set_grad(s.param, s.grad_view)
@@ -483,6 +520,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                     # Every rank starts from rank 0's weights, as DistributedDataParallel does.
                     dist.broadcast(b.weights, src=dist.get_global_rank(self._group, 0), group=self._group)
         self._make_engine()
+        self._grad_sources = self._world == 1 and not self._engine_accumulates
         hook_all = self._options["schedule"] in ("overlap", "delayed") or self._engine_accumulates
         if self._world == 1:
             for s in self._slots:
@@ -732,7 +770,9 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         if absent and self._dp is not None:
             absent = self._dp.absent_everywhere(self._slots, absent)
         absent_ids = {id(s) for s in absent}
-        replaced = [s for s in self._slots if id(s) in absent_ids or self._adopt_grad(s)]
+        moves: list = []  # where the engine reads gradients from, told in one call
+        replaced = [s for s in self._slots if id(s) in absent_ids or self._adopt_grad(s, moves)]
+        self._read_grads_from(moves)
         self._window_versions = self._versions_of_windows()
         if self._check_changes and any(s.taken for s in replaced):
             self._take_again()
@@ -826,45 +866,75 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                 cost.append(f"the step uses p.grad as edited, in {self._buckets[0].dtype}, instead of zoe's fp32 "
                             "sum of the micro-batches")
             warnings.warn(
-                "zoe.torch.OffloadOptimizer: the gradients changed after backward (the trainer clipped, unscaled "
-                f"or edited them): {'; '.join(cost)}. To avoid this, let zoe clip: OffloadOptimizer("
+                "zoe.torch.OffloadOptimizer: the gradients changed after backward (the trainer clipped, unscaled, "
+                f"edited or dropped them): {'; '.join(cost)}. To avoid this, let zoe clip: OffloadOptimizer("
                 "max_grad_norm=...), opt.clip_grad_norm_(max_norm), or torch.nn.utils.clip_grad_norm_ called "
                 "through torch.nn.utils over all of this optimizer's parameters, which zoe answers (Hugging Face's "
                 "Trainer and Accelerate call it so; a copy of torch's function bound before the optimizer existed "
-                "is torch's). This warning is shown once.", stacklevel=4)
+                "is torch's). This warning is shown once.", stacklevel=5)
 
     # ---- the step -------------------------------------------------------------------------------------
 
-    def _adopt_grad(self, s: _Slot) -> bool:
+    def _adopt_grad(self, s: _Slot, moves: list | None = None) -> bool:
         """Makes sure the parameter's gradient is in its slot of the flat buffer (it is not when autograd
         allocated it — after ``zero_grad()``, whose default sets None — or a trainer assigned a tensor, or
         replaced its data). Returns whether it had to be brought there. As torch's optimizers, a step never
         replaces or writes ``p.grad``: a gradient of its own stays in ``p.grad`` and is copied (again once it
         changes). Only where zoe's design needs ``p.grad`` to be its buffer — micro-batches summed by the
-        engine, offloaded parameters' windows, FSDP2 shards — does ``p.grad`` become the buffer's view."""
+        engine, offloaded parameters' windows, FSDP2 shards — does ``p.grad`` become the buffer's view.
+        ``moves``: where to collect the engine's new gradient addresses (None: tell it now)."""
+        told = moves is None
+        moves = [] if told else moves
+        replaced = self._take_grad(s, moves)
+        if told:
+            self._read_grads_from(moves)
+        return replaced
+
+    def _take_grad(self, s: _Slot, moves: list) -> bool:
         g = s.param.grad
         if g is s.grad_view and (self._dtensor is not None or g.data_ptr() == s.grad_ptr):
             return False
         if g is s.grad_view:  # p.grad.data = other: the same tensor, holding other memory now
             s.grad_view = s.bucket.grad_buffer(s)[s.offset:s.offset + s.numel].view(s.shape)
         if g is not None and g is s.own_grad and g._version == s.own_version:
-            return False  # copied already, unchanged since
+            return False  # taken already, unchanged since
+        if s.own_grad is not None and s.own_grad is not g:
+            # The overlap schedule's worker may still read it until the step: let go of it after that.
+            self._retired_grads.append(s.own_grad)
         s.own_grad = None
         if g is None:
+            moves.append((s, s.grad_ptr))
             s.grad_view.zero_()  # present on another rank (zoe's partitioning): a zero here
             return True
         if g.is_sparse or g.layout != torch.strided:
             raise RuntimeError(f"parameter {s.index} (shape {tuple(s.param.shape)}) has a sparse gradient; "
                                "zoe steps dense gradients (use nn.Embedding(sparse=False))")
-        if self._dtensor is not None:
+        own = not (s.windowed or self._engine_accumulates or self._dtensor is not None)
+        if own and self._grad_sources and g.is_contiguous() and g.dtype == s.bucket.dtype and \
+                g.device == self._device and g.numel() == s.numel:
+            moves.append((s, g.data_ptr()))  # no copy: the engine reads it where autograd put it
+        elif self._dtensor is not None:
             self._dtensor.copy_grad(s, g)  # a DTensor's data_ptr() is 0: its local tensor's tells
-        elif g.data_ptr() != s.grad_view.data_ptr():
-            s.grad_view.copy_(g)
-        if s.windowed or self._engine_accumulates or self._dtensor is not None:
-            _param_offload.set_grad(s.param, s.grad_view)
         else:
+            moves.append((s, s.grad_ptr))
+            if g.data_ptr() != s.grad_view.data_ptr():
+                s.grad_view.copy_(g)
+        if own:
             s.own_grad, s.own_version = g, g._version
+        else:
+            _param_offload.set_grad(s.param, s.grad_view)
         return True
+
+    def _read_grads_from(self, moves: list) -> None:
+        """Points the engine at where it reads each slot's gradient, (slot, address): a tensor of the
+        trainer's (kept alive by ``own_grad`` until it is pointed elsewhere) or zoe's flat buffer (grad_ptr)."""
+        moved = [(s, at) for s, at in moves if s.grads_at != at]
+        if not moved:
+            return
+        self._engine.set_grad_sources([i for s, _ in moved for i in s.engine_ids],
+                                      [at for s, at in moved for _ in s.engine_ids])
+        for s, at in moved:
+            s.grads_at = at
 
     def _sync_hyper(self) -> None:
         for gi, group in enumerate(self.param_groups):
@@ -933,6 +1003,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
 
     def _end_iteration(self) -> None:
         self._scaled = False
+        self._retired_grads.clear()
         passes = max((s.accumulated for s in self._slots), default=0)
         if self._accumulation_steps is None:
             self._reporting_pass = passes or None
@@ -1004,6 +1075,8 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             if not set_to_none:
                 b.grads.zero_()
         self._window_versions = self._versions_of_windows()
+        # The engine reads zoe's buffers again before the trainer's gradient tensors are let go.
+        self._read_grads_from([(s, s.grad_ptr) for s in self._slots if s.own_grad is not None])
         for s in self._slots:
             s.own_grad = None
             if set_to_none and not s.windowed:

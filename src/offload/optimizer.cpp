@@ -213,6 +213,22 @@ Status OffloadOptimizer::set_grads_absent(const std::vector<std::size_t>& which)
   return Status::success();
 }
 
+Status OffloadOptimizer::set_grad_source(std::size_t param, const void* grads) {
+  Impl& m = *impl_;
+  if (param >= m.params.size()) {
+    return invalid_argument("set_grad_source: parameter " + std::to_string(param) + " does not exist (" +
+                            std::to_string(m.params.size()) + " parameters)");
+  }
+  if (grads == nullptr && m.params[param].n > 0) return invalid_argument("set_grad_source: null gradient address");
+  if (m.partition) return invalid_argument("set_grad_source: a partitioned optimizer reduces its gradients in flat buffers");
+  if (m.grad_leaves_when_reported(param)) {
+    return invalid_argument("set_grad_source: parameter " + std::to_string(param) +
+                            " is tiered on a device with its own memory: its gradient's place is a window");
+  }
+  m.params[param].device_grads = grads;
+  return Status::success();
+}
+
 Status OffloadOptimizer::step() {
   Impl& m = *impl_;
   const auto start = std::chrono::steady_clock::now();

@@ -181,6 +181,10 @@ Status OffloadOptimizer::Impl::grad_stats_in_place(int set) {
   }
   adam.parallel_for(pieces.size(), [&](std::size_t k) {
     const Piece& piece = pieces[k];
+    if (is_absent(piece.param, set)) {  // no gradient: nothing to read (its memory may be gone)
+      out[k] = GradStats{};
+      return;
+    }
     DType dtype;
     const void* grad = step_grad(piece.param, set, &dtype);
     grad = static_cast<const unsigned char*>(grad) + piece.begin * dtype_size(dtype);

@@ -393,6 +393,10 @@ def test_state_has_torchs_keys_and_values(state_dtype):
     for k in ("exp_avg", "exp_avg_sq"):
         assert st[k].shape == p.shape
         assert (st[k] - rst[k]).abs().max().item() <= tol * rst[k].abs().max().item(), k
+    mopt.state["note"] = 7  # a hook's own entry: kept and saved, as torch keeps it
+    assert mopt.state_dict()["state"]["note"] == 7
+    with pytest.raises(TypeError, match="lives in zoe's engine"):
+        mopt.state[p] = {}
     before = mopt.read_state(p)["exp_avg"].clone()
     st["exp_avg"].mul_(0.5)
     after = mopt.read_state(p)["exp_avg"]
