@@ -563,6 +563,45 @@ TEST(OffloadOptimizer, AbsentGradientsLeaveTheirParameterAndItsStepCount) {
   EXPECT_EQ(trainer.opt().set_param_step_count(0, -1).code(), StatusCode::invalid_argument);
 }
 
+// A gradient handed over where the framework allocated it (set_grad_source) is stepped as if it had been
+// written into device_grads: staged and in place, every schedule; refused where the gradient's place is not
+// the parameter's own.
+TEST(OffloadOptimizer, GradientReadFromAnotherSourceEqualsItsCopy) {
+  const GradFn grads = random_grads(1e-2);
+  for (const bool in_place : {false, true}) {
+    for (Schedule schedule : {Schedule::sync, Schedule::overlap}) {
+      SCOPED_TRACE(std::string(schedule_name(schedule)) + (in_place ? " in place" : " staged"));
+      Trainer copied(schedule, DType::bf16, {}, 0, {1000, 37, 4096, 1}, nullptr, 0, in_place);
+      Trainer moved(schedule, DType::bf16, {}, 0, {1000, 37, 4096, 1}, nullptr, 0, in_place);
+      ASSERT_TRUE(copied.created() && moved.created());
+      copied.run(1, 3, grads);
+      // `moved` gets the same gradients in buffers of its own device, switched every iteration.
+      const ParamSpec& p = moved.model().specs[2];
+      const std::size_t bytes = p.n * 2;
+      std::vector<void*> sources = {moved.device().allocate(bytes).value(), moved.device().allocate(bytes).value()};
+      for (int t = 1; t <= 3; ++t) {
+        ASSERT_TRUE(moved.device_synchronize().ok());
+        grads(moved.model(), t, moved.opt().loss_scale());
+        void* source = sources[t % 2];
+        std::memcpy(source, p.device_grads, bytes);
+        std::memset(const_cast<void*>(p.device_grads), 0x7f, bytes);  // huge values: the old place must not be read
+        ASSERT_TRUE(moved.opt().set_grad_source(2, source).ok());
+        for (std::size_t b = moved.model().specs.size(); b-- > 0;) ASSERT_TRUE(moved.opt().grad_ready(b).ok());
+        const Status s = moved.opt().step();
+        ASSERT_TRUE(s.ok()) << s.to_string();
+        ASSERT_TRUE(moved.opt().set_grad_source(2, p.device_grads).ok());
+      }
+      const RunResult a = copied.result(), b = moved.result();
+      EXPECT_EQ(std::memcmp(a.state.data(), b.state.data(), a.state.size() * 4), 0);
+      EXPECT_EQ(a.device_weights, b.device_weights);
+      for (void* source : sources) moved.device().free(source);
+    }
+  }
+  Trainer trainer(Schedule::sync, DType::bf16, {});
+  EXPECT_EQ(trainer.opt().set_grad_source(99, trainer.model().specs[0].device_grads).code(), StatusCode::invalid_argument);
+  EXPECT_EQ(trainer.opt().set_grad_source(0, nullptr).code(), StatusCode::invalid_argument);
+}
+
 TEST(OffloadOptimizer, LossScaleStateIsReadAndReplaced) {
   OffloadOptions o;
   o.loss_scale.enabled = true;
