@@ -767,7 +767,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         Parameters whose gradient is None are named to the engine, which leaves them as they are (torch's
         rule: not stepped, their moments and step count unchanged)."""
         absent = [s for s in self._slots if self._grad_absent(s)]
-        if absent and self._dp is not None:
+        if self._dp is not None:  # every rank, every step: a rank cannot tell whether another has a None
             absent = self._dp.absent_everywhere(self._slots, absent)
         absent_ids = {id(s) for s in absent}
         moves: list = []  # where the engine reads gradients from, told in one call

@@ -40,6 +40,7 @@ def _rank_main(rank, world, init_file, out_dir, options):
     make = _mixed_mlp if options.pop("mixed", False) else make_mlp
     nan_at = options.pop("nan_at", None)  # the step at which rank 1's gradient holds a NaN
     resume_at = options.pop("resume_at", None)  # before this step a new optimizer resumes from state_dict()
+    drops = options.pop("drop", ())  # (step, parameter, ranks): its gradient is None there after backward
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     # Different seeds per rank: the optimizer must broadcast rank 0's weights first.
@@ -57,6 +58,9 @@ def _rank_main(rank, world, init_file, out_dir, options):
         half = slice(rank * 8, (rank + 1) * 8)
         opt.zero_grad()
         torch.nn.functional.mse_loss(_forward(model, x[half]), y[half]).backward()
+        for at, i, ranks in drops:
+            if at == t and rank in ranks:
+                list(model.parameters())[i].grad = None
         if t == nan_at:
             if rank == 1:
                 next(model.parameters()).grad[0, 0] = float("nan")
@@ -78,6 +82,7 @@ def _single_process(options, skip=()):
 
     options = dict(options)
     model = (_mixed_mlp if options.pop("mixed", False) else make_mlp)(seed=0)
+    drops = options.pop("drop", ())
     opt = OffloadOptimizer(model.parameters(), **HYPER, **options)
     for t, (x, y) in enumerate(batches(STEPS, batch=16), 1):
         if t in skip:
@@ -86,10 +91,14 @@ def _single_process(options, skip=()):
         for r in range(2):
             model.zero_grad(set_to_none=True)
             torch.nn.functional.mse_loss(_forward(model, x[r * 8:(r + 1) * 8]), y[r * 8:(r + 1) * 8]).backward()
-            halves.append([p.grad.clone() for p in model.parameters()])
+            halves.append([torch.zeros_like(p) if any(at == t and i == k and r in ranks for at, i, ranks in drops)
+                           else p.grad.clone() for k, p in enumerate(model.parameters())])
         opt.zero_grad(set_to_none=False)  # p.grad kept, zeroed: written below
-        for p, g0, g1 in zip(model.parameters(), *halves):
-            p.grad.copy_((g0 + g1) / 2)  # what the all-reduce and the division by W give
+        for k, (p, g0, g1) in enumerate(zip(model.parameters(), *halves)):
+            if any(at == t and i == k and len(ranks) == 2 for at, i, ranks in drops):
+                p.grad = None  # None on every rank: not stepped
+            else:
+                p.grad.copy_((g0 + g1) / 2)  # what the all-reduce and the division by W give (a None: a zero)
         opt.step()
     return [p.detach() for p in model.parameters()]
 
@@ -114,6 +123,17 @@ def test_two_process_gloo_equals_single_process(tmp_path):
             assert torch.equal(a, b)
     # Each rank holds only its partition: the two checkpoints are halves of one state.
     assert ranks[0]["state"]["zoe"]["rank"] == 0 and ranks[1]["state"]["zoe"]["world_size"] == 2
+
+
+def test_a_gradient_none_on_every_rank_is_not_stepped_and_one_none_on_one_rank_is_a_zero(tmp_path):
+    """torch's rule across zoe's partition: None on every rank leaves the parameter as it is on both; None on
+    one rank only is averaged as a zero with the other's, as DistributedDataParallel does."""
+    drop = [(3, 2, (0, 1)), (4, 2, (0, 1)), (5, 4, (0,)), (6, 0, (1,))]
+    ranks = _run(tmp_path, {"drop": drop})
+    single = _single_process({"drop": drop})
+    for r in ranks:
+        for a, b in zip(r["weights"], single):
+            assert torch.equal(a, b)
 
 
 def test_two_process_gloo_with_clipping(tmp_path):
