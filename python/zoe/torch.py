@@ -97,7 +97,7 @@ def _cpu_device():
 
 
 class _Slot:
-    """Where one trainable parameter lives in its dtype's flat buffers."""
+    """Where one parameter (trainable now or later) lives in its dtype's flat buffers."""
 
     __slots__ = ("param", "index", "group", "offset", "numel", "shape", "tier", "windowed", "bucket", "grad_view",
                  "grad_ptr", "grads_at", "own_grad", "own_version", "weight_view", "engine_ids", "accumulated",
@@ -135,7 +135,8 @@ class _StateView(collections.abc.MutableMapping):
     parameter stepped at least once (``{}`` for the others, as torch's defaultdict gives). The moments are
     views of zoe's own memory where it keeps them as fp32 in RAM (tier ram, ``state_dtype="fp32"``, one rank):
     reading and writing them reads and writes the optimizer's state. Elsewhere (bf16 or int8 moments, tier
-    nvme, a partitioned optimizer: this rank's piece, flat) they are fp32 copies decoded when asked for —
+    nvme, a partitioned optimizer: this rank's piece, flat; FSDP2: the local shard) they are fp32 copies
+    decoded when asked for —
     writing them changes nothing. Built on access; the engine's work in flight is waited for first. Keys that
     are not parameters (a hook's own entries) are kept here and travel in ``state_dict()["state"]``, as with
     torch; a parameter's entry cannot be replaced (``load_state_dict`` takes a state into the engine)."""
@@ -165,7 +166,8 @@ class _StateView(collections.abc.MutableMapping):
         opt = self._opt()
         opt._engine.wait()
         views = [opt._engine.moments_view(s.engine_ids[0], which) for which in (1, 2)]
-        if len(s.engine_ids) == 1 and opt._world == 1 and all(v is not None for v in views):
+        whole = len(s.engine_ids) == 1 and opt._world == 1 and opt._dtensor is None  # not a piece, not a shard
+        if whole and all(v is not None for v in views):
             m, v = (torch.from_numpy(x).view(s.shape) for x in views)
         else:
             st = opt.read_state(key)
@@ -513,9 +515,11 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                         s.param.data = s.weight_view
                     s.grad_view = b.grad_buffer(s)[s.offset:s.offset + s.numel].view(s.shape)
                     s.grad_ptr = s.grads_at = s.grad_view.data_ptr()
+                    # A gradient there already is taken in; a None stays None (not stepped, as with torch).
                     if s.param.grad is not None:
                         s.grad_view.copy_(s.param.grad)
-                    _param_offload.set_grad(s.param, s.grad_view)
+                    if s.param.grad is not None or s.windowed:
+                        _param_offload.set_grad(s.param, s.grad_view)
                 if self._world > 1:
                     # Every rank starts from rank 0's weights, as DistributedDataParallel does.
                     dist.broadcast(b.weights, src=dist.get_global_rank(self._group, 0), group=self._group)

@@ -134,6 +134,16 @@ def test_missing_gradients_match_torch_including_a_parameter_first_used_late(sch
     assert _steps(mopt) == torch_steps
 
 
+def test_a_step_before_any_backward_changes_nothing():
+    model = make_mlp()
+    weights = [p.detach().clone() for p in model.parameters()]
+    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    assert all(p.grad is None for p in model.parameters())
+    opt.step()
+    assert all(torch.equal(w, p.detach()) for w, p in zip(weights, model.parameters()))
+    assert len(opt.state) == 0
+
+
 def test_parameters_frozen_at_construction_are_held_and_stepped_once_unfrozen():
     data = batches(8)
     ref, mine = make_mlp(), make_mlp()
