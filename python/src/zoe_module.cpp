@@ -55,6 +55,16 @@ T take(Result<T>&& r) {
   return std::move(r).value();
 }
 
+// A checkpoint file opened (header, trailer and index read and checked) without the GIL.
+CheckpointReader open_checkpoint(const std::string& path) {
+  Result<CheckpointReader> r = Status(StatusCode::internal, "not read");
+  {
+    nb::gil_scoped_release release;
+    r = CheckpointReader::open(path);
+  }
+  return take(std::move(r));
+}
+
 using CpuArray = nb::ndarray<nb::device::cpu, nb::c_contig>;
 using F32Array = nb::ndarray<float, nb::device::cpu, nb::c_contig>;
 
@@ -763,12 +773,7 @@ void bind_engine(nb::module_& m) {
 
   m.def("read_checkpoint",
         [](const std::string& path) {
-          Result<CheckpointReader> r = Status(StatusCode::internal, "not read");
-          {
-            nb::gil_scoped_release release;
-            r = CheckpointReader::open(path);
-          }
-          const CheckpointReader& reader = take(std::move(r));
+          const CheckpointReader reader = open_checkpoint(path);
           nb::dict blobs;
           for (const std::string& name : reader.names()) {
             const std::size_t bytes = take(reader.size(name));
@@ -788,12 +793,7 @@ void bind_engine(nb::module_& m) {
         "A zoe checkpoint file, every blob's checksum verified: (manifest JSON text, {blob name: uint8 array}).");
   m.def("checkpoint_blobs",
         [](const std::string& path) {
-          Result<CheckpointReader> r = Status(StatusCode::internal, "not read");
-          {
-            nb::gil_scoped_release release;
-            r = CheckpointReader::open(path);
-          }
-          const CheckpointReader& reader = take(std::move(r));
+          const CheckpointReader reader = open_checkpoint(path);
           nb::dict blobs;
           for (const std::string& name : reader.names()) {
             blobs[name.c_str()] = nb::make_tuple(take(reader.offset(name)), take(reader.size(name)));
