@@ -98,9 +98,14 @@ class DataParallel:
         """Of the parameters whose gradient is None here, those whose gradient is None on every rank: only they
         are left unstepped. One that has a gradient elsewhere is averaged with a zero from this rank, as
         DistributedDataParallel does with a parameter a rank did not use."""
+        device = "cpu" if self.collectives._gloo else self.collectives.device
+        # One element in the usual step, where no rank has a None; the per-parameter flags only otherwise.
+        some = torch.tensor([1 if absent else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(some, op=dist.ReduceOp.MAX, group=self.collectives.group)
+        if not some.item():
+            return []
         mine = {id(s) for s in absent}
-        present = torch.tensor([0 if id(s) in mine else 1 for s in slots], dtype=torch.int32,
-                               device="cpu" if self.collectives._gloo else self.collectives.device)
+        present = torch.tensor([0 if id(s) in mine else 1 for s in slots], dtype=torch.int32, device=device)
         dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.collectives.group)
         return [s for s, p in zip(slots, present.tolist()) if p == 0]
 

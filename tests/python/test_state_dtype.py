@@ -31,7 +31,7 @@ def test_each_step_matches_float64_from_its_own_rounded_state():
     for step in range(1, 11):
         before = opt.read_state(p)
         g = torch.randn(5003) * 1e-2
-        p.grad.copy_(g)
+        p.grad = g.clone()  # a gradient of its own each step, as autograd gives
         opt.step()
         after = opt.read_state(p)
         # float64 Adam(W) from the stored state; zoe's fp32 arithmetic differs by rounding only.
@@ -63,7 +63,7 @@ def test_int8_each_step_matches_float64_within_the_codes_bounds():
     for step in range(1, 11):
         before = opt.read_state(p)
         g = torch.randn(5003) * 1e-2 * torch.logspace(-3, 0, 5003)  # three decades within each block
-        p.grad.copy_(g)
+        p.grad = g.clone()  # a gradient of its own each step, as autograd gives
         opt.step()
         after = opt.read_state(p)
         m, v, w = _float64_step(before, g, step)
@@ -120,7 +120,7 @@ def test_low_bit_moments_on_the_nvme_tier_step_as_on_ram(tmp_path, state_dtype):
     for _ in range(5):
         g = torch.randn(5000).to(torch.bfloat16) * 1e-2
         for p, opt in zip(ps, opts):
-            p.grad.copy_(g)
+            p.grad = g.clone()
             opt.step()
     assert torch.equal(ps[0], ps[1])
     assert not torch.equal(ps[1], ps[2])  # the low-bit moments are really in use
