@@ -96,20 +96,25 @@ def test_a_none_gradient_leaves_its_parameter_as_it_is(cfg, tmp_path):
     assert steps[index] == (3 if micro == 1 else 6) and steps[0] == 6, steps
 
 
-def _train_pair(ref, mine, ropt, mopt, data, drop=lambda t, i: False, before_backward=None):
+def _train_pair(ref, mine, ropt, mopt, data, drop=lambda t, i: False, **kw):
     """The same iterations on both; drop(t, i): parameter i's gradient is None at step t (after backward)."""
-    _train([(ref, ropt), (mine, mopt)], data, drop, before_backward)
+    _train([(ref, ropt), (mine, mopt)], data, drop, **kw)
 
 
-def _train(pairs, data, drop=lambda t, i: False, before_backward=None):
+def _train(pairs, data, drop=lambda t, i: False, before_backward=None, after_backward=None, set_to_none=True):
+    """after_backward(model): the trainer's edit before step(); set_to_none: zero_grad's."""
     for t, (x, y) in enumerate(data):
         for model, opt in pairs:
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
+            if not set_to_none:
+                assert all(p.grad is None or not p.grad.any() for p in model.parameters())  # None before a backward
             if before_backward is not None:
                 before_backward(t, model)
             loss = _loss(model, x, y)
             if loss.requires_grad:
                 loss.backward()
+            if after_backward is not None:
+                after_backward(model)
             for i, p in enumerate(model.parameters()):
                 if drop(t, i):
                     p.grad = None
@@ -169,13 +174,11 @@ def test_zero_grad_set_to_none_false_zeroes_and_steps_every_parameter_as_torch()
     ref, mine = make_mlp(), make_mlp()
     ropt = torch.optim.AdamW(ref.parameters(), **HYPER)
     mopt = OffloadOptimizer(mine.parameters(), **HYPER)
-    for x, y in data:
-        for model, opt in ((ref, ropt), (mine, mopt)):
-            opt.zero_grad(set_to_none=False)
-            assert all(p.grad is None or not p.grad.any() for p in model.parameters())  # None before any backward
-            _loss(model, x, y).backward()
-            model[4].weight.grad.zero_()  # a zero gradient is a gradient: stepped (decay, momentum)
-            opt.step()
+
+    def zero_last(model):
+        model[4].weight.grad.zero_()  # a zero gradient is a gradient: stepped (decay, momentum)
+
+    _train_pair(ref, mine, ropt, mopt, data, after_backward=zero_last, set_to_none=False)
     assert max_diff(ref, mine) < PARITY_TOL
 
 
@@ -228,13 +231,12 @@ def test_a_gradient_whose_data_is_replaced_is_stepped_with_the_new_values():
     ref, mine = make_mlp(), make_mlp()
     ropt = torch.optim.AdamW(ref.parameters(), **HYPER)
     mopt = OffloadOptimizer(mine.parameters(), **HYPER)
-    for x, y in data:
-        for model, opt in ((ref, ropt), (mine, mopt)):
-            opt.zero_grad(set_to_none=False)
-            _loss(model, x, y).backward()
-            g = model[0].weight.grad
-            g.data = torch.full_like(g, 1e-3)
-            opt.step()
+
+    def replace_data(model):
+        g = model[0].weight.grad
+        g.data = torch.full_like(g, 1e-3)
+
+    _train_pair(ref, mine, ropt, mopt, data, after_backward=replace_data, set_to_none=False)
     assert max_diff(ref, mine) < PARITY_TOL
 
 
