@@ -71,7 +71,7 @@ def main() -> None:
             os.makedirs(tier["nvme_path"])
         opt = OffloadOptimizer(params, lr=1e-4, **tier)
         for q in params:
-            q.grad.normal_()
+            q.grad = torch.randn_like(q)  # zoe, as torch, leaves a parameter whose gradient is None
         opt.step()
         print(f"{n / 1e6:.0f}M bf16 parameters, tier {args.tier}, zoe state {12 * n / GiB:.1f} GiB; files in {work}")
         path = os.path.join(work, "optimizer.pt")

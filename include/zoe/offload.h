@@ -177,6 +177,11 @@ struct StepStats {
   double nvme_read_s = 0, nvme_write_s = 0;
 };
 
+// Threads: the calls of one optimizer are serialised (a lock per optimizer), so calls made from several
+// threads never interleave — a save() on another thread than step() records one whole step, before or after
+// it. Order between threads is theirs to choose: a step() and a save() racing give either order. Two
+// exceptions return references, which the lock cannot cover: group_hyper() and stats() — use them from the
+// thread that steps, between calls.
 class OffloadOptimizer {
  public:
   // The master weights start as the device weights converted to fp32 (read once through the device).

@@ -102,9 +102,9 @@ def bench_accumulate(n: int, tensors: int, reps: int) -> list[dict]:
     ps = [torch.nn.Parameter(p.detach().bfloat16()) for p in _params(n, tensors)]
     # Every timed micro-batch is one that is not the last (no step ever comes): more than the reps ever reach.
     opt = OffloadOptimizer(ps, lr=1e-3, gradient_accumulation_steps=1 << 30)
-    for p in ps:
-        p.grad.normal_(0, 1e-3)
     slots = opt._slots
+    for s in slots:  # the engine sums what lies in its gradient buffer; p.grad stays None until a backward
+        s.grad_view.normal_(0, 1e-3)
 
     def zoe_micro_batch():
         for s in slots:
@@ -112,7 +112,7 @@ def bench_accumulate(n: int, tensors: int, reps: int) -> list[dict]:
 
     rows = [{"name": "zoe accumulate (fp32 sum, gradient zeroed)", **_time(zoe_micro_batch, reps)}]
     accs = [torch.zeros(p.numel(), dtype=torch.float32) for p in ps]
-    grads = [p.grad.view(-1) for p in ps]
+    grads = [s.grad_view.view(-1) for s in slots]
 
     def torch_add():
         for acc, g in zip(accs, grads):

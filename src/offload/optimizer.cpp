@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -170,6 +171,7 @@ OffloadOptimizer& OffloadOptimizer::operator=(OffloadOptimizer&&) noexcept = def
 OffloadOptimizer::~OffloadOptimizer() = default;
 
 Status OffloadOptimizer::grad_ready(std::size_t param) {
+  const std::lock_guard serial(impl_->calls);
   Impl& m = *impl_;
   const std::size_t count = m.partition ? m.partition->user.size() : m.params.size();
   if (param >= count) {
@@ -191,6 +193,7 @@ Status OffloadOptimizer::grad_ready(std::size_t param) {
 }
 
 Status OffloadOptimizer::set_grads_absent(const std::vector<std::size_t>& which) {
+  const std::lock_guard serial(impl_->calls);
   Impl& m = *impl_;
   std::vector<char> absent(m.params.size(), 0);
   for (std::size_t i : which) {
@@ -214,6 +217,7 @@ Status OffloadOptimizer::set_grads_absent(const std::vector<std::size_t>& which)
 }
 
 Status OffloadOptimizer::set_grad_source(std::size_t param, const void* grads) {
+  const std::lock_guard serial(impl_->calls);
   Impl& m = *impl_;
   if (param >= m.params.size()) {
     return invalid_argument("set_grad_source: parameter " + std::to_string(param) + " does not exist (" +
@@ -230,6 +234,7 @@ Status OffloadOptimizer::set_grad_source(std::size_t param, const void* grads) {
 }
 
 Status OffloadOptimizer::step() {
+  const std::lock_guard serial(impl_->calls);
   Impl& m = *impl_;
   const auto start = std::chrono::steady_clock::now();
   Status s;
@@ -259,12 +264,14 @@ Status OffloadOptimizer::step() {
 }
 
 Status OffloadOptimizer::wait() {
+  const std::lock_guard serial(impl_->calls);
   Impl& m = *impl_;
   if (Status s = m.schedule->wait(); !s.ok()) return s;
   return m.device.synchronize();
 }
 
 Status OffloadOptimizer::grads_changed() {
+  const std::lock_guard serial(impl_->calls);
   const std::vector<char>& down = impl_->grad_down;
   if (auto it = std::find(down.begin(), down.end(), 1); it != down.end()) {
     const std::size_t i = static_cast<std::size_t>(it - down.begin());
@@ -280,6 +287,7 @@ Status OffloadOptimizer::grads_changed() {
 }
 
 Result<double> OffloadOptimizer::grad_norm() {
+  const std::lock_guard serial(impl_->calls);
   Impl& m = *impl_;
   if (!m.need_norm) {
     // In place without clipping or loss scaling, the statistics skip the norm: from now on they take it.
@@ -301,6 +309,7 @@ Status OffloadOptimizer::set_max_grad_norm(float max_norm) {
   if (!(max_norm >= 0) || !std::isfinite(max_norm)) {
     return invalid_argument("max_grad_norm = " + std::to_string(max_norm) + " is invalid: need >= 0 (0: no clipping)");
   }
+  const std::lock_guard serial(impl_->calls);
   Impl& m = *impl_;
   m.options.max_grad_norm = max_norm;
   if (max_norm > 0 && !m.need_norm) {
@@ -311,10 +320,17 @@ Status OffloadOptimizer::set_max_grad_norm(float max_norm) {
 }
 
 AdamHyper& OffloadOptimizer::group_hyper(std::size_t group) { return impl_->groups.at(group).hyper; }
-float OffloadOptimizer::loss_scale() const { return impl_->visible_scale; }
-LossScaleState OffloadOptimizer::loss_scale_state() const { return impl_->scaler.state(); }
+float OffloadOptimizer::loss_scale() const {
+  const std::lock_guard serial(impl_->calls);
+  return impl_->visible_scale;
+}
+LossScaleState OffloadOptimizer::loss_scale_state() const {
+  const std::lock_guard serial(impl_->calls);
+  return impl_->scaler.state();
+}
 
 Status OffloadOptimizer::set_loss_scale_state(const LossScaleState& state) {
+  const std::lock_guard serial(impl_->calls);
   if (!std::isfinite(state.scale) || state.scale <= 0 || state.clean_steps < 0 || state.hysteresis_left < 0) {
     return invalid_argument("set_loss_scale_state: scale " + std::to_string(state.scale) + ", clean_steps " +
                             std::to_string(state.clean_steps) + ", hysteresis_left " +
@@ -331,6 +347,7 @@ Status OffloadOptimizer::set_loss_scale_state(const LossScaleState& state) {
 
 std::int64_t OffloadOptimizer::step_count() const { return impl_->step_count.load(); }
 float* OffloadOptimizer::moments_of(std::size_t param, int which) {
+  const std::lock_guard serial(impl_->calls);
   Impl& m = *impl_;
   if (param >= m.params.size() || (which != 1 && which != 2)) return nullptr;
   const float* flat = m.tier->flat(which);
@@ -338,6 +355,7 @@ float* OffloadOptimizer::moments_of(std::size_t param, int which) {
 }
 
 std::int64_t OffloadOptimizer::param_step_count(std::size_t param) const {
+  const std::lock_guard serial(impl_->calls);
   return param < impl_->param_steps.size() ? impl_->param_steps[param] : -1;
 }
 bool OffloadOptimizer::last_step_skipped() const { return impl_->last_skipped.load(); }
@@ -350,6 +368,7 @@ std::vector<std::size_t> OffloadOptimizer::state_sizes() const {
 }
 
 Status OffloadOptimizer::read_state(std::size_t param, float* master, float* exp_avg, float* exp_avg_sq) const {
+  const std::lock_guard serial(impl_->calls);
   Impl& m = *impl_;
   if (param >= m.params.size()) return invalid_argument("read_state: parameter " + std::to_string(param) + " does not exist");
   return m.tier->read(m.offsets[param], m.params[param].n, master, exp_avg, exp_avg_sq);
@@ -357,6 +376,7 @@ Status OffloadOptimizer::read_state(std::size_t param, float* master, float* exp
 
 Status OffloadOptimizer::write_state(std::size_t param, const float* master, const float* exp_avg,
                                      const float* exp_avg_sq) {
+  const std::lock_guard serial(impl_->calls);
   Impl& m = *impl_;
   if (param >= m.params.size()) {
     return invalid_argument("write_state: parameter " + std::to_string(param) + " does not exist (" +
@@ -388,6 +408,7 @@ Status OffloadOptimizer::write_state(std::size_t param, const float* master, con
 }
 
 Status OffloadOptimizer::set_step_count(std::int64_t steps) {
+  const std::lock_guard serial(impl_->calls);
   if (steps < 0) return invalid_argument("set_step_count: " + std::to_string(steps) + " steps (need >= 0)");
   if (Status s = wait(); !s.ok()) return s;
   impl_->step_count = steps;
@@ -396,6 +417,7 @@ Status OffloadOptimizer::set_step_count(std::int64_t steps) {
 }
 
 Status OffloadOptimizer::set_param_step_count(std::size_t param, std::int64_t steps) {
+  const std::lock_guard serial(impl_->calls);
   if (param >= impl_->params.size()) {
     return invalid_argument("set_param_step_count: parameter " + std::to_string(param) + " does not exist");
   }

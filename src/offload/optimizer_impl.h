@@ -10,6 +10,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -99,6 +100,10 @@ struct OffloadOptimizer::Impl {
   Impl(Device& device, std::vector<ParamGroup> groups, std::vector<ParamSpec> params, const OffloadOptions& options,
        CpuAdam adam);
   ~Impl();
+
+  // Serialises the public calls (offload.h: one call at a time per optimizer, whatever thread makes it).
+  // Recursive: a call may make another (write_state waits). The schedules' own threads never take it.
+  mutable std::recursive_mutex calls;
 
   Device& device;
   OffloadOptions options;

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <type_traits>
 
@@ -81,6 +82,7 @@ bool get(const nlohmann::json& j, const char* key, T& out) {
 }  // namespace
 
 Status OffloadOptimizer::save(const std::string& path, bool record_names) {
+  const std::lock_guard serial(impl_->calls);
   Impl& m = *impl_;
   if (Status s = wait(); !s.ok()) return s;
   // Tier nvme with durability checkpoint: the swap files become durable here, and only here.
@@ -155,6 +157,7 @@ Status OffloadOptimizer::save(const std::string& path, bool record_names) {
 // Everything is read and checked into temporary buffers first: a refused or corrupt checkpoint leaves the
 // optimizer as it was.
 Status OffloadOptimizer::load(const std::string& path) {
+  const std::lock_guard serial(impl_->calls);
   Impl& m = *impl_;
   if (Status s = wait(); !s.ok()) return s;
   Result<CheckpointReader> reader = CheckpointReader::open(path);
