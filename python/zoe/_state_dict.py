@@ -8,7 +8,7 @@ import tempfile
 
 import torch
 
-from . import _interop, _param_offload, _torch_flags, _zoe
+from . import _interop, _param_offload, _serial, _torch_flags, _zoe
 
 _STATE_FORMAT = _interop.STATE_FORMAT
 
@@ -44,6 +44,7 @@ class StateDictMethods:
         """(world size, rank) of the state this rank holds: zoe's partition, or FSDP2's shards."""
         return self._dtensor.ranks() if self._dtensor is not None else (self._world, self._rank)
 
+    @_serial.serialised
     def state_dict(self) -> dict:
         """The standard ``{"state", "param_groups"}`` plus ``"zoe"``: the engine's checkpoint (master weights,
         moments, step, loss-scale state; this rank's partition) as a uint8 tensor, and the layout it fits.
@@ -117,6 +118,7 @@ class StateDictMethods:
             sd["state"][s.index] = {"step": torch.tensor(steps), "exp_avg": m, "exp_avg_sq": v}
             first += n
 
+    @_serial.serialised
     def save_to(self, folder) -> str:
         """On every rank: writes this rank's state as ``folder/zoe/rank<r>-of-<W>.zoe`` (atomic, checksummed),
         and makes the next ``state_dict()`` refer to these files instead of carrying the state — the
@@ -131,11 +133,13 @@ class StateDictMethods:
         self._saved_to = folder
         return path
 
+    @_serial.serialised
     def load_from(self, folder) -> None:
         """The folder the next ``load_state_dict()`` of a ``save_to`` state_dict reads this rank's file from,
         when it is no longer where it was saved (Accelerate's ``load_state(dir)`` passes it)."""
         self._load_folder = os.path.abspath(os.fspath(folder))
 
+    @_serial.serialised
     def load_state_dict(self, state_dict) -> None:
         """Loads, over the same model:
 
@@ -233,11 +237,13 @@ class StateDictMethods:
             self._engine.set_loss_scale_state(*scaler)
         self._hyper_sent = [None] * len(self.param_groups)
 
+    @_serial.serialised
     def save_checkpoint(self, path: str) -> None:
         """Writes this rank's state as a zoe checkpoint file (atomic, checksummed) — what ``state_dict()``
         carries — for ``zoe export``, which joins every rank's into safetensors by parameter name."""
         self._engine.save(os.fspath(path))
 
+    @_serial.serialised
     def torch_state_dict(self) -> dict:
         """This optimizer's state as ``torch.optim.AdamW.load_state_dict`` takes it: full-size moments and the
         step per parameter, torch's param_groups, and zoe's fp32 masters as ``zoe_masters`` (torch ignores

@@ -42,6 +42,7 @@ import collections.abc
 import contextlib
 import math
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -50,7 +51,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import _data_parallel, _dtensor, _interop, _param_offload, _state_dict, _torch_flags, _zoe
+from . import _data_parallel, _dtensor, _interop, _param_offload, _serial, _state_dict, _torch_flags, _zoe
 from ._param_offload import full_shape, offload_parameters
 
 __all__ = ["OffloadOptimizer", "offload_parameters", "full_shape"]
@@ -350,6 +351,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                         fused=fused, capturable=capturable, differentiable=differentiable)
         _torch_flags.check_group(defaults, "OffloadOptimizer")
         self._built = False
+        self._calls = threading.RLock()  # _serial.serialised: one public call at a time
         super().__init__(params, defaults)
         self._options = dict(tier=tier, nvme_path=nvme_path, schedule=schedule, max_grad_norm=max_grad_norm,
                              loss_scale=loss_scale, initial_scale=initial_scale, growth_interval=growth_interval,
@@ -434,6 +436,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
 
     # ---- construction ---------------------------------------------------------------------------------
 
+    @_serial.serialised
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_built", False):
             raise RuntimeError(
@@ -949,6 +952,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                 self._hyper_sent[gi] = key
 
     @torch.no_grad()
+    @_serial.serialised
     def step(self, closure: Callable[[], Any] | None = None):
         """Applies one Adam step to every parameter; returns the closure's loss when given one."""
         if _interop.called_to_initialise_state():
@@ -1025,6 +1029,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                 self._engine.set_max_grad_norm(self._max_grad_norm)
 
     @torch.no_grad()
+    @_serial.serialised
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over every parameter of this optimizer, for the coming step:
         returns the total norm of the (unscaled) gradients, computed by zoe, and clips the step by
@@ -1065,6 +1070,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                                "non-finite norm anyway, set `error_if_nonfinite=False`")
         return torch.tensor(norm, dtype=torch.float32, device=self._device)
 
+    @_serial.serialised
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's: ``set_to_none=True`` (the default) sets every ``p.grad`` to None, and a parameter whose
         gradient is still None at ``step()`` is not stepped. autograd then allocates each new gradient, which
@@ -1139,6 +1145,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             for b in self._buckets)
         return s
 
+    @_serial.serialised
     def read_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """The fp32 master weights and moments zoe holds for ``param`` (this rank's part of it: a flat tensor
         when the optimizer is partitioned, else shaped like ``param``)."""
