@@ -7,6 +7,7 @@
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -132,8 +133,10 @@ Status check_swap_dir(const std::string& path) {
 }
 
 Status replace_file(const std::string& path, const std::string& data) {
-  const std::string temp = path + ".tmp";
-  FileHandle fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  // A name of this call's own: writers of the same file (two processes starting at once) never share one.
+  static std::atomic<std::uint64_t> sequence{0};
+  const std::string temp = path + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(sequence.fetch_add(1));
+  FileHandle fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
   if (!fd.valid()) return sys_error("cannot create", temp, errno);
   std::size_t done = 0;
   while (done < data.size()) {

@@ -43,7 +43,9 @@ Status sync_file(int fd, const std::string& path, const IoFaultHook& hook);
 Status check_swap_dir(const std::string& path);
 
 // Replaces `path` with `data` atomically: a temporary file in the same folder, fsync, rename, fsync of the
-// folder — a crash leaves the old contents or the new, never a mix.
+// folder — a crash leaves the old contents or the new, never a mix. The temporary file is
+// `<path>.tmp-<pid>-<n>`, unique per call; one a crash left is removed by the store's next owner
+// (remove_stale_temps in swap_inventory.h).
 Status replace_file(const std::string& path, const std::string& data);
 Result<std::string> read_whole_file(const std::string& path);
 

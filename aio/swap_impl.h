@@ -65,6 +65,9 @@ struct SwapStore::Impl {
 
   ~Impl();  // settles the durability of what was written (best effort: a close cannot fail)
 
+  // The owner locks (swap_inventory.h: take_ownership), first so that they are released last, once the
+  // destructor has settled everything else.
+  std::vector<aio::FileHandle> owner_locks;
   SwapOptions options;
   std::string name;
   std::size_t n = 0, tile = 0, ntiles = 0, alignment = 4096;

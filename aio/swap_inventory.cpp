@@ -1,13 +1,16 @@
 #include "aio/swap_inventory.h"
 
 #include <fcntl.h>
+#include <unistd.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <chrono>
 #include <filesystem>
+#include <thread>
 
 #include "aio/files.h"
 
@@ -82,7 +85,85 @@ std::optional<ProcessIdentity> parse_owner(const nlohmann::json& manifest) {
   if (it == manifest.end() || !it->is_object()) return std::nullopt;
   const nlohmann::json& o = *it;
   if (!o.contains("pid") || !o["pid"].is_number_integer()) return std::nullopt;
-  return ProcessIdentity{o.value("host", std::string()), o.value("scope", std::string()), o["pid"].get<std::int64_t>()};
+  // Fields of another type are treated as missing: json's value() would throw on them.
+  auto text = [&o](const char* key) {
+    const auto f = o.find(key);
+    return f != o.end() && f->is_string() ? f->get<std::string>() : std::string();
+  };
+  return ProcessIdentity{text("host"), text("scope"), o["pid"].get<std::int64_t>()};
+}
+
+namespace {
+
+std::string lock_path_of(const std::string& dir, const std::string& name) { return dir + "/" + name + ".zoe-swap.lock"; }
+
+// One path's owner lock. A lock file removed (SwapStore::remove) between our open and our flock is not the
+// store's lock any more: the file at the path is checked to be the one locked, else it starts again.
+Result<FileHandle> lock_one(const std::string& dir, const std::string& name) {
+  const std::string path = lock_path_of(dir, name);
+  // A probe tests the lock for a moment (a shared lock); a few retries step around it.
+  for (int attempt = 0;; ++attempt) {
+    FileHandle fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
+    if (!fd.valid()) return sys_error("cannot open the swap store's owner lock", path, errno);
+    if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+      if (errno != EWOULDBLOCK) return fd;  // no flock on this filesystem: the owner record is all there is
+      if (attempt < 50) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        continue;
+      }
+      const std::optional<ProcessIdentity> holder = owner_lock_record(path);
+      const ProcessIdentity self = this_process();
+      const bool here = holder && holder->pid == self.pid && holder->scope == self.scope;
+      return Status(StatusCode::io_error,
+                    "swap store " + name + " in " + dir + " is in use by " +
+                        (holder ? describe(*holder) : std::string("another process (no record in " + path + ")")) +
+                        (here ? " — this process: another optimizer (or SwapStore) holds it" : "") +
+                        ". One swap store serves one optimizer: give this one another nvme_path, or end the one "
+                        "that uses it first (Python: del the optimizer; a process that ends releases it)",
+                    EBUSY);
+    }
+    struct stat held {}, named {};
+    if (::fstat(fd.get(), &held) != 0 || ::lstat(path.c_str(), &named) != 0 || held.st_ino != named.st_ino ||
+        held.st_dev != named.st_dev) {
+      continue;  // removed while we waited for it
+    }
+    const std::string record = nlohmann::json{{"owner", owner_record()}}.dump() + "\n";
+    if (::ftruncate(fd.get(), 0) == 0) (void)!::pwrite(fd.get(), record.data(), record.size(), 0);
+    return fd;
+  }
+}
+
+}  // namespace
+
+Result<std::vector<FileHandle>> take_ownership(const std::vector<std::string>& paths, const std::string& name) {
+  std::vector<FileHandle> locks;
+  for (const std::string& dir : paths) {
+    Result<FileHandle> fd = lock_one(dir, name);
+    if (!fd.ok()) return fd.status();  // the locks taken so far are released here
+    locks.push_back(std::move(fd).value());
+  }
+  return locks;
+}
+
+void remove_stale_temps(const std::string& dir, const std::string& name) {
+  const std::string prefix = name + ".zoe-swap.json.tmp";
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (it->path().filename().string().starts_with(prefix)) ::unlink(it->path().c_str());
+  }
+}
+
+bool owner_lock_held(const std::string& lock_path) {
+  FileHandle fd(::open(lock_path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  if (!fd.valid()) return false;
+  return ::flock(fd.get(), LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+}
+
+std::optional<ProcessIdentity> owner_lock_record(const std::string& lock_path) {
+  Result<std::string> text = read_whole_file(lock_path);
+  if (!text.ok()) return std::nullopt;
+  const nlohmann::json j = nlohmann::json::parse(text.value(), nullptr, false);
+  return j.is_object() ? parse_owner(j) : std::nullopt;
 }
 
 void mark_in_use(int table_fd) {
@@ -117,11 +198,24 @@ std::vector<FoundStore> find_swap_stores(const std::string& dir) {
     const std::string base = "/" + s.name + ".zoe-swap";
     s.bytes += add_if_present(s.manifest, s.files);
     for (const std::string& p : paths) s.bytes += add_if_present(p + base + ".json", s.files);
-    for (const std::string& p : paths) s.bytes += add_if_present(p + base + ".json.tmp", s.files);
+    for (const std::string& p : paths) {
+      std::error_code list_ec;  // temporaries of the manifest (json.tmp-<pid>-<n>) a crash left
+      for (std::filesystem::directory_iterator t(p, list_ec), tend; !list_ec && t != tend; t.increment(list_ec)) {
+        if (t->path().filename().string().starts_with(s.name + ".zoe-swap.json.tmp")) {
+          s.bytes += add_if_present(t->path().string(), s.files);
+        }
+      }
+    }
     for (const std::string& p : paths) s.bytes += add_if_present(p + base + ".table", s.files);
     for (const std::string& p : paths) s.bytes += add_if_present(p + base, s.files);
-    const bool locked = table_locked(paths.front() + base + ".table");
-    judge(s, locked, m.is_object() ? parse_owner(m) : std::nullopt);
+    for (const std::string& p : paths) s.bytes += add_if_present(p + base + ".lock", s.files);
+    // The owner lock says it first (and who holds it); a store of an older zoe holds only its table's lock.
+    const std::string lock = paths.front() + base + ".lock";
+    const bool owned = owner_lock_held(lock);
+    const bool locked = owned || table_locked(paths.front() + base + ".table");
+    std::optional<ProcessIdentity> owner = owned ? owner_lock_record(lock) : std::nullopt;
+    if (!owner && m.is_object()) owner = parse_owner(m);
+    judge(s, locked, owner);
     if (!m.is_object()) s.who = "manifest " + s.manifest + " is not readable JSON; " + s.who;
     found.push_back(std::move(s));
   }
@@ -131,7 +225,10 @@ std::vector<FoundStore> find_swap_stores(const std::string& dir) {
 
 std::string remove_command(const FoundStore& store) {
   std::string cmd = "rm";
-  for (const std::string& f : store.files) cmd += " " + shell_quote(f);
+  for (const std::string& f : store.files) {
+    cmd += ' ';
+    cmd += shell_quote(f);
+  }
   return cmd;
 }
 

@@ -1,10 +1,14 @@
 // Which swap stores a folder holds, and whether a running process still uses each: what `zoe probe` reports
 // so that the stores of crashed or finished runs (gigabytes each, never removed by anyone) can be found.
 //
-// A store says it is in use in two ways, both kept by SwapStore:
-//  - its tile table is open with a shared flock for as long as the store is: released by the kernel when the
-//    process dies however it dies, so a lock that can be taken exclusively means no process holds the store
-//    open (on this machine; NFS passes locks between hosts only where lockd runs);
+// A store says it is in use in three ways, all kept by SwapStore:
+//  - its owner lock: `<name>.zoe-swap.lock` in every path, flocked exclusively by the one SwapStore that
+//    holds the store, for as long as it does (from create()/open() until it is destroyed), and holding that
+//    owner's record. A second opener — in this process or another, Python, CLI or C++ — is refused, naming
+//    the holder; the kernel drops the lock when the holder dies however it dies, so the store of a dead
+//    process is taken over (on this machine; NFS passes locks between hosts only where lockd runs);
+//  - its tile table is open with a shared flock for as long as the store is (what zoe before the owner lock
+//    kept; the probe still reads it);
 //  - its manifest records the process that created or last opened it ("owner": host, scope, pid — added to
 //    manifest format 1 without a version change: readers ignore fields they do not know), which names the
 //    run and, in this scope, says whether it still runs.
@@ -17,7 +21,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "aio/files.h"
 #include "src/process_identity.h"
+#include "zoe/status.h"
 
 namespace zoe::aio {
 
@@ -28,6 +34,20 @@ std::optional<ProcessIdentity> parse_owner(const nlohmann::json& manifest);
 // Takes the shared lock that marks a store in use, on its tile table, for as long as `table_fd` stays open.
 // Best effort: a filesystem without flock leaves the owner record as the only sign.
 void mark_in_use(int table_fd);
+
+// The owner locks of store `name` under `paths` (one per path, in order), taken exclusively, with this
+// process's record written into them: held while the handles stay open. Refused (io_error, EBUSY) while
+// another SwapStore — of this process or another — holds any of them, naming the folder, the holder and what
+// to do. A filesystem without flock gets no lock (the owner record and the table's lock remain).
+Result<std::vector<FileHandle>> take_ownership(const std::vector<std::string>& paths, const std::string& name);
+
+// Removes what a crashed writer left of store `name` in `dir`: manifest temporaries (`.json.tmp*`).
+// Only its owner calls it, so none of them belongs to a live writer.
+void remove_stale_temps(const std::string& dir, const std::string& name);
+
+// Whether a live SwapStore holds the owner lock `lock_path`, and the record it wrote there.
+bool owner_lock_held(const std::string& lock_path);
+std::optional<ProcessIdentity> owner_lock_record(const std::string& lock_path);
 
 enum class StoreState {
   in_use,     // its lock is held, or its owner runs in this scope

@@ -347,6 +347,29 @@ Result<std::unique_ptr<SwapStore::Impl>> make_impl(const SwapOptions& options, c
   return impl;
 }
 
+// Makes this store the one owner of its files (swap_inventory.h) before anything of them is read or
+// written, and clears what a crashed owner left behind.
+Status own(SwapStore::Impl& impl) {
+  Result<std::vector<aio::FileHandle>> locks = aio::take_ownership(impl.paths, impl.name);
+  if (!locks.ok()) return locks.status();
+  impl.owner_locks = std::move(locks).value();
+  for (const std::string& dir : impl.paths) aio::remove_stale_temps(dir, impl.name);
+  return Status::success();
+}
+
+// A create() or open() that fails leaves no lock file where no store is: removed while still held (an
+// opener that waited for it then sees it gone and starts again).
+struct UnusedLocks {
+  SwapStore::Impl& impl;
+  ~UnusedLocks() {
+    for (std::size_t k = 0; k < impl.owner_locks.size() && k < impl.paths.size(); ++k) {
+      if (::access(impl.manifest_path(k).c_str(), F_OK) != 0) {
+        ::unlink((impl.paths[k] + "/" + impl.name + ".zoe-swap.lock").c_str());
+      }
+    }
+  }
+};
+
 // The alignment every path's O_DIRECT asks for, checked against the tile.
 Status settle_alignment(SwapStore::Impl& impl) {
   for (const auto& f : impl.files) {
@@ -418,6 +441,8 @@ Result<SwapStore> SwapStore::create(const SwapOptions& options, const std::strin
   Result<std::unique_ptr<Impl>> made = make_impl(options, name, n, tile);
   if (!made.ok()) return made.status();
   Impl& impl = **made;
+  if (Status s = own(impl); !s.ok()) return s;
+  UnusedLocks unused{impl};
   for (std::size_t k = 0; k < impl.files.size(); ++k) {
     if (::access(impl.manifest_path(k).c_str(), F_OK) == 0) {
       return invalid_argument("a swap store named " + name + " already exists in " + impl.files[k].dir +
@@ -486,6 +511,8 @@ Result<SwapStore> SwapStore::open(const SwapOptions& options, const std::string&
   Result<std::unique_ptr<Impl>> made = make_impl(options, name, n, tile);
   if (!made.ok()) return made.status();
   Impl& impl = **made;
+  if (Status s = own(impl); !s.ok()) return s;
+  UnusedLocks unused{impl};
   const std::size_t P = impl.files.size();
   for (std::size_t k = 0; k < P; ++k) {
     const std::string path = impl.manifest_path(k);
@@ -552,11 +579,20 @@ Result<SwapStore> SwapStore::open_or_create(const SwapOptions& options, const st
 Status SwapStore::remove(const SwapOptions& options, const std::string& name) {
   if (name.empty() || name.find('/') != std::string::npos) return invalid_argument("store name '" + name + "' is invalid");
   for (const std::string& dir : options.paths) {
-    // Manifest first: a store half removed is then no longer recognised as a store.
+    if (Status s = aio::check_swap_dir(dir); !s.ok()) return s;
+  }
+  // Never a store another SwapStore holds: its owner would go on with deleted files.
+  Result<std::vector<aio::FileHandle>> owned = aio::take_ownership(options.paths, name);
+  if (!owned.ok()) return owned.status();
+  for (const std::string& dir : options.paths) {
+    // Manifest first: a store half removed is then no longer recognised as a store. The lock file last,
+    // while it is held: an opener waiting for it sees it removed and starts again.
     for (const char* suffix : {".zoe-swap.json", ".zoe-swap.table", ".zoe-swap"}) {
       const std::string path = dir + "/" + name + suffix;
       if (::unlink(path.c_str()) != 0 && errno != ENOENT) return aio::sys_error("cannot remove", path, errno);
     }
+    aio::remove_stale_temps(dir, name);
+    ::unlink((dir + "/" + name + ".zoe-swap.lock").c_str());
   }
   return Status::success();
 }

@@ -113,6 +113,7 @@ TEST(SwapStore, ManifestRoundTripsAcrossRuns) {
   for (std::size_t t = 0; t < reopened->tiles(); ++t) EXPECT_EQ(reopened->tile_step(t), 3);
   run_steps(*reopened, model, 4, 5);
   model.expect_matches(*reopened);
+  { SwapStore closed = std::move(reopened).value(); }  // the next run opens it once this one has let go
   reopened = SwapStore::open_or_create(small_options({a, b}), "rank0", kN, kTile);
   ASSERT_TRUE(reopened.ok()) << reopened.status().to_string();
   EXPECT_EQ(reopened->tile_step(0), 5);

@@ -171,7 +171,8 @@ TEST_P(SwapStepFaults, RetryAfterTheFaultClearsEqualsAnUninterruptedRun) {
   ASSERT_TRUE(store->step(segs, o).ok());
   model.reference_step(4);
   model.expect_matches(*store);
-  // And the next run sees the same.
+  // And the next run sees the same, once this one has let go.
+  { SwapStore closed = std::move(store).value(); }
   Result<SwapStore> reopened = SwapStore::open(options_for(dir.path()), "rank0", kN, kTile);
   ASSERT_TRUE(reopened.ok()) << reopened.status().to_string();
   model.expect_matches(*reopened, false);
@@ -227,6 +228,7 @@ TEST_F(SwapTamper, TruncatedFileIsRefused) {
   std::vector<float> p(kN);
   expect_message(store_->read(0, kN, p.data(), nullptr, nullptr), {file_, "truncated"});
   for (std::size_t t = 0; t < store_->tiles(); ++t) EXPECT_EQ(store_->tile_step(t), 1);
+  store_.reset();  // the next run's open, once this one has let go
   expect_message(SwapStore::open(options_for(dir_.path()), "rank0", kN, kTile).status(), {file_, "truncated"});
 }
 

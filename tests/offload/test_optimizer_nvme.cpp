@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -135,12 +136,20 @@ TEST_F(NvmeTier, BothDurabilitiesGiveTheSameBitsAndSaveMakesTheStoreDurable) {
     SCOPED_TRACE(std::string(durability_name(durability)));
     OffloadOptions d = nvme(o);
     d.nvme.durability = durability;
-    test::Trainer t(Schedule::sync, DType::bf16, d);
-    t.run(1, 6, grads);
-    test::expect_bitwise_equal(ram, t.result());
+    auto t = std::make_unique<test::Trainer>(Schedule::sync, DType::bf16, d);
+    t->run(1, 6, grads);
+    test::expect_bitwise_equal(ram, t->result());
     const std::string ckpt = (dir_ / ("save_" + std::string(durability_name(durability)))).string();
-    ASSERT_TRUE(t.opt().save(ckpt).ok());
-    // While the optimizer still holds it, the store on disk opens at the saved step (as after a crash now).
+    ASSERT_TRUE(t->opt().save(ckpt).ok());
+    // The store's files as they are on disk right after save() open at the saved step (as after a crash
+    // now): copied aside while the optimizer holds them, put back once it has let go (it makes the store
+    // durable again as it closes, which the copy does not see).
+    const fs::path swap = dir_ / "a", aside = dir_ / "aside";
+    fs::remove_all(aside);
+    fs::copy(swap, aside);
+    t.reset();
+    fs::remove_all(swap);
+    fs::copy(aside, swap);
     SwapOptions so = SwapOptions::from(d.nvme);
     const std::size_t total = 1000 + 37 + 4096 + 1;
     const std::size_t tile = 1024;  // the trainer's 700-element pieces, rounded up to whole 4 KiB blocks
