@@ -69,6 +69,9 @@ struct SwapStore::Impl {
   // destructor has settled everything else.
   std::vector<aio::FileHandle> owner_locks;
   SwapOptions options;
+  bool reopened = false;  // open()ed from what an earlier run left, not create()d by this one
+  // Why tile t has no state: never written by this store, or (reopened) never made durable by its writer.
+  std::string unwritten(std::size_t t) const;
   std::string name;
   std::size_t n = 0, tile = 0, ntiles = 0, alignment = 4096;
   std::size_t tile_bytes = 0;  // the master p of a tile: tile * 4

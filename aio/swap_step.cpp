@@ -445,7 +445,7 @@ Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions&
     for (std::size_t t = seg.offset / im.tile; t <= (seg.offset + seg.n - 1) / im.tile; ++t) {
       if (!first_segment.empty() && tasks.back().tile == t) continue;
       const std::int64_t at = im.table[t].step;
-      if (at < 0) return invalid_argument(im.tile_name(t) + " was never written: call initialize() first");
+      if (at < 0) return invalid_argument(im.unwritten(t));
       if (at > options.step) {
         return invalid_argument(im.tile_name(t) + " is at step " + std::to_string(at) + ", past step " +
                                 std::to_string(options.step) + ": steps must not go backwards (set_step() after a load)");
@@ -615,7 +615,7 @@ Result<std::vector<TileTask>> range_tasks(const SwapStore::Impl& im, std::size_t
   for (std::size_t t = offset / im.tile; count > 0 && t <= (offset + count - 1) / im.tile; ++t) {
     const bool written = im.table[t].step >= 0;
     if (!write) {
-      if (!written) return invalid_argument(std::string(what) + ": " + im.tile_name(t) + " was never written: call initialize() first");
+      if (!written) return invalid_argument(std::string(what) + ": " + im.unwritten(t));
       tasks.push_back({t, true, false, im.table[t].step});
       continue;
     }
@@ -728,11 +728,19 @@ Status SwapStore::write_q8(std::size_t offset, std::size_t count, const std::int
                      const_cast<float*>(m_scale), const_cast<float*>(v_scale), true);
 }
 
+Status SwapStore::discard() {
+  Impl& im = *impl_;
+  if (Status s = im.settle(); !s.ok()) return s;
+  for (TileEntry& e : im.table) e.step = -1;
+  std::fill(im.resident.begin(), im.resident.end(), 0);
+  return Status::success();
+}
+
 Status SwapStore::set_step(std::int64_t step) {
   Impl& im = *impl_;
   if (step < 0) return invalid_argument("set_step: step = " + std::to_string(step) + " must be >= 0");
   for (std::size_t t = 0; t < im.ntiles; ++t) {
-    if (im.table[t].step < 0) return invalid_argument("set_step: " + im.tile_name(t) + " was never written");
+    if (im.table[t].step < 0) return invalid_argument("set_step: " + im.unwritten(t));
   }
   if (Status s = im.settle(); !s.ok()) return s;
   for (TileEntry& e : im.table) e.step = step;

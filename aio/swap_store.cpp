@@ -100,6 +100,13 @@ std::string SwapStore::Impl::table_path() const { return files[0].dir + "/" + na
 
 std::string SwapStore::Impl::manifest_path(std::size_t k) const { return files[k].dir + "/" + name + ".zoe-swap.json"; }
 
+std::string SwapStore::Impl::unwritten(std::size_t t) const {
+  if (!reopened) return tile_name(t) + " was never written: call initialize() first";
+  return tile_name(t) + " holds no durable state: the run that wrote this store ended before its tile table named "
+         "any (durability on_flush — zoe's durability=\"checkpoint\" — records it only at a flush or save, and the "
+         "process was killed before the first): restore from a checkpoint";
+}
+
 std::string SwapStore::Impl::tile_name(std::size_t t) const {
   return "tile " + std::to_string(t) + " (elements [" + std::to_string(tile_begin(t)) + ", " +
          std::to_string(tile_begin(t) + tile_count(t)) + ")) in " + files[t % files.size()].data_path;
@@ -562,6 +569,7 @@ Result<SwapStore> SwapStore::open(const SwapOptions& options, const std::string&
   if (Status s = impl.check_file_sizes(); !s.ok()) return s;
   if (Status s = impl.load_table(); !s.ok()) return s;
   if (Status s = impl.setup_runtime(); !s.ok()) return s;
+  impl.reopened = true;
   // The owner record names this run now (zoe probe reports it). Best effort: the layout it rewrites is the
   // one just checked, and the store's lock already says it is in use.
   for (std::size_t k = 0; k < P; ++k) (void)aio::replace_file(impl.manifest_path(k), manifest_json(impl, k).dump(2) + "\n");

@@ -192,6 +192,12 @@ class SwapStore {
   // Makes every completed call durable now, whatever `durability` says: waits for a background sync, then
   // fdatasyncs the swap files and persists the tile table if any call wrote since the last durable table.
   Status flush();
+  // Forgets what the store holds, ahead of write()s that cover every element (a checkpoint load replacing
+  // the whole state): every tile becomes never written, so no write() reads its old contents to merge with —
+  // and a store refused for a failed checksum is recovered in place by the load. Until every tile is written
+  // again, read() and set_step() refuse the ones that are not; the valid slots on disk are not overwritten
+  // before their replacements are.
+  Status discard();
   // Labels every tile with `step` (after a checkpoint load) and makes the store durable (flush()). Refuses
   // while any tile was never written.
   Status set_step(std::int64_t step);

@@ -20,12 +20,11 @@ import json
 import math
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
 
-from . import _dtensor, _zoe
+from . import _dtensor, _scratch, _zoe
 
 try:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -406,8 +405,7 @@ def blob_file(meta: dict, state: dict | None):
     (uint8), with the moments put back from torch's ``state`` where ``meta["moments"]`` cut them out
     (OffloadOptimizer._save_engine_into). The file's checksums then tell whether they are the ones saved."""
     blob = meta["checkpoint"].cpu().numpy()
-    with tempfile.TemporaryDirectory(prefix="zoe-state-") as tmp:
-        path = os.path.join(tmp, "optimizer.zoe")
+    with _scratch.scratch_file() as path:
         with open(path, "wb") as f:
             at = 0
             for offset, n, key in meta.get("moments") or []:

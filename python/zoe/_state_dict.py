@@ -4,11 +4,10 @@ every rank's state_dicts of a run of another size (_interop.py)."""
 from __future__ import annotations
 
 import os
-import tempfile
 
 import torch
 
-from . import _interop, _param_offload, _serial, _torch_flags, _zoe
+from . import _interop, _param_offload, _scratch, _serial, _torch_flags, _zoe
 
 _STATE_FORMAT = _interop.STATE_FORMAT
 
@@ -91,8 +90,7 @@ class StateDictMethods:
         ``zoe.checkpoint`` with those two ranges cut out (``zoe.moments``: where they go back, for zoe's own
         load, which checks every byte against the file's checksums). A partitioned optimizer (zoe's pieces,
         FSDP2's shards) keeps the whole file in ``zoe.checkpoint``."""
-        with tempfile.TemporaryDirectory(prefix="zoe-state-") as tmp:
-            path = os.path.join(tmp, "optimizer.zoe")
+        with _scratch.scratch_file() as path:
             self._engine.save(path, record_names=False)  # param_groups name them, as torch's do
             size = os.path.getsize(path)
             holes = []

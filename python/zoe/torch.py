@@ -51,7 +51,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import _data_parallel, _dtensor, _interop, _param_offload, _serial, _state_dict, _torch_flags, _zoe
+from . import _data_parallel, _dtensor, _interop, _param_offload, _scratch, _serial, _state_dict, _torch_flags, _zoe
 from ._param_offload import full_shape, offload_parameters
 
 __all__ = ["OffloadOptimizer", "offload_parameters", "full_shape"]
@@ -88,6 +88,17 @@ def _route_clipping(opt) -> None:
     _optimizers_answering.add(opt)
     if torch.nn.utils.clip_grad_norm_ is _torch_clip_grad_norm_:
         torch.nn.utils.clip_grad_norm_ = _clip_grad_norm_
+
+
+def _swap_folder(path: str) -> None:
+    """An nvme_path folder, made where it is missing; anything in the way gets zoe's error naming it."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise _zoe.InvalidArgumentError(f"nvme_path {path!r} is not a folder (a file is there): nvme_path names "
+                                        "folders, in which zoe keeps its swap files")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise _zoe.ZoeError(f"cannot create the swap folder {path!r} (nvme_path): {e.strerror}") from e
 
 
 def _cpu_device():
@@ -551,6 +562,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         raise ValueError(f"loss_scale = {ls!r} is invalid: None, False, 'dynamic' or a positive number")
 
     def _make_engine(self) -> None:
+        _scratch.remove_abandoned()  # what killed saves of earlier runs left
         o = self._options
         opts = _zoe.EngineOptions()
         opts.tier = o["tier"]
@@ -562,7 +574,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             opts.nvme_paths = [os.path.join(os.fspath(pp), f"rank{rank}") if world > 1 else os.fspath(pp)
                                for pp in paths]
             for pp in opts.nvme_paths:
-                os.makedirs(pp, exist_ok=True)
+                _swap_folder(pp)
         opts.buffer_count = o["buffer_count"]
         opts.block_size = o["block_size"]
         opts.queue_depth = o["queue_depth"]

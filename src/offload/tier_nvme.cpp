@@ -95,6 +95,9 @@ class NvmeTier final : public StateTier {
                                             [](std::size_t, const void*, std::size_t) { return Status::success(); });
       if (!s.ok()) return s;
     }
+    // The checkpoint replaces every element: nothing of the store is read back, so a store whose tiles fail
+    // their checksums is recovered in place.
+    if (Status s = store_.discard(); !s.ok()) return s;
     for (std::size_t k = 0; k < blobs.size(); ++k) {
       const Status s = k == 0 || !codes ? load_fp32(reader, blobs[k].first, static_cast<int>(k))
                                         : load_q8(reader, blobs[k].first, static_cast<int>(k) - 1);

@@ -207,5 +207,30 @@ TEST(DurabilityOnFlush, ACrashReopensAtTheLastFlushOrIsRefused) {
   EXPECT_NE(s.message().find("fails its checksum"), std::string::npos) << s.to_string();
 }
 
+// A store whose writer was killed before its first flush (on_flush: the tile table on disk still names no
+// step) is refused for that reason, not as one nobody initialised. The kill is played by copying the files
+// aside while the writer holds them and putting them back after it closed (its close would flush).
+TEST(DurabilityOnFlush, AStoreKilledBeforeItsFirstFlushIsRefusedNamingWhy) {
+  TempDir dir;
+  const std::string swap = dir.sub("swap"), aside = dir.sub("aside");
+  {
+    Result<SwapStore> store = SwapStore::create(options_for(swap, SwapDurability::on_flush), "rank0", kN, kTile);
+    ASSERT_TRUE(store.ok()) << store.status().to_string();
+    ASSERT_TRUE(store->initialize(testing::fill_initial).ok());
+    std::filesystem::copy(swap, aside, std::filesystem::copy_options::recursive);
+  }
+  std::filesystem::remove_all(swap);
+  std::filesystem::copy(aside, swap);
+  Result<SwapStore> reopened = SwapStore::open(options_for(swap, SwapDurability::on_flush), "rank0", kN, kTile);
+  ASSERT_TRUE(reopened.ok()) << reopened.status().to_string();
+  std::vector<float> p(kN);
+  const Status s = reopened->read(0, kN, p.data(), nullptr, nullptr);
+  ASSERT_FALSE(s.ok());
+  for (const char* part : {"holds no durable state", "checkpoint", "restore from a checkpoint"}) {
+    EXPECT_NE(s.message().find(part), std::string::npos) << part << " not in: " << s.message();
+  }
+  EXPECT_EQ(s.message().find("call initialize()"), std::string::npos) << s.message();
+}
+
 }  // namespace
 }  // namespace zoe
