@@ -11,6 +11,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -19,6 +20,7 @@
 #include "src/cli/args.h"
 #include "src/cli/commands.h"
 #include "src/offload/checkpoint.h"
+#include "src/process_identity.h"
 
 namespace zoe::cli {
 namespace {
@@ -103,6 +105,27 @@ Result<RankFile> describe(const std::string& path, const CheckpointReader& reade
   return f;
 }
 
+// What killed exports left beside `path` (`<name>.tmp-<scope>-<pid>`, a model's size each): removed when
+// their writer is gone from this scope. Writers of other scopes (hosts, containers) are never judged.
+void remove_abandoned_exports(const std::string& path) {
+  const std::filesystem::path target(path);
+  const std::string prefix = target.filename().string() + ".tmp-";
+  std::error_code ec;
+  const std::filesystem::path dir = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (!name.starts_with(prefix)) continue;
+    const std::string rest = name.substr(prefix.size());
+    const std::size_t dash = rest.find('-');
+    if (dash == std::string::npos || rest.find_first_not_of("0123456789", dash + 1) != std::string::npos ||
+        dash + 1 == rest.size() || rest.size() - dash > 11) {
+      continue;
+    }
+    const ProcessIdentity writer{"", rest.substr(0, dash), std::stoll(rest.substr(dash + 1))};
+    if (liveness(writer) == Liveness::gone) ::unlink(it->path().c_str());
+  }
+}
+
 // safetensors: an 8-byte little-endian header length, the JSON header (padded with spaces so that the data
 // starts 8-byte aligned), then the tensors' bytes back to back. Written beside `path` and renamed over it.
 Status write_safetensors(const std::string& path, const std::vector<std::string>& names,
@@ -117,7 +140,9 @@ Status write_safetensors(const std::string& path, const std::vector<std::string>
   header["__metadata__"] = {{"format", "pt"}, {"written_by", "zoe export"}};
   std::string text = header.dump();
   text.resize((text.size() + 8 + 7) / 8 * 8 - 8, ' ');
-  const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
+  remove_abandoned_exports(path);
+  const ProcessIdentity self = this_process();
+  const std::string tmp = path + ".tmp-" + self.scope + "-" + std::to_string(self.pid);
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return os_error("cannot create " + tmp);
   auto put = [&](const void* p, std::size_t n) {

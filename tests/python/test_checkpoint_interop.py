@@ -423,3 +423,32 @@ def test_zoe_export_refuses_what_is_not_one_runs_ranks(two_rank_runs, tmp_path):
         assert r.returncode == code, (files, r.stderr)
         assert message in r.stderr, r.stderr
         assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.skipif(not ZOE.exists(), reason="build/zoe is not built")
+def test_zoe_export_removes_what_killed_exports_left_and_nothing_of_a_live_one(tmp_path):
+    """An export killed mid-write leaves `model.safetensors.tmp-<scope>-<pid>` (a model's size): the next
+    export beside it removes it once that writer is gone from this scope, and never a live writer's."""
+    import json
+    import subprocess
+    from zoe.torch import OffloadOptimizer
+
+    model = make_mlp(seed=2, dtype=torch.bfloat16)
+    opt = OffloadOptimizer(model.named_parameters(), tier="nvme", nvme_path=str(tmp_path / "swap"), **HYPER)
+    scope = json.loads((tmp_path / "swap" / "zoe-optimizer.zoe-swap.json").read_text())["owner"]["scope"]
+    if not scope:
+        pytest.skip("no process scope on this machine (no /proc): writers are never judged")
+    opt.save_checkpoint(str(tmp_path / "state.zoe"))
+    out = tmp_path / "out"
+    out.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = out / f"model.safetensors.tmp-{scope}-{gone.pid}"
+    live = out / f"model.safetensors.tmp-{scope}-{os.getpid()}"
+    other = out / f"model.safetensors.tmp-{'0' * 16}-{gone.pid}"  # another host or container: not judged
+    for f in (dead, live, other):
+        f.write_bytes(b"x" * 100)
+    r = _export(tmp_path / "state.zoe", "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert not dead.exists() and live.exists() and other.exists()
+    assert (out / "model.safetensors").exists()
