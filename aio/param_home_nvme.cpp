@@ -13,6 +13,7 @@
 
 #include "aio/files.h"
 #include "aio/io_engine.h"
+#include "aio/swap_inventory.h"
 #include "src/aligned_buffer.h"
 #include "src/crc32c.h"
 #include "src/param/param_home.h"
@@ -39,12 +40,23 @@ class NvmeParamHome final : public ParamHomeStore {
       f.fd.reset();
       ::unlink(f.path.c_str());
     }
+    // Nothing outlives a run: the lock files go too, while still held (swap_inventory.h).
+    for (std::size_t k = 0; k < owner_locks_.size(); ++k) {
+      ::unlink((options_.nvme_paths[k] + "/" + options_.name + ".zoe-params.lock").c_str());
+    }
   }
 
   Status open() {
     if (options_.nvme_paths.empty()) return invalid_argument("parameter tier nvme: no nvme_path given");
     for (const std::string& dir : options_.nvme_paths) {
       if (Status s = aio::check_swap_dir(dir); !s.ok()) return s;
+    }
+    // Another tier's live file of the same name is never replaced under it.
+    Result<std::vector<aio::FileHandle>> owned =
+        aio::take_ownership(options_.nvme_paths, options_.name + ".zoe-params", "parameter store " + options_.name);
+    if (!owned.ok()) return owned.status();
+    owner_locks_ = std::move(owned).value();
+    for (const std::string& dir : options_.nvme_paths) {
       files_.push_back(File{dir + "/" + options_.name + ".zoe-params", {}, false, -1, 0});
     }
     // Each file holds two halves, one slot of every entry in each, entries in block order: the valid
@@ -303,6 +315,7 @@ class NvmeParamHome final : public ParamHomeStore {
   std::vector<ParamBlockLayout> blocks_;
   ParamTierOptions options_;
   std::size_t alignment_;
+  std::vector<aio::FileHandle> owner_locks_;
   std::vector<File> files_;
   std::vector<std::vector<EntrySlots>> entries_;
   std::unique_ptr<aio::IoEngine> engine_;

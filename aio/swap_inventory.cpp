@@ -95,16 +95,15 @@ std::optional<ProcessIdentity> parse_owner(const nlohmann::json& manifest) {
 
 namespace {
 
-std::string lock_path_of(const std::string& dir, const std::string& name) { return dir + "/" + name + ".zoe-swap.lock"; }
-
-// One path's owner lock. A lock file removed (SwapStore::remove) between our open and our flock is not the
-// store's lock any more: the file at the path is checked to be the one locked, else it starts again.
-Result<FileHandle> lock_one(const std::string& dir, const std::string& name) {
-  const std::string path = lock_path_of(dir, name);
+// One path's owner lock, `<dir>/<base>.lock`. A lock file removed (by an owner that was done with the
+// files) between our open and our flock is not the owner's lock any more: the file at the path is checked
+// to be the one locked, else it starts again.
+Result<FileHandle> lock_one(const std::string& dir, const std::string& base, const std::string& what) {
+  const std::string path = dir + "/" + base + ".lock";
   // A probe tests the lock for a moment (a shared lock); a few retries step around it.
   for (int attempt = 0;; ++attempt) {
     FileHandle fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
-    if (!fd.valid()) return sys_error("cannot open the swap store's owner lock", path, errno);
+    if (!fd.valid()) return sys_error("cannot open the owner lock of " + what + ":", path, errno);
     if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
       if (errno != EWOULDBLOCK) return fd;  // no flock on this filesystem: the owner record is all there is
       if (attempt < 50) {
@@ -115,11 +114,11 @@ Result<FileHandle> lock_one(const std::string& dir, const std::string& name) {
       const ProcessIdentity self = this_process();
       const bool here = holder && holder->pid == self.pid && holder->scope == self.scope;
       return Status(StatusCode::io_error,
-                    "swap store " + name + " in " + dir + " is in use by " +
+                    what + " in " + dir + " is in use by " +
                         (holder ? describe(*holder) : std::string("another process (no record in " + path + ")")) +
-                        (here ? " — this process: another optimizer (or SwapStore) holds it" : "") +
-                        ". One swap store serves one optimizer: give this one another nvme_path, or end the one "
-                        "that uses it first (Python: del the optimizer; a process that ends releases it)",
+                        (here ? " — this process: another optimizer (or store) holds it" : "") +
+                        ". One store serves one optimizer: give this one another nvme_path, or end the one that "
+                        "uses it first (Python: del the optimizer; a process that ends releases it)",
                     EBUSY);
     }
     struct stat held {}, named {};
@@ -135,10 +134,11 @@ Result<FileHandle> lock_one(const std::string& dir, const std::string& name) {
 
 }  // namespace
 
-Result<std::vector<FileHandle>> take_ownership(const std::vector<std::string>& paths, const std::string& name) {
+Result<std::vector<FileHandle>> take_ownership(const std::vector<std::string>& paths, const std::string& base,
+                                               const std::string& what) {
   std::vector<FileHandle> locks;
   for (const std::string& dir : paths) {
-    Result<FileHandle> fd = lock_one(dir, name);
+    Result<FileHandle> fd = lock_one(dir, base, what);
     if (!fd.ok()) return fd.status();  // the locks taken so far are released here
     locks.push_back(std::move(fd).value());
   }

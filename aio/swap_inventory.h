@@ -35,11 +35,13 @@ std::optional<ProcessIdentity> parse_owner(const nlohmann::json& manifest);
 // Best effort: a filesystem without flock leaves the owner record as the only sign.
 void mark_in_use(int table_fd);
 
-// The owner locks of store `name` under `paths` (one per path, in order), taken exclusively, with this
-// process's record written into them: held while the handles stay open. Refused (io_error, EBUSY) while
-// another SwapStore — of this process or another — holds any of them, naming the folder, the holder and what
-// to do. A filesystem without flock gets no lock (the owner record and the table's lock remain).
-Result<std::vector<FileHandle>> take_ownership(const std::vector<std::string>& paths, const std::string& name);
+// The owner locks of the files `<base>*` under `paths`: `<base>.lock` in each (in order), taken exclusively,
+// with this process's record written into them; held while the handles stay open. Refused (io_error, EBUSY)
+// while another owner — of this process or another — holds any of them, naming `what` (e.g. "swap store
+// rank0"), the folder, the holder and what to do. A filesystem without flock gets no lock (the owner record
+// and the table's lock remain).
+Result<std::vector<FileHandle>> take_ownership(const std::vector<std::string>& paths, const std::string& base,
+                                               const std::string& what);
 
 // Removes what a crashed writer left of store `name` in `dir`: manifest temporaries (`.json.tmp*`).
 // Only its owner calls it, so none of them belongs to a live writer.

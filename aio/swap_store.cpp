@@ -357,7 +357,8 @@ Result<std::unique_ptr<SwapStore::Impl>> make_impl(const SwapOptions& options, c
 // Makes this store the one owner of its files (swap_inventory.h) before anything of them is read or
 // written, and clears what a crashed owner left behind.
 Status own(SwapStore::Impl& impl) {
-  Result<std::vector<aio::FileHandle>> locks = aio::take_ownership(impl.paths, impl.name);
+  Result<std::vector<aio::FileHandle>> locks =
+      aio::take_ownership(impl.paths, impl.name + ".zoe-swap", "swap store " + impl.name);
   if (!locks.ok()) return locks.status();
   impl.owner_locks = std::move(locks).value();
   for (const std::string& dir : impl.paths) aio::remove_stale_temps(dir, impl.name);
@@ -590,7 +591,7 @@ Status SwapStore::remove(const SwapOptions& options, const std::string& name) {
     if (Status s = aio::check_swap_dir(dir); !s.ok()) return s;
   }
   // Never a store another SwapStore holds: its owner would go on with deleted files.
-  Result<std::vector<aio::FileHandle>> owned = aio::take_ownership(options.paths, name);
+  Result<std::vector<aio::FileHandle>> owned = aio::take_ownership(options.paths, name + ".zoe-swap", "swap store " + name);
   if (!owned.ok()) return owned.status();
   for (const std::string& dir : options.paths) {
     // Manifest first: a store half removed is then no longer recognised as a store. The lock file last,

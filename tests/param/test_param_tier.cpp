@@ -277,6 +277,26 @@ TEST_F(ParamTierNvme, FetchesTheHomesBytesFromTheFile) {
   for (const std::string& p : files) EXPECT_FALSE(std::filesystem::exists(p)) << p;  // scratch, removed
 }
 
+// Two tiers given one folder and name (two optimizers with parameter offload on one nvme_path): the second
+// is refused naming the holder, the first keeps its file and bytes, and a tier that ends leaves nothing.
+TEST_F(ParamTierNvme, ASecondTierOnTheSameFileIsRefusedAndTheFirstKeepsItsBytes) {
+  TempDir dir("zoe-param");
+  Fixture f(layer_blocks(4, 64));
+  const ParamTierOptions o = nvme_home({dir.path()});
+  Result<ParamTier> first = ParamTier::create(*f.device, f.specs, o);
+  ASSERT_TRUE(first.ok()) << first.status().to_string();
+  ASSERT_TRUE(f.write_all(first.value()).ok());
+  Result<ParamTier> second = ParamTier::create(*f.device, f.specs, o);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().sys_errno(), EBUSY) << second.status().to_string();
+  EXPECT_NE(second.status().message().find(dir.path()), std::string::npos) << second.status().to_string();
+  f.iteration(first.value());  // the first tier's file is whole: every block fetches its own bytes
+  ASSERT_TRUE(first->synchronize().ok());
+  first = Status(StatusCode::internal, "destroyed");
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+  EXPECT_TRUE(ParamTier::create(*f.device, f.specs, o).ok());
+}
+
 TEST_F(ParamTierNvme, AFetchTakesTheRoomOfABlockStillBeingPrefetched) {
   TempDir dir("zoe-param");
   Fixture f({{"a", {1 << 20}}, {"b", {1 << 20}}, {"c", {1 << 20}}});
