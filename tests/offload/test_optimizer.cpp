@@ -449,6 +449,20 @@ TEST(LossScaler, FollowsDeepSpeedHysteresisAndGrowth) {
   EXPECT_EQ(LossScaler(LossScaleOptions{}).scale(), 1.0f);
 }
 
+// Issue 32: a scale grown to inf skipped every step from then on (inf backs off to inf).
+TEST(LossScaler, GrowthStopsAtTheLargestFiniteScale) {
+  LossScaleOptions o;
+  o.enabled = true;
+  o.initial_scale = 0x1p127f;  // DeepSpeed's initial_scale_power 127, the largest the config reader takes
+  o.growth_interval = 1;
+  o.hysteresis = 1;
+  LossScaler s(o);
+  s.update(false);
+  EXPECT_EQ(s.scale(), 0x1p127f) << "2^128 is inf in float";
+  s.update(true);
+  EXPECT_EQ(s.scale(), 0x1p126f) << "an overflow still backs off";
+}
+
 // State taken over from elsewhere (torch's optimizer, another partitioning): written where each tier keeps
 // it, the device weights follow the master, bad values change nothing.
 TEST(OffloadOptimizer, WriteStateReplacesTheStateAndTheDeviceWeightsFollow) {
