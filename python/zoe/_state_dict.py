@@ -8,7 +8,7 @@ import tempfile
 
 import torch
 
-from . import _interop, _param_offload, _torch_flags, _zoe
+from . import _checks, _interop, _param_offload, _torch_flags, _zoe
 
 _STATE_FORMAT = _interop.STATE_FORMAT
 
@@ -124,7 +124,7 @@ class StateDictMethods:
         (``zoe.hf.ZoeCheckpointCallback`` and ``zoe.hf.register_accelerator_hooks`` call this). Returns the
         file written."""
         world, rank = self._partition()
-        folder = os.path.abspath(os.fspath(folder))
+        folder = os.path.abspath(_checks.path("save_to", "folder", folder))
         path = _interop.rank_file(folder, rank, world)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self._engine.save(path)
@@ -134,7 +134,7 @@ class StateDictMethods:
     def load_from(self, folder) -> None:
         """The folder the next ``load_state_dict()`` of a ``save_to`` state_dict reads this rank's file from,
         when it is no longer where it was saved (Accelerate's ``load_state(dir)`` passes it)."""
-        self._load_folder = os.path.abspath(os.fspath(folder))
+        self._load_folder = os.path.abspath(_checks.path("load_from", "folder", folder))
 
     def load_state_dict(self, state_dict) -> None:
         """Loads, over the same model:
@@ -236,7 +236,7 @@ class StateDictMethods:
     def save_checkpoint(self, path: str) -> None:
         """Writes this rank's state as a zoe checkpoint file (atomic, checksummed) — what ``state_dict()``
         carries — for ``zoe export``, which joins every rank's into safetensors by parameter name."""
-        self._engine.save(os.fspath(path))
+        self._engine.save(_checks.path("save_checkpoint", "path", path))
 
     def torch_state_dict(self) -> dict:
         """This optimizer's state as ``torch.optim.AdamW.load_state_dict`` takes it: full-size moments and the

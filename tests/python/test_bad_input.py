@@ -94,8 +94,13 @@ def test_lone_surrogates_are_named():
     with pytest.raises(zoe.InvalidArgumentError, match=r"offload_parameters: nvme_path = '/tmp/\\udcff' is invalid"):
         offload_parameters(make_mlp(), device="nvme", nvme_path=["/tmp/\udcff"])
     opt = OffloadOptimizer(make_mlp().parameters())
-    with pytest.raises(zoe.InvalidArgumentError, match=r"^invalid argument: path: "):
-        opt.save_checkpoint("/tmp/zoe-\ud800")
+    for method, name in [(opt.save_checkpoint, "path"), (opt.save_to, "folder"), (opt.load_from, "folder")]:
+        with pytest.raises(zoe.InvalidArgumentError, match=rf"{method.__name__}: {name} = '/tmp/zoe-\\ud800' is "
+                                                           "invalid: surrogates not allowed at index 9"):
+            method("/tmp/zoe-\ud800")
+    # The engine's own binding, as any caller reaches it.
+    with pytest.raises(zoe.InvalidArgumentError, match=r"^invalid argument: path: .*U\+D800 at index 9"):
+        opt._engine.save("/tmp/zoe-\ud800")
 
 
 def test_offload_parameters_integers_are_checked_by_name():
