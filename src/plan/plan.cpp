@@ -44,10 +44,15 @@ Result<std::uint64_t> parse_scaled(std::string_view text, std::string_view what,
   return static_cast<std::uint64_t>(std::llround(v * scale));
 }
 
-std::string shown(const Json& v) { return v.dump(-1, ' ', false, Json::error_handler_t::replace); }
+// A model config is read into std::map objects, not ordered_json's vector of pairs: growing that vector
+// copies each earlier value (its pairs hold a const key, so they cannot be moved), and copying a deeply
+// nested value recurses once per level (60000 levels overflowed the stack under AddressSanitizer).
+using ConfigJson = nlohmann::json;
+
+std::string shown(const ConfigJson& v) { return v.dump(-1, ' ', false, ConfigJson::error_handler_t::replace); }
 
 // The first of `names` that `cfg` has, as a positive integer; 0 when none is there.
-Result<std::uint64_t> field(const Json& cfg, std::initializer_list<const char*> names, std::string_view source) {
+Result<std::uint64_t> field(const ConfigJson& cfg, std::initializer_list<const char*> names, std::string_view source) {
   for (const char* n : names) {
     const auto it = cfg.find(n);
     if (it == cfg.end() || it->is_null()) continue;
@@ -62,7 +67,7 @@ Result<std::uint64_t> field(const Json& cfg, std::initializer_list<const char*> 
 
 // An optional string or boolean key (null is absent); another type is an error naming the key, where
 // nlohmann's value() would throw.
-Result<std::string> text_field(const Json& cfg, const char* name, std::string_view source) {
+Result<std::string> text_field(const ConfigJson& cfg, const char* name, std::string_view source) {
   const auto it = cfg.find(name);
   if (it == cfg.end() || it->is_null()) return std::string();
   if (!it->is_string()) {
@@ -71,7 +76,7 @@ Result<std::string> text_field(const Json& cfg, const char* name, std::string_vi
   return it->get<std::string>();
 }
 
-Result<bool> bool_field(const Json& cfg, const char* name, bool fallback, std::string_view source) {
+Result<bool> bool_field(const ConfigJson& cfg, const char* name, bool fallback, std::string_view source) {
   const auto it = cfg.find(name);
   if (it == cfg.end() || it->is_null()) return fallback;
   if (!it->is_boolean()) {
@@ -162,9 +167,22 @@ Model model_from_params(std::uint64_t params) {
 
 namespace {
 
+// A model config nests two or three levels; text nested deeper is refused before anything recurses over it
+// (dump() recurses once per level).
+constexpr int kMaxDepth = 64;
+
 Result<Model> read_model(std::string_view json_text, std::string_view source) {
-  const Json cfg = Json::parse(json_text, nullptr, false);
+  bool too_deep = false;
+  const auto depth_check = [&too_deep](int depth, ConfigJson::parse_event_t, ConfigJson&) {
+    too_deep = too_deep || depth > kMaxDepth;
+    return true;
+  };
+  const ConfigJson cfg = ConfigJson::parse(json_text, depth_check, false);
   if (cfg.is_discarded() || !cfg.is_object()) return invalid_argument(std::string(source) + ": not a JSON object");
+  if (too_deep) {
+    return invalid_argument(std::string(source) + ": nests arrays or objects more than " + std::to_string(kMaxDepth) +
+                            " levels deep: not a model config");
+  }
   Result<std::uint64_t> layers = field(cfg, {"num_hidden_layers", "n_layer", "num_layers"}, source);
   Result<std::uint64_t> hidden = field(cfg, {"hidden_size", "n_embd", "d_model"}, source);
   Result<std::uint64_t> vocab = field(cfg, {"vocab_size"}, source);

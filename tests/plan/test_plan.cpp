@@ -150,6 +150,11 @@ TEST(Plan, ModelConfigKeysOfTheWrongTypeAreNamed) {
     EXPECT_EQ(m.status().code(), StatusCode::invalid_argument);
     EXPECT_EQ(m.status().message(), message);
   }
+  // Found by the fuzzer under AddressSanitizer: a deeply nested value before other keys overflowed the stack.
+  const std::string deep = std::string(20000, '[') + std::string(20000, ']');
+  Result<Model> nested = model_from_config(R"({"architectures": )" + deep + ", " + base + "}", "m.json");
+  ASSERT_FALSE(nested.ok());
+  EXPECT_EQ(nested.status().message(), "m.json: nests arrays or objects more than 64 levels deep: not a model config");
   // null stands for absent, as Hugging Face writes it.
   Result<Model> nulls = model_from_config("{" + base + R"(, "model_type": null, "tie_word_embeddings": null})", "m.json");
   ASSERT_TRUE(nulls.ok()) << nulls.status().to_string();
