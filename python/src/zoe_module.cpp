@@ -4,7 +4,8 @@
 //
 // Every long call releases the GIL: a step over 100M parameters takes tens of milliseconds in which data
 // loaders and other Python threads must run. A failed Status becomes a Python exception whose type follows
-// the status code (zoe.ZoeError and its subclasses, see zoe/__init__.py), carrying the engine's message.
+// the status code (zoe.ZoeError and its subclasses, see zoe/__init__.py), carrying the engine's message;
+// any other C++ exception becomes one of those classes too (the translator in NB_MODULE).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -15,12 +16,17 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -39,6 +45,19 @@ namespace nb = nanobind;
 namespace zoe::python {
 namespace {
 
+// Raises `type` with `message`, decoded leniently: a message holding bytes that are not UTF-8 (a path
+// from the file system, an excerpt of a damaged file) still arrives as zoe's error, its bad bytes shown as
+// \xNN, rather than as the UnicodeDecodeError a strict decode would raise in its place.
+void set_error(PyObject* type, const char* message) {
+  const auto size = static_cast<Py_ssize_t>(std::strlen(message));
+  nb::object text = nb::steal(PyUnicode_DecodeUTF8(message, size, "backslashreplace"));
+  if (!text.is_valid()) {
+    PyErr_Clear();
+    text = nb::str("(the error message could not be decoded)");
+  }
+  PyErr_SetObject(type, text.ptr());
+}
+
 // Carries a failed Status out of a binding; the translator registered in the module picks the Python type.
 struct StatusError : std::runtime_error {
   StatusError(StatusCode c, const std::string& what) : std::runtime_error(what), code(c) {}
@@ -53,6 +72,53 @@ template <typename T>
 T take(Result<T>&& r) {
   if (!r.ok()) check(r.status());
   return std::move(r).value();
+}
+
+// A str argument as UTF-8. nanobind's own conversion fails on a lone surrogate (U+D800..U+DFFF, which
+// UTF-8 cannot encode) with an overload TypeError that names neither the argument nor the character.
+std::string utf8_arg(const nb::str& value, const char* name) {
+  Py_ssize_t size = 0;
+  if (const char* p = PyUnicode_AsUTF8AndSize(value.ptr(), &size)) {
+    return std::string(p, static_cast<std::size_t>(size));
+  }
+  PyErr_Clear();
+  const Py_ssize_t n = PyUnicode_GetLength(value.ptr());
+  Py_ssize_t at = 0;
+  Py_UCS4 c = 0;
+  for (; at < n; ++at) {
+    c = PyUnicode_ReadChar(value.ptr(), at);
+    if (c >= 0xD800 && c <= 0xDFFF) break;
+  }
+  char code[16] = "?";
+  if (at < n) std::snprintf(code, sizeof code, "U+%04X", static_cast<unsigned>(c));
+  check(invalid_argument(std::string(name) + ": the str holds a lone surrogate (" + code + " at index " +
+                         std::to_string(at) + "), which UTF-8 cannot encode"));
+  return {};
+}
+
+// An integer argument as the C++ type `T` holds it, from any Python int (or __index__ object, as numpy's
+// integers). nanobind refuses -1 for a size_t, or 2**40 for an int, with an overload TypeError that names
+// neither the argument nor the value.
+template <typename T>
+T int_arg(nb::handle value, const char* name) {
+  constexpr long long lo = std::is_signed_v<T> ? static_cast<long long>(std::numeric_limits<T>::min()) : 0;
+  constexpr long long hi = sizeof(T) < sizeof(long long) ? static_cast<long long>(std::numeric_limits<T>::max())
+                                                         : std::numeric_limits<long long>::max();
+  long long v = 0;
+  int overflow = 1;
+  if (PyIndex_Check(value.ptr()) && !PyBool_Check(value.ptr())) {
+    nb::object index = nb::steal(PyNumber_Index(value.ptr()));
+    if (!index.is_valid()) throw nb::python_error();
+    v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  }
+  if (overflow != 0 || v < lo || v > hi) {
+    // ascii(), not repr(): the value's text goes into a UTF-8 message whatever it holds.
+    nb::object shown = nb::steal(PyObject_ASCII(value.ptr()));
+    if (!shown.is_valid()) throw nb::python_error();
+    check(invalid_argument(std::string(name) + " = " + nb::borrow<nb::str>(shown).c_str() +
+                           " is invalid: need an integer from " + std::to_string(lo) + " to " + std::to_string(hi)));
+  }
+  return static_cast<T>(v);
 }
 
 // A checkpoint file opened (header, trailer and index read and checked) without the GIL.
@@ -232,6 +298,16 @@ OffloadOptions to_options(const EngineOptions& e) {
   o.partition.grads_averaged = e.partition_grads_averaged;
   o.max_grad_norm = e.max_grad_norm;
   o.refuse_non_finite = e.refuse_non_finite;
+  if (e.loss_scale) {
+    // A scale of inf passes the engine's "> 0" and then overflows every gradient: every step is skipped.
+    for (auto [value, name] : {std::pair{e.initial_scale, "initial_scale"},
+                               std::pair{e.static_loss_scale, "static_loss_scale"}, std::pair{e.min_scale, "min_scale"}}) {
+      if (!(std::isfinite(value) && value > 0)) {
+        check(invalid_argument("EngineOptions." + std::string(name) + " = " + std::to_string(value) +
+                               " is invalid: need a finite number > 0"));
+      }
+    }
+  }
   LossScaleOptions& ls = o.loss_scale;
   ls.enabled = e.loss_scale;
   ls.dynamic = e.dynamic_loss_scale;
@@ -369,9 +445,18 @@ std::unique_ptr<PyEngine> make_engine(nb::object device_obj, std::vector<nb::dic
   PyDevice& device = nb::cast<PyDevice&>(device_obj);
   std::vector<ParamGroup> gs;
   for (nb::dict& g : groups) {
-    auto get = [&g](const char* key, auto fallback) {
+    auto get = [&g, &gs](const char* key, auto fallback) {
       using T = decltype(fallback);
-      return g.contains(key) ? nb::cast<T>(g[key]) : fallback;
+      if (!g.contains(key)) return fallback;
+      T v{};
+      if (!nb::try_cast<T>(g[key], v)) {
+        nb::object shown = nb::steal(PyObject_ASCII(nb::object(g[key]).ptr()));
+        if (!shown.is_valid()) throw nb::python_error();
+        check(invalid_argument("group " + std::to_string(gs.size()) + ": " + key + " = " +
+                               nb::borrow<nb::str>(shown).c_str() + " is invalid: need " +
+                               (std::is_same_v<T, bool> ? "True or False" : "a number")));
+      }
+      return v;
     };
     const AdamHyper defaults;
     gs.push_back(ParamGroup{make_hyper(get("lr", defaults.lr), get("beta1", defaults.beta1),
@@ -491,11 +576,11 @@ nb::dict config_dict(const LoadedConfig& c) {
 void bind_cpu_adam(nb::module_& m) {
   nb::class_<PyCpuAdam>(m, "CpuAdam", "Multi-tensor CPU Adam/AdamW on fp32 master weights and moments.")
       .def("__init__",
-           [](PyCpuAdam* self, const std::string& isa, int threads, std::size_t tile) {
+           [](PyCpuAdam* self, const nb::str& isa, nb::handle threads, nb::handle tile) {
              CpuAdamOptions o;
-             o.isa = isa;
-             o.threads = threads;
-             o.tile = tile;
+             o.isa = utf8_arg(isa, "CpuAdam: isa");
+             o.threads = int_arg<int>(threads, "CpuAdam: threads");
+             o.tile = int_arg<std::size_t>(tile, "CpuAdam: tile");
              new (self) PyCpuAdam{take(CpuAdam::create(o))};
            },
            nb::arg("isa") = "auto", nb::arg("threads") = 0, nb::arg("tile") = std::size_t{1} << 16)
@@ -611,19 +696,35 @@ void bind_engine(nb::module_& m) {
   m.def("cuda_device", [](int ordinal) { return std::make_unique<PyDevice>(PyDevice{take(make_cuda_device(ordinal))}); },
         nb::arg("ordinal") = 0, "The CUDA GPU `ordinal`; raises UnsupportedError without CUDA.");
 
+  // Integer and text fields are set through zoe's checks (int_arg, utf8_arg): a value the field cannot hold
+  // is an error naming the field.
+  auto get = [](auto EngineOptions::*field) { return [field](const EngineOptions& o) { return o.*field; }; };
+  auto int_setter = [](auto EngineOptions::*field, const char* name) {
+    return [field, name](EngineOptions& o, nb::handle v) {
+      o.*field = int_arg<std::remove_reference_t<decltype(o.*field)>>(v, name);
+    };
+  };
+  auto str_setter = [](std::string EngineOptions::*field, const char* name) {
+    return [field, name](EngineOptions& o, const nb::str& v) { o.*field = utf8_arg(v, name); };
+  };
   nb::class_<EngineOptions>(m, "EngineOptions")
       .def(nb::init<>())
-      .def_rw("tier", &EngineOptions::tier)
-      .def_rw("nvme_paths", &EngineOptions::nvme_paths)
-      .def_rw("buffer_count", &EngineOptions::buffer_count)
-      .def_rw("block_size", &EngineOptions::block_size)
-      .def_rw("queue_depth", &EngineOptions::queue_depth)
-      .def_rw("nvme_durability", &EngineOptions::nvme_durability)
+      .def_prop_rw("tier", get(&EngineOptions::tier), str_setter(&EngineOptions::tier, "EngineOptions.tier"))
+      .def_prop_rw("nvme_paths", get(&EngineOptions::nvme_paths),
+                   [](EngineOptions& o, const std::vector<nb::str>& paths) {
+                     std::vector<std::string> out;
+                     for (const nb::str& p : paths) out.push_back(utf8_arg(p, "EngineOptions.nvme_paths"));
+                     o.nvme_paths = std::move(out);
+                   })
+      .def_prop_rw("buffer_count", get(&EngineOptions::buffer_count), int_setter(&EngineOptions::buffer_count, "EngineOptions.buffer_count"))
+      .def_prop_rw("block_size", get(&EngineOptions::block_size), int_setter(&EngineOptions::block_size, "EngineOptions.block_size"))
+      .def_prop_rw("queue_depth", get(&EngineOptions::queue_depth), int_setter(&EngineOptions::queue_depth, "EngineOptions.queue_depth"))
+      .def_prop_rw("nvme_durability", get(&EngineOptions::nvme_durability), str_setter(&EngineOptions::nvme_durability, "EngineOptions.nvme_durability"))
       .def_rw("nvme_keep_resident", &EngineOptions::nvme_keep_resident)
-      .def_rw("state_dtype", &EngineOptions::state_dtype)
-      .def_rw("schedule", &EngineOptions::schedule)
-      .def_rw("delayed_warmup_steps", &EngineOptions::delayed_warmup_steps)
-      .def_rw("gradient_accumulation_steps", &EngineOptions::gradient_accumulation_steps)
+      .def_prop_rw("state_dtype", get(&EngineOptions::state_dtype), str_setter(&EngineOptions::state_dtype, "EngineOptions.state_dtype"))
+      .def_prop_rw("schedule", get(&EngineOptions::schedule), str_setter(&EngineOptions::schedule, "EngineOptions.schedule"))
+      .def_prop_rw("delayed_warmup_steps", get(&EngineOptions::delayed_warmup_steps), int_setter(&EngineOptions::delayed_warmup_steps, "EngineOptions.delayed_warmup_steps"))
+      .def_prop_rw("gradient_accumulation_steps", get(&EngineOptions::gradient_accumulation_steps), int_setter(&EngineOptions::gradient_accumulation_steps, "EngineOptions.gradient_accumulation_steps"))
       .def_rw("partition_flat_buffers", &EngineOptions::partition_flat_buffers)
       .def_rw("partition_grads_averaged", &EngineOptions::partition_grads_averaged)
       .def_rw("max_grad_norm", &EngineOptions::max_grad_norm)
@@ -634,13 +735,13 @@ void bind_engine(nb::module_& m) {
       .def_rw("initial_scale", &EngineOptions::initial_scale)
       .def_rw("growth_factor", &EngineOptions::growth_factor)
       .def_rw("backoff_factor", &EngineOptions::backoff_factor)
-      .def_rw("growth_interval", &EngineOptions::growth_interval)
-      .def_rw("hysteresis", &EngineOptions::hysteresis)
+      .def_prop_rw("growth_interval", get(&EngineOptions::growth_interval), int_setter(&EngineOptions::growth_interval, "EngineOptions.growth_interval"))
+      .def_prop_rw("hysteresis", get(&EngineOptions::hysteresis), int_setter(&EngineOptions::hysteresis, "EngineOptions.hysteresis"))
       .def_rw("consecutive_hysteresis", &EngineOptions::consecutive_hysteresis)
       .def_rw("min_scale", &EngineOptions::min_scale)
-      .def_rw("tile", &EngineOptions::tile)
-      .def_rw("isa", &EngineOptions::isa)
-      .def_rw("threads", &EngineOptions::threads);
+      .def_prop_rw("tile", get(&EngineOptions::tile), int_setter(&EngineOptions::tile, "EngineOptions.tile"))
+      .def_prop_rw("isa", get(&EngineOptions::isa), str_setter(&EngineOptions::isa, "EngineOptions.isa"))
+      .def_prop_rw("threads", get(&EngineOptions::threads), int_setter(&EngineOptions::threads, "EngineOptions.threads"));
 
   nb::class_<PyEngine>(m, "Engine", "zoe's OffloadOptimizer over parameters given by address on a Device.")
       .def("__init__",
@@ -677,11 +778,17 @@ void bind_engine(nb::module_& m) {
            [](PyEngine& e, float max_norm) { e.call([max_norm](OffloadOptimizer& o) { return o.set_max_grad_norm(max_norm); }); },
            nb::arg("max_norm"), "Clipping from the next step on (0: none).")
       .def("save",
-           [](PyEngine& e, const std::string& path, bool record_names) {
+           [](PyEngine& e, const nb::str& path_arg, bool record_names) {
+             const std::string path = utf8_arg(path_arg, "path");
              e.call([&](OffloadOptimizer& o) { return o.save(path, record_names); });
            },
            nb::arg("path"), nb::arg("record_names") = true)
-      .def("load", [](PyEngine& e, const std::string& path) { e.call([&path](OffloadOptimizer& o) { return o.load(path); }); })
+      .def("load",
+           [](PyEngine& e, const nb::str& path_arg) {
+             const std::string path = utf8_arg(path_arg, "path");
+             e.call([&path](OffloadOptimizer& o) { return o.load(path); });
+           },
+           nb::arg("path"))
       .def("set_hyper",
            [](PyEngine& e, std::size_t group, float lr, float beta1, float beta2, float eps, float weight_decay,
               bool adamw) {
@@ -772,7 +879,8 @@ void bind_engine(nb::module_& m) {
            nb::arg("param"), nb::arg("steps"));
 
   m.def("read_checkpoint",
-        [](const std::string& path) {
+        [](const nb::str& path_arg) {
+          const std::string path = utf8_arg(path_arg, "path");
           const CheckpointReader reader = open_checkpoint(path);
           nb::dict blobs;
           for (const std::string& name : reader.names()) {
@@ -792,7 +900,8 @@ void bind_engine(nb::module_& m) {
         nb::arg("path"),
         "A zoe checkpoint file, every blob's checksum verified: (manifest JSON text, {blob name: uint8 array}).");
   m.def("checkpoint_blobs",
-        [](const std::string& path) {
+        [](const nb::str& path_arg) {
+          const std::string path = utf8_arg(path_arg, "path");
           const CheckpointReader reader = open_checkpoint(path);
           nb::dict blobs;
           for (const std::string& name : reader.names()) {
@@ -802,9 +911,11 @@ void bind_engine(nb::module_& m) {
         },
         nb::arg("path"), "Where each blob of a zoe checkpoint file lies in it: {blob name: (offset, bytes)}; nothing is read.");
   m.def("parse_config",
-        [](const std::string& text, const std::string& source) { return config_dict(take(parse_config(text, source))); },
+        [](const nb::str& text, const nb::str& source) {
+          return config_dict(take(parse_config(utf8_arg(text, "text"), utf8_arg(source, "source"))));
+        },
         nb::arg("text"), nb::arg("source") = "<string>");
-  m.def("load_config", [](const std::string& path) { return config_dict(take(load_config_file(path))); },
+  m.def("load_config", [](const nb::str& path) { return config_dict(take(load_config_file(utf8_arg(path, "path")))); },
         nb::arg("path"));
 }
 
@@ -830,6 +941,14 @@ NB_MODULE(_zoe, m) {
   m.attr("UnsupportedError") = unsupported;
   m.attr("InvalidArgumentError") = invalid;
   m.attr("CorruptError") = corrupt;
+  static nb::object out_of_memory = nb::steal(PyErr_NewException(
+      "zoe._zoe.OutOfMemoryError", nb::make_tuple(base, nb::handle(PyExc_MemoryError)).ptr(), nullptr));
+  m.attr("OutOfMemoryError") = out_of_memory;
+  // nanobind handles its own exceptions (python_error, nb::value_error and the like) before this
+  // translator; everything else a binding lets out becomes one of zoe's classes, so that callers need catch
+  // only those. What the bindings throw to refuse an argument (std::invalid_argument and its kin, and
+  // std::out_of_range from a lookup by the caller's index) is an InvalidArgumentError; anything else from a
+  // dependency is a ZoeError saying it is internal.
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
@@ -838,7 +957,17 @@ NB_MODULE(_zoe, m) {
       if (e.code == StatusCode::unsupported) type = unsupported.ptr();
       if (e.code == StatusCode::invalid_argument) type = invalid.ptr();
       if (e.code == StatusCode::corrupt) type = corrupt.ptr();
-      PyErr_SetString(type, e.what());
+      if (e.code == StatusCode::out_of_memory) type = out_of_memory.ptr();
+      set_error(type, e.what());
+    } catch (const std::bad_alloc& e) {
+      set_error(out_of_memory.ptr(), (std::string("out of memory: ") + e.what()).c_str());
+    } catch (const std::logic_error& e) {
+      // invalid_argument, domain_error, length_error, out_of_range: a caller's value refused.
+      set_error(invalid.ptr(), (std::string("invalid argument: ") + e.what()).c_str());
+    } catch (const std::exception& e) {
+      set_error(base.ptr(), (std::string("internal error: ") + e.what()).c_str());
+    } catch (...) {
+      set_error(base.ptr(), "internal error: an exception that is not a std::exception");
     }
   });
   m.def("supported_isas", [] {

@@ -11,6 +11,7 @@ from ._zoe import (  # noqa: F401
     Engine,
     EngineOptions,
     InvalidArgumentError,
+    OutOfMemoryError,
     UnsupportedError,
     ZoeError,
     cuda_device,
@@ -24,5 +25,6 @@ from ._zoe import (  # noqa: F401
 __version__ = "0.1.0"
 __all__ = [
     "CpuAdam", "Device", "Engine", "EngineOptions", "ZoeError", "UnsupportedError", "InvalidArgumentError",
-    "CorruptError", "host_device", "cpu_device", "cuda_device", "load_config", "parse_config", "supported_isas",
+    "CorruptError", "OutOfMemoryError", "host_device", "cpu_device", "cuda_device", "load_config", "parse_config",
+    "supported_isas",
 ]

@@ -69,7 +69,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from . import _zoe
+from . import _checks, _zoe
 from ._data_parallel import _CudaMemory
 from ._dtensor import is_dtensor
 
@@ -130,12 +130,13 @@ def offload_parameters(model: nn.Module, device: str = "cpu", nvme_path: str | S
     if device == "nvme":
         if not nvme_path:
             raise ValueError("offload_parameters: device='nvme' needs nvme_path")
-        paths = [os.fspath(nvme_path)] if isinstance(nvme_path, (str, os.PathLike)) \
-            else [os.fspath(p) for p in nvme_path]
+        paths = [nvme_path] if isinstance(nvme_path, (str, bytes, os.PathLike)) else list(nvme_path)
+        paths = [_checks.path("offload_parameters", "nvme_path", p) for p in paths]
     else:
         paths = []
-    if prefetch < 0:
-        raise ValueError("offload_parameters: prefetch must be >= 0")
+    _checks.integer("offload_parameters", "prefetch", prefetch, 0, _checks.INT_MAX)
+    if budget_bytes is not None:
+        _checks.integer("offload_parameters", "budget_bytes", budget_bytes, 0, 2**63 - 1)
     sharded = [name for name, p in model.named_parameters() if is_dtensor(p)]
     if sharded:
         raise _zoe.UnsupportedError(

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from . import _interop, _param_offload, _scratch, _serial, _torch_flags, _zoe
+from . import _checks, _interop, _param_offload, _scratch, _serial, _torch_flags, _zoe
 
 _STATE_FORMAT = _interop.STATE_FORMAT
 
@@ -124,7 +124,7 @@ class StateDictMethods:
         (``zoe.hf.ZoeCheckpointCallback`` and ``zoe.hf.register_accelerator_hooks`` call this). Returns the
         file written."""
         world, rank = self._partition()
-        folder = os.path.abspath(os.fspath(folder))
+        folder = os.path.abspath(_checks.path("save_to", "folder", folder))
         path = _interop.rank_file(folder, rank, world)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self._engine.save(path)
@@ -135,7 +135,7 @@ class StateDictMethods:
     def load_from(self, folder) -> None:
         """The folder the next ``load_state_dict()`` of a ``save_to`` state_dict reads this rank's file from,
         when it is no longer where it was saved (Accelerate's ``load_state(dir)`` passes it)."""
-        self._load_folder = os.path.abspath(os.fspath(folder))
+        self._load_folder = os.path.abspath(_checks.path("load_from", "folder", folder))
 
     @_serial.serialised
     def load_state_dict(self, state_dict) -> None:
@@ -239,7 +239,7 @@ class StateDictMethods:
     def save_checkpoint(self, path: str) -> None:
         """Writes this rank's state as a zoe checkpoint file (atomic, checksummed) — what ``state_dict()``
         carries — for ``zoe export``, which joins every rank's into safetensors by parameter name."""
-        self._engine.save(os.fspath(path))
+        self._engine.save(_checks.path("save_checkpoint", "path", path))
 
     @_serial.serialised
     def torch_state_dict(self) -> dict:

@@ -51,12 +51,38 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import _data_parallel, _dtensor, _interop, _param_offload, _scratch, _serial, _state_dict, _torch_flags, _zoe
+from . import _checks, _data_parallel, _dtensor, _interop, _param_offload, _scratch, _serial, _state_dict, _torch_flags, _zoe
 from ._param_offload import full_shape, offload_parameters
 
 __all__ = ["OffloadOptimizer", "offload_parameters", "full_shape"]
 
 _ZOE_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+# OffloadOptimizer's integer keywords that reach the engine's options, with the ranges the DeepSpeed config
+# reader allows for the same settings (README "DeepSpeed config").
+_INT_KEYWORDS = {
+    "growth_interval": (1, _checks.INT_MAX), "hysteresis": (1, _checks.INT_MAX),
+    "delayed_warmup_steps": (0, _checks.INT_MAX), "threads": (0, 1 << 16), "tile": (1, 1 << 40),
+    "buffer_count": (1, 1024), "block_size": (4096, 1 << 30), "queue_depth": (1, 4096),
+}
+
+
+def _check_engine_keywords(kw: dict) -> None:
+    """The keywords checked here rather than by nanobind, whose TypeError would name neither (_checks)."""
+    where = "zoe.torch.OffloadOptimizer"
+    for name, (lo, hi) in _INT_KEYWORDS.items():
+        _checks.integer(where, name, kw[name], lo, hi)
+    _checks.positive_finite(where, "initial_scale", kw["initial_scale"])
+    _checks.positive_finite(where, "min_loss_scale", kw["min_loss_scale"])
+    ls = kw["loss_scale"]
+    # None, False, 0 and "dynamic" choose the mode; any other number is a fixed scale.
+    if not (ls is None or isinstance(ls, (bool, str)) or ls == 0):
+        _checks.positive_finite(where, "loss_scale", ls)
+    _checks.text(where, "isa", kw["isa"])
+    paths = kw["nvme_path"]
+    if paths is not None:
+        for p in [paths] if isinstance(paths, (str, bytes, os.PathLike)) else paths:
+            _checks.path(where, "nvme_path", p)
 
 
 # torch's own, kept before zoe routes it to its optimizers (_route_clipping).
@@ -356,6 +382,11 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                              "ranks) or False (they are averaged already, e.g. by DistributedDataParallel)")
         if max_grad_norm is not None and not (max_grad_norm >= 0 and math.isfinite(max_grad_norm)):
             raise ValueError(f"max_grad_norm = {max_grad_norm} is invalid: need >= 0 (or None: no clipping)")
+        _check_engine_keywords(dict(
+            growth_interval=growth_interval, hysteresis=hysteresis, delayed_warmup_steps=delayed_warmup_steps,
+            threads=threads, tile=tile, buffer_count=buffer_count, block_size=block_size, queue_depth=queue_depth,
+            initial_scale=initial_scale, min_loss_scale=min_loss_scale, loss_scale=loss_scale, isa=isa,
+            nvme_path=nvme_path))
         # torch.optim.AdamW's keys, so that torch reads these groups as its own (state_dict, schedulers).
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=adamw,
                         decoupled_weight_decay=adamw, amsgrad=amsgrad, maximize=maximize, foreach=foreach,

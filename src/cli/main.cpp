@@ -1,6 +1,8 @@
 // zoe — the ZeRO Offload Engine command line.
 #include <cstdio>
 #include <cstring>
+#include <exception>
+#include <new>
 #include <span>
 #include <string_view>
 
@@ -50,10 +52,7 @@ void usage(std::FILE* out) {
   }
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  std::span<char* const> args(argv + 1, argc - 1);
+int run(std::span<char* const> args) {
   if (args.empty() || std::strcmp(args[0], "--help") == 0 || std::strcmp(args[0], "-h") == 0) {
     usage(args.empty() ? stderr : stdout);
     return args.empty() ? 2 : 0;
@@ -69,4 +68,21 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "zoe: unknown command '%s'\n", args[0]);
   usage(stderr);
   return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // The commands report errors as Status; an exception reaching here is a bug in zoe or a dependency
+  // (nlohmann, the standard library). It is reported like any error, not left to std::terminate's abort.
+  try {
+    return run(std::span<char* const>(argv + 1, argc - 1));
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "zoe: out of memory\n");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "zoe: internal error: %s (please report it)\n", e.what());
+  } catch (...) {
+    std::fprintf(stderr, "zoe: internal error: an exception that is not a std::exception (please report it)\n");
+  }
+  return 1;
 }

@@ -39,6 +39,9 @@ constexpr std::uint64_t kTrailerBytes = 40;
 constexpr std::uint64_t kBlobAlignment = 64;  // a cache line: blobs can be read into place by aligned loads
 constexpr std::size_t kMaxName = 4096;
 constexpr std::size_t kMaxIo = std::size_t(1) << 30;  // Linux transfers at most ~2 GiB per call
+// A header version beyond these bounds is taken for damage, not for a newer format (CheckpointReader::load).
+constexpr std::uint32_t kPlausibleMajorsAhead = 64;
+constexpr std::uint32_t kPlausibleMinor = 1 << 16;
 
 void put_u32(std::string& s, std::uint32_t v) {
   for (int i = 0; i < 4; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xFF));
@@ -365,23 +368,43 @@ Status CheckpointReader::load(const std::string& path) {
   }
   major_ = static_cast<std::uint32_t>(get_le(header + 8, 4));
   minor_ = static_cast<std::uint32_t>(get_le(header + 12, 4));
+  const std::string version = std::to_string(major_) + "." + std::to_string(minor_);
+  if (major_ == 0) return corrupt(path, "format version " + version + " does not exist");
+  // The header has no checksum of its own, so its version is believed only where something vouches for
+  // it: the trailer (checksummed, and carrying the same version) when it is in this version's layout.
+  char trailer[kTrailerBytes];
+  bool trailer_ok = false;
+  if (file_size >= kHeaderBytes + kTrailerBytes) {
+    if (Status s = pread_all(fd_.get(), trailer, sizeof trailer, file_size - kTrailerBytes, path); !s.ok()) return s;
+    trailer_ok = std::memcmp(trailer + 32, kTrailerMagic, sizeof kTrailerMagic) == 0 &&
+                 crc32c(trailer, 28) == static_cast<std::uint32_t>(get_le(trailer + 28, 4));
+  }
+  const std::string trailer_version =
+      trailer_ok ? std::to_string(get_le(trailer + 20, 4)) + "." + std::to_string(get_le(trailer + 24, 4)) : "";
+  if (trailer_ok && trailer_version != version) {
+    return corrupt(path, "the header gives format version " + version + " and the trailer " + trailer_version +
+                             ": the header is damaged");
+  }
   if (major_ > kCheckpointMajor) {
+    // Without a trailer to vouch, a newer layout may have moved it; but formats grow one version at a
+    // time, and a version far beyond this one (a flipped high byte) is damage, not the future.
+    if (!trailer_ok && (major_ > kCheckpointMajor + kPlausibleMajorsAhead || minor_ > kPlausibleMinor)) {
+      return corrupt(path, "the header gives format version " + version + ", which no zoe writes (this one writes " +
+                               std::to_string(kCheckpointMajor) + "." + std::to_string(kCheckpointMinor) +
+                               "): the header is damaged");
+    }
     return Status(StatusCode::unsupported,
-                  "checkpoint " + path + " has format version " + std::to_string(major_) + "." +
-                      std::to_string(minor_) + "; this build of zoe reads versions up to " +
+                  "checkpoint " + path + " has format version " + version + "; this build of zoe reads versions up to " +
                       std::to_string(kCheckpointMajor) + ".x: read it with a newer zoe");
   }
-  if (major_ == 0) return corrupt(path, "format version 0." + std::to_string(minor_) + " does not exist");
   if (file_size < kHeaderBytes + kTrailerBytes) {
     return corrupt(path, std::to_string(file_size) + " bytes is too short to hold a trailer (truncated)");
   }
-  char trailer[kTrailerBytes];
-  if (Status s = pread_all(fd_.get(), trailer, sizeof trailer, file_size - kTrailerBytes, path); !s.ok()) return s;
   if (std::memcmp(trailer + 32, kTrailerMagic, sizeof kTrailerMagic) != 0) {
     return corrupt(path, "no trailer at the end of the file: it was truncated or not completely written");
   }
   const auto trailer_crc = static_cast<std::uint32_t>(get_le(trailer + 28, 4));
-  if (crc32c(trailer, 28) != trailer_crc) {
+  if (!trailer_ok) {
     return corrupt(path, "trailer checksum mismatch (stored " + hex32(trailer_crc) + ", computed " +
                              hex32(crc32c(trailer, 28)) + ")");
   }

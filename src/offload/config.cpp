@@ -24,6 +24,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "src/utf8.h"
+
 namespace zoe {
 namespace {
 
@@ -49,9 +51,10 @@ std::string join(const std::string& prefix, std::string_view key) {
   return prefix.empty() ? std::string(key) : prefix + "." + std::string(key);
 }
 
+// dump() with `replace` writes valid UTF-8; the excerpt is cut on a character boundary so it stays so.
 std::string show(const Json& v) {
   std::string s = v.dump(-1, ' ', false, Json::error_handler_t::replace);
-  return s.size() > 60 ? s.substr(0, 57) + "..." : s;
+  return s.size() > 60 ? std::string(utf8_prefix(s, 57)) + "..." : s;
 }
 
 bool matches(std::string_view pattern, std::string_view key) {
@@ -681,7 +684,9 @@ Result<LoadedConfig> parse_json(std::string_view text, const std::string& source
     if (const std::size_t close = what.find("] "); what.rfind("[json.exception", 0) == 0 && close != std::string::npos) {
       what.erase(0, close + 2);
     }
-    return invalid_argument(source + " is not valid JSON: " + what);
+    // The excerpt after "last read:" is the input's raw bytes, cut wherever the lexer stopped: possibly
+    // inside a multi-byte character, or bytes that were never UTF-8.
+    return invalid_argument(source + " is not valid JSON: " + utf8_escaped(what));
   }
   if (duplicates.too_deep) {
     return invalid_argument(source + " nests arrays or objects more than " + std::to_string(kMaxDepth) +

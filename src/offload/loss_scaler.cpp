@@ -1,6 +1,7 @@
 #include "src/offload/loss_scaler.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace zoe {
 
@@ -26,7 +27,9 @@ void LossScaler::update(bool overflow) {
   if (++clean_steps_ >= options_.growth_interval) {
     clean_steps_ = 0;
     hysteresis_left_ = std::max(1, options_.hysteresis);
-    scale_ *= options_.growth_factor;
+    // Growth stops at the largest float, as torch's GradScaler stops: an infinite scale makes every
+    // gradient overflow, so every later step would be skipped, and backing off from inf stays inf.
+    if (const float grown = scale_ * options_.growth_factor; std::isfinite(grown)) scale_ = grown;
   }
 }
 

@@ -107,10 +107,17 @@ Status check_inputs(const std::vector<ParamGroup>& groups, const std::vector<Par
     return invalid_argument("max_grad_norm = " + std::to_string(options.max_grad_norm) + " is invalid: need >= 0");
   }
   const LossScaleOptions& ls = options.loss_scale;
-  if (ls.enabled && (!(ls.initial_scale > 0) || !(ls.static_scale > 0) || !(ls.min_scale > 0) ||
+  // An infinite scale makes every scaled gradient overflow: every step would be skipped.
+  auto scale_ok = [](float x) { return x > 0 && std::isfinite(x); };
+  if (ls.enabled && (!scale_ok(ls.initial_scale) || !scale_ok(ls.static_scale) || !scale_ok(ls.min_scale) ||
                      !(ls.backoff_factor > 0 && ls.backoff_factor < 1) || !(ls.growth_factor >= 1) ||
-                     ls.growth_interval < 1)) {
-    return invalid_argument("loss scaling: scales must be > 0, 0 < backoff_factor < 1, growth_factor >= 1, "
+                     !std::isfinite(ls.growth_factor) || ls.growth_interval < 1)) {
+    return invalid_argument("loss scaling: initial_scale " + std::to_string(ls.initial_scale) + ", static_scale " +
+                            std::to_string(ls.static_scale) + ", min_scale " + std::to_string(ls.min_scale) +
+                            ", backoff_factor " + std::to_string(ls.backoff_factor) + ", growth_factor " +
+                            std::to_string(ls.growth_factor) + ", growth_interval " +
+                            std::to_string(ls.growth_interval) +
+                            ": scales must be finite and > 0, 0 < backoff_factor < 1, growth_factor finite and >= 1, "
                             "growth_interval >= 1");
   }
   if (options.tier == Tier::nvme) {

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <initializer_list>
+#include <new>
 #include <utility>
 #include <nlohmann/json.hpp>
 
@@ -43,17 +44,45 @@ Result<std::uint64_t> parse_scaled(std::string_view text, std::string_view what,
   return static_cast<std::uint64_t>(std::llround(v * scale));
 }
 
+// A model config is read into std::map objects, not ordered_json's vector of pairs: growing that vector
+// copies each earlier value (its pairs hold a const key, so they cannot be moved), and copying a deeply
+// nested value recurses once per level (60000 levels overflowed the stack under AddressSanitizer).
+using ConfigJson = nlohmann::json;
+
+std::string shown(const ConfigJson& v) { return v.dump(-1, ' ', false, ConfigJson::error_handler_t::replace); }
+
 // The first of `names` that `cfg` has, as a positive integer; 0 when none is there.
-Result<std::uint64_t> field(const Json& cfg, std::initializer_list<const char*> names, std::string_view source) {
+Result<std::uint64_t> field(const ConfigJson& cfg, std::initializer_list<const char*> names, std::string_view source) {
   for (const char* n : names) {
     const auto it = cfg.find(n);
     if (it == cfg.end() || it->is_null()) continue;
-    if (!it->is_number_integer() || it->get<std::int64_t>() <= 0) {
-      return invalid_argument(std::string(source) + ": '" + n + "' must be a positive integer, not " + it->dump());
+    // The parser stores every integer written without a sign as unsigned: anything else is not a count.
+    if (!it->is_number_unsigned() || it->get<std::uint64_t>() == 0) {
+      return invalid_argument(std::string(source) + ": '" + n + "' must be a positive integer, not " + shown(*it));
     }
     return it->get<std::uint64_t>();
   }
   return std::uint64_t{0};
+}
+
+// An optional string or boolean key (null is absent); another type is an error naming the key, where
+// nlohmann's value() would throw.
+Result<std::string> text_field(const ConfigJson& cfg, const char* name, std::string_view source) {
+  const auto it = cfg.find(name);
+  if (it == cfg.end() || it->is_null()) return std::string();
+  if (!it->is_string()) {
+    return invalid_argument(std::string(source) + ": '" + name + "' must be a string, not " + shown(*it));
+  }
+  return it->get<std::string>();
+}
+
+Result<bool> bool_field(const ConfigJson& cfg, const char* name, bool fallback, std::string_view source) {
+  const auto it = cfg.find(name);
+  if (it == cfg.end() || it->is_null()) return fallback;
+  if (!it->is_boolean()) {
+    return invalid_argument(std::string(source) + ": '" + name + "' must be true or false, not " + shown(*it));
+  }
+  return it->get<bool>();
 }
 
 std::string billions(std::uint64_t n) {
@@ -136,9 +165,24 @@ Model model_from_params(std::uint64_t params) {
   return m;
 }
 
-Result<Model> model_from_config(std::string_view json_text, std::string_view source) {
-  const Json cfg = Json::parse(json_text, nullptr, false);
+namespace {
+
+// A model config nests two or three levels; text nested deeper is refused before anything recurses over it
+// (dump() recurses once per level).
+constexpr int kMaxDepth = 64;
+
+Result<Model> read_model(std::string_view json_text, std::string_view source) {
+  bool too_deep = false;
+  const auto depth_check = [&too_deep](int depth, ConfigJson::parse_event_t, ConfigJson&) {
+    too_deep = too_deep || depth > kMaxDepth;
+    return true;
+  };
+  const ConfigJson cfg = ConfigJson::parse(json_text, depth_check, false);
   if (cfg.is_discarded() || !cfg.is_object()) return invalid_argument(std::string(source) + ": not a JSON object");
+  if (too_deep) {
+    return invalid_argument(std::string(source) + ": nests arrays or objects more than " + std::to_string(kMaxDepth) +
+                            " levels deep: not a model config");
+  }
   Result<std::uint64_t> layers = field(cfg, {"num_hidden_layers", "n_layer", "num_layers"}, source);
   Result<std::uint64_t> hidden = field(cfg, {"hidden_size", "n_embd", "d_model"}, source);
   Result<std::uint64_t> vocab = field(cfg, {"vocab_size"}, source);
@@ -158,29 +202,52 @@ Result<Model> model_from_config(std::string_view json_text, std::string_view sou
     if (value == 0) missing += (missing.empty() ? "" : ", ") + std::string(name);
   }
   if (!missing.empty()) return invalid_argument(std::string(source) + ": missing " + missing);
-  const std::string type = cfg.value("model_type", std::string());
-  std::string act = cfg.value("hidden_act", cfg.value("activation_function", std::string()));
+  Result<std::string> model_type = text_field(cfg, "model_type", source);
+  Result<std::string> hidden_act = text_field(cfg, "hidden_act", source);
+  Result<std::string> activation = text_field(cfg, "activation_function", source);
+  Result<bool> attention_bias = bool_field(cfg, "attention_bias", false, source);
+  Result<bool> tie = bool_field(cfg, "tie_word_embeddings", true, source);
+  for (const Status* s : {&model_type.status(), &hidden_act.status(), &activation.status(), &attention_bias.status(),
+                          &tie.status()}) {
+    if (!s->ok()) return *s;
+  }
+  const std::string& type = *model_type;
+  const std::string& act = hidden_act->empty() ? *activation : *hidden_act;
   const bool gated = act == "silu" || act == "swiglu" || act == "swish" ||
                      type == "llama" || type == "mistral" || type == "mixtral" || type.rfind("qwen", 0) == 0 ||
                      type.rfind("gemma", 0) == 0;
-  const bool bias = cfg.contains("attention_bias") ? cfg.value("attention_bias", false)
-                                                  : (type == "gpt2" || type == "gpt_neo" || type == "gpt_neox" ||
-                                                     type == "opt" || type == "bert" || type == "phi");
-  const bool tied = cfg.value("tie_word_embeddings", true);
+  const bool bias = cfg.contains("attention_bias") && !cfg.at("attention_bias").is_null()
+                        ? *attention_bias
+                        : (type == "gpt2" || type == "gpt_neo" || type == "gpt_neox" || type == "opt" ||
+                           type == "bert" || type == "phi");
+  const bool tied = *tie;
   const std::uint64_t h = *hidden, L = *layers, V = *vocab, H = *heads;
   const std::uint64_t kv = *kv_heads ? *kv_heads : H, hd = *head_dim ? *head_dim : h / H;
   const std::uint64_t I = *inter ? *inter : 4 * h, E = *experts ? *experts : 1;
-  const std::uint64_t norm = bias ? 2 * h : h;  // LayerNorm has a bias, RMSNorm none
-  std::uint64_t attn = h * H * hd + 2 * h * kv * hd + H * hd * h;
-  if (bias) attn += H * hd + 2 * kv * hd + h;
-  std::uint64_t mlp = (gated ? 3 : 2) * h * I;
-  if (bias) mlp += (gated ? 2 : 1) * I + h;
-  mlp = mlp * E + (E > 1 ? h * E : 0);
+  // The count in double first: each product below is at most the total, so a total that fits in 2^62
+  // keeps the integer arithmetic exact, and a config whose sizes overflow it is refused, not wrapped.
+  const auto count = [&](auto one) {
+    using T = decltype(one);
+    const T th = T(h), tH = T(H), tkv = T(kv), thd = T(hd), tI = T(I), tE = T(E);
+    const T norm = bias ? 2 * th : th;  // LayerNorm has a bias, RMSNorm none
+    T attn = th * tH * thd + 2 * th * tkv * thd + tH * thd * th;
+    if (bias) attn += tH * thd + 2 * tkv * thd + th;
+    T mlp = (gated ? 3 : 2) * th * tI;
+    if (bias) mlp += (gated ? 2 : 1) * tI + th;
+    mlp = mlp * tE + (E > 1 ? th * tE : 0);
+    return T(L) * (attn + mlp + 2 * norm) + T(V) * th * (tied ? 1 : 2) + T(*positions) * th + norm;
+  };
+  if (const double total = count(1.0); !(total < 0x1p62)) {
+    char figure[32];
+    std::snprintf(figure, sizeof figure, "%.3g", total);
+    return invalid_argument(std::string(source) + ": its sizes give " + figure +
+                            " parameters, more than zoe plan counts (2^62)");
+  }
   Model m;
   m.layers = L;
   m.hidden = h;
   m.heads = H;
-  m.params = L * (attn + mlp + 2 * norm) + V * h * (tied ? 1 : 2) + *positions * h + norm;
+  m.params = count(std::uint64_t{1});
   m.largest_tensor = std::max({V * h, h * I, h * H * hd});
   m.description = std::string(source) + (type.empty() ? "" : " (" + type + ")") + ": " + std::to_string(L) +
                   " layers, hidden " + std::to_string(h) + ", intermediate " + std::to_string(I) +
@@ -188,6 +255,19 @@ Result<Model> model_from_config(std::string_view json_text, std::string_view sou
                   std::to_string(kv) + " kv)" + (E > 1 ? ", " + std::to_string(E) + " experts" : "") +
                   (tied ? ", tied embeddings" : ", untied embeddings") + " -> " + billions(m.params) + " parameters";
   return m;
+}
+
+}  // namespace
+
+Result<Model> model_from_config(std::string_view json_text, std::string_view source) {
+  // The CLI's boundary with the JSON library: whatever it throws becomes an error naming the file.
+  try {
+    return read_model(json_text, source);
+  } catch (const std::bad_alloc&) {
+    return Status(StatusCode::out_of_memory, "out of memory reading model config " + std::string(source));
+  } catch (const std::exception& e) {
+    return Status(StatusCode::internal, "reading model config " + std::string(source) + ": " + e.what());
+  }
 }
 
 std::string placement_name(const Placement& p) {

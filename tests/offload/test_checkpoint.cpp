@@ -312,17 +312,65 @@ TEST_F(Checkpoint, BadMagicIsRefused) {
   expect_message(r.status(), {path_, "not a zoe checkpoint"});
 }
 
+// Sets the version in the header (u32 major and minor after the 8-byte magic) and, with
+// `trailer` true, in the trailer too (u32 major and minor at 20 and 24 of its 40 bytes), its checksum
+// recomputed: what a newer zoe that kept this layout would write.
+void set_version(std::vector<char>& b, std::uint32_t major, std::uint32_t minor, bool trailer) {
+  auto put = [&b](std::size_t at, std::uint32_t v) {
+    for (int i = 0; i < 4; ++i) b[at + i] = static_cast<char>((v >> (8 * i)) & 0xFF);
+  };
+  put(8, major);
+  put(12, minor);
+  if (!trailer) return;
+  const std::size_t t = b.size() - 40;
+  put(t + 20, major);
+  put(t + 24, minor);
+  put(t + 28, crc32c(b.data() + t, 28));
+}
+
 TEST_F(Checkpoint, NewerMajorVersionIsRefused) {
   write("{}", {{"a", pattern(10, 14)}});
   std::vector<char> b = file_bytes();
-  b[8] = static_cast<char>(kCheckpointMajor + 1);  // u32 major, little-endian, after the 8-byte magic
-  b[12] = 3;
+  set_version(b, kCheckpointMajor + 1, 3, true);
   put_file_bytes(b);
   Result<CheckpointReader> r = CheckpointReader::open(path_);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::unsupported);
   expect_message(r.status(), {path_, "version " + std::to_string(kCheckpointMajor + 1) + ".3",
-                              "up to " + std::to_string(kCheckpointMajor) + ".x"});
+                              "up to " + std::to_string(kCheckpointMajor) + ".x", "newer zoe"});
+  // A newer format may lay its trailer out differently: a nearby version is still taken for one.
+  set_version(b, kCheckpointMajor + 1, 3, false);
+  b[b.size() - 1] = 'X';
+  put_file_bytes(b);
+  r = CheckpointReader::open(path_);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::unsupported) << r.status().to_string();
+}
+
+// Issue 32: byte 10 (the major version's third byte) flipped read as "format version 16711681 ... read
+// it with a newer zoe". A damaged header is reported as damage, naming the file.
+TEST_F(Checkpoint, DamagedHeaderVersionIsCorruptNotNewer) {
+  write("{}", {{"a", pattern(10, 15)}});
+  const std::vector<char> good = file_bytes();
+  for (std::size_t at = 8; at < 16; ++at) {
+    std::vector<char> b = good;
+    b[at] = static_cast<char>(b[at] ^ 0xFF);
+    put_file_bytes(b);
+    Result<CheckpointReader> r = CheckpointReader::open(path_);
+    ASSERT_FALSE(r.ok()) << "byte " << at;
+    EXPECT_EQ(r.status().code(), StatusCode::corrupt) << "byte " << at << ": " << r.status().to_string();
+    expect_message(r.status(), {path_, "header is damaged"});
+    EXPECT_EQ(r.status().message().find("newer zoe"), std::string::npos) << r.status().message();
+  }
+  // With the trailer damaged too, the version alone decides: one far beyond this zoe's is damage.
+  std::vector<char> b = good;
+  b[10] = static_cast<char>(0xFF);
+  b[b.size() - 1] = 'X';
+  put_file_bytes(b);
+  Result<CheckpointReader> r = CheckpointReader::open(path_);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::corrupt) << r.status().to_string();
+  expect_message(r.status(), {path_, "version 16711681.0", "header is damaged"});
 }
 
 TEST_F(Checkpoint, MissingFile) {

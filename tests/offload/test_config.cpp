@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "src/utf8.h"
 #include "zoe/config.h"
 
 namespace zoe {
@@ -193,6 +194,12 @@ TEST(Config, StaticAndDynamicLossScale) {
   expect_error(R"({"fp16": {"loss_scale_window": 0}})", {"fp16.loss_scale_window"});
   expect_error(R"({"fp16": {"min_loss_scale": 0}})", {"fp16.min_loss_scale"});
   expect_error(R"({"fp16": {"hysteresis": 1.5}})", {"fp16.hysteresis"});
+  // Issue 32: an infinite scale overflows every gradient, so every step would be skipped. JSON has no inf:
+  // 1e400 is refused by the parser, and 1e39, finite as a double, would become inf as a float.
+  for (const char* key : {"loss_scale", "min_loss_scale"}) {
+    expect_error(std::string(R"({"fp16": {")") + key + "\": 1e39}}", {std::string("fp16.") + key, "float range"});
+    expect_error(std::string(R"({"fp16": {")") + key + "\": 1e400}}", {"not valid JSON", "1e400"});
+  }
 }
 
 TEST(Config, Fp16AndBf16TogetherIsAnError) {
@@ -286,6 +293,30 @@ TEST(Config, MalformedJson) {
   expect_error("{\"optimizer\": {", {"not valid JSON", "line"});
   expect_error("", {"not valid JSON"});
   expect_error("[1, 2]", {"top level"});
+}
+
+// Issue 32: the parser's "last read" excerpt ended inside the two bytes of "é", so Python, decoding the
+// message strictly, raised UnicodeDecodeError instead of zoe's error. Bytes that are not UTF-8 are shown
+// as \xNN; a long value is cut between characters.
+TEST(Config, MessagesAreUtf8WhateverTheInput) {
+  const std::string e_acute = "\xC3\xA9";
+  for (const std::string& text : {"{\"zoe\": t" + e_acute + "}", "{\"zoe\": \"" + std::string("\xC3\x28") + "\"}",
+                                  std::string("{\"zoe\": \xFF}")}) {
+    Result<LoadedConfig> r = parse_config(text, "cfg.json");
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_TRUE(utf8_valid(r.status().message())) << r.status().message();
+    EXPECT_NE(r.status().message().find("cfg.json is not valid JSON"), std::string::npos) << r.status().message();
+  }
+  EXPECT_NE(parse_config("{\"zoe\": \xFF}", "cfg.json").status().message().find("\\xFF"), std::string::npos);
+  // show() keeps 57 bytes of a value: after '"a', each "é" (2 bytes) starts at an even byte, so the 57th
+  // (byte 56) is the first half of one.
+  std::string long_value = "\"a";
+  for (int i = 0; i < 40; ++i) long_value += e_acute;
+  long_value += "\"";
+  Result<LoadedConfig> r = parse_config(R"({"zoe": {"isa": )" + long_value + "}}", "cfg.json");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("zoe.isa"), std::string::npos) << r.status().message();
+  EXPECT_TRUE(utf8_valid(r.status().message())) << r.status().message();
 }
 
 // Found by the fuzzer (test_fuzz_readers): 2^63 passed a range check against (double)INT64_MAX, which

@@ -20,6 +20,7 @@
 
 #include "src/crc32c.h"
 #include "src/offload/checkpoint.h"
+#include "src/utf8.h"
 #include "tests/fuzz.h"
 #include "tests/offload/trainer.h"
 #include "zoe/config.h"
@@ -96,9 +97,13 @@ TEST(FuzzReaders, Config) {
         Result<LoadedConfig> r = parse_config(c.input, "fuzz.json");
         if (!r.ok()) {
           EXPECT_FALSE(r.status().message().empty()) << c.mutation << ": an error without a message";
+          // Python decodes messages strictly: a cut or foreign byte would replace zoe's error.
+          EXPECT_TRUE(utf8_valid(r.status().message())) << c.mutation << ": a message that is not UTF-8: "
+                                                        << r.status().message();
           return Verdict::refused;
         }
         EXPECT_EQ(config_violation(r.value()), "") << c.mutation << ": accepted a config out of range:\n" << c.input;
+        for (const std::string& note : r.value().notes) EXPECT_TRUE(utf8_valid(note)) << c.mutation << ": " << note;
         return Verdict::accepted;
       });
   fuzz::expect_both_outcomes(t);

@@ -225,6 +225,17 @@ TEST(OffloadOptimizer, RefusesBadInput) {
   clip.max_grad_norm = -1;
   EXPECT_FALSE(OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs, clip).ok());
 
+  // An infinite loss scale would skip every step (every scaled gradient overflows).
+  for (float LossScaleOptions::*field : {&LossScaleOptions::initial_scale, &LossScaleOptions::static_scale,
+                                         &LossScaleOptions::min_scale}) {
+    OffloadOptions scaled;
+    scaled.loss_scale.enabled = true;
+    scaled.loss_scale.*field = INFINITY;
+    const Status s = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs, scaled).status();
+    EXPECT_EQ(s.code(), StatusCode::invalid_argument);
+    EXPECT_NE(s.message().find("inf"), std::string::npos) << s.to_string();
+  }
+
   OffloadOptions overlap;
   overlap.schedule = Schedule::overlap;
   random_grads(1e-2)(model, 1, 1.0f);  // the gradient memory is not initialised: a NaN there is refused
@@ -447,6 +458,20 @@ TEST(LossScaler, FollowsDeepSpeedHysteresisAndGrowth) {
   st.update(false);
   EXPECT_EQ(st.scale(), 128.0f);
   EXPECT_EQ(LossScaler(LossScaleOptions{}).scale(), 1.0f);
+}
+
+// Issue 32: a scale grown to inf skipped every step from then on (inf backs off to inf).
+TEST(LossScaler, GrowthStopsAtTheLargestFiniteScale) {
+  LossScaleOptions o;
+  o.enabled = true;
+  o.initial_scale = 0x1p127f;  // DeepSpeed's initial_scale_power 127, the largest the config reader takes
+  o.growth_interval = 1;
+  o.hysteresis = 1;
+  LossScaler s(o);
+  s.update(false);
+  EXPECT_EQ(s.scale(), 0x1p127f) << "2^128 is inf in float";
+  s.update(true);
+  EXPECT_EQ(s.scale(), 0x1p126f) << "an overflow still backs off";
 }
 
 // State taken over from elsewhere (torch's optimizer, another partitioning): written where each tier keeps
