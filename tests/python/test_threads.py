@@ -87,14 +87,14 @@ def test_a_state_dict_taken_on_another_thread_is_one_whole_step(tier, tmp_path):
 
     _in_threads(train, checkpoint)
     assert len(taken) == 6
-    for sd in taken:
+    for i, sd in enumerate(taken):
         k = int(sd["state"][0]["step"])
         assert 0 <= k <= steps
         assert all(int(s["step"]) == k for s in sd["state"].values()), "parameters of different steps in one state_dict"
         for (m, v), (m_ref, v_ref) in zip(_moments(sd), after[k]):
             assert torch.equal(m, m_ref) and torch.equal(v, v_ref), f"a state_dict labelled step {k} holds another state"
         # And it resumes: loaded into a fresh optimizer, it is that step's state.
-        _, fresh = _model(tier, tmp_path / f"fresh{k}")
+        _, fresh = _model(tier, tmp_path / f"fresh{i}")
         fresh.load_state_dict(sd)
         assert fresh.step_count == k
 
