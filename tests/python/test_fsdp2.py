@@ -116,6 +116,32 @@ def _fsdp_parity(rank, out):
             and all(p.to_local().device.type == "cpu" for p in mine.parameters()))
 
 
+def _fsdp_none_grads(rank, out):
+    """torch's rule on sharded parameters: a layer whose gradient is None on every rank (as a trainer leaves a
+    layer it froze, or one no rank used) is not stepped — weight decay and momentum leave it alone — in zoe as
+    in torch.optim.AdamW, and each parameter keeps its own step count."""
+    from zoe.torch import OffloadOptimizer
+
+    finals, held = [], []
+    for make in (lambda ps: torch.optim.AdamW(ps, **HYPER), lambda ps: OffloadOptimizer(ps, **HYPER)):
+        model = _fsdp_mlp(False)
+        opt = make(model.parameters())
+        first = model[0].weight
+        for t, (x, y) in enumerate(batches(6, batch=16)):
+            half = slice(rank * 8, (rank + 1) * 8)
+            torch.nn.functional.mse_loss(model(x[half]), y[half]).backward()
+            if 2 <= t < 5:
+                first.grad = None
+            before = first.to_local().detach().clone()
+            opt.step()
+            opt.zero_grad()
+            if 2 <= t < 5:
+                held.append(torch.equal(before, first.to_local()))
+        finals.append(_local(model))
+    out["fsdp2_none_grads"] = _diff(*finals)
+    out["fsdp2_none_grads_held"] = all(held)
+
+
 def _fsdp_llama(rank, out):
     """A tiny Llama (local config, no download), one fully_shard per decoder layer; its vocabulary of 67
     rows shards unevenly (34 + 33)."""
@@ -424,7 +450,7 @@ def _rank_main(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     out = {}
     try:
-        for case in (_fsdp_parity, _fsdp_llama, _fsdp_hsdp, _fsdp_state_dict, _fsdp_schedules, _fsdp_errors,
+        for case in (_fsdp_parity, _fsdp_none_grads, _fsdp_llama, _fsdp_hsdp, _fsdp_state_dict, _fsdp_schedules, _fsdp_errors,
                      _fsdp_fp16_overflow, _ddp):
             case(rank, out)
         _fsdp_dcp(rank, out, out_dir)
@@ -462,6 +488,13 @@ def test_fsdp2_equals_fsdp2_with_torch_adamw(ranks, offload, clip):
         print(f"{key}: opt.clip_grad_norm_ against FSDP2's clip_grad_norm_, worst relative difference {rel:.2e}")
         assert rel <= NORM_REL_TOL
     assert all(r[f"fsdp2{'_offload' if offload else ''}_in_place"] for r in ranks)
+
+
+def test_fsdp2_a_gradient_none_on_every_rank_leaves_its_shards_as_torch_does(ranks):
+    diff = _worst(ranks, "fsdp2_none_grads")
+    print(f"fsdp2, layer 0's gradient None for 3 of 6 steps: max weight difference against torch.optim.AdamW {diff:.2e}")
+    assert diff <= TORCH_TOL
+    assert all(r["fsdp2_none_grads_held"] for r in ranks)
 
 
 def test_fsdp2_tiny_llama_uneven_shards(ranks):
