@@ -42,7 +42,7 @@ class NvmeParamHome final : public ParamHomeStore {
     }
     // Nothing outlives a run: the lock files go too, while still held (swap_inventory.h).
     for (std::size_t k = 0; k < owner_locks_.size(); ++k) {
-      ::unlink((options_.nvme_paths[k] + "/" + options_.name + ".zoe-params.lock").c_str());
+      ::unlink(aio::owner_lock_path(options_.nvme_paths[k], options_.name + ".zoe-params").c_str());
     }
   }
 

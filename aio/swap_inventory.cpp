@@ -99,7 +99,7 @@ namespace {
 // files) between our open and our flock is not the owner's lock any more: the file at the path is checked
 // to be the one locked, else it starts again.
 Result<FileHandle> lock_one(const std::string& dir, const std::string& base, const std::string& what) {
-  const std::string path = dir + "/" + base + ".lock";
+  const std::string path = owner_lock_path(dir, base);
   // A probe tests the lock for a moment (a shared lock); a few retries step around it.
   for (int attempt = 0;; ++attempt) {
     FileHandle fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
@@ -145,12 +145,20 @@ Result<std::vector<FileHandle>> take_ownership(const std::vector<std::string>& p
   return locks;
 }
 
-void remove_stale_temps(const std::string& dir, const std::string& name) {
+std::string owner_lock_path(const std::string& dir, const std::string& base) { return dir + "/" + base + ".lock"; }
+
+std::vector<std::string> manifest_temps(const std::string& dir, const std::string& name) {
   const std::string prefix = name + ".zoe-swap.json.tmp";
+  std::vector<std::string> found;
   std::error_code ec;
   for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    if (it->path().filename().string().starts_with(prefix)) ::unlink(it->path().c_str());
+    if (it->path().filename().string().starts_with(prefix)) found.push_back(it->path().string());
   }
+  return found;
+}
+
+void remove_stale_temps(const std::string& dir, const std::string& name) {
+  for (const std::string& temp : manifest_temps(dir, name)) ::unlink(temp.c_str());
 }
 
 bool owner_lock_held(const std::string& lock_path) {
@@ -199,18 +207,13 @@ std::vector<FoundStore> find_swap_stores(const std::string& dir) {
     s.bytes += add_if_present(s.manifest, s.files);
     for (const std::string& p : paths) s.bytes += add_if_present(p + base + ".json", s.files);
     for (const std::string& p : paths) {
-      std::error_code list_ec;  // temporaries of the manifest (json.tmp-<pid>-<n>) a crash left
-      for (std::filesystem::directory_iterator t(p, list_ec), tend; !list_ec && t != tend; t.increment(list_ec)) {
-        if (t->path().filename().string().starts_with(s.name + ".zoe-swap.json.tmp")) {
-          s.bytes += add_if_present(t->path().string(), s.files);
-        }
-      }
+      for (const std::string& temp : manifest_temps(p, s.name)) s.bytes += add_if_present(temp, s.files);
     }
     for (const std::string& p : paths) s.bytes += add_if_present(p + base + ".table", s.files);
     for (const std::string& p : paths) s.bytes += add_if_present(p + base, s.files);
-    for (const std::string& p : paths) s.bytes += add_if_present(p + base + ".lock", s.files);
+    for (const std::string& p : paths) s.bytes += add_if_present(owner_lock_path(p, s.name + ".zoe-swap"), s.files);
     // The owner lock says it first (and who holds it); a store of an older zoe holds only its table's lock.
-    const std::string lock = paths.front() + base + ".lock";
+    const std::string lock = owner_lock_path(paths.front(), s.name + ".zoe-swap");
     const bool owned = owner_lock_held(lock);
     const bool locked = owned || table_locked(paths.front() + base + ".table");
     std::optional<ProcessIdentity> owner = owned ? owner_lock_record(lock) : std::nullopt;

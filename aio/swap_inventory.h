@@ -43,6 +43,12 @@ void mark_in_use(int table_fd);
 Result<std::vector<FileHandle>> take_ownership(const std::vector<std::string>& paths, const std::string& base,
                                                const std::string& what);
 
+// `<dir>/<base>.lock`: where take_ownership() keeps the lock of the files `<base>*` in `dir`.
+std::string owner_lock_path(const std::string& dir, const std::string& base);
+
+// The manifest temporaries of store `name` in `dir` (`<name>.zoe-swap.json.tmp-<pid>-<n>`, replace_file's).
+std::vector<std::string> manifest_temps(const std::string& dir, const std::string& name);
+
 // Removes what a crashed writer left of store `name` in `dir`: manifest temporaries (`.json.tmp*`).
 // Only its owner calls it, so none of them belongs to a live writer.
 void remove_stale_temps(const std::string& dir, const std::string& name);

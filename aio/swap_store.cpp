@@ -372,7 +372,7 @@ struct UnusedLocks {
   ~UnusedLocks() {
     for (std::size_t k = 0; k < impl.owner_locks.size() && k < impl.paths.size(); ++k) {
       if (::access(impl.manifest_path(k).c_str(), F_OK) != 0) {
-        ::unlink((impl.paths[k] + "/" + impl.name + ".zoe-swap.lock").c_str());
+        ::unlink(aio::owner_lock_path(impl.paths[k], impl.name + ".zoe-swap").c_str());
       }
     }
   }
@@ -601,7 +601,7 @@ Status SwapStore::remove(const SwapOptions& options, const std::string& name) {
       if (::unlink(path.c_str()) != 0 && errno != ENOENT) return aio::sys_error("cannot remove", path, errno);
     }
     aio::remove_stale_temps(dir, name);
-    ::unlink((dir + "/" + name + ".zoe-swap.lock").c_str());
+    ::unlink(aio::owner_lock_path(dir, name + ".zoe-swap").c_str());
   }
   return Status::success();
 }
