@@ -39,6 +39,12 @@ def text(where: str, name: str, value) -> str:
     return value
 
 
+def paths(where: str, name: str, value) -> list[str]:
+    """One path or a list of them (nvme_path's two forms), each as path() checks it."""
+    many = [value] if isinstance(value, (str, bytes, os.PathLike)) else list(value)
+    return [path(where, name, p) for p in many]
+
+
 def path(where: str, name: str, value) -> str:
     """A str or os.PathLike naming a file or folder, as text() checks it."""
     try:

@@ -130,8 +130,7 @@ def offload_parameters(model: nn.Module, device: str = "cpu", nvme_path: str | S
     if device == "nvme":
         if not nvme_path:
             raise ValueError("offload_parameters: device='nvme' needs nvme_path")
-        paths = [nvme_path] if isinstance(nvme_path, (str, bytes, os.PathLike)) else list(nvme_path)
-        paths = [_checks.path("offload_parameters", "nvme_path", p) for p in paths]
+        paths = _checks.paths("offload_parameters", "nvme_path", nvme_path)
     else:
         paths = []
     _checks.integer("offload_parameters", "prefetch", prefetch, 0, _checks.INT_MAX)

@@ -79,10 +79,8 @@ def _check_engine_keywords(kw: dict) -> None:
     if not (ls is None or isinstance(ls, (bool, str)) or ls == 0):
         _checks.positive_finite(where, "loss_scale", ls)
     _checks.text(where, "isa", kw["isa"])
-    paths = kw["nvme_path"]
-    if paths is not None:
-        for p in [paths] if isinstance(paths, (str, bytes, os.PathLike)) else paths:
-            _checks.path(where, "nvme_path", p)
+    if kw["nvme_path"] is not None:
+        _checks.paths(where, "nvme_path", kw["nvme_path"])
 
 
 # torch's own, kept before zoe routes it to its optimizers (_route_clipping).
@@ -599,7 +597,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         opts.tier = o["tier"]
         paths = o["nvme_path"]
         if paths is not None:
-            paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+            paths = _checks.paths("zoe.torch.OffloadOptimizer", "nvme_path", paths)
             # One swap folder per rank: ranks on one machine must not share files.
             world, rank = self._partition()
             opts.nvme_paths = [os.path.join(os.fspath(pp), f"rank{rank}") if world > 1 else os.fspath(pp)
