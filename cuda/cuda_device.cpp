@@ -63,12 +63,10 @@ Status out_of_host_memory(std::string_view what) {
 
 }  // namespace
 
-// Page-locked memory that grad_stats copies its 16-byte result into; a host function then moves the result
-// to the caller's *out and returns the slot. A slot is taken again only after its host function has run.
+// Page-locked memory that grad_stats copies its 16-byte result into; the host moves the result to the
+// caller's *out and returns the slot once an event after the copy has completed (deliver_stats).
 struct StatsSlot {
   StatsResult result;
-  GradStats* out;
-  StatsSlotPool* pool;
 };
 
 class StatsSlotPool {
@@ -76,7 +74,7 @@ class StatsSlotPool {
   StatsSlotPool() = default;
   StatsSlotPool(const StatsSlotPool&) = delete;
   StatsSlotPool& operator=(const StatsSlotPool&) = delete;
-  // Only after every stream that may still run deliver_stats has been synchronized.
+  // Only after every stream that may still copy into a slot has been synchronized.
   ~StatsSlotPool() {
     for (void* chunk : chunks_) cudaFreeHost(chunk);
   }
@@ -111,7 +109,7 @@ class StatsSlotPool {
     return slots;
   }
 
-  // Runs on the CUDA callback thread too: must not call CUDA, and never allocates (capacity covers every slot).
+  // Never allocates (capacity covers every slot).
   void give(StatsSlot* slot) noexcept {
     std::lock_guard<std::mutex> lock(mutex_);
     free_.push_back(slot);
@@ -124,16 +122,6 @@ class StatsSlotPool {
   std::size_t slots_ = 0;
 };
 
-namespace {
-
-void CUDART_CB deliver_stats(void* user) {
-  auto* slot = static_cast<StatsSlot*>(user);
-  slot->out->sum_sq = slot->result.sum_sq;
-  slot->out->non_finite = slot->result.non_finite;
-  slot->pool->give(slot);
-}
-
-}  // namespace
 
 CudaDevice::CudaDevice(int ordinal, std::string name)
     : ordinal_(ordinal), name_(std::move(name)), sweep_at_(kSweepMin) {}
@@ -213,7 +201,7 @@ CudaDevice::~CudaDevice() {
 std::string CudaDevice::name() const { return "cuda:" + std::to_string(ordinal_) + " (" + name_ + ")"; }
 
 cudaStream_t CudaDevice::cuda_stream(Stream stream) const {
-  return valid_stream(stream) ? streams_[stream_index(stream)] : nullptr;
+  return valid_stream(stream) ? stream_for(stream) : nullptr;
 }
 
 Status CudaDevice::make_current() const {
@@ -332,7 +320,7 @@ Status CudaDevice::copy_to_host(void* host, const void* device, std::size_t byte
     return invalid_argument("copy_to_host: null pointer for " + std::to_string(bytes) + " bytes");
   }
   if (Status st = make_current(); !st.ok()) return st;
-  return check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, streams_[stream_index(stream)]),
+  return check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream_for(stream)),
                "cudaMemcpyAsync", "copy_to_host on the " + std::string(stream_name(stream)));
 }
 
@@ -343,7 +331,7 @@ Status CudaDevice::copy_to_device(void* device, const void* host, std::size_t by
     return invalid_argument("copy_to_device: null pointer for " + std::to_string(bytes) + " bytes");
   }
   if (Status st = make_current(); !st.ok()) return st;
-  return check(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, streams_[stream_index(stream)]),
+  return check(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, stream_for(stream)),
                "cudaMemcpyAsync", "copy_to_device on the " + std::string(stream_name(stream)));
 }
 
@@ -354,7 +342,7 @@ Status CudaDevice::copy_on_device(void* dst, const void* src, std::size_t bytes,
     return invalid_argument("copy_on_device: null pointer for " + std::to_string(bytes) + " bytes");
   }
   if (Status st = make_current(); !st.ok()) return st;
-  return check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, streams_[stream_index(stream)]),
+  return check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_for(stream)),
                "cudaMemcpyAsync", "copy_on_device on the " + std::string(stream_name(stream)));
 }
 
@@ -363,7 +351,7 @@ Status CudaDevice::fill_zero(void* device, std::size_t bytes, Stream stream) {
   if (bytes == 0) return {};
   if (device == nullptr) return invalid_argument("fill_zero: null pointer for " + std::to_string(bytes) + " bytes");
   if (Status st = make_current(); !st.ok()) return st;
-  return check(cudaMemsetAsync(device, 0, bytes, streams_[stream_index(stream)]), "cudaMemsetAsync",
+  return check(cudaMemsetAsync(device, 0, bytes, stream_for(stream)), "cudaMemsetAsync",
                "fill_zero on the " + std::string(stream_name(stream)));
 }
 
@@ -380,27 +368,50 @@ Status CudaDevice::grad_stats(const void* device, DType dtype, std::size_t n, Gr
   Result<StatsSlot*> taken = stats_slots_->take();
   if (!taken.ok()) return taken.status();
   StatsSlot* slot = *taken;
-  slot->out = out;
-  slot->pool = stats_slots_.get();
+  {
+    std::lock_guard<std::mutex> lock(pending_mutex_);
+    try {
+      pending_stats_.reserve(pending_stats_.size() + 1);
+    } catch (const std::bad_alloc&) {
+      stats_slots_->give(slot);
+      return out_of_host_memory("queueing a grad_stats result");
+    }
+  }
 
   const std::size_t i = stream_index(stream);
   const std::string context = "grad_stats on the " + std::string(stream_name(stream));
   StatsScratch* scratch = scratch_ + i;
   std::lock_guard<std::mutex> lock(stats_mutex_[i]);
-  if (Status st = check(launch_grad_stats(device, dtype, n, scratch, streams_[i]), "kernel launch", context);
+  if (Status st = check(launch_grad_stats(device, dtype, n, scratch, stream_for(stream)), "kernel launch", context);
       !st.ok()) {
     stats_slots_->give(slot);
     return st;
   }
+  // On failure the slot is not returned: the copy may still write it. It is freed with the pool.
   if (Status st = check(cudaMemcpyAsync(&slot->result, &scratch->result, sizeof(StatsResult),
-                                        cudaMemcpyDeviceToHost, streams_[i]),
+                                        cudaMemcpyDeviceToHost, stream_for(stream)),
                         "cudaMemcpyAsync", context);
       !st.ok()) {
-    stats_slots_->give(slot);
     return st;
   }
-  // On failure the slot is not returned: the copy enqueued above may still write it. It is freed with the pool.
-  return check(cudaLaunchHostFunc(streams_[i], deliver_stats, slot), "cudaLaunchHostFunc", context);
+  std::lock_guard<std::mutex> pending(pending_mutex_);
+  pending_stats_.push_back(PendingStats{i, ++stats_calls_[i], slot, out});  // capacity reserved above
+  return {};
+}
+
+void CudaDevice::deliver_stats(std::size_t stream, std::uint64_t seq) {
+  std::lock_guard<std::mutex> lock(pending_mutex_);
+  auto kept = pending_stats_.begin();
+  for (PendingStats& p : pending_stats_) {
+    if (p.stream == stream && p.seq <= seq) {
+      p.out->sum_sq = p.slot->result.sum_sq;
+      p.out->non_finite = p.slot->result.non_finite;
+      stats_slots_->give(p.slot);
+    } else {
+      *kept++ = p;
+    }
+  }
+  pending_stats_.erase(kept, pending_stats_.end());
 }
 
 Status CudaDevice::simulate_compute(double seconds, Stream stream) {
@@ -412,7 +423,7 @@ Status CudaDevice::simulate_compute(double seconds, Stream stream) {
   const auto ns = static_cast<std::uint64_t>(std::ceil(seconds * 1e9));
   if (ns == 0) return {};
   if (Status st = make_current(); !st.ok()) return st;
-  return check(launch_spin(ns, streams_[stream_index(stream)]), "spin kernel launch",
+  return check(launch_spin(ns, stream_for(stream)), "spin kernel launch",
                "simulate_compute on the " + std::string(stream_name(stream)));
 }
 
@@ -436,6 +447,7 @@ Status CudaDevice::sweep_completed_events() {
       continue;
     }
     if (err != cudaSuccess) return check(err, "cudaEventQuery", "recycling completed events");
+    deliver_stats(it->second.stream, it->second.stats_seen);
     recycle_event(it->second.event);
     it = live_events_.erase(it);
   }
@@ -459,14 +471,19 @@ Result<EventId> CudaDevice::record(Stream stream) {
     event = free_events_.back();
     free_events_.pop_back();
   }
-  if (Status st = check(cudaEventRecord(event, streams_[stream_index(stream)]), "cudaEventRecord",
-                        stream_name(stream));
-      !st.ok()) {
-    recycle_event(event);
-    return st;
+  const std::size_t i = stream_index(stream);
+  std::uint64_t stats_seen;
+  {
+    std::lock_guard<std::mutex> order(stats_mutex_[i]);
+    if (Status st = check(cudaEventRecord(event, stream_for(stream)), "cudaEventRecord", stream_name(stream));
+        !st.ok()) {
+      recycle_event(event);
+      return st;
+    }
+    stats_seen = stats_calls_[i];
   }
   try {
-    live_events_.emplace(next_event_, LiveEvent{event, 0, false});
+    live_events_.emplace(next_event_, LiveEvent{event, 0, false, i, stats_seen});
   } catch (const std::bad_alloc&) {
     cudaEventDestroy(event);  // released once the recorded work completes
     return out_of_host_memory("tracking an event");
@@ -484,12 +501,14 @@ Status CudaDevice::wait(Stream stream, EventId event) {
   const auto it = live_events_.find(event);
   if (it == live_events_.end() || it->second.released) return {};  // complete: nothing to wait for
   // Under the lock: a recycled cudaEvent_t is recorded again for a later id, and the wait must capture this one.
-  return check(cudaStreamWaitEvent(streams_[stream_index(stream)], it->second.event, 0), "cudaStreamWaitEvent",
+  return check(cudaStreamWaitEvent(stream_for(stream), it->second.event, 0), "cudaStreamWaitEvent",
                stream_name(stream));
 }
 
 Status CudaDevice::synchronize(EventId event) {
   cudaEvent_t handle = nullptr;
+  std::size_t stream = 0;
+  std::uint64_t stats_seen = 0;
   {
     std::lock_guard<std::mutex> lock(event_mutex_);
     if (event == 0 || event >= next_event_) {
@@ -499,10 +518,17 @@ Status CudaDevice::synchronize(EventId event) {
     if (it == live_events_.end() || it->second.released) return {};
     ++it->second.synchronizing;
     handle = it->second.event;
+    stream = it->second.stream;
+    stats_seen = it->second.stats_seen;
   }
   // Outside the lock, so that other threads record and wait meanwhile; `synchronizing` keeps the event
   // from being recycled under us.
-  const cudaError_t err = cudaEventSynchronize(handle);
+  // Counted only where the host actually stops: an event already complete costs nothing.
+  cudaError_t err = cudaEventQuery(handle);
+  if (err == cudaErrorNotReady) {
+    HostWaitScope counted(*this);
+    err = cudaEventSynchronize(handle);
+  }
   {
     std::lock_guard<std::mutex> lock(event_mutex_);
     const auto it = live_events_.find(event);
@@ -514,16 +540,46 @@ Status CudaDevice::synchronize(EventId event) {
       live_events_.erase(it);
     }
   }
+  if (err == cudaSuccess) deliver_stats(stream, stats_seen);
   return check(err, "cudaEventSynchronize", "event " + std::to_string(event));
 }
 
 Status CudaDevice::synchronize() {
   if (Status st = make_current(); !st.ok()) return st;
+  std::array<std::uint64_t, kStreams> stats_seen{};
+  for (std::size_t i = 0; i < kStreams; ++i) {
+    std::lock_guard<std::mutex> lock(stats_mutex_[i]);
+    stats_seen[i] = stats_calls_[i];
+  }
+  std::optional<HostWaitScope> counted;  // only where some stream is still busy
   for (int i = 0; i < kStreams; ++i) {
     const auto stream = static_cast<Stream>(i);
-    Status st = check(cudaStreamSynchronize(streams_[stream_index(stream)]), "cudaStreamSynchronize",
-                      stream_name(stream));
-    if (!st.ok()) return st;
+    cudaStream_t handle = stream_for(stream);
+    cudaError_t err = cudaStreamQuery(handle);
+    if (err == cudaErrorNotReady) {
+      if (!counted) counted.emplace(*this);
+      err = cudaStreamSynchronize(handle);
+    }
+    if (Status st = check(err, "cudaStreamSynchronize", stream_name(stream)); !st.ok()) return st;
+  }
+  for (std::size_t i = 0; i < kStreams; ++i) deliver_stats(i, stats_seen[i]);
+  return {};
+}
+
+cudaStream_t CudaDevice::stream_for(Stream stream) const {
+  if (stream == Stream::compute) {
+    std::lock_guard<std::mutex> lock(compute_mutex_);
+    if (foreign_compute_) return *foreign_compute_;
+  }
+  return streams_[stream_index(stream)];
+}
+
+Status CudaDevice::use_compute_stream(std::optional<std::uintptr_t> handle) {
+  std::lock_guard<std::mutex> lock(compute_mutex_);
+  if (handle) {
+    foreign_compute_ = reinterpret_cast<cudaStream_t>(*handle);
+  } else {
+    foreign_compute_.reset();
   }
   return {};
 }

@@ -9,9 +9,10 @@
 // completed (it was synchronized, or found complete and recycled), so wait() on it is a no-op and
 // synchronize() on it returns at once; an id never handed out is invalid_argument.
 //
-// grad_stats: *out is written by the CUDA callback thread once the statistics are computed; it is valid
-// after an event recorded on the same stream after the call has completed (synchronize(event) returned),
-// and must stay valid until then.
+// grad_stats: the statistics are copied into a page-locked slot on the stream itself (no host callback
+// holds the stream); *out is filled from it when the host learns that an event recorded on the same stream
+// after the call has completed — synchronize(event) returned, or synchronize() — and must stay valid until
+// then.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,6 +21,7 @@
 #include <cstddef>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -34,6 +36,7 @@ struct hwloc_bitmap_s;
 namespace zoe::cuda {
 
 struct StatsScratch;
+struct StatsSlot;
 class StatsSlotPool;
 
 class CudaDevice final : public Device {
@@ -67,10 +70,12 @@ class CudaDevice final : public Device {
   Status wait(Stream stream, EventId event) override;
   Status synchronize(EventId event) override;
   Status synchronize() override;  // this device's three streams, not the whole GPU
+  // A cudaStream_t (0: the legacy default stream) as Stream::compute; nullopt: the device's own again.
+  Status use_compute_stream(std::optional<std::uintptr_t> handle) override;
 
   int ordinal() const { return ordinal_; }
   // The CUDA stream behind `stream` (nullptr for a value outside Stream), for collectives that enqueue on
-  // this device's streams. Owned by the device.
+  // this device's streams. Owned by the device, except a foreign compute stream (use_compute_stream).
   cudaStream_t cuda_stream(Stream stream) const;
   // Makes this GPU the calling thread's current device.
   Status make_current() const;
@@ -80,7 +85,18 @@ class CudaDevice final : public Device {
     cudaEvent_t event;
     int synchronizing;  // threads inside cudaEventSynchronize on it: it is recycled only once this is 0
     bool released;      // synchronized once: complete, and recycled when `synchronizing` reaches 0
+    std::size_t stream;    // where it was recorded, and how many grad_stats calls that stream had seen then
+    std::uint64_t stats_seen;
   };
+  // A grad_stats result on its way to the caller's GradStats.
+  struct PendingStats {
+    std::size_t stream;
+    std::uint64_t seq;  // the stream's grad_stats calls before and with this one
+    StatsSlot* slot;
+    GradStats* out;
+  };
+  // Fills *out of every grad_stats call on `stream` numbered up to `seq`: an event after them has completed.
+  void deliver_stats(std::size_t stream, std::uint64_t seq);
 
   CudaDevice(int ordinal, std::string name);
   Status init();
@@ -89,14 +105,22 @@ class CudaDevice final : public Device {
   Status sweep_completed_events();  // event_mutex_ held
   void recycle_event(cudaEvent_t event) noexcept;  // event_mutex_ held
 
+  cudaStream_t stream_for(Stream stream) const;  // `stream` valid
+
   int ordinal_;
   std::string name_;
   std::array<cudaStream_t, kStreams> streams_{};
+  mutable std::mutex compute_mutex_;
+  std::optional<cudaStream_t> foreign_compute_;  // Stream::compute when set (use_compute_stream)
   StatsScratch* scratch_ = nullptr;  // kStreams consecutive scratches in device memory, one per stream
   // Held while grad_stats enqueues its kernels and copy, so that two threads' calls on one stream cannot
   // interleave on that stream's scratch.
+  // Also held by record(), so that an event and the grad_stats calls around it are numbered in stream order.
   std::array<std::mutex, kStreams> stats_mutex_;
+  std::array<std::uint64_t, kStreams> stats_calls_{};  // grad_stats calls per stream, under stats_mutex_
   std::unique_ptr<StatsSlotPool> stats_slots_;
+  std::mutex pending_mutex_;
+  std::vector<PendingStats> pending_stats_;
 
   std::mutex event_mutex_;
   std::unordered_map<EventId, LiveEvent> live_events_;

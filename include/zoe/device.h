@@ -3,9 +3,12 @@
 // in-order streams, events, a settable compute time — so that every schedule runs on machines without a GPU.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "zoe/dtype.h"
@@ -25,6 +28,18 @@ struct GradStats {
   double sum_sq = 0;            // sum of squares of the gradient values as stored (before any unscale)
   std::uint64_t non_finite = 0; // NaN/Inf values
 };
+
+// Every time the host stops for the device (synchronize), counted by whose thread stopped: the trainer's
+// (any thread that is not zoe's own) or zoe's worker (a thread that called mark_worker_thread()).
+struct HostWaits {
+  std::uint64_t trainer_calls = 0, worker_calls = 0;
+  double trainer_s = 0, worker_s = 0;
+};
+
+// Marks the calling thread as one of zoe's own (the background step, a loader): its host waits are the
+// worker's, which the trainer does not see.
+void mark_worker_thread() noexcept;
+bool on_worker_thread() noexcept;
 
 // Implementations are thread-safe: a trainer thread and the optimizer's worker call them concurrently.
 class Device {
@@ -56,6 +71,36 @@ class Device {
   virtual Status wait(Stream stream, EventId event) = 0;  // later work on `stream` starts after `event`
   virtual Status synchronize(EventId event) = 0;           // the host waits for `event`
   virtual Status synchronize() = 0;                        // the host waits for every stream
+
+  // Stream::compute as a stream zoe does not own: on CUDA a cudaStream_t (torch's current stream, whose
+  // handle may be 0, the legacy default stream), so that zoe's events on Stream::compute order its copies
+  // against the caller's kernels with no host wait. Later calls enqueue there; nullopt returns to the
+  // device's own. The caller keeps the stream alive while zoe may enqueue on it.
+  virtual Status use_compute_stream(std::optional<std::uintptr_t> handle) {
+    (void)handle;
+    return Status(StatusCode::unsupported, name() + " has no foreign streams");
+  }
+
+  // Every host wait since the device was made (synchronize, both forms).
+  HostWaits host_waits() const noexcept;
+
+ protected:
+  // Held by an implementation's synchronize() for as long as the host waits; nested waits count once.
+  class HostWaitScope {
+   public:
+    explicit HostWaitScope(const Device& device) noexcept;
+    ~HostWaitScope();
+    HostWaitScope(const HostWaitScope&) = delete;
+    HostWaitScope& operator=(const HostWaitScope&) = delete;
+
+   private:
+    const Device* device_;  // null when nested in another wait of this thread
+    std::chrono::steady_clock::time_point start_;
+  };
+
+ private:
+  mutable std::atomic<std::uint64_t> wait_calls_[2] = {0, 0};       // [trainer, worker]
+  mutable std::atomic<std::uint64_t> wait_ns_[2] = {0, 0};
 };
 
 // The host stand-in: `device` memory is ordinary host memory that the optimizer must only touch through

@@ -687,7 +687,24 @@ void bind_engine(nb::module_& m) {
       .def_prop_ro("name", [](const PyDevice& d) { return d.device->name(); })
       .def_prop_ro("host_memory", [](const PyDevice& d) { return d.device->host_memory(); },
                    "True when the device's memory is host memory (the CPU): gradients never leave it.")
-      .def("synchronize", &PyDevice::synchronize, "Waits for every copy the engine has enqueued.");
+      .def("synchronize", &PyDevice::synchronize, "Waits for every copy the engine has enqueued.")
+      .def("use_compute_stream",
+           [](PyDevice& d, std::optional<std::uintptr_t> handle) { check(d.device->use_compute_stream(handle)); },
+           nb::arg("handle").none(),
+           "Enqueue zoe's compute-stream work on a stream it does not own: on CUDA the cudaStream_t of torch's "
+           "current stream (torch.cuda.current_stream().cuda_stream); None returns to zoe's own.")
+      .def("host_waits",
+           [](const PyDevice& d) {
+             const HostWaits w = d.device->host_waits();
+             nb::dict out;
+             out["trainer_calls"] = w.trainer_calls;
+             out["trainer_s"] = w.trainer_s;
+             out["worker_calls"] = w.worker_calls;
+             out["worker_s"] = w.worker_s;
+             return out;
+           },
+           "Every time the host waited for this device since it was made: calls and seconds on the trainer's "
+           "threads and on zoe's own workers.");
   m.def("host_device", [] { return std::make_unique<PyDevice>(PyDevice{make_host_device()}); },
         "The host stand-in: any host address is device memory; copies run on stream threads.");
   m.def("cpu_device", [] { return std::make_unique<PyDevice>(PyDevice{make_cpu_device()}); },

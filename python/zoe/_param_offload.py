@@ -104,6 +104,13 @@ _top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_defau
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
+def host_wait_stats(device) -> dict:
+    """A zoe device's host waits under the names stats() reports them by."""
+    w = device.host_waits()
+    return dict(host_waits_trainer=w["trainer_calls"], host_wait_trainer_s=w["trainer_s"],
+                host_waits_worker=w["worker_calls"], host_wait_worker_s=w["worker_s"])
+
+
 def _in_backward() -> bool:
     return _current_graph_task_id() != -1
 
@@ -252,11 +259,14 @@ class ParamOffload:
         entry_bytes = [[p.numel() * p.element_size() for p in ps] for _, ps in self.blocks]
         if tier_factory is None:
             zdev = _zoe.cpu_device() if self._device.type == "cpu" else _zoe.cuda_device(self._device.index)
-            # torch's kernels run on torch's stream, not zoe's: a fetch returns once its block is there.
-            self.tier = _zoe.ParamTier(zdev, entry_bytes, self._names, home, nvme_paths, budget_bytes, prefetch,
-                                       host_consumer=True)
+            # On CUDA the tier's compute-stream work is torch's current stream (_on_torch_stream): a fetch
+            # makes torch's stream wait for the block's copy, a release records when torch is done with it.
+            self.tier = _zoe.ParamTier(zdev, entry_bytes, self._names, home, nvme_paths, budget_bytes, prefetch)
+            self._zoe_device = zdev
         else:
             self.tier = tier_factory(entry_bytes, self._names, home, nvme_paths, budget_bytes, prefetch)
+            self._zoe_device = None
+        self._compute_stream = None  # the torch stream the tier's device enqueues on (_on_torch_stream)
         self._block_bytes = [int(self.tier.block_bytes(b)) for b in range(len(self.blocks))]
         self._offsets = [[int(self.tier.entry_offset(b, e)) for e in range(len(ps))]
                          for b, (_, ps) in enumerate(self.blocks)]
@@ -300,6 +310,7 @@ class ParamOffload:
         if self.tier is None:
             raise RuntimeError("zoe parameter offload was removed: its blocks cannot be fetched")
         try:
+            self._on_torch_stream()
             address = int(self.tier.fetch(block, backward))
         except Exception as e:
             raise RuntimeError(f"zoe parameter offload: fetching block {block} ('{self._names[block]}', "
@@ -313,6 +324,15 @@ class ParamOffload:
         memory = _CudaMemory(address, n, "|u1")
         memory.lease = lease
         return torch.as_tensor(memory, device=self._device).untyped_storage()
+
+    def _on_torch_stream(self) -> None:
+        """On CUDA the tier's compute-stream events and waits go on torch's current stream."""
+        if self._zoe_device is None or self._device.type != "cuda":
+            return
+        handle = torch.cuda.current_stream(self._device).cuda_stream
+        if handle != self._compute_stream:
+            self._zoe_device.use_compute_stream(handle)
+            self._compute_stream = handle
 
     def _live_add(self, address: int, block: int) -> None:
         live = self._live.get(address)
@@ -328,10 +348,8 @@ class ParamOffload:
             if live[1] == 0:
                 del self._live[address]
         if self.tier is not None:
-            if self._device.type == "cuda":
-                # The tier may copy another block into this memory as soon as it is released: the kernels
-                # torch enqueued on it must have run (the tier cannot see torch's stream).
-                torch.cuda.current_stream(self._device).synchronize()
+            # The tier gives this memory to another block only after torch's stream has passed this point.
+            self._on_torch_stream()
             self.tier.release(block)
 
     def _acquire(self, block: int, backward: bool) -> None:
@@ -553,7 +571,11 @@ class ParamOffload:
         return mark[1], mark[2]
 
     def stats(self) -> dict:
-        return dict(self.tier.stats())
+        """The tier's counters, and the host waits of its device as in OffloadOptimizer.stats()."""
+        s = dict(self.tier.stats())
+        if self._zoe_device is not None:
+            s.update(host_wait_stats(self._zoe_device))
+        return s
 
     def remove(self) -> None:
         """Gives every parameter its full weights back on its device (read from the tier), removes the hooks

@@ -505,10 +505,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             self._zoe_device = _cpu_device()
         else:
             raise ValueError(f"zoe.torch.OffloadOptimizer: device {self._device} is not supported (cpu or cuda)")
-        if self._device.type == "cuda" and self._options["schedule"] == "delayed":
-            raise _zoe.UnsupportedError(
-                "schedule='delayed' on CUDA needs zoe's device to share torch's compute stream, which zoe "
-                "cannot do yet; use 'sync' or 'overlap'")
+        self._compute_stream = None  # the torch stream zoe's compute-stream work goes on (CUDA; _on_torch_stream)
 
         slots_by_dtype: dict[torch.dtype, list[_Slot]] = {}
         self._slots: list[_Slot] = []
@@ -734,13 +731,14 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                 "gradient_accumulation_steps=<micro-batches per step> to OffloadOptimizer (zoe then sums them in "
                 "fp32 on the host), or call step() after every backward pass")
         self._push_hyper_once()
-        if self._device.type == "cuda":
-            # zoe's copy stream cannot yet wait on torch's: the gradient must exist before zoe copies it.
-            torch.cuda.current_stream(self._device).synchronize()
+        self._on_torch_stream()
         for i in slot.engine_ids:
             self._engine.grad_ready(i)
-        # The copy down must have read the window before the next parameter's gradient is accumulated there.
-        self._zoe_device.synchronize()
+        if self._device.type != "cuda":
+            # The copy down must have read the window before the next parameter's gradient is accumulated
+            # there. On CUDA the engine made torch's stream wait for it (grad_left_device), so the zeroing
+            # below is ordered after it with no host wait.
+            self._zoe_device.synchronize()
         slot.grad_view.zero_()
         self._window_versions = self._versions_of_windows()
         slot.taken = slot.accumulated == passes
@@ -793,17 +791,26 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             "max_norm) called through torch.nn.utils (zoe answers it; a copy of torch's function bound before the "
             "optimizer existed is not); and zoe's loss scaling (loss_scale) in place of GradScaler.")
 
+    def _on_torch_stream(self) -> None:
+        """On CUDA, zoe's compute-stream work (the event after which a gradient may be copied, the waits that
+        keep torch's next kernels off buffers still being copied) goes on torch's current stream, so that
+        the device orders them and the host waits for nothing."""
+        if self._device.type != "cuda":
+            return
+        handle = torch.cuda.current_stream(self._device).cuda_stream
+        if handle != self._compute_stream:
+            self._zoe_device.use_compute_stream(handle)
+            self._compute_stream = handle
+
     def _report(self, slot: _Slot, last: bool) -> None:
         self._push_hyper_once()
-        if self._device.type == "cuda":
-            # zoe's streams cannot yet wait on torch's; the gradient must exist before zoe copies it.
-            torch.cuda.current_stream(self._device).synchronize()
+        self._on_torch_stream()
         for i in slot.engine_ids:
             self._engine.grad_ready(i)
-        if self._engine_accumulates:
+        if self._engine_accumulates and self._device.type != "cuda":
             # Unless it works in place, the engine zeroes the buffer (or writes the sum back) on its own copy
             # stream — on the CPU too, with the delayed schedule — which torch's next backward or the
-            # trainer's clipping does not wait for.
+            # trainer's clipping does not wait for. On CUDA torch's stream waits for it on the device.
             self._zoe_device.synchronize()
         if last:
             self._reported = slot.taken = True
@@ -1019,8 +1026,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                 tc = time.perf_counter()
                 self._dtensor.agree(self)
                 comm += time.perf_counter() - tc
-            if self._device.type == "cuda":
-                torch.cuda.current_stream(self._device).synchronize()
+            self._on_torch_stream()
             te = time.perf_counter()
             self._engine.step()
             if self._device.type == "cpu" and self._options["schedule"] == "delayed":
@@ -1102,6 +1108,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             if self._dp is not None:
                 self._dp.check_reduction(self._buckets)
             self._engine.set_max_grad_norm(limit if math.isfinite(limit) else 0.0)
+            self._on_torch_stream()
             norm = self._engine.grad_norm()
         self._clip_once = limit
         self._taken_versions = self._grad_versions()
@@ -1178,9 +1185,12 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         """The engine's counters (steps, skipped, last_grad_norm, adam_s, step_call_s, d2h/h2d bytes) and the
         adapter's own time: ``engine_s`` inside the engine's step (zoe's own partitioning communicates there),
         ``comm_s`` in torch.distributed outside it (FSDP2's global norm), ``adapter_s`` the rest of step();
-        ``device_grad_bytes``, the gradient buffers the adapter keeps on the model's device."""
+        ``device_grad_bytes``, the gradient buffers the adapter keeps on the model's device;
+        ``host_waits_trainer``/``host_wait_trainer_s`` the times (and seconds) a trainer's thread waited for
+        zoe's device since it was made, ``host_waits_worker``/``host_wait_worker_s`` zoe's own threads'."""
         s = dict(self._engine.stats())
         s.update(self._timing)
+        s.update(_param_offload.host_wait_stats(self._zoe_device))
         s["device_grad_bytes"] = sum(
             (b.grads.numel() + (b.window.numel() if b.window is not None else 0)) * b.grads.element_size()
             for b in self._buckets)

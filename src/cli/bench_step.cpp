@@ -244,6 +244,7 @@ int bench_step(std::span<char* const> args) {
   };
   if (Status s = compute_done(); !s.ok()) return fail(s);
   const double adam_before = opt->stats().adam_s;
+  const HostWaits waits_before = device->host_waits();
   Status s;
   const double total = time_seconds([&] {
     for (std::uint64_t i = 0; i < iters.value() && s.ok(); ++i) s = iteration(*device, *opt, buckets.value(), compute_s);
@@ -251,7 +252,12 @@ int bench_step(std::span<char* const> args) {
   });
   if (s.ok()) s = opt->wait();
   if (!s.ok()) return fail(s);
+  const HostWaits waits_after = device->host_waits();
   const double step_s = total / static_cast<double>(iters.value());
+  const double per_iter = 1.0 / static_cast<double>(iters.value());
+  // The timed loop's last compute_done() is the benchmark's own wait, not the optimizer's.
+  const double trainer_waits = static_cast<double>(waits_after.trainer_calls - waits_before.trainer_calls - 1) * per_iter;
+  const double worker_waits = static_cast<double>(waits_after.worker_calls - waits_before.worker_calls) * per_iter;
   const double idle = 1.0 - compute_s / step_s;
   const double adam_s = (opt->stats().adam_s - adam_before) / static_cast<double>(iters.value());
   if (json) {
@@ -260,7 +266,8 @@ int bench_step(std::span<char* const> args) {
         .add("durability", durability_text).add("state", state_text)
         .add("buckets", buckets.value()).add("device_compute_s", compute_s).add("step_s", step_s)
         .add("device_idle_fraction", idle).add("cpu_step_s", cpu_step_s).add("cpu_adam_s", adam_s)
-        .add("iters", iters.value()).add("copy_ceiling_gbps", copy_ceiling_gbps);
+        .add("iters", iters.value()).add("host_waits_per_step", trainer_waits)
+        .add("worker_waits_per_step", worker_waits).add("copy_ceiling_gbps", copy_ceiling_gbps);
     if (copies_measured) line.add("copy_gbps", copy_gbps).add("copy_ratio", copy_gbps / copy_ceiling_gbps);
     std::printf("%s\n", line.str().c_str());
   } else {

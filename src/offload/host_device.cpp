@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <type_traits>
 
@@ -36,6 +37,10 @@ struct EventState {
     std::lock_guard lock(mutex);
     done = true;
     done_cv.notify_all();
+  }
+  bool is_done() {
+    std::lock_guard lock(mutex);
+    return done;
   }
   void wait() {
     std::unique_lock lock(mutex);
@@ -104,16 +109,25 @@ class HostDevice final : public Device {
   Status synchronize(EventId id) override {
     std::shared_ptr<EventState> event = take(id);
     if (!event) return invalid_argument("synchronize: unknown event " + std::to_string(id));
-    event->wait();
+    if (!event->is_done()) {  // counted only where the host actually stops
+      HostWaitScope counted(*this);
+      event->wait();
+    }
     return Status::success();
   }
 
   Status synchronize() override {
+    std::shared_ptr<EventState> reached[kStreams];
+    bool busy = false;
     for (int s = 0; s < kStreams; ++s) {
       Result<EventId> e = record(static_cast<Stream>(s));
       if (!e.ok()) return e.status();
-      if (Status st = synchronize(e.value()); !st.ok()) return st;
+      reached[s] = take(e.value());
+      busy = busy || !reached[s]->is_done();
     }
+    std::optional<HostWaitScope> counted;  // one wait, and only where some stream is still busy
+    if (busy) counted.emplace(*this);
+    for (const auto& event : reached) event->wait();
     return Status::success();
   }
 

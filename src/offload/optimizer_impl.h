@@ -292,7 +292,7 @@ Result<std::unique_ptr<StateTier>> make_nvme_tier(Impl& m, const char* name);
 // nvme, and partitioned optimizers.
 Status sync_step(Impl& m);
 Status take_all_grads(Impl& m);    // every gradient into staging set 0 with its statistics, and waits for them
-Status finish_sync_step(Impl& m);  // every gradient is on its way down: decide, step, send the weights up
+Status finish_sync_step(Impl& m);  // every gradient is down (its taker waited): decide, step, send the weights up
 // The schedule of m.options.schedule, after m.allocate().
 Result<std::unique_ptr<StepSchedule>> make_schedule(Impl& m);
 std::unique_ptr<StepSchedule> make_sync_schedule(Impl& m);

@@ -106,6 +106,7 @@ class OverlapSchedule final : public StepSchedule {
   void end_iteration();
   void save_undo(const Piece& k);
   void restore_undo(const Piece& k);
+  void copy_undo(const Piece& k, bool save);
 
   Impl& m_;
   bool speculation_can_fail_ = false;
@@ -219,33 +220,37 @@ Status OverlapSchedule::step() {
   return Status::success();
 }
 
-void OverlapSchedule::save_undo(const Piece& k) {
-  const std::size_t off = m_.offsets[k.param] + k.begin, w = m_.weight_offsets[k.param] + k.begin * 2;
-  const PieceState st = m_.tier->piece(k);
-  std::memcpy(undo_master_.as<float>() + off, st.p, k.n * 4);
-  std::memcpy(undo_exp_avg_.as<float>() + off, st.m, k.n * m_.moment_bytes());
-  std::memcpy(undo_exp_avg_sq_.as<float>() + off, st.v, k.n * m_.moment_bytes());
-  if (st.m_scale != nullptr) {
-    std::memcpy(undo_m_scale_.as<float>() + st.scale_index, st.m_scale, moment_blocks(k.n) * 4);
-    std::memcpy(undo_v_scale_.as<float>() + st.scale_index, st.v_scale, moment_blocks(k.n) * 4);
-  }
-  if (m_.params[k.param].dtype != DType::f32) {
-    std::memcpy(undo_weights_.as<unsigned char>() + w, static_cast<unsigned char*>(m_.weights_of(k.param)) + k.begin * 2, k.n * 2);
-  }
-}
+void OverlapSchedule::save_undo(const Piece& k) { copy_undo(k, true); }
 
-void OverlapSchedule::restore_undo(const Piece& k) {
+void OverlapSchedule::restore_undo(const Piece& k) { copy_undo(k, false); }
+
+// A piece's master, moments (and their block scales) and 16-bit weights, to the undo copy or back. On all of
+// the CPU's threads: one piece's copy is as large as its Adam step's traffic, and on the worker's one thread
+// it took longer than the step itself (an H200 host: 0.45 s a step for 300M parameters).
+void OverlapSchedule::copy_undo(const Piece& k, bool save) {
+  constexpr std::size_t kChunk = 1 << 16;  // elements per task
   const std::size_t off = m_.offsets[k.param] + k.begin, w = m_.weight_offsets[k.param] + k.begin * 2;
+  const std::size_t mb = m_.moment_bytes();
   const PieceState st = m_.tier->piece(k);
-  std::memcpy(st.p, undo_master_.as<float>() + off, k.n * 4);
-  std::memcpy(st.m, undo_exp_avg_.as<float>() + off, k.n * m_.moment_bytes());
-  std::memcpy(st.v, undo_exp_avg_sq_.as<float>() + off, k.n * m_.moment_bytes());
+  const bool weights = m_.params[k.param].dtype != DType::f32;
+  auto* weights_at = static_cast<unsigned char*>(m_.weights_of(k.param)) + k.begin * 2;
+  auto copy = [save](void* live, void* undo, std::size_t bytes) {
+    if (save) {
+      std::memcpy(undo, live, bytes);
+    } else {
+      std::memcpy(live, undo, bytes);
+    }
+  };
+  m_.adam.parallel_for((k.n + kChunk - 1) / kChunk, [&](std::size_t c) {
+    const std::size_t b = c * kChunk, n = std::min(kChunk, k.n - b);
+    copy(st.p + b, undo_master_.as<float>() + off + b, n * 4);
+    copy(static_cast<unsigned char*>(st.m) + b * mb, undo_exp_avg_.as<unsigned char>() + (off + b) * mb, n * mb);
+    copy(static_cast<unsigned char*>(st.v) + b * mb, undo_exp_avg_sq_.as<unsigned char>() + (off + b) * mb, n * mb);
+    if (weights) copy(weights_at + b * 2, undo_weights_.as<unsigned char>() + w + b * 2, n * 2);
+  });
   if (st.m_scale != nullptr) {
-    std::memcpy(st.m_scale, undo_m_scale_.as<float>() + st.scale_index, moment_blocks(k.n) * 4);
-    std::memcpy(st.v_scale, undo_v_scale_.as<float>() + st.scale_index, moment_blocks(k.n) * 4);
-  }
-  if (m_.params[k.param].dtype != DType::f32) {
-    std::memcpy(static_cast<unsigned char*>(m_.weights_of(k.param)) + k.begin * 2, undo_weights_.as<unsigned char>() + w, k.n * 2);
+    copy(st.m_scale, undo_m_scale_.as<float>() + st.scale_index, moment_blocks(k.n) * 4);
+    copy(st.v_scale, undo_v_scale_.as<float>() + st.scale_index, moment_blocks(k.n) * 4);
   }
 }
 

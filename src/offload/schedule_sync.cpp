@@ -23,9 +23,6 @@ Status sync_step(Impl& m) {
 }
 
 Status finish_sync_step(Impl& m) {
-  Result<EventId> copied = m.device.record(Stream::d2h);
-  if (!copied.ok()) return copied.status();
-  if (Status s = m.device.synchronize(copied.value()); !s.ok()) return s;
   const Impl::Decision d = m.decide(0, m.visible_scale, m.options.max_grad_norm);
   if (!d.error.ok()) return d.error;
   if (d.refused) return m.non_finite_error(0);

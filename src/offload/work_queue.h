@@ -8,6 +8,8 @@
 #include <mutex>
 #include <thread>
 
+#include "zoe/device.h"
+
 namespace zoe {
 
 class WorkQueue {
@@ -41,6 +43,7 @@ class WorkQueue {
 
  private:
   void loop() {
+    mark_worker_thread();  // its host waits are zoe's own, not the trainer's
     for (;;) {
       std::function<void()> work;
       {

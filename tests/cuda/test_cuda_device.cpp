@@ -186,6 +186,56 @@ TEST_F(CudaDeviceTest, WaitOrdersStreams) {
   device_->free_host(old_data);
 }
 
+// torch's current stream as Stream::compute: zoe's events there mark the caller's kernels, its waits hold
+// the caller's later kernels, and the host waits for none of it.
+TEST_F(CudaDeviceTest, ForeignComputeStreamOrdersWithoutHostWaits) {
+  cudaStream_t foreign = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&foreign, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_TRUE(device_->use_compute_stream(reinterpret_cast<std::uintptr_t>(foreign)).ok());
+  constexpr std::size_t kBytes = 1 << 20;
+  auto* later = static_cast<unsigned char*>(host_buffer(kBytes));
+  auto* seen = static_cast<unsigned char*>(host_buffer(kBytes));
+  void* dev = device_buffer(kBytes);
+  ASSERT_TRUE(later && seen && dev);
+  std::memset(later, 7, kBytes);
+  ASSERT_TRUE(device_->fill_zero(dev, kBytes, Stream::h2d).ok());
+  sync_stream(Stream::h2d);
+  const HostWaits before = device_->host_waits();
+
+  // The caller's kernel (a spin) then its write, both on its own stream; zoe's copy waits for them on the device.
+  ASSERT_TRUE(device_->simulate_compute(0.2, Stream::compute).ok());
+  ASSERT_EQ(cudaMemcpyAsync(dev, later, kBytes, cudaMemcpyHostToDevice, foreign), cudaSuccess);
+  const auto start = std::chrono::steady_clock::now();
+  Result<EventId> produced = device_->record(Stream::compute);
+  ASSERT_TRUE(produced.ok());
+  ASSERT_TRUE(device_->wait(Stream::d2h, *produced).ok());
+  ASSERT_TRUE(device_->copy_to_host(seen, dev, kBytes, Stream::d2h).ok());
+  Result<EventId> copied = device_->record(Stream::d2h);
+  ASSERT_TRUE(copied.ok());
+  // The caller's next kernel must not overwrite the buffer before zoe's copy has read it.
+  ASSERT_TRUE(device_->wait(Stream::compute, *copied).ok());
+  ASSERT_EQ(cudaMemsetAsync(dev, 9, kBytes, foreign), cudaSuccess);
+  const double enqueued = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(cudaStreamQuery(foreign), cudaErrorNotReady) << "the spin must run on the foreign stream";
+  EXPECT_LT(enqueued, 0.1) << "record and wait on the foreign stream must not block the host";
+  EXPECT_EQ(device_->host_waits().trainer_calls, before.trainer_calls);
+
+  ASSERT_EQ(cudaStreamSynchronize(foreign), cudaSuccess);
+  sync_stream(Stream::d2h);
+  EXPECT_EQ(seen[0], 7) << "zoe copied before the caller's write";
+  EXPECT_EQ(seen[kBytes - 1], 7) << "zoe copied before the caller's write, or after its next one";
+  // The d2h stream may be done by now: a synchronize that finds its work complete is not a wait.
+  const HostWaits after = device_->host_waits();
+  EXPECT_LE(after.trainer_calls, before.trainer_calls + 1) << "at most the one synchronize of this test's thread";
+  EXPECT_EQ(after.worker_calls, before.worker_calls);
+
+  ASSERT_TRUE(device_->use_compute_stream(std::nullopt).ok());
+  device_->free(dev);
+  device_->free_host(seen);
+  device_->free_host(later);
+  ASSERT_EQ(cudaStreamDestroy(foreign), cudaSuccess);
+}
+
 TEST_F(CudaDeviceTest, SimulateComputeTakesAtLeastTheRequestedTime) {
   ASSERT_TRUE(device_->simulate_compute(0.001, Stream::compute).ok());  // loads the module
   ASSERT_TRUE(device_->synchronize().ok());

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <thread>
 #include <vector>
 
 #include "tests/reference.h"
@@ -61,6 +63,37 @@ TEST_P(HostGradStats, MatchesFloat64Reference) {
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, HostGradStats, ::testing::Values(DType::f32, DType::f16, DType::bf16),
                          [](const auto& p) { return std::string(dtype_name(p.param)); });
+
+// Host waits are counted once per synchronize that finds the device busy (the all-streams form waits per
+// stream inside), by whose thread waited; one that finds the work done is not a wait.
+TEST(HostDeviceWaits, CountedOncePerCallByKindOfThread) {
+  std::unique_ptr<Device> device = make_host_device();
+  const HostWaits start = device->host_waits();
+  EXPECT_EQ(start.trainer_calls + start.worker_calls, 0u);
+  ASSERT_TRUE(device->simulate_compute(0.02, Stream::compute).ok());
+  ASSERT_TRUE(device->synchronize().ok());
+  ASSERT_TRUE(device->simulate_compute(0.02, Stream::d2h).ok());
+  Result<EventId> e = device->record(Stream::d2h);
+  ASSERT_TRUE(e.ok());
+  ASSERT_TRUE(device->synchronize(e.value()).ok());
+  HostWaits w = device->host_waits();
+  EXPECT_EQ(w.trainer_calls, 2u);
+
+  EXPECT_GE(w.trainer_s, 0.02) << "the first wait outlasted the 20 ms of compute";
+  EXPECT_EQ(w.worker_calls, 0u);
+  std::thread worker([&] {
+    mark_worker_thread();
+    ASSERT_TRUE(device->simulate_compute(0.02, Stream::h2d).ok());
+    Result<EventId> f = device->record(Stream::h2d);
+    ASSERT_TRUE(f.ok());
+    ASSERT_TRUE(device->synchronize(f.value()).ok());
+  });
+  worker.join();
+  w = device->host_waits();
+  EXPECT_EQ(w.trainer_calls, 2u);
+  EXPECT_EQ(w.worker_calls, 1u);
+  EXPECT_FALSE(on_worker_thread());
+}
 
 }  // namespace
 }  // namespace zoe

@@ -418,3 +418,44 @@ def test_cuda_parity():
             torch.nn.functional.mse_loss(model(x.cuda()), y.cuda()).backward()
             opt.step()
     assert max_diff(ref, mine) < PARITY_TOL
+
+
+# Host waits per step on the trainer's thread that each schedule may make on CUDA: sync reads every gradient
+# (one wait) and sends the weights up (one more: the staging is rewritten by the next step); overlap and
+# delayed read the step's decision.
+CUDA_TRAINER_WAITS = {"sync": 2, "overlap": 2, "delayed": 2}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+@pytest.mark.parametrize("schedule", ["sync", "overlap", "delayed"])
+def test_cuda_schedules_step_as_on_the_cpu(schedule):
+    """Gradients every device computes to the same bits (g = p * c: one correctly rounded bf16 product, which
+    depends on the weights, so stale or early weights change it): zoe on CUDA, its copies ordered by torch's
+    stream, steps exactly as zoe on the CPU, the delayed schedule's one-step-old weights included; and the
+    trainer's thread waits for the GPU at most CUDA_TRAINER_WAITS times per step."""
+    g = torch.Generator().manual_seed(0)
+    sizes = (4096, (1 << 20) + 3, 17)
+    init = [torch.randn(n, generator=g).to(torch.bfloat16) for n in sizes]
+    coef = [(torch.rand(n, generator=g) + 0.5).to(torch.bfloat16) for n in sizes]
+    steps, warmup = 8, 2
+
+    def run(device):
+        ps = [torch.nn.Parameter(t.to(device).clone()) for t in init]
+        cs = [c.to(device) for c in coef]
+        opt = OffloadOptimizer(ps, lr=1e-2, weight_decay=0.1, schedule=schedule, delayed_warmup_steps=warmup)
+        waits = []
+        for _ in range(steps):
+            opt.zero_grad()
+            before = opt.stats()["host_waits_trainer"]
+            sum((p * (p.detach() * c)).float().sum() for p, c in zip(ps, cs)).backward()
+            opt.step()
+            waits.append(opt.stats()["host_waits_trainer"] - before)
+        moments = [opt.read_state(p)["exp_avg_sq"] for p in ps]  # waits for the step in flight (delayed)
+        return [p.detach().cpu() for p in ps], moments, waits
+
+    want, want_v, _ = run("cpu")
+    got, got_v, waits = run("cuda")
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert all(torch.equal(a, b) for a, b in zip(want_v, got_v))
+    steady = waits[warmup + 1:] if schedule == "delayed" else waits[1:]
+    assert max(steady) <= CUDA_TRAINER_WAITS[schedule], waits

@@ -59,7 +59,7 @@ def _weight_bytes(model) -> int:
 
 
 def _train(model, schedule, steps=STEPS, micro=1):
-    opt = OffloadOptimizer(model.parameters(), lr=3e-3, weight_decay=0.01, schedule=schedule,
+    opt = OffloadOptimizer(model.parameters(), lr=3e-3, weight_decay=0.01, schedule=schedule, delayed_warmup_steps=3,
                            gradient_accumulation_steps=micro if micro > 1 else None)
     data = ByteBatches(model.config.seq, 4, seed=0)
     losses = []
@@ -96,7 +96,7 @@ def _assert_same_training(reference, model, off, ref_opt, opt, want, got):
             assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("schedule", ["sync", "overlap"])
+@pytest.mark.parametrize("schedule", ["sync", "overlap", "delayed"])
 @pytest.mark.parametrize("home", ["cpu", "nvme"])
 def test_gpt_trains_bitwise_as_resident_on_the_gpu(home, schedule, tmp_path):
     reference = _gpt()
