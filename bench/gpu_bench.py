@@ -229,10 +229,12 @@ class Bench:
         total_device = torch.cuda.get_device_properties(self.device).total_memory
         total_host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         per_layer_params = self.n_params / self.cfg.n_layer  # embeddings counted in: a slight overestimate
+        done = set()
         for r in self.rows:
-            if r.get("batch") != at_batch or "error" in r or "resident_device_bytes" not in r:
+            if r.get("batch") != at_batch or "error" in r or "resident_device_bytes" not in r or r["config"] in done:
                 continue
             config = r["config"]
+            done.add(config)  # torch's first run stands for both
             dev_per_layer = r["peak_device_bytes"] / self.cfg.n_layer
             if config == "zoe_overlap_param_cpu":
                 # The pool is fixed (prefetch 2 blocks); what grows with depth is the activations.

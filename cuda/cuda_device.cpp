@@ -122,7 +122,6 @@ class StatsSlotPool {
   std::size_t slots_ = 0;
 };
 
-
 CudaDevice::CudaDevice(int ordinal, std::string name)
     : ordinal_(ordinal), name_(std::move(name)), sweep_at_(kSweepMin) {}
 

@@ -2,6 +2,8 @@
 // runs its work in order, events are flags set when a stream reaches them. It lets every schedule run
 // (and be timed) on machines without a GPU; its copies cost CPU time that a GPU's copy engines would not.
 #include <algorithm>
+#include <random>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -50,7 +52,8 @@ struct EventState {
 
 class HostDevice final : public Device {
  public:
-  explicit HostDevice(bool cpu) : cpu_(cpu) {}
+  explicit HostDevice(const HostDeviceOptions& o)
+      : cpu_(o.cpu), chaos_on_(o.chaos_seed != 0 && o.chaos_max_s > 0), chaos_max_s_(o.chaos_max_s), chaos_(o.chaos_seed) {}
   ~HostDevice() override {
     streams_.clear();  // drains and joins every stream before memory goes
   }
@@ -134,12 +137,37 @@ class HostDevice final : public Device {
   Status enqueue(Stream stream, std::function<void()> work) {
     const int s = static_cast<int>(stream);
     if (s < 0 || s >= kStreams) return invalid_argument("unknown stream " + std::to_string(s));
-    streams_[s]->enqueue(std::move(work));
+    if (chaos_on_) {
+      const double delay = chaos_delay();
+      work = [delay, inner = std::move(work)] {
+        std::this_thread::sleep_for(std::chrono::duration<double>(delay));
+        inner();
+      };
+    }
+    WorkQueue* foreign = stream == Stream::compute ? foreign_compute_.load() : nullptr;
+    (foreign != nullptr ? foreign : streams_[s].get())->enqueue(std::move(work));
+    return Status::success();
+  }
+
+  // `handle` is a HostStream's (HostStream::handle()); the caller keeps it alive while zoe may enqueue there.
+  Status use_compute_stream(std::optional<std::uintptr_t> handle) override {
+    if (handle && *handle == 0) return invalid_argument("use_compute_stream: a host stream's handle is never 0");
+    foreign_compute_ = handle ? reinterpret_cast<WorkQueue*>(*handle) : nullptr;
     return Status::success();
   }
 
  private:
+  double chaos_delay() {
+    std::lock_guard lock(chaos_mutex_);
+    return std::uniform_real_distribution<double>(0, chaos_max_s_)(chaos_);
+  }
+
   const bool cpu_;
+  const bool chaos_on_;
+  const double chaos_max_s_;
+  std::mutex chaos_mutex_;
+  std::mt19937_64 chaos_;
+  std::atomic<WorkQueue*> foreign_compute_{nullptr};
 
   // As the CUDA device's pinned memory: huge pages from 2 MiB up (AlignedBuffer::allocate_for_io).
   Result<void*> allocate_bytes(std::size_t bytes) {
@@ -180,8 +208,21 @@ class HostDevice final : public Device {
 
 }  // namespace
 
-std::unique_ptr<Device> make_host_device() { return std::make_unique<HostDevice>(false); }
-std::unique_ptr<Device> make_cpu_device() { return std::make_unique<HostDevice>(true); }
+std::unique_ptr<Device> make_host_device(const HostDeviceOptions& options) {
+  return std::make_unique<HostDevice>(options);
+}
+std::unique_ptr<Device> make_host_device() { return make_host_device(HostDeviceOptions{}); }
+std::unique_ptr<Device> make_cpu_device() {
+  HostDeviceOptions o;
+  o.cpu = true;
+  return make_host_device(o);
+}
+
+HostStream::HostStream() : queue_(std::make_unique<WorkQueue>()) {}
+HostStream::~HostStream() = default;
+void HostStream::enqueue(std::function<void()> work) { queue_->enqueue(std::move(work)); }
+void HostStream::drain() { queue_->drain(); }
+std::uintptr_t HostStream::handle() const { return reinterpret_cast<std::uintptr_t>(queue_.get()); }
 
 GradStats host_grad_stats(const void* grad, DType dtype, std::size_t n) {
   // The CPU's best kernel, as a GPU runs its own: blockwise float sums, exact re-sums where float is not enough.

@@ -1,0 +1,148 @@
+// The optimizer with its compute stream on a stream it does not own (torch's current stream on a GPU: here a
+// HostStream), on the host stand-in, with and without chaos (random delays before every piece of device
+// work). The trainer's "backward" runs on that stream: each parameter's gradient is computed there from the
+// weights that stream sees, so that a copy taken too early or weights sent too late change the numbers.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "src/offload/host_device.h"
+#include "tests/offload/trainer.h"
+#include "zoe/offload.h"
+
+namespace zoe {
+namespace {
+
+using test::DeviceParams;
+
+constexpr int kIterations = 8;
+constexpr int kWarmup = 2;  // the delayed schedule's sync steps
+
+struct Outcome {
+  std::vector<float> state;
+  std::vector<unsigned char> weights;
+  std::vector<double> trainer_waits;  // per iteration, from the device's count
+};
+
+// Parameter b's gradient in iteration t, computed from its weights as the stream running it sees them.
+void backward_of(DeviceParams& model, std::size_t b, int t) {
+  const ParamSpec& p = model.specs[b];
+  test::Random rng(1000 + 31 * t + b);
+  for (std::size_t i = 0; i < p.n; ++i) {
+    const float w = model.get(p.device_weights, i);
+    model.set(const_cast<void*>(p.device_grads), i, 0.1f * w + static_cast<float>(rng.uniform(-1e-2, 1e-2)));
+  }
+}
+
+// `foreign`: the trainer's work goes on a HostStream that is zoe's compute stream, and the host never waits
+// for it. Otherwise the trainer waits for the device before every piece of its work (fully ordered).
+Outcome train(Schedule schedule, bool foreign, std::uint64_t chaos_seed, double first_delay_s = 0) {
+  HostDeviceOptions ho;
+  ho.chaos_seed = chaos_seed;
+  std::unique_ptr<Device> device = make_host_device(ho);
+  HostStream torch_stream;
+  if (foreign) {
+    EXPECT_TRUE(device->use_compute_stream(torch_stream.handle()).ok());
+  }
+  DeviceParams model(*device, DType::bf16, {1000, 37, 4096, 1}, 42);
+  OffloadOptions o;
+  o.schedule = schedule;
+  o.delayed_warmup_steps = kWarmup;
+  o.cpu.threads = 2;
+  o.cpu.tile = 512;
+  o.tile = 700;
+  Result<OffloadOptimizer> made = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs, o);
+  EXPECT_TRUE(made.ok()) << made.status().to_string();
+  Outcome out;
+  if (!made.ok()) return out;
+  OffloadOptimizer& opt = made.value();
+  for (int t = 0; t < kIterations; ++t) {
+    const std::uint64_t waits_before = device->host_waits().trainer_calls;
+    for (std::size_t b = model.specs.size(); b-- > 0;) {
+      if (foreign) {
+        if (t == kWarmup + 1 && b + 1 == model.specs.size() && first_delay_s > 0) {
+          torch_stream.enqueue([first_delay_s] { std::this_thread::sleep_for(std::chrono::duration<double>(first_delay_s)); });
+        }
+        torch_stream.enqueue([&model, b, t] { backward_of(model, b, t); });
+      } else {
+        EXPECT_TRUE(device->synchronize().ok());
+        backward_of(model, b, t);
+      }
+      const auto start = std::chrono::steady_clock::now();
+      EXPECT_TRUE(opt.grad_ready(b).ok());
+      if (foreign && first_delay_s > 0 && t == kWarmup + 1) {
+        EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), first_delay_s / 2)
+            << "grad_ready must not wait for the foreign stream's work";
+      }
+    }
+    const Status s = opt.step();
+    EXPECT_TRUE(s.ok()) << s.to_string();
+    out.trainer_waits.push_back(static_cast<double>(device->host_waits().trainer_calls - waits_before));
+  }
+  EXPECT_TRUE(opt.wait().ok());
+  torch_stream.drain();
+  EXPECT_TRUE(device->synchronize().ok());
+  for (std::size_t i = 0; i < model.specs.size(); ++i) {
+    std::vector<float> p(model.specs[i].n), m(p.size()), v(p.size());
+    EXPECT_TRUE(opt.read_state(i, p.data(), m.data(), v.data()).ok());
+    for (const auto* part : {&p, &m, &v}) out.state.insert(out.state.end(), part->begin(), part->end());
+  }
+  out.weights = model.weights();
+  return out;
+}
+
+class ForeignStream : public ::testing::TestWithParam<Schedule> {};
+
+TEST_P(ForeignStream, TrainsBitwiseAsTheFullyOrderedTrainerUnderChaos) {
+  const Outcome want = train(GetParam(), false, 0);
+  ASSERT_FALSE(want.state.empty());
+  for (std::uint64_t seed : {1, 2}) {
+    const Outcome got = train(GetParam(), true, seed);
+    EXPECT_EQ(got.state, want.state) << "master/moments differ, chaos seed " << seed;
+    EXPECT_EQ(got.weights, want.weights) << "device weights differ, chaos seed " << seed;
+  }
+}
+
+// The trainer's thread runs ahead: grad_ready returns while the stream still sleeps before the gradient it
+// names exists, and what zoe copies is what that stream writes afterwards (the result equals the ordered run).
+// Host waits per iteration on the trainer's thread, after the warm-up: sync 2 (the gradients, then the weights'
+// staging before the next step rewrites it), overlap and delayed at most 2.
+TEST_P(ForeignStream, TrainerRunsAheadWithinItsWaitBudget) {
+  const Outcome want = train(GetParam(), false, 0);
+  const Outcome got = train(GetParam(), true, 0, 0.2);
+  EXPECT_EQ(got.state, want.state);
+  EXPECT_EQ(got.weights, want.weights);
+  for (int t = kWarmup + 1; t < kIterations; ++t) EXPECT_LE(got.trainer_waits[t], 2.0) << "iteration " << t;
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, ForeignStream,
+                         ::testing::Values(Schedule::sync, Schedule::overlap, Schedule::delayed),
+                         [](const auto& p) { return std::string(schedule_name(p.param)); });
+
+TEST(HostStream, ComputeWorkGoesToTheForeignStream) {
+  std::unique_ptr<Device> device = make_host_device();
+  HostStream foreign;
+  ASSERT_TRUE(device->use_compute_stream(foreign.handle()).ok());
+  EXPECT_EQ(device->use_compute_stream(0).code(), StatusCode::invalid_argument);
+  std::atomic<bool> gate{false};
+  foreign.enqueue([&gate] {
+    while (!gate) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  ASSERT_TRUE(device->simulate_compute(0, Stream::compute).ok());
+  Result<EventId> e = device->record(Stream::compute);
+  ASSERT_TRUE(e.ok());
+  Result<EventId> d2h = device->record(Stream::d2h);
+  ASSERT_TRUE(d2h.ok());
+  ASSERT_TRUE(device->synchronize(d2h.value()).ok()) << "zoe's own streams do not wait for the foreign one";
+  gate = true;
+  ASSERT_TRUE(device->synchronize(e.value()).ok());
+  ASSERT_TRUE(device->use_compute_stream(std::nullopt).ok());
+  foreign.drain();
+}
+
+}  // namespace
+}  // namespace zoe
