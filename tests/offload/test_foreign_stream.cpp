@@ -4,6 +4,7 @@
 // weights that stream sees, so that a copy taken too early or weights sent too late change the numbers.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -13,6 +14,7 @@
 #include "src/offload/host_device.h"
 #include "tests/offload/trainer.h"
 #include "zoe/offload.h"
+#include "zoe/param_tier.h"
 
 namespace zoe {
 namespace {
@@ -122,6 +124,56 @@ TEST_P(ForeignStream, TrainerRunsAheadWithinItsWaitBudget) {
 INSTANTIATE_TEST_SUITE_P(Schedules, ForeignStream,
                          ::testing::Values(Schedule::sync, Schedule::overlap, Schedule::delayed),
                          [](const auto& p) { return std::string(schedule_name(p.param)); });
+
+// Parameter offload on a foreign stream: fetch returns with the block's copy only enqueued; the caller's
+// work on its stream reads the block, later; the block's room is given to another only after that stream
+// has passed the release, and the host waited for none of it.
+TEST(HostStream, ParamTierOrdersFetchAndReleaseOnTheForeignStream) {
+  std::unique_ptr<Device> device = make_host_device();
+  HostStream torch_stream;
+  ASSERT_TRUE(device->use_compute_stream(torch_stream.handle()).ok());
+  constexpr std::size_t kBytes = 64 << 10;
+  ParamTierOptions o;
+  o.budget_bytes = 2 * kBytes;  // two blocks: the third fetch must reuse the room of one released
+  o.prefetch = 0;
+  Result<ParamTier> made = ParamTier::create(*device, {{"a", {kBytes}}, {"b", {kBytes}}, {"c", {kBytes}}}, o);
+  ASSERT_TRUE(made.ok()) << made.status().to_string();
+  ParamTier& tier = made.value();
+  std::vector<std::vector<unsigned char>> content(3, std::vector<unsigned char>(kBytes));
+  for (std::size_t b = 0; b < 3; ++b) {
+    std::memset(content[b].data(), static_cast<int>(0x11 * (b + 1)), kBytes);
+    ASSERT_TRUE(tier.write(b, 0, content[b].data(), 0, kBytes).ok());
+  }
+  const std::uint64_t waits = device->host_waits().trainer_calls;
+  std::vector<std::vector<unsigned char>> seen(3, std::vector<unsigned char>(kBytes));
+  auto use = [&](std::size_t b, const void* at, double delay_s) {
+    torch_stream.enqueue([&seen, b, at, delay_s] {
+      std::this_thread::sleep_for(std::chrono::duration<double>(delay_s));
+      std::memcpy(seen[b].data(), at, kBytes);
+    });
+  };
+  const auto start = std::chrono::steady_clock::now();
+  Result<void*> a = tier.fetch(0);
+  ASSERT_TRUE(a.ok());
+  use(0, a.value(), 0.2);  // the stream reads block a late
+  ASSERT_TRUE(tier.release(0).ok());
+  Result<void*> b = tier.fetch(1);
+  ASSERT_TRUE(b.ok());
+  use(1, b.value(), 0);
+  ASSERT_TRUE(tier.release(1).ok());
+  Result<void*> c = tier.fetch(2);  // evicts a (least recently used): its copy must wait for a's read
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c.value(), a.value()) << "the test expects c in a's room";
+  use(2, c.value(), 0);
+  ASSERT_TRUE(tier.release(2).ok());
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 0.1)
+      << "fetch and release must not wait for the caller's stream";
+  EXPECT_EQ(device->host_waits().trainer_calls, waits);
+  torch_stream.drain();
+  ASSERT_TRUE(tier.synchronize().ok());
+  for (std::size_t k = 0; k < 3; ++k) EXPECT_EQ(seen[k], content[k]) << "block " << k;
+  ASSERT_TRUE(device->use_compute_stream(std::nullopt).ok());
+}
 
 TEST(HostStream, ComputeWorkGoesToTheForeignStream) {
   std::unique_ptr<Device> device = make_host_device();
