@@ -122,7 +122,8 @@ int bench_step(std::span<char* const> args) {
     if (arg == "--offload-param" || arg.starts_with("--offload-param=")) return bench_param_offload(args);
   }
   std::string device_name = "host", schedule_text = "sync", n_text = "64M", buckets_text = "16", compute_text,
-              iters_text = "10", tier_text = "ram", path_text, durability_text = "step", state_text = "fp32";
+              iters_text = "10", tier_text = "ram", path_text, durability_text = "step", state_text = "fp32",
+              tile_text = "1M";
   bool json = false, help = false;
   const Option options[] = {
       {"device", &device_name, nullptr, "host (the stand-in) or cuda"},
@@ -135,6 +136,7 @@ int bench_step(std::span<char* const> args) {
       {"buckets", &buckets_text, nullptr, "gradient buckets reported during backward"},
       {"compute-ms", &compute_text, nullptr, "device forward+backward time (default: 1.5x the CPU step measured at start)"},
       {"iters", &iters_text, nullptr, "timed iterations"},
+      {"tile", &tile_text, nullptr, "elements per piece: the unit each gradient comes down and is stepped in (overlap)"},
       {"offload-param", nullptr, nullptr, "cpu|nvme: the layers' weights in a parameter tier instead (see --offload-param cpu --help)"},
       {"json", nullptr, &json, "one JSON object on stdout, nothing else"},
       {"help", nullptr, &help, "this help"},
@@ -161,9 +163,11 @@ int bench_step(std::span<char* const> args) {
   Result<std::uint64_t> n = parse_count(n_text, "--n");
   Result<std::uint64_t> buckets = parse_count(buckets_text, "--buckets");
   Result<std::uint64_t> iters = parse_count(iters_text, "--iters");
-  for (const Status& s : {n.status(), buckets.status(), iters.status()}) {
+  Result<std::uint64_t> tile = parse_count(tile_text, "--tile");
+  for (const Status& s : {n.status(), buckets.status(), iters.status(), tile.status()}) {
     if (!s.ok()) return fail(s);
   }
+  if (Status s = require_at_least(tile.value(), 1, "--tile", "elements per piece"); !s.ok()) return fail(s);
   for (const Status& s : {require_at_least(n.value(), 1, "--n", "parameters; 0 has no step to time"),
                           require_at_least(buckets.value(), 1, "--buckets", "gradient buckets, each of 1 parameter or more"),
                           require_at_least(iters.value(), 1, "--iters", "timed iterations")}) {
@@ -191,6 +195,7 @@ int bench_step(std::span<char* const> args) {
   o.state_dtype = state.value();
   if (o.tier == Tier::nvme && o.nvme.paths.empty()) return fail(invalid_argument("--tier nvme needs --path DIR[,DIR...]"));
   o.delayed_warmup_steps = kCpuProbes;
+  o.tile = tile.value();
   Result<OffloadOptimizer> opt = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs(), o);
   if (!opt.ok()) return fail(opt.status());
 
@@ -266,8 +271,9 @@ int bench_step(std::span<char* const> args) {
         .add("durability", durability_text).add("state", state_text)
         .add("buckets", buckets.value()).add("device_compute_s", compute_s).add("step_s", step_s)
         .add("device_idle_fraction", idle).add("cpu_step_s", cpu_step_s).add("cpu_adam_s", adam_s)
-        .add("iters", iters.value()).add("host_waits_per_step", trainer_waits)
-        .add("worker_waits_per_step", worker_waits).add("copy_ceiling_gbps", copy_ceiling_gbps);
+        .add("iters", iters.value()).add("tile", tile.value()).add("host_waits_per_step", trainer_waits)
+        .add("worker_waits_per_step", worker_waits).add("copy_ceiling_gbps", copy_ceiling_gbps)
+        .add("d2h_ceiling_gbps", model_bytes / raw->first / 1e9).add("h2d_ceiling_gbps", model_bytes / raw->second / 1e9);
     if (copies_measured) line.add("copy_gbps", copy_gbps).add("copy_ratio", copy_gbps / copy_ceiling_gbps);
     std::printf("%s\n", line.str().c_str());
   } else {
