@@ -250,18 +250,18 @@ int bench_step(std::span<char* const> args) {
   if (Status s = compute_done(); !s.ok()) return fail(s);
   const double adam_before = opt->stats().adam_s;
   const HostWaits waits_before = device->host_waits();
+  HostWaits waits_after;  // the iterations' own: before the benchmark's wait for the last compute
   Status s;
   const double total = time_seconds([&] {
     for (std::uint64_t i = 0; i < iters.value() && s.ok(); ++i) s = iteration(*device, *opt, buckets.value(), compute_s);
+    waits_after = device->host_waits();
     if (s.ok()) s = compute_done();
   });
   if (s.ok()) s = opt->wait();
   if (!s.ok()) return fail(s);
-  const HostWaits waits_after = device->host_waits();
   const double step_s = total / static_cast<double>(iters.value());
   const double per_iter = 1.0 / static_cast<double>(iters.value());
-  // The timed loop's last compute_done() is the benchmark's own wait, not the optimizer's.
-  const double trainer_waits = static_cast<double>(waits_after.trainer_calls - waits_before.trainer_calls - 1) * per_iter;
+  const double trainer_waits = static_cast<double>(waits_after.trainer_calls - waits_before.trainer_calls) * per_iter;
   const double worker_waits = static_cast<double>(waits_after.worker_calls - waits_before.worker_calls) * per_iter;
   const double idle = 1.0 - compute_s / step_s;
   const double adam_s = (opt->stats().adam_s - adam_before) / static_cast<double>(iters.value());
