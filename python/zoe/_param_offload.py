@@ -111,6 +111,16 @@ def host_wait_stats(device) -> dict:
                 host_waits_worker=w["worker_calls"], host_wait_worker_s=w["worker_s"])
 
 
+def follow_torch_stream(zoe_device, device: torch.device, followed):
+    """Points a zoe CUDA device's compute stream at torch's current stream on ``device`` (the handle zoe
+    follows is ``followed``; returns the one it follows now), so that zoe's events and waits order against
+    torch's kernels on the GPU and the host waits for nothing."""
+    handle = torch.cuda.current_stream(device).cuda_stream
+    if handle != followed:
+        zoe_device.use_compute_stream(handle)
+    return handle
+
+
 def _in_backward() -> bool:
     return _current_graph_task_id() != -1
 
@@ -327,12 +337,8 @@ class ParamOffload:
 
     def _on_torch_stream(self) -> None:
         """On CUDA the tier's compute-stream events and waits go on torch's current stream."""
-        if self._zoe_device is None or self._device.type != "cuda":
-            return
-        handle = torch.cuda.current_stream(self._device).cuda_stream
-        if handle != self._compute_stream:
-            self._zoe_device.use_compute_stream(handle)
-            self._compute_stream = handle
+        if self._zoe_device is not None and self._device.type == "cuda":
+            self._compute_stream = follow_torch_stream(self._zoe_device, self._device, self._compute_stream)
 
     def _live_add(self, address: int, block: int) -> None:
         live = self._live.get(address)

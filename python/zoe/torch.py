@@ -795,12 +795,9 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         """On CUDA, zoe's compute-stream work (the event after which a gradient may be copied, the waits that
         keep torch's next kernels off buffers still being copied) goes on torch's current stream, so that
         the device orders them and the host waits for nothing."""
-        if self._device.type != "cuda":
-            return
-        handle = torch.cuda.current_stream(self._device).cuda_stream
-        if handle != self._compute_stream:
-            self._zoe_device.use_compute_stream(handle)
-            self._compute_stream = handle
+        if self._device.type == "cuda":
+            self._compute_stream = _param_offload.follow_torch_stream(self._zoe_device, self._device,
+                                                                      self._compute_stream)
 
     def _report(self, slot: _Slot, last: bool) -> None:
         self._push_hyper_once()
