@@ -11,7 +11,8 @@ One JSON line per configuration and batch size: ``tokens_per_s``, ``ratio_vs_tor
 two torch runs at that batch), ``device_idle_fraction`` (1 - forward+backward alone / iteration, the
 forward+backward timed the same way with no optimizer), ``host_waits_per_step`` (times the trainer's thread
 waited for zoe's devices per iteration; ``worker_waits_per_step`` zoe's own threads), ``copy_ratio`` (sync
-only: the optimizer's D2H + H2D bytes over the part of its step that is not Adam, against plain pinned copies
+only: the optimizer's D2H + H2D bytes over their time — the part of its step that is not Adam brings the
+gradients down, ``d2h_gbps``, and the wait after it the weights up, ``h2d_gbps`` — against plain pinned copies
 of the model's bytes in this process; the other schedules overlap their copies with other work, so their copy
 time cannot be separated), ``peak_device_bytes`` (torch's peak allocation plus zoe's parameter pool).
 The second batch size is chosen so that forward+backward takes at least 1.5x zoe's CPU step (measured at the
@@ -192,18 +193,25 @@ class Bench:
                 row["copy_ratio"] = None
                 if config == "zoe_sync":
                     # The timed step() also waits for the rest of backward (the host runs ahead): the copies
-                    # are timed apart, in steps that start once the device is done.
+                    # are timed apart, in steps that start once the device is done. step() brings the
+                    # gradients down and returns with the weights' copies enqueued: the wait after it is theirs.
                     probe0 = opt.stats()
+                    h2d_s = 0.0
                     for _ in range(3):
                         model(x, y)[1].backward()
                         _sync(self.device)
                         opt.step()
+                        t = time.perf_counter()
+                        _sync(self.device)
+                        h2d_s += time.perf_counter() - t
                         opt.zero_grad(set_to_none=True)
                     p1 = opt.stats()
-                    copy_s = (p1["step_call_s"] - probe0["step_call_s"]) - (p1["adam_s"] - probe0["adam_s"])
-                    moved = (p1["d2h_bytes"] - probe0["d2h_bytes"]) + (p1["h2d_bytes"] - probe0["h2d_bytes"])
-                    if copy_s > 0 and moved > 0:
-                        row["copy_gbps"] = moved / copy_s / 1e9
+                    d2h_s = (p1["step_call_s"] - probe0["step_call_s"]) - (p1["adam_s"] - probe0["adam_s"])
+                    d2h = p1["d2h_bytes"] - probe0["d2h_bytes"]
+                    h2d = p1["h2d_bytes"] - probe0["h2d_bytes"]
+                    if d2h_s > 0 and h2d_s > 0 and d2h + h2d > 0:
+                        row.update(copy_gbps=(d2h + h2d) / (d2h_s + h2d_s) / 1e9, d2h_gbps=d2h / d2h_s / 1e9,
+                                   h2d_gbps=h2d / h2d_s / 1e9)
                         row["copy_ratio"] = row["copy_gbps"] / ceiling
         except Exception as e:  # one configuration's failure is a result, not the end of the run
             row["error"] = f"{type(e).__name__}: {e}"

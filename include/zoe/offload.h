@@ -238,6 +238,11 @@ class OffloadOptimizer {
   // gradients. Costs the overlap of this step, never its result. Refused, changing nothing, once a tiered
   // parameter's gradient has left the device (ParamSpec::tier).
   Status grads_changed();
+  // The overlap schedule's steps of this iteration taken during backward are undone: state and device
+  // weights as before them, and step() takes those steps again from the state as it is then. For a trainer
+  // that changed the weights the speculative steps started from (the model's weights are the truth between
+  // steps): discard, read_state(), write_state() the new master, step(). Other schedules: nothing to undo.
+  Status discard_speculative_steps();
   // The global L2 norm of this iteration's gradients, unscaled (over every rank when partitioned; NaN if any
   // is NaN/Inf), as step() will compute it: the gradients are taken now (copied down, their statistics
   // summed), and step() does not take them again unless grads_changed() is called.

@@ -32,6 +32,7 @@
 
 #include "src/offload/checkpoint.h"
 #include "src/offload/config.h"
+#include "src/offload/host_device.h"
 #include "zoe/adam.h"
 #include "zoe/device.h"
 #include "zoe/dtype.h"
@@ -705,8 +706,25 @@ void bind_engine(nb::module_& m) {
            },
            "Every time the host waited for this device since it was made: calls and seconds on the trainer's "
            "threads and on zoe's own workers.");
-  m.def("host_device", [] { return std::make_unique<PyDevice>(PyDevice{make_host_device()}); },
-        "The host stand-in: any host address is device memory; copies run on stream threads.");
+  m.def("host_device",
+        [](std::uint64_t chaos_seed, double chaos_max_s) {
+          if (!(chaos_max_s >= 0 && chaos_max_s <= 1)) check(invalid_argument("host_device: chaos_max_s must be in [0, 1] seconds"));
+          HostDeviceOptions options;
+          options.chaos_seed = chaos_seed;
+          options.chaos_max_s = chaos_max_s;
+          return std::make_unique<PyDevice>(PyDevice{make_host_device(options)});
+        },
+        nb::arg("chaos_seed") = 0, nb::arg("chaos_max_s") = 5e-4,
+        "The host stand-in: any host address is device memory; copies run on stream threads. chaos_seed other "
+        "than 0: every piece of its work first sleeps a random time up to chaos_max_s (the orders a GPU's "
+        "concurrent streams may take).");
+  nb::class_<HostStream>(m, "HostStream",
+                         "A stream of host work zoe does not own, which a host stand-in's compute stream can follow "
+                         "(Device.use_compute_stream(stream.handle())): stands for torch's current CUDA stream.")
+      .def(nb::init<>())
+      .def("handle", &HostStream::handle)
+      .def("drain", &HostStream::drain, nb::call_guard<nb::gil_scoped_release>(),
+           "Returns once everything enqueued on it has run.");
   m.def("cpu_device", [] { return std::make_unique<PyDevice>(PyDevice{make_cpu_device()}); },
         "The CPU as the device: the engine reads gradients and writes weights in place (fp32 weights are the "
         "master), except with schedule 'delayed', which needs its own copy.");
@@ -780,6 +798,9 @@ void bind_engine(nb::module_& m) {
       .def("wait", [](PyEngine& e) { e.call([](OffloadOptimizer& o) { return o.wait(); }); })
       .def("grads_changed", [](PyEngine& e) { e.call([](OffloadOptimizer& o) { return o.grads_changed(); }); },
            "The trainer changed gradients after backward: step() takes them all again.")
+      .def("discard_speculative_steps",
+           [](PyEngine& e) { e.call([](OffloadOptimizer& o) { return o.discard_speculative_steps(); }); },
+           "Undoes the overlap schedule's steps taken during this backward; step() takes them again.")
       .def("grad_norm",
            [](PyEngine& e) {
              double norm = 0;

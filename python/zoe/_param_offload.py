@@ -70,6 +70,7 @@ import torch
 from torch import nn
 
 from . import _checks, _zoe
+from ._stream import TorchStream, host_wait_stats
 from ._data_parallel import _CudaMemory
 from ._dtensor import is_dtensor
 
@@ -102,23 +103,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # this module must not displace.
 _top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-
-
-def host_wait_stats(device) -> dict:
-    """A zoe device's host waits under the names stats() reports them by."""
-    w = device.host_waits()
-    return dict(host_waits_trainer=w["trainer_calls"], host_wait_trainer_s=w["trainer_s"],
-                host_waits_worker=w["worker_calls"], host_wait_worker_s=w["worker_s"])
-
-
-def follow_torch_stream(zoe_device, device: torch.device, followed):
-    """Points a zoe CUDA device's compute stream at torch's current stream on ``device`` (the handle zoe
-    follows is ``followed``; returns the one it follows now), so that zoe's events and waits order against
-    torch's kernels on the GPU and the host waits for nothing."""
-    handle = torch.cuda.current_stream(device).cuda_stream
-    if handle != followed:
-        zoe_device.use_compute_stream(handle)
-    return handle
 
 
 def _in_backward() -> bool:
@@ -269,14 +253,15 @@ class ParamOffload:
         entry_bytes = [[p.numel() * p.element_size() for p in ps] for _, ps in self.blocks]
         if tier_factory is None:
             zdev = _zoe.cpu_device() if self._device.type == "cpu" else _zoe.cuda_device(self._device.index)
-            # On CUDA the tier's compute-stream work is torch's current stream (_on_torch_stream): a fetch
-            # makes torch's stream wait for the block's copy, a release records when torch is done with it.
+            # On CUDA the tier's compute-stream work is torch's current stream (_stream): a fetch makes
+            # torch's stream wait for the block's copy, a release records when torch is done with it.
             self.tier = _zoe.ParamTier(zdev, entry_bytes, self._names, home, nvme_paths, budget_bytes, prefetch)
             self._zoe_device = zdev
+            self._stream = TorchStream(zdev, self._device)
         else:
             self.tier = tier_factory(entry_bytes, self._names, home, nvme_paths, budget_bytes, prefetch)
             self._zoe_device = None
-        self._compute_stream = None  # the torch stream the tier's device enqueues on (_on_torch_stream)
+            self._stream = None
         self._block_bytes = [int(self.tier.block_bytes(b)) for b in range(len(self.blocks))]
         self._offsets = [[int(self.tier.entry_offset(b, e)) for e in range(len(ps))]
                          for b, (_, ps) in enumerate(self.blocks)]
@@ -284,6 +269,7 @@ class ParamOffload:
         self._active: dict[int, _Active] = {}
         self._live: dict[int, list] = {}  # block address -> [block, leases on it]
         self._versions = [0] * len(self.blocks)
+        self._write_backs = 0  # gathered() blocks that wrote the weights back (edits())
         self._acc_pending = [0] * len(self.blocks)  # gradient accumulations under way, by block
         self._order: list[int] | None = []  # forward order of blocks, until handed to the tier
         self._order_seen: set[int] = set()
@@ -293,6 +279,10 @@ class ParamOffload:
         self._handles: list = []
         self._grad_nodes: list = []
         self._placeholders: dict[nn.Parameter, torch.Tensor] = {}
+        # Each parameter's torch version counter as gathered() left it: an in-place edit anywhere else (on the
+        # empty placeholder, or on a fetched view during forward) changes nothing kept, and is refused.
+        self._known_versions: dict[nn.Parameter, int] = {}
+        self._param_names = {p: name for name, p in model.named_parameters(remove_duplicate=True)}
 
         for b, (_, ps) in enumerate(self.blocks):
             for e, p in enumerate(ps):
@@ -305,6 +295,7 @@ class ParamOffload:
                 p._zoe_param_offload = (self, b, e)
                 self._placeholders[p] = torch.empty(0, dtype=p.dtype, device=p.device)
                 p.data = self._placeholders[p]
+                self._known_versions[p] = p._version
 
         hooked = [m for m, bs in self._module_blocks.items() if bs]
         if model not in self._module_blocks or not self._module_blocks[model]:
@@ -320,7 +311,7 @@ class ParamOffload:
         if self.tier is None:
             raise RuntimeError("zoe parameter offload was removed: its blocks cannot be fetched")
         try:
-            self._on_torch_stream()
+            self._follow_stream()
             address = int(self.tier.fetch(block, backward))
         except Exception as e:
             raise RuntimeError(f"zoe parameter offload: fetching block {block} ('{self._names[block]}', "
@@ -335,10 +326,9 @@ class ParamOffload:
         memory.lease = lease
         return torch.as_tensor(memory, device=self._device).untyped_storage()
 
-    def _on_torch_stream(self) -> None:
-        """On CUDA the tier's compute-stream events and waits go on torch's current stream."""
-        if self._zoe_device is not None and self._device.type == "cuda":
-            self._compute_stream = follow_torch_stream(self._zoe_device, self._device, self._compute_stream)
+    def _follow_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.follow()
 
     def _live_add(self, address: int, block: int) -> None:
         live = self._live.get(address)
@@ -355,7 +345,7 @@ class ParamOffload:
                 del self._live[address]
         if self.tier is not None:
             # The tier gives this memory to another block only after torch's stream has passed this point.
-            self._on_torch_stream()
+            self._follow_stream()
             self.tier.release(block)
 
     def _acquire(self, block: int, backward: bool) -> None:
@@ -429,6 +419,7 @@ class ParamOffload:
         backward = _in_backward()
         if module is self._model and not backward:
             self._recover(frames)
+            self.check_edits()
         frame = _Frame(module)
         frames.append(frame)
         if self._gathered:
@@ -526,12 +517,15 @@ class ParamOffload:
     @contextlib.contextmanager
     def gathered(self, write_back: bool = True):
         """Gives every offloaded parameter its full weights as a fresh tensor on its device for the block's
-        duration (a torch optimizer's ``step()``, ``load_state_dict``), then writes them back to the tier
-        (unless ``write_back`` is False, or the block raised) and restores the placeholders. The hooks stand
-        aside meanwhile: a forward run inside must also run its backward inside. zoe's OffloadOptimizer needs
-        none of this: it writes the weights into the tier."""
+        duration (a torch optimizer's ``step()``, ``model.load_state_dict``, ``nn.init``), then writes them back
+        to the tier (unless ``write_back`` is False, or the block raised) and restores the placeholders. The
+        hooks stand aside meanwhile: a forward run inside must also run its backward inside. zoe's
+        OffloadOptimizer needs none of this for its steps (it writes the weights into the tier), and takes
+        what a ``gathered()`` wrote into its master weights at its next step."""
         self._check_idle("gathered()")
+        self.check_edits()
         self._gathered = True
+        edited = None
         try:
             for b, (_, ps) in enumerate(self.blocks):
                 for e, p in enumerate(ps):
@@ -543,15 +537,51 @@ class ParamOffload:
                         host = p.detach().to("cpu").contiguous()
                         self.tier.write(b, e, host.data_ptr(), host.numel() * host.element_size())
                     self._versions[b] += 1
+                self._write_backs += 1
+            else:
+                edited = next((p for p in self._placeholders if p._version != self._known_versions[p]), None)
         finally:
             for p, placeholder in self._placeholders.items():
                 p.data = placeholder
+                self._known_versions[p] = p._version
             self._gathered = False
+        if edited is not None:
+            raise RuntimeError(
+                f"zoe parameter offload: parameter '{self._param_names.get(edited, '?')}' was changed in place "
+                "inside materialize(), whose weights are a read-only copy: the change was dropped. Edit "
+                "offloaded weights inside `with offload.gathered():`, which writes them back to the tier")
 
     def materialize(self):
         """``gathered(write_back=False)``: the full weights to read (``model.state_dict()``, evaluation
-        without the hooks); changes made to them are dropped."""
+        without the hooks). An in-place edit made to them is dropped, and refused with an error when the block
+        ends."""
         return self.gathered(write_back=False)
+
+    def edits(self) -> int:
+        """How many times ``gathered()`` has written the weights back to the tier: an optimizer that keeps
+        master weights of its own takes them again when this changes."""
+        return self._write_backs
+
+    def check_edits(self) -> None:
+        """Refuses (once) an in-place edit of an offloaded parameter made outside ``gathered()``: between uses
+        ``p.data`` is an empty placeholder, and during forward a view of the device pool that is not written
+        back, so such an edit (``nn.init.*_(p)``, ``p.copy_`` under no_grad, ``model.load_state_dict``)
+        changed nothing the next forward or step reads. torch's version counter of each parameter says."""
+        if self._gathered:
+            return
+        edited = [p for p, v in self._known_versions.items() if p._version != v]
+        if not edited:
+            return
+        for p in edited:
+            self._known_versions[p] = p._version
+        names = ", ".join(f"'{self._param_names.get(p, '?')}'" for p in edited[:3])
+        more = f" and {len(edited) - 3} more" if len(edited) > 3 else ""
+        raise RuntimeError(
+            f"zoe parameter offload: parameter {names}{more} was changed in place outside offload.gathered(); "
+            "an offloaded parameter holds an empty placeholder between uses (and a pool copy during forward "
+            "that is not kept), so the edit changed nothing. Nothing was fetched or stepped. Make the edit inside "
+            "`with offload.gathered():`, which writes the weights back to the tier (zoe's optimizer then takes "
+            "them into its master weights)")
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """``model.state_dict()`` with each offloaded parameter read from the tier into a CPU tensor (tied
@@ -568,6 +598,10 @@ class ParamOffload:
             else:
                 out[name] = t.detach().to("cpu", copy=True)
         return out
+
+    def weights(self, p: torch.Tensor) -> torch.Tensor:
+        """An offloaded parameter's weights as the tier holds them, in a CPU tensor of its full shape."""
+        return self._read(*self.param_location(p), torch.device("cpu"))
 
     def param_location(self, p: torch.Tensor) -> tuple[int, int]:
         """(block, entry) of an offloaded parameter."""

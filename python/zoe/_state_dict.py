@@ -152,6 +152,10 @@ class StateDictMethods:
           keyed by parameter name; DTensors resharded to this run's mesh).
 
         A state that does not fit raises before anything changes."""
+        self._load_state_dict(state_dict)
+        self._weights_loaded()
+
+    def _load_state_dict(self, state_dict) -> None:
         if isinstance(state_dict, (list, tuple)):
             state_dict = _interop.consolidate(state_dict)
         if not isinstance(state_dict, dict):

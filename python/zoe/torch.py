@@ -51,7 +51,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import _checks, _data_parallel, _dtensor, _interop, _param_offload, _scratch, _serial, _state_dict, _torch_flags, _zoe
+from . import _checks, _data_parallel, _dtensor, _interop, _param_offload, _scratch, _serial, _state_dict, _stream, _torch_flags, _zoe
 from ._param_offload import full_shape, offload_parameters
 
 __all__ = ["OffloadOptimizer", "offload_parameters", "full_shape"]
@@ -442,8 +442,9 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         self._hooks = []
         self._hyper_sent: list[tuple | None] = []
         self._timing = {"engine_s": 0.0, "adapter_s": 0.0, "comm_s": 0.0, "steps": 0}
-        self._checked_slots: list[_Slot] = []  # whose p.data zoe laid out, checked for edits at step()
         self._weight_marks: list[tuple] = []
+        self._offloads: list = []  # the parameter offloads (offload_parameters) of the slots
+        self._edits: dict = {}  # id(slot) -> (slot, its weights as the trainer set them), taken at step()
         self._absent_sent = False  # the engine holds a non-empty list of parameters without a gradient
         # The engine may read a gradient where autograd put it (set_grad_sources) instead of a copy in the
         # flat buffer: one rank, zoe's own buffers (not FSDP2's), no micro-batches summed by the engine.
@@ -505,7 +506,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             self._zoe_device = _cpu_device()
         else:
             raise ValueError(f"zoe.torch.OffloadOptimizer: device {self._device} is not supported (cpu or cuda)")
-        self._compute_stream = None  # the torch stream zoe's compute-stream work goes on (CUDA; _on_torch_stream)
+        self._stream = _stream.TorchStream(self._zoe_device, self._device)
 
         slots_by_dtype: dict[torch.dtype, list[_Slot]] = {}
         self._slots: list[_Slot] = []
@@ -535,6 +536,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         if self._dtensor is not None:
             self._buckets = self._dtensor.make_buckets(slots_by_dtype, self._device)
             self._make_engine()
+            self._note_weights()
             return
         # On a device with memory of its own, offloaded parameters' gradients leave it as each one's backward
         # ends (DESIGN.md, "Parameters off the device"): on CUDA they take one window's memory, not theirs.
@@ -572,7 +574,6 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                 if (hook_all or s.windowed) and s.param.requires_grad:
                     self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_hook(s)))
         self._window_versions = self._versions_of_windows()
-        self._checked_slots = [s for s in self._slots if s.weight_view is not None]
         self._note_weights()
 
     def _loss_scale_options(self):
@@ -731,10 +732,10 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                 "gradient_accumulation_steps=<micro-batches per step> to OffloadOptimizer (zoe then sums them in "
                 "fp32 on the host), or call step() after every backward pass")
         self._push_hyper_once()
-        self._on_torch_stream()
+        self._stream.follow()
         for i in slot.engine_ids:
             self._engine.grad_ready(i)
-        if self._device.type != "cuda":
+        if not self._stream.ordered:
             # The copy down must have read the window before the next parameter's gradient is accumulated
             # there. On CUDA the engine made torch's stream wait for it (grad_left_device), so the zeroing
             # below is ordered after it with no host wait.
@@ -766,11 +767,13 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         return False
 
     def _push_hyper_once(self) -> None:
-        """At the iteration's first report: a learning-rate scheduler stepped after the last step() reaches the
-        overlap schedule's speculative steps, which use the values of the first report (the engine redoes
-        them if step() brings others)."""
+        """At the iteration's first report, before the engine steps or writes anything of it: a learning-rate
+        scheduler stepped after the last step() reaches the overlap schedule's speculative steps, which use
+        the values of the first report (the engine redoes them if step() brings others), and the trainer's
+        edits of the weights are read before zoe's writes could cover them."""
         if not self._hyper_pushed:
-            self._refuse_unscaled_fp16()  # before the engine steps anything of this iteration
+            self._refuse_unscaled_fp16()
+            self._capture_edits()
             self._sync_hyper()
             self._hyper_pushed = True
 
@@ -791,20 +794,12 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             "max_norm) called through torch.nn.utils (zoe answers it; a copy of torch's function bound before the "
             "optimizer existed is not); and zoe's loss scaling (loss_scale) in place of GradScaler.")
 
-    def _on_torch_stream(self) -> None:
-        """On CUDA, zoe's compute-stream work (the event after which a gradient may be copied, the waits that
-        keep torch's next kernels off buffers still being copied) goes on torch's current stream, so that
-        the device orders them and the host waits for nothing."""
-        if self._device.type == "cuda":
-            self._compute_stream = _param_offload.follow_torch_stream(self._zoe_device, self._device,
-                                                                      self._compute_stream)
-
     def _report(self, slot: _Slot, last: bool) -> None:
         self._push_hyper_once()
-        self._on_torch_stream()
+        self._stream.follow()
         for i in slot.engine_ids:
             self._engine.grad_ready(i)
-        if self._engine_accumulates and self._device.type != "cuda":
+        if self._engine_accumulates and not self._stream.ordered:
             # Unless it works in place, the engine zeroes the buffer (or writes the sum back) on its own copy
             # stream — on the CPU too, with the delayed schedule — which torch's next backward or the
             # trainer's clipping does not wait for. On CUDA torch's stream waits for it on the device.
@@ -845,22 +840,42 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
 
     # ---- the model's weights are the truth between steps ----------------------------------------------
 
-    def _note_weights(self) -> None:
-        """What the weights zoe laid out look like now (torch's version counter, address, dtype): an edit or a
-        replacement by the trainer changes it. zoe's own writes go through addresses and change nothing."""
-        self._weight_marks = [(s.param._version, s.param.data_ptr(), s.param.dtype) for s in self._checked_slots]
+    def _weight_marks_now(self) -> list:
+        """What says, for each slot, that the trainer changed its weights: torch's version counter, address and
+        dtype of ``p`` (a DTensor's own counter, of its local shard's address), or for an offloaded parameter
+        its tier's count of ``gathered()`` write-backs. zoe's own writes go through addresses and change none.
+        Run twice an iteration: one tuple per tensor, no call."""
+        if self._dtensor is not None:
+            return [(s.param._version, s.param._local_tensor.data_ptr(), s.param.dtype) for s in self._slots]
+        return [(s.param._version, s.param.data_ptr(), s.param.dtype) if s.tier is None else s.tier[0].edits()
+                for s in self._slots]
 
-    def _take_edited_weights(self) -> None:
-        """Before a step: weights the trainer changed since the last one (``load_state_dict``, ``copy_`` under
-        no_grad, ``nn.init``, an EMA swap, ``p.data = other``) become the master weights — never reverted to
-        zoe's. A parameter moved to another dtype or device is refused, naming it."""
-        marks = [(s.param._version, s.param.data_ptr(), s.param.dtype) for s in self._checked_slots]
+    def _note_weights(self) -> None:
+        self._weight_marks = self._weight_marks_now()
+        self._offloads = list({id(s.tier[0]): s.tier[0] for s in self._slots if s.tier is not None}.values())
+
+    def _weights_loaded(self) -> None:
+        """After load_state_dict: the master weights and the model's agree, and an edit read before the load
+        is not applied after it."""
+        self._edits.clear()
+        self._note_weights()
+
+    def _capture_edits(self) -> None:
+        """Reads the weights the trainer changed since zoe last took them (``load_state_dict``, ``copy_`` under
+        no_grad, ``nn.init``, an EMA swap, ``p.data = other``; an offloaded parameter's through
+        ``offload.gathered()``; an FSDP2 shard's through the DTensor), to become the master weights at
+        step(). Called at the iteration's first gradient report, before which zoe writes no weight (the
+        overlap and delayed schedules write weights into the model during backward), and again at step()
+        for an edit made after backward. A parameter moved to another dtype or device is refused, naming it."""
+        marks = self._weight_marks_now()
         if marks == self._weight_marks:
             return
-        changed = [s for s, now, then in zip(self._checked_slots, marks, self._weight_marks) if now != then]
+        changed = [s for s, now, then in zip(self._slots, marks, self._weight_marks) if now != then]
+        if self._dtensor is not None:
+            self._dtensor.check_storage()
         for s in changed:
             p = s.param
-            if p.data_ptr() != s.weight_view.data_ptr():
+            if s.weight_view is not None and p.data_ptr() != s.weight_view.data_ptr():
                 if p.dtype != s.weight_view.dtype or p.device != s.weight_view.device or p.shape != s.weight_view.shape:
                     raise RuntimeError(
                         f"zoe.torch.OffloadOptimizer: parameter {s.index} is now {p.dtype} {tuple(p.shape)} on {p.device}; "
@@ -870,13 +885,26 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                 with torch.no_grad():
                     s.weight_view.copy_(p.detach())
                 p.data = s.weight_view  # the new values, back in the buffer the engine writes
+            self._edits[id(s)] = (s, self._current_weights(s).to("cpu", copy=True))
+        self._note_weights()
+
+    def _take_edited_weights(self) -> None:
+        """Before a step: the weights the trainer changed (_capture_edits) become the master weights, never
+        reverted to zoe's; what the overlap schedule stepped from the old ones during backward is undone
+        first, and the step is then sync's from the new master."""
+        for offload in self._offloads:
+            offload.check_edits()  # an edit an offloaded parameter could not keep is refused
+        self._capture_edits()
+        if not self._edits:
+            return
         pieces = {id(s): (begin, n) for s, begin, n in _interop.pieces(self)}
+        self._engine.discard_speculative_steps()
         self._engine.wait()
-        for s in changed:
+        for s, now in self._edits.values():
             if id(s) not in pieces:
                 continue  # partitioned: another rank holds this parameter's state
             begin, n = pieces[id(s)]
-            now = s.weight_view.detach().reshape(-1)[begin:begin + n].cpu()
+            now = now[begin:begin + n]
             master = torch.empty(n, dtype=torch.float32)
             self._engine.read_state(s.engine_ids[0], master, None, None)
             # Element by element: a weight that still is its master rounded keeps the master's extra bits
@@ -885,7 +913,15 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             if bool(kept.all()):
                 continue
             self._engine.write_state(s.engine_ids[0], torch.where(kept, master, now.float()), None, None)
-        self._note_weights()
+        self._edits.clear()
+
+    def _current_weights(self, s: _Slot) -> torch.Tensor:
+        """The weights the model holds for a slot now, flat."""
+        if s.tier is not None:
+            return s.tier[0].weights(s.param).reshape(-1)
+        if self._dtensor is not None:
+            return s.param._local_tensor.detach().reshape(-1)
+        return s.weight_view.detach().reshape(-1)
 
     def _take_again(self) -> None:
         self._engine.grads_changed()
@@ -1023,12 +1059,12 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
                 tc = time.perf_counter()
                 self._dtensor.agree(self)
                 comm += time.perf_counter() - tc
-            self._on_torch_stream()
+            self._stream.follow()
             te = time.perf_counter()
             self._engine.step()
-            if self._device.type == "cpu" and self._options["schedule"] == "delayed":
+            if not self._stream.ordered and self._options["schedule"] == "delayed":
                 # The stand-in copies the gradients down on its own thread; they must be down before the
-                # caller's zero_grad() or next backward writes the buffers.
+                # caller's zero_grad() or next backward writes the buffers (on CUDA torch's stream waits).
                 self._zoe_device.synchronize()
             engine_s = time.perf_counter() - te
         finally:
@@ -1105,7 +1141,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             if self._dp is not None:
                 self._dp.check_reduction(self._buckets)
             self._engine.set_max_grad_norm(limit if math.isfinite(limit) else 0.0)
-            self._on_torch_stream()
+            self._stream.follow()
             norm = self._engine.grad_norm()
         self._clip_once = limit
         self._taken_versions = self._grad_versions()
@@ -1187,7 +1223,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         zoe's device since it was made, ``host_waits_worker``/``host_wait_worker_s`` zoe's own threads'."""
         s = dict(self._engine.stats())
         s.update(self._timing)
-        s.update(_param_offload.host_wait_stats(self._zoe_device))
+        s.update(_stream.host_wait_stats(self._zoe_device))
         s["device_grad_bytes"] = sum(
             (b.grads.numel() + (b.window.numel() if b.window is not None else 0)) * b.grads.element_size()
             for b in self._buckets)

@@ -151,7 +151,9 @@ int bench_step(std::span<char* const> args) {
     std::printf("\nstep_s is the wall time per training iteration; device_idle_fraction = 1 - compute / step_s.\n"
                 "cpu_step_s is one iteration with no device compute (copies and CPU Adam alone).\n"
                 "copy_gbps (sync, delayed) is what the optimizer's D2H + H2D achieved; copy_ceiling_gbps plain copies\n"
-                "of the same bytes to and from page-locked host memory (cudaMemcpyAsync on CUDA); copy_ratio their ratio.\n");
+                "of the same bytes to and from page-locked host memory (cudaMemcpyAsync on CUDA); copy_ratio their ratio.\n"
+                "d2h_gbps / h2d_gbps and their ratios: each direction alone (the gradients' copies in step(), the\n"
+                "weights' copies after it returns) against d2h_ceiling_gbps / h2d_ceiling_gbps.\n");
     return 0;
   }
   Result<Schedule> schedule = parse_schedule(schedule_text);
@@ -201,28 +203,33 @@ int bench_step(std::span<char* const> args) {
 
   std::vector<double> probes;
   const StepStats before_probes = opt->stats();
+  double h2d_s = 0;  // the probes' waits after step() returned: the weights still going up
   for (int i = 0; i < kCpuProbes; ++i) {
     Status s;
     probes.push_back(time_seconds([&] {
       s = iteration(*device, *opt, buckets.value(), 0);
-      if (s.ok()) s = opt->wait();
+      if (s.ok()) h2d_s += time_seconds([&] { s = opt->wait(); });
     }));
     if (!s.ok()) return fail(s);
   }
   const double cpu_step_s = summarize(probes).median;
   // The optimizer's own copies, from the sync probes (the delayed schedule's warm-up is sync): the time in
-  // step() not spent in Adam moved the gradients down and the weights up, one after the other.
+  // step() not spent in Adam brought the gradients down; step() returns with the weights' copies enqueued,
+  // and the wait after it is their time.
   const StepStats& after_probes = opt->stats();
-  const double copy_s = (after_probes.step_call_s - before_probes.step_call_s) - (after_probes.adam_s - before_probes.adam_s);
-  const double copy_bytes = static_cast<double>((after_probes.d2h_bytes - before_probes.d2h_bytes) +
-                                                (after_probes.h2d_bytes - before_probes.h2d_bytes));
+  const double d2h_s = (after_probes.step_call_s - before_probes.step_call_s) - (after_probes.adam_s - before_probes.adam_s);
+  const double d2h_bytes = static_cast<double>(after_probes.d2h_bytes - before_probes.d2h_bytes);
+  const double h2d_bytes = static_cast<double>(after_probes.h2d_bytes - before_probes.h2d_bytes);
   Result<std::pair<double, double>> raw = raw_copy_seconds(*device, model.specs());
   if (!raw.ok()) return fail(raw.status());
   double model_bytes = 0;
   for (const ParamSpec& p : model.specs()) model_bytes += static_cast<double>(p.n * dtype_size(p.dtype));
   const double copy_ceiling_gbps = 2 * model_bytes / (raw->first + raw->second) / 1e9;
-  const bool copies_measured = o.schedule != Schedule::overlap && copy_s > 0;
-  const double copy_gbps = copies_measured ? copy_bytes / copy_s / 1e9 : 0;
+  const double d2h_ceiling_gbps = model_bytes / raw->first / 1e9, h2d_ceiling_gbps = model_bytes / raw->second / 1e9;
+  const bool copies_measured = o.schedule != Schedule::overlap && d2h_s > 0 && h2d_s > 0;
+  const double copy_gbps = copies_measured ? (d2h_bytes + h2d_bytes) / (d2h_s + h2d_s) / 1e9 : 0;
+  const double d2h_gbps = copies_measured ? d2h_bytes / d2h_s / 1e9 : 0;
+  const double h2d_gbps = copies_measured ? h2d_bytes / h2d_s / 1e9 : 0;
   double compute_s = 1.5 * cpu_step_s;
   if (!compute_text.empty()) {
     char* end = nullptr;
@@ -273,8 +280,12 @@ int bench_step(std::span<char* const> args) {
         .add("device_idle_fraction", idle).add("cpu_step_s", cpu_step_s).add("cpu_adam_s", adam_s)
         .add("iters", iters.value()).add("tile", tile.value()).add("host_waits_per_step", trainer_waits)
         .add("worker_waits_per_step", worker_waits).add("copy_ceiling_gbps", copy_ceiling_gbps)
-        .add("d2h_ceiling_gbps", model_bytes / raw->first / 1e9).add("h2d_ceiling_gbps", model_bytes / raw->second / 1e9);
-    if (copies_measured) line.add("copy_gbps", copy_gbps).add("copy_ratio", copy_gbps / copy_ceiling_gbps);
+        .add("d2h_ceiling_gbps", d2h_ceiling_gbps).add("h2d_ceiling_gbps", h2d_ceiling_gbps);
+    if (copies_measured) {
+      line.add("copy_gbps", copy_gbps).add("copy_ratio", copy_gbps / copy_ceiling_gbps)
+          .add("d2h_gbps", d2h_gbps).add("d2h_ratio", d2h_gbps / d2h_ceiling_gbps)
+          .add("h2d_gbps", h2d_gbps).add("h2d_ratio", h2d_gbps / h2d_ceiling_gbps);
+    }
     std::printf("%s\n", line.str().c_str());
   } else {
     std::printf("%-8s %-8s %12s %8s %12s %10s %8s %12s %10s\n", "device", "schedule", "n", "buckets", "compute ms",
@@ -285,7 +296,8 @@ int bench_step(std::span<char* const> args) {
                 cpu_step_s * 1e3, adam_s * 1e3);
     if (copies_measured) {
       std::printf("copies (D2H + H2D): %.2f GB/s in the optimizer, %.2f GB/s plain copies of the same bytes: "
-                  "ratio %.3f\n", copy_gbps, copy_ceiling_gbps, copy_gbps / copy_ceiling_gbps);
+                  "ratio %.3f (D2H %.3f, H2D %.3f)\n", copy_gbps, copy_ceiling_gbps, copy_gbps / copy_ceiling_gbps,
+                  d2h_gbps / d2h_ceiling_gbps, h2d_gbps / h2d_ceiling_gbps);
     }
   }
   return 0;

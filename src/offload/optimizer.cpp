@@ -293,6 +293,12 @@ Status OffloadOptimizer::grads_changed() {
   return Status::success();
 }
 
+Status OffloadOptimizer::discard_speculative_steps() {
+  const std::lock_guard serial(impl_->calls);
+  if (Status s = impl_->staging_writable(); !s.ok()) return s;
+  return impl_->schedule->discard_speculative_steps();
+}
+
 Result<double> OffloadOptimizer::grad_norm() {
   const std::lock_guard serial(impl_->calls);
   Impl& m = *impl_;

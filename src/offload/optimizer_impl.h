@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -94,6 +95,8 @@ class StepSchedule {
   // The gradients changed after they were taken or reported: step() takes them all again (and undoes what
   // was stepped speculatively with the old ones).
   virtual void retake() = 0;
+  // Undoes what was stepped speculatively this iteration (overlap); step() steps it again.
+  virtual Status discard_speculative_steps() { return Status::success(); }
 };
 
 struct OffloadOptimizer::Impl {
@@ -245,9 +248,16 @@ struct OffloadOptimizer::Impl {
   Status enqueue_h2d(std::size_t i);
   Status enqueue_h2d(const Piece& k);
   // The compute stream (the next forward) waits for every weight sent so far; returns the event after which
-  // the weight staging may be rewritten. finish_h2d() also waits for it on the host.
+  // the weight staging may be rewritten.
   Result<EventId> weights_sent();
+  // weights_sent(); the host waits for that event only when the staging (or an fp32 master, the source of
+  // its parameter's copy) is next written: staging_writable(), called by the steps once this iteration's
+  // gradients are down — the device sent the weights before the forward and backward that produced them,
+  // so the wait blocks nothing. wait(), load() and write_state() wait for everything anyway.
   Status finish_h2d();
+  Status staging_writable();
+  std::mutex weights_in_flight_mutex;  // the overlap worker and the trainer's thread
+  std::optional<EventId> weights_in_flight;
   // The whole step over every parameter, timed into stats_.adam_s by the tier.
   Status step_all(float grad_scale, int set, const std::vector<ParamGroup>& hyper);
   struct Decision {

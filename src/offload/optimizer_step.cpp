@@ -222,8 +222,19 @@ Result<EventId> OffloadOptimizer::Impl::weights_sent() {
 
 Status OffloadOptimizer::Impl::finish_h2d() {
   Result<EventId> sent = weights_sent();
-  // The host waits too: the weight staging is rewritten by the next step.
-  return sent.ok() ? device.synchronize(sent.value()) : sent.status();
+  if (!sent.ok()) return sent.status();
+  const std::lock_guard lock(weights_in_flight_mutex);
+  weights_in_flight = sent.value();
+  return Status::success();
+}
+
+Status OffloadOptimizer::Impl::staging_writable() {
+  std::optional<EventId> sent;
+  {
+    const std::lock_guard lock(weights_in_flight_mutex);
+    sent = std::exchange(weights_in_flight, std::nullopt);
+  }
+  return sent ? device.synchronize(*sent) : Status::success();
 }
 
 Status OffloadOptimizer::Impl::step_all(float grad_scale, int set, const std::vector<ParamGroup>& hyper) {

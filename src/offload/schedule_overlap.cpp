@@ -89,6 +89,12 @@ class OverlapSchedule final : public StepSchedule {
 
   void retake() override { retake_ = true; }
 
+  Status discard_speculative_steps() override {
+    if (!speculation_can_fail_) return Status::success();  // tier nvme steps nothing during backward
+    if (Status s = undo_speculation(); !s.ok()) return s;
+    return m_.finish_h2d();
+  }
+
  private:
   Status step_piece_when_down(std::size_t k, EventId copied);
   // Waits for the speculative steps and puts back the state and weights they changed; no piece is then
@@ -136,6 +142,10 @@ Status OverlapSchedule::step_piece_when_down(std::size_t k, EventId copied) {
     const OffloadOptions& o = m_.options;
     if ((o.loss_scale.enabled || o.refuse_non_finite) && m_.stats[0][k].non_finite > 0) overflow_seen_ = true;
     if (overflow_seen_) return;  // this step will be skipped: stepping more would only be undone
+    if (Status s = m_.staging_writable(); !s.ok()) {
+      worker_status_ = s;
+      return;
+    }
     if (speculation_can_fail_) save_undo(m_.pieces[k]);
     if (Status s = m_.tier->step({k}, speculative_scale, 0, speculated_with_); !s.ok()) {
       worker_status_ = s;
@@ -192,6 +202,7 @@ Status OverlapSchedule::step() {
   const float speculative_scale = static_cast<float>(1.0 / m_.visible_scale);
   const bool skip = d.overflow || d.refused;
   const bool wrong = skip || d.grad_scale != speculative_scale || !same_hyper(speculated_with_, m_.groups);
+  if (Status s = m_.staging_writable(); !s.ok()) return s;
   std::vector<std::size_t> redo;
   for (std::size_t k = 0; k < m_.pieces.size(); ++k) {
     if (stepped_[k] && wrong) {

@@ -27,6 +27,7 @@ Status finish_sync_step(Impl& m) {
   if (!d.error.ok()) return d.error;
   if (d.refused) return m.non_finite_error(0);
   if (!d.overflow) {
+    if (Status s = m.staging_writable(); !s.ok()) return s;
     if (Status s = m.step_all(d.grad_scale, 0, m.groups); !s.ok()) return s;
     if (Status s = m.send_all_weights(); !s.ok()) return m.weights_not_sent(d, 0, s);
   }

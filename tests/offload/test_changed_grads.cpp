@@ -151,6 +151,36 @@ TEST(ChangedGrads, HyperParametersSetAfterBackwardAreTheStepsOwn) {
   }
 }
 
+// The trainer changed the weights the step starts from (zoe.torch: the model's weights are the truth between
+// steps, and an edit is taken into the master at step()). Overlap stepped during backward from the old
+// master; discarding those steps first makes the step sync's from the written master.
+void shift_master(OffloadOptimizer& opt) {
+  std::vector<float> master(opt.state_sizes()[0]);
+  ASSERT_TRUE(opt.read_state(0, master.data(), nullptr, nullptr).ok());
+  for (float& x : master) x += 0.25f;  // exact in fp32 for these magnitudes (|x| < 1)
+  ASSERT_TRUE(opt.write_state(0, master.data(), nullptr, nullptr).ok());
+}
+
+TEST(ChangedWeights, DiscardingTheSpeculativeStepsThenWritingTheMasterEqualsSync) {
+  for (DType d : {DType::f32, DType::bf16}) {
+    for (bool cpu : {false, true}) {
+      SCOPED_TRACE(std::string(dtype_name(d)) + (cpu ? " in place" : " staged"));
+      const RunResult sync = run({Schedule::sync, d, cpu}, {}, random_grads(1e-2),
+                                 [](DeviceParams&, OffloadOptimizer& opt) { shift_master(opt); });
+      const RunResult overlap = run({Schedule::overlap, d, cpu}, {}, random_grads(1e-2),
+                                    [](DeviceParams&, OffloadOptimizer& opt) {
+                                      ASSERT_TRUE(opt.discard_speculative_steps().ok());
+                                      shift_master(opt);
+                                    });
+      expect_bitwise_equal(sync, overlap);
+      // Without the discard, the speculative steps from the old master are kept: the check above can fail.
+      const RunResult kept = run({Schedule::overlap, d, cpu}, {}, random_grads(1e-2),
+                                 [](DeviceParams&, OffloadOptimizer& opt) { shift_master(opt); });
+      EXPECT_NE(sync.state, kept.state);
+    }
+  }
+}
+
 // The delayed schedule decides its step (the clip coefficient among it) in the background after step() has
 // returned, and a trainer may set the next step's clipping at once: zoe.torch puts its own max_grad_norm back
 // after a step clipped by clip_grad_norm_(). Each step keeps the clipping set when it was called. The

@@ -74,6 +74,19 @@ def test_bench_adam_smallest_input_gives_finite_numbers():
         assert isinstance(row[key], (int, float)) and math.isfinite(row[key]) and row[key] > 0, (key, row)
 
 
+def test_bench_step_reports_each_copy_direction_and_the_host_waits_per_step():
+    # The host stand-in: copies on its stream threads, as a GPU's. sync waits once per step on the trainer's
+    # thread (for the gradients); the weights' copies are waited for when the next step rewrites them.
+    r = zoe("bench", "step", "--device", "host", "--schedule", "sync", "--n", "256K", "--buckets", "4",
+            "--iters", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)
+    for key in ("d2h_gbps", "d2h_ratio", "h2d_gbps", "h2d_ratio", "copy_gbps", "copy_ratio", "d2h_ceiling_gbps",
+                "h2d_ceiling_gbps"):
+        assert isinstance(row[key], (int, float)) and math.isfinite(row[key]) and row[key] > 0, (key, row)
+    assert row["host_waits_per_step"] <= 1, row
+
+
 def test_bench_accumulate_smallest_input_gives_finite_numbers_for_every_mode():
     r = zoe("bench", "accumulate", "--n", "1", "--reps", "1", "--grad", "f32,bf16",
             "--mode", "add,add_zero,first,first_zero", "--json")

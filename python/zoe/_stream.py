@@ -1,0 +1,48 @@
+"""zoe's device work ordered on torch's stream.
+
+On CUDA torch runs its kernels on its current stream. zoe's engine orders its own work with events on its
+``compute`` stream: pointed at torch's current stream, those events and waits order zoe's copies against
+torch's kernels on the GPU, and the host waits for nothing (the trainer's thread runs ahead of the GPU, as in
+a plain PyTorch loop). On the CPU torch computes on the host, at once: before torch touches a buffer zoe is
+still copying, the host itself must wait (``ordered`` is False)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class TorchStream:
+    """The stream torch orders its work on for one device, followed by a zoe device before each call that
+    enqueues work on its compute stream. ``current``: the handle of torch's current stream (None: torch's
+    CUDA stream on a CUDA device, none on the CPU); tests give a host stand-in's stream in its place."""
+
+    def __init__(self, zoe_device, device: torch.device, current: Callable[[], int] | None = None):
+        if current is None and device.type == "cuda":
+            def current() -> int:
+                return torch.cuda.current_stream(device).cuda_stream
+        self._zoe_device = zoe_device
+        self._current = current
+        self._followed: int | None = None
+
+    @property
+    def ordered(self) -> bool:
+        """torch's work is ordered on a stream zoe follows: the host waits for none of zoe's copies."""
+        return self._current is not None
+
+    def follow(self) -> None:
+        """zoe's compute-stream work goes on torch's current stream (it may have changed: ``with
+        torch.cuda.stream(s)``)."""
+        if self._current is None:
+            return
+        handle = self._current()
+        if handle != self._followed:
+            self._zoe_device.use_compute_stream(handle)
+            self._followed = handle
+
+
+def host_wait_stats(device) -> dict:
+    """A zoe device's host waits under the names stats() reports them by."""
+    w = device.host_waits()
+    return dict(host_waits_trainer=w["trainer_calls"], host_wait_trainer_s=w["trainer_s"],
+                host_waits_worker=w["worker_calls"], host_wait_worker_s=w["worker_s"])
