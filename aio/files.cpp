@@ -16,10 +16,6 @@
 
 namespace zoe::aio {
 
-Status sys_error(const std::string& what, const std::string& path, int err) {
-  return Status(StatusCode::io_error, what + " " + path + ": " + std::strerror(err), err);
-}
-
 namespace {
 
 int hook_error(const IoFaultHook& hook, IoOp op, const std::string& path, std::uint64_t bytes, bool direct) {
@@ -130,54 +126,6 @@ Status check_swap_dir(const std::string& path) {
     return sys_error("swap path is not writable by this user:", path, errno);
   }
   return Status::success();
-}
-
-Status replace_file(const std::string& path, const std::string& data) {
-  // A name of this call's own: writers of the same file (two processes starting at once) never share one.
-  static std::atomic<std::uint64_t> sequence{0};
-  const std::string temp = path + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(sequence.fetch_add(1));
-  FileHandle fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
-  if (!fd.valid()) return sys_error("cannot create", temp, errno);
-  std::size_t done = 0;
-  while (done < data.size()) {
-    const ssize_t w = ::write(fd.get(), data.data() + done, data.size() - done);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      const int err = w < 0 ? errno : EIO;
-      ::unlink(temp.c_str());
-      return sys_error("cannot write", temp, err);
-    }
-    done += static_cast<std::size_t>(w);
-  }
-  if (::fsync(fd.get()) != 0) {
-    const int err = errno;
-    ::unlink(temp.c_str());
-    return sys_error("fsync of", temp, err);
-  }
-  fd.reset();
-  if (::rename(temp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(temp.c_str());
-    return sys_error("cannot rename " + temp + " to", path, err);
-  }
-  // The rename itself is durable only once the folder is synced.
-  const std::size_t slash = path.find_last_of('/');
-  return sync_dir(slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash)));
-}
-
-Status sync_dir(const std::string& dir) {
-  FileHandle dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (!dfd.valid() || ::fsync(dfd.get()) != 0) return sys_error("fsync of folder", dir, errno);
-  return Status::success();
-}
-
-Result<std::string> read_whole_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return sys_error("cannot read", path, errno ? errno : ENOENT);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) return sys_error("cannot read", path, EIO);
-  return ss.str();
 }
 
 std::string fs_type_name(std::uint64_t magic) {

@@ -1,5 +1,7 @@
 // File-system plumbing of the NVMe tier: the fd owner, opening swap files with O_DIRECT (or buffered where
-// a filesystem refuses it), preallocation, durable small-file replacement, and what a path's filesystem is.
+// a filesystem refuses it), preallocation, and what a path's filesystem is. Durable small-file replacement
+// (a manifest's replace_file, whose temporaries a store's next owner removes: remove_stale_temps in
+// swap_inventory.h) is base/files.h's.
 // Every failure comes back as a Status naming the path; the fault hook (zoe/swap.h) can fail open,
 // allocate and sync on demand.
 #pragma once
@@ -8,7 +10,8 @@
 #include <string>
 #include <utility>
 
-#include "src/unique_fd.h"
+#include "base/files.h"
+#include "base/unique_fd.h"
 #include "zoe/status.h"
 #include "zoe/swap.h"
 
@@ -17,9 +20,6 @@ namespace zoe::aio {
 // Swap files are owned like every descriptor in zoe. A close error on one cannot lose data the store relies
 // on: every write the tile table points to was fdatasync'ed before the table was updated.
 using FileHandle = UniqueFd;
-
-// A Status for a failed system call: "<what> <path>: <strerror>" with errno kept.
-Status sys_error(const std::string& what, const std::string& path, int err);
 
 struct OpenedFile {
   FileHandle fd;
@@ -33,21 +33,12 @@ Result<OpenedFile> open_swap_file(const std::string& path, bool create, const Io
 // Reserves `bytes` for the file now (fallocate), so that running out of space shows here, not mid-step.
 Status allocate_file(int fd, const std::string& path, std::uint64_t bytes, const IoFaultHook& hook);
 
-// fsync of a folder, so that names created or renamed in it survive a crash.
-Status sync_dir(const std::string& dir);
-
 // fdatasync, with the hook's say.
 Status sync_file(int fd, const std::string& path, const IoFaultHook& hook);
 
 // The swap path exists, is a directory, and is writable (a read-only mount is reported as such).
 Status check_swap_dir(const std::string& path);
 
-// Replaces `path` with `data` atomically: a temporary file in the same folder, fsync, rename, fsync of the
-// folder — a crash leaves the old contents or the new, never a mix. The temporary file is
-// `<path>.tmp-<pid>-<n>`, unique per call; one a crash left is removed by the store's next owner
-// (remove_stale_temps in swap_inventory.h).
-Status replace_file(const std::string& path, const std::string& data);
-Result<std::string> read_whole_file(const std::string& path);
 
 struct FsInfo {
   std::string type;              // "ext4", "xfs", "tmpfs", ... or "unknown (0x...)"

@@ -14,8 +14,8 @@
 #include "aio/files.h"
 #include "aio/io_engine.h"
 #include "aio/swap_inventory.h"
-#include "src/aligned_buffer.h"
-#include "src/crc32c.h"
+#include "base/aligned_buffer.h"
+#include "base/crc32c.h"
 #include "src/param/param_home.h"
 
 namespace zoe {

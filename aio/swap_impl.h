@@ -13,7 +13,7 @@
 
 #include "aio/files.h"
 #include "aio/io_engine.h"
-#include "src/aligned_buffer.h"
+#include "base/aligned_buffer.h"
 #include "zoe/swap.h"
 
 namespace zoe {

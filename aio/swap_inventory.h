@@ -22,7 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "aio/files.h"
-#include "src/process_identity.h"
+#include "base/process_identity.h"
 #include "zoe/status.h"
 
 namespace zoe::aio {

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <limits>
 
-#include "src/crc32c.h"
+#include "base/crc32c.h"
 #include "aio/swap_impl.h"
 
 namespace zoe {

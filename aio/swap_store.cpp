@@ -23,7 +23,7 @@
 #include <optional>
 #include <set>
 
-#include "src/crc32c.h"
+#include "base/crc32c.h"
 #include "aio/swap_impl.h"
 #include "aio/swap_inventory.h"
 
@@ -141,7 +141,7 @@ Status SwapStore::Impl::write_table(const std::vector<TileEntry>& entries, std::
   while (s.ok() && done < out.size()) {
     const ssize_t w = ::pwrite(table_fd.get(), out.data() + done, out.size() - done, at + static_cast<off_t>(done));
     if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) s = aio::sys_error("cannot write tile table", path, w < 0 ? errno : EIO);
+    if (w <= 0) s = sys_error("cannot write tile table", path, w < 0 ? errno : EIO);
     else done += static_cast<std::size_t>(w);
   }
   if (s.ok()) s = aio::sync_file(table_fd.get(), path, options.fault_hook);
@@ -160,16 +160,16 @@ Status SwapStore::Impl::create_table() {
   const std::string path = table_path();
   ::unlink(path.c_str());
   table_fd = aio::FileHandle(::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
-  if (!table_fd.valid()) return aio::sys_error("cannot create tile table", path, errno);
+  if (!table_fd.valid()) return sys_error("cannot create tile table", path, errno);
   aio::mark_in_use(table_fd.get());
   if (::ftruncate(table_fd.get(), static_cast<off_t>(2 * table_region_bytes())) != 0) {
-    return aio::sys_error("cannot size tile table", path, errno);
+    return sys_error("cannot size tile table", path, errno);
   }
   table_seq = 0;
   if (Status s = persist_table(); !s.ok()) return s;
   // The file's size and its name must be durable too (later updates sync only its data).
-  if (::fsync(table_fd.get()) != 0) return aio::sys_error("fsync of", path, errno);
-  return aio::sync_dir(files[0].dir);
+  if (::fsync(table_fd.get()) != 0) return sys_error("fsync of", path, errno);
+  return sync_dir(files[0].dir);
 }
 
 Status SwapStore::Impl::load_table() {
@@ -226,7 +226,7 @@ Status SwapStore::Impl::load_table() {
 Status SwapStore::Impl::check_file_sizes() {
   for (const PathFile& f : files) {
     struct stat st{};
-    if (::fstat(f.fd.get(), &st) != 0) return aio::sys_error("cannot stat swap file", f.data_path, errno);
+    if (::fstat(f.fd.get(), &st) != 0) return sys_error("cannot stat swap file", f.data_path, errno);
     if (static_cast<std::uint64_t>(st.st_size) != f.bytes) {
       return Status(StatusCode::corrupt, "swap file " + f.data_path + " is " + std::to_string(st.st_size) +
                                              " bytes, expected " + std::to_string(f.bytes) +
@@ -503,7 +503,7 @@ Result<SwapStore> SwapStore::create(const SwapOptions& options, const std::strin
   Status s = impl.create_table();
   // The manifests go last: a store is recognised only once everything it describes exists.
   for (std::size_t k = 0; s.ok() && k < impl.files.size(); ++k) {
-    s = aio::replace_file(impl.manifest_path(k), manifest_json(impl, k).dump(2) + "\n");
+    s = replace_file(impl.manifest_path(k), manifest_json(impl, k).dump(2) + "\n");
   }
   if (s.ok()) s = impl.setup_runtime();
   if (!s.ok()) {
@@ -524,7 +524,7 @@ Result<SwapStore> SwapStore::open(const SwapOptions& options, const std::string&
   const std::size_t P = impl.files.size();
   for (std::size_t k = 0; k < P; ++k) {
     const std::string path = impl.manifest_path(k);
-    Result<std::string> text = aio::read_whole_file(path);
+    Result<std::string> text = read_whole_file(path);
     if (!text.ok()) {
       return Status(StatusCode::invalid_argument, "no swap store named " + name + " in " + impl.files[k].dir + " (" +
                                                       path + " is missing): create it, or fix nvme_path", ENOENT);
@@ -573,7 +573,7 @@ Result<SwapStore> SwapStore::open(const SwapOptions& options, const std::string&
   impl.reopened = true;
   // The owner record names this run now (zoe probe reports it). Best effort: the layout it rewrites is the
   // one just checked, and the store's lock already says it is in use.
-  for (std::size_t k = 0; k < P; ++k) (void)aio::replace_file(impl.manifest_path(k), manifest_json(impl, k).dump(2) + "\n");
+  for (std::size_t k = 0; k < P; ++k) (void)replace_file(impl.manifest_path(k), manifest_json(impl, k).dump(2) + "\n");
   return SwapStore(std::move(made).value());
 }
 
@@ -598,7 +598,7 @@ Status SwapStore::remove(const SwapOptions& options, const std::string& name) {
     // while it is held: an opener waiting for it sees it removed and starts again.
     for (const char* suffix : {".zoe-swap.json", ".zoe-swap.table", ".zoe-swap"}) {
       const std::string path = dir + "/" + name + suffix;
-      if (::unlink(path.c_str()) != 0 && errno != ENOENT) return aio::sys_error("cannot remove", path, errno);
+      if (::unlink(path.c_str()) != 0 && errno != ENOENT) return sys_error("cannot remove", path, errno);
     }
     aio::remove_stale_temps(dir, name);
     ::unlink(aio::owner_lock_path(dir, name + ".zoe-swap").c_str());

@@ -5,7 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "simd/convert.h"
+#include "base/convert.h"
 #include "simd/kernels.h"
 
 namespace zoe::simd::avx2 {

@@ -1,17 +1,14 @@
 // Device::host_waits: every synchronize() of a device is the host stopping for it. The trainer thread's
 // waits are what make a GPU idle; a worker's overlap the device's work and cost only latency.
+#include "base/thread_role.h"
 #include "zoe/device.h"
 
 namespace zoe {
 namespace {
 
-thread_local bool t_worker = false;
 thread_local int t_wait_depth = 0;  // a synchronize() inside another (synchronize() of every stream) counts once
 
 }  // namespace
-
-void mark_worker_thread() noexcept { t_worker = true; }
-bool on_worker_thread() noexcept { return t_worker; }
 
 HostWaits Device::host_waits() const noexcept {
   HostWaits w;
@@ -29,7 +26,7 @@ Device::HostWaitScope::~HostWaitScope() {
   --t_wait_depth;
   if (device_ == nullptr) return;
   const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_);
-  const int kind = t_worker ? 1 : 0;
+  const int kind = on_worker_thread() ? 1 : 0;
   device_->wait_calls_[kind].fetch_add(1, std::memory_order_relaxed);
   device_->wait_ns_[kind].fetch_add(static_cast<std::uint64_t>(ns.count()), std::memory_order_relaxed);
 }

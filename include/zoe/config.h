@@ -4,7 +4,7 @@
 // zoe's own "zoe"
 // section, and turns them into OffloadOptions and AdamHyper. Keys zoe has no use for are reported in
 // `notes`, never dropped silently; invalid values are errors naming the key and the file.
-// README.md "DeepSpeed config" lists the mapping and where zoe's defaults differ from DeepSpeed's.
+// docs/config.md lists the mapping and where zoe's defaults differ from DeepSpeed's.
 #pragma once
 
 #include <string>

@@ -1,5 +1,5 @@
 // OffloadOptimizer: the offloaded training step. fp32 master weights and Adam moments live on the host
-// (pinned RAM, or NVMe swap files); the device keeps 16-bit weights and gradients. Schedules (DESIGN.md):
+// (pinned RAM, or NVMe swap files); the device keeps 16-bit weights and gradients. Schedules (docs/architecture.md):
 // sync, overlap (gradients stream in during backward; exact, by speculation with undo/redo when clipping
 // or an fp16 overflow changes the step), delayed (ZeRO-Offload's delayed parameter update).
 #pragma once

@@ -59,7 +59,7 @@ __all__ = ["OffloadOptimizer", "offload_parameters", "full_shape"]
 _ZOE_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 # OffloadOptimizer's integer keywords that reach the engine's options, with the ranges the DeepSpeed config
-# reader allows for the same settings (README "DeepSpeed config").
+# reader allows for the same settings (docs/config.md).
 _INT_KEYWORDS = {
     "growth_interval": (1, _checks.INT_MAX), "hysteresis": (1, _checks.INT_MAX),
     "delayed_warmup_steps": (0, _checks.INT_MAX), "threads": (0, 1 << 16), "tile": (1, 1 << 40),
@@ -539,7 +539,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             self._note_weights()
             return
         # On a device with memory of its own, offloaded parameters' gradients leave it as each one's backward
-        # ends (DESIGN.md, "Parameters off the device"): on CUDA they take one window's memory, not theirs.
+        # ends (docs/architecture.md, "Parameters off the device"): on CUDA they take one window's memory, not theirs.
         for s in self._slots:
             s.windowed = s.tier is not None and not self._zoe_device.host_memory
         self._windowed_slots = [s for s in self._slots if s.windowed]
@@ -1062,9 +1062,10 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             self._stream.follow()
             te = time.perf_counter()
             self._engine.step()
-            if not self._stream.ordered and self._options["schedule"] == "delayed":
-                # The stand-in copies the gradients down on its own thread; they must be down before the
-                # caller's zero_grad() or next backward writes the buffers (on CUDA torch's stream waits).
+            if not self._stream.ordered:
+                # torch computes on the host at once: the device's copies (the weights up; with the delayed
+                # schedule, the gradients down on a stand-in's own threads) must be done before the caller
+                # reads the weights, zero_grad() or the next backward. On CUDA torch's stream waits instead.
                 self._zoe_device.synchronize()
             engine_s = time.perf_counter() - te
         finally:

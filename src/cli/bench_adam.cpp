@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "src/aligned_buffer.h"
+#include "base/aligned_buffer.h"
 #include "src/cli/args.h"
 #include "src/cli/bench_stats.h"
 #include "src/cli/commands.h"

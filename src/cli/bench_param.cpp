@@ -23,7 +23,7 @@
 #ifdef ZOE_HAVE_AIO
 #include "aio/files.h"
 #include "aio/io_engine.h"
-#include "src/aligned_buffer.h"
+#include "base/aligned_buffer.h"
 #endif
 
 namespace zoe::cli {

@@ -17,10 +17,11 @@
 #include <string>
 #include <vector>
 
+#include "base/files.h"
+#include "base/process_identity.h"
 #include "src/cli/args.h"
 #include "src/cli/commands.h"
 #include "src/offload/checkpoint.h"
-#include "src/process_identity.h"
 
 namespace zoe::cli {
 namespace {
@@ -142,29 +143,16 @@ Status write_safetensors(const std::string& path, const std::vector<std::string>
   text.resize((text.size() + 8 + 7) / 8 * 8 - 8, ' ');
   remove_abandoned_exports(path);
   const ProcessIdentity self = this_process();
+  // One name per process (remove_abandoned_exports reads the writer from it): reused, not exclusive.
   const std::string tmp = path + ".tmp-" + self.scope + "-" + std::to_string(self.pid);
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return os_error("cannot create " + tmp);
-  auto put = [&](const void* p, std::size_t n) {
-    const auto* c = static_cast<const char*>(p);
-    while (n > 0) {
-      const ssize_t w = ::write(fd, c, n);
-      if (w < 0) return os_error("cannot write " + tmp);
-      c += w;
-      n -= static_cast<std::size_t>(w);
-    }
-    return Status::success();
-  };
+  Result<AtomicFile> file = AtomicFile::create(path, tmp, AtomicFile::Options{0644, false});
+  if (!file.ok()) return file.status();
   unsigned char len[8];
   for (int b = 0; b < 8; ++b) len[b] = static_cast<unsigned char>(static_cast<std::uint64_t>(text.size()) >> (8 * b));
-  Status s = put(len, 8);
-  if (s.ok()) s = put(text.data(), text.size());
-  for (std::size_t i = 0; i < data.size() && s.ok(); ++i) s = put(data[i].data(), data[i].size() * 4);
-  if (s.ok() && ::fsync(fd) != 0) s = os_error("cannot fsync " + tmp);
-  ::close(fd);
-  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) s = os_error("cannot rename " + tmp + " to " + path);
-  if (!s.ok()) ::unlink(tmp.c_str());
-  return s;
+  Status s = file->write(len, 8);
+  if (s.ok()) s = file->write(text.data(), text.size());
+  for (std::size_t i = 0; i < data.size() && s.ok(); ++i) s = file->write(data[i].data(), data[i].size() * 4);
+  return s.ok() ? file->commit() : s;
 }
 
 }  // namespace

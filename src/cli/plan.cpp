@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "src/aligned_buffer.h"
+#include "base/aligned_buffer.h"
 #include "src/cli/args.h"
 #include "src/cli/commands.h"
 #ifdef ZOE_HAVE_AIO

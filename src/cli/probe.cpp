@@ -13,7 +13,7 @@
 #include "aio/files.h"
 #include "aio/io_engine.h"
 #include "aio/swap_inventory.h"
-#include "src/aligned_buffer.h"
+#include "base/aligned_buffer.h"
 #include "src/cli/args.h"
 #include "src/cli/commands.h"
 #include "src/cli/probe.h"

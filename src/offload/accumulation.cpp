@@ -1,4 +1,4 @@
-// Gradient accumulation on the host (DESIGN.md "Gradient accumulation"): each micro-batch's gradient comes
+// Gradient accumulation on the host (docs/architecture.md, "Gradient accumulation"): each micro-batch's gradient comes
 // down as it is reported and is added into an fp32 accumulator by the SIMD kernel (CpuAdam::accumulate);
 // the device's buffer is zeroed for the next micro-batch. On the last report the sum goes back into the
 // device's buffer rounded to its dtype — what a trainer that clips or logs p.grad must see — while the step

@@ -26,8 +26,8 @@
 #include <filesystem>
 #include <optional>
 
-#include "src/crc32c.h"
-#include "src/process_identity.h"
+#include "base/crc32c.h"
+#include "base/process_identity.h"
 
 namespace zoe {
 namespace {
@@ -83,15 +83,9 @@ Status pread_all(int fd, void* dst, std::size_t bytes, std::uint64_t offset, con
   return Status::success();
 }
 
-std::string parent_dir(const std::string& path) {
-  const std::size_t slash = path.rfind('/');
-  if (slash == std::string::npos) return ".";
-  return slash == 0 ? "/" : path.substr(0, slash);
-}
-
 std::atomic<unsigned> temp_sequence{0};
 
-// Temporary names: <path>.tmp-<host>-<scope>-<pid>-<n>. The scope (src/process_identity.h) says where the pid
+// Temporary names: <path>.tmp-<host>-<scope>-<pid>-<n>. The scope (base/process_identity.h) says where the pid
 // can be checked; the host is for people. Parsed from the right, so a host or checkpoint name may hold '-'.
 std::string temp_prefix(const std::string& path) {
   const ProcessIdentity self = this_process();
@@ -155,41 +149,7 @@ void remove_abandoned_temps(const std::string& dir) {
 
 // ---- writer ----
 
-CheckpointWriter::CheckpointWriter(std::string path, std::string temp_path, UniqueFd fd)
-    : path_(std::move(path)), temp_path_(std::move(temp_path)), fd_(std::move(fd)) {}
-
-CheckpointWriter::CheckpointWriter(CheckpointWriter&& o) noexcept
-    : path_(std::move(o.path_)),
-      temp_path_(std::exchange(o.temp_path_, std::string())),
-      fd_(std::move(o.fd_)),
-      offset_(o.offset_),
-      entries_(std::move(o.entries_)),
-      names_(std::move(o.names_)),
-      committed_(o.committed_),
-      failed_(o.failed_) {}
-
-CheckpointWriter& CheckpointWriter::operator=(CheckpointWriter&& o) noexcept {
-  if (this != &o) {
-    discard();
-    path_ = std::move(o.path_);
-    temp_path_ = std::exchange(o.temp_path_, std::string());
-    fd_ = std::move(o.fd_);
-    offset_ = o.offset_;
-    entries_ = std::move(o.entries_);
-    names_ = std::move(o.names_);
-    committed_ = o.committed_;
-    failed_ = o.failed_;
-  }
-  return *this;
-}
-
-CheckpointWriter::~CheckpointWriter() { discard(); }
-
-void CheckpointWriter::discard() {
-  fd_.reset();
-  if (!committed_ && !temp_path_.empty()) ::unlink(temp_path_.c_str());
-  temp_path_.clear();
-}
+CheckpointWriter::CheckpointWriter(AtomicFile file) : file_(std::make_unique<AtomicFile>(std::move(file))) {}
 
 Result<CheckpointWriter> CheckpointWriter::create(const std::string& path) {
   if (path.empty() || path.back() == '/') {
@@ -201,17 +161,17 @@ Result<CheckpointWriter> CheckpointWriter::create(const std::string& path) {
   const std::string prefix = temp_prefix(path);
   for (int attempt = 0; attempt < 64; ++attempt) {
     std::string temp = prefix + std::to_string(temp_sequence.fetch_add(1));
-    UniqueFd fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
-    if (!fd.valid()) {
-      if (errno == EEXIST) continue;
+    Result<AtomicFile> file = AtomicFile::create(path, temp);
+    if (!file.ok()) {
+      if (file.status().sys_errno() == EEXIST) continue;
       return io_error("cannot create " + temp + " to write checkpoint " + path +
                           ": check that directory " + parent_dir(path) + " exists and is writable",
-                      errno);
+                      file.status().sys_errno());
     }
     // Held until commit or discard: while it is, no cleaner removes the file, whatever its pid says.
     // A filesystem without locks (some FUSE mounts) still has the pid check.
-    (void)::flock(fd.get(), LOCK_EX | LOCK_NB);
-    CheckpointWriter w(path, std::move(temp), std::move(fd));
+    (void)::flock(file->fd(), LOCK_EX | LOCK_NB);
+    CheckpointWriter w(std::move(file).value());
     std::string header(kMagic, sizeof kMagic);
     put_u32(header, kCheckpointMajor);
     put_u32(header, kCheckpointMinor);
@@ -230,35 +190,21 @@ Status CheckpointWriter::fail(Status s) {
 }
 
 Status CheckpointWriter::write_all(const void* data, std::size_t bytes) {
-  const auto* p = static_cast<const char*>(data);
-  while (bytes > 0) {
-    const ssize_t w = ::write(fd_.get(), p, std::min(bytes, kMaxIo));
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return fail(io_error("writing " + temp_path_ + " (checkpoint " + path_ + ") at offset " +
-                               std::to_string(offset_) + " failed",
-                           errno));
-    }
-    if (w == 0) {
-      return fail(io_error("writing " + temp_path_ + " at offset " + std::to_string(offset_) + " made no progress",
-                           ENOSPC));
-    }
-    p += w;
-    bytes -= static_cast<std::size_t>(w);
-    offset_ += static_cast<std::uint64_t>(w);
+  if (Status s = file_->write(data, bytes); !s.ok()) {
+    return fail(Status(s.code(), s.message() + " (checkpoint " + path() + ")", s.sys_errno()));
   }
   return Status::success();
 }
 
 Status CheckpointWriter::pad_to(std::uint64_t alignment) {
   static constexpr std::array<char, kBlobAlignment> kZeros{};
-  const std::uint64_t pad = (alignment - offset_ % alignment) % alignment;
+  const std::uint64_t pad = (alignment - file_->offset() % alignment) % alignment;
   return write_all(kZeros.data(), static_cast<std::size_t>(pad));
 }
 
 Status CheckpointWriter::add(std::string name, const void* data, std::size_t bytes) {
   if (data == nullptr && bytes != 0) {
-    return invalid_argument("checkpoint " + path_ + ": blob '" + name + "' has null data and " +
+    return invalid_argument("checkpoint " + path() + ": blob '" + name + "' has null data and " +
                             std::to_string(bytes) + " bytes");
   }
   const auto* p = static_cast<const char*>(data);
@@ -269,19 +215,19 @@ Status CheckpointWriter::add(std::string name, const void* data, std::size_t byt
 }
 
 Status CheckpointWriter::add_streamed(std::string name, std::size_t bytes, const Producer& produce) {
-  if (committed_) return invalid_argument("checkpoint " + path_ + " is already committed: cannot add '" + name + "'");
-  if (failed_ || !fd_.valid()) {
-    return invalid_argument("checkpoint " + path_ + ": an earlier step failed; start again with a new writer");
+  if (committed_) return invalid_argument("checkpoint " + path() + " is already committed: cannot add '" + name + "'");
+  if (failed_ || !file_) {
+    return invalid_argument("checkpoint " + path() + ": an earlier step failed; start again with a new writer");
   }
   if (name.empty() || name.size() > kMaxName) {
-    return invalid_argument("checkpoint " + path_ + ": blob names must have 1 to " + std::to_string(kMaxName) +
+    return invalid_argument("checkpoint " + path() + ": blob names must have 1 to " + std::to_string(kMaxName) +
                             " bytes (got " + std::to_string(name.size()) + ")");
   }
   if (names_.count(name) != 0) {
-    return invalid_argument("checkpoint " + path_ + ": blob '" + name + "' was already added");
+    return invalid_argument("checkpoint " + path() + ": blob '" + name + "' was already added");
   }
   if (Status s = pad_to(kBlobAlignment); !s.ok()) return s;
-  Entry e{name, offset_, bytes, 0};
+  Entry e{name, file_->offset(), bytes, 0};
   // In slices, so each is checksummed while it is still in cache and then written.
   for (std::size_t done = 0; done < bytes;) {
     const std::size_t n = std::min(kStreamSlice, bytes - done);
@@ -297,12 +243,12 @@ Status CheckpointWriter::add_streamed(std::string name, std::size_t bytes, const
 }
 
 Status CheckpointWriter::commit(const std::string& manifest_json) {
-  if (committed_) return invalid_argument("checkpoint " + path_ + " is already committed");
-  if (failed_ || !fd_.valid()) {
-    return invalid_argument("checkpoint " + path_ + ": an earlier step failed; start again with a new writer");
+  if (committed_) return invalid_argument("checkpoint " + path() + " is already committed");
+  if (failed_ || !file_) {
+    return invalid_argument("checkpoint " + path() + ": an earlier step failed; start again with a new writer");
   }
   if (Status s = pad_to(8); !s.ok()) return s;
-  const std::uint64_t index_offset = offset_;
+  const std::uint64_t index_offset = file_->offset();
   std::string index;
   put_u32(index, static_cast<std::uint32_t>(entries_.size()));
   for (const Entry& e : entries_) {
@@ -325,21 +271,10 @@ Status CheckpointWriter::commit(const std::string& manifest_json) {
   if (Status s = write_all(index.data(), index.size()); !s.ok()) return s;
   if (Status s = write_all(trailer.data(), trailer.size()); !s.ok()) return s;
 
-  // Data reaches the disk before the rename does, else a crash could leave `path` naming a partial file.
-  if (::fsync(fd_.get()) != 0) return fail(io_error("fsync of " + temp_path_ + " failed", errno));
-  if (Status s = fd_.close(temp_path_); !s.ok()) return fail(std::move(s));
-  if (::rename(temp_path_.c_str(), path_.c_str()) != 0) {
-    return fail(io_error("renaming " + temp_path_ + " to " + path_ + " failed", errno));
-  }
-  committed_ = true;
-  const std::string dir = parent_dir(path_);
-  UniqueFd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (!dfd.valid() || ::fsync(dfd.get()) != 0) {
-    return io_error("checkpoint " + path_ + " is in place but syncing directory " + dir +
-                        " failed: the rename may not survive a crash",
-                    errno);
-  }
-  return Status::success();
+  Status s = file_->commit();
+  // In place once renamed, even if syncing the folder then failed (the error says so).
+  committed_ = file_->committed();
+  return s.ok() || committed_ ? s : fail(std::move(s));
 }
 
 // ---- reader ----
@@ -502,7 +437,7 @@ Status CheckpointReader::read_streamed(const std::string& name, std::size_t byte
   if (it == blobs_.end()) return invalid_argument("checkpoint " + path_ + " has no blob '" + name + "'");
   const Blob& b = it->second;
   if (bytes != b.size) {
-    return Status(StatusCode::corrupt, "checkpoint " + path_ + ": blob '" + name + "' holds " +
+    return Status(StatusCode::corrupt, "checkpoint " + path() + ": blob '" + name + "' holds " +
                                            std::to_string(b.size) + " bytes, the caller expects " +
                                            std::to_string(bytes) + " (a checkpoint of a different model?)");
   }

@@ -7,12 +7,14 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
-#include "src/unique_fd.h"
+#include "base/files.h"
+#include "base/unique_fd.h"
 #include "zoe/status.h"
 
 namespace zoe {
@@ -31,11 +33,11 @@ constexpr std::uint32_t kCheckpointMinor = 0;
 class CheckpointWriter {
  public:
   static Result<CheckpointWriter> create(const std::string& path);
-  CheckpointWriter(CheckpointWriter&& o) noexcept;
-  CheckpointWriter& operator=(CheckpointWriter&& o) noexcept;
+  CheckpointWriter(CheckpointWriter&& o) noexcept = default;
+  CheckpointWriter& operator=(CheckpointWriter&& o) noexcept = default;
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
-  ~CheckpointWriter();
+  ~CheckpointWriter() = default;
 
   // `name` must be non-empty and not yet added; `data` may be null when `bytes` is 0. After any failure the
   // writer refuses further calls (the temporary file is incomplete).
@@ -49,8 +51,8 @@ class CheckpointWriter {
   // file, renames it over `path` and fsyncs the directory so the rename survives a crash.
   Status commit(const std::string& manifest_json);
 
-  const std::string& path() const { return path_; }
-  const std::string& temp_path() const { return temp_path_; }
+  const std::string& path() const { return file_->path(); }
+  const std::string& temp_path() const { return file_->temp_path(); }
 
  private:
   struct Entry {
@@ -58,15 +60,13 @@ class CheckpointWriter {
     std::uint64_t offset, size;
     std::uint32_t crc;
   };
-  CheckpointWriter(std::string path, std::string temp_path, UniqueFd fd);
+  explicit CheckpointWriter(AtomicFile file);
   Status write_all(const void* data, std::size_t bytes);
   Status pad_to(std::uint64_t alignment);
   Status fail(Status s);
-  void discard();
 
-  std::string path_, temp_path_;
-  UniqueFd fd_;
-  std::uint64_t offset_ = 0;
+  // The temporary beside the checkpoint's path, renamed over it by commit(); removed unless committed.
+  std::unique_ptr<AtomicFile> file_;
   std::vector<Entry> entries_;
   std::unordered_set<std::string> names_;
   bool committed_ = false;

@@ -24,7 +24,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "src/utf8.h"
+#include "base/utf8.h"
 
 namespace zoe {
 namespace {

@@ -15,9 +15,9 @@
 #include <type_traits>
 
 #include "simd/dispatch.h"
-#include "src/aligned_buffer.h"
+#include "base/aligned_buffer.h"
 #include "src/offload/host_device.h"
-#include "src/offload/work_queue.h"
+#include "base/work_queue.h"
 #include "zoe/device.h"
 
 namespace zoe {

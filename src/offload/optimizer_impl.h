@@ -15,9 +15,9 @@
 #include <string>
 #include <vector>
 
-#include "src/aligned_buffer.h"
+#include "base/aligned_buffer.h"
 #include "src/offload/loss_scaler.h"
-#include "src/offload/work_queue.h"
+#include "base/work_queue.h"
 #include "zoe/offload.h"
 #include "zoe/partition.h"
 
@@ -220,7 +220,7 @@ struct OffloadOptimizer::Impl {
     *dtype = params[i].dtype;
     return grad_of(i, set);
   }
-  // Parameter offload on a device with its own memory (DESIGN.md "Parameters off the device"): a tiered
+  // Parameter offload on a device with its own memory (docs/architecture.md, "Parameters off the device"): a tiered
   // parameter's gradient comes down when it is reported, in every schedule, and the compute stream waits for
   // that copy, so the trainer may give the gradient's device memory to the next block at once. grad_down[i]:
   // this iteration's gradient of parameter i is on the host; step() does not read the device's buffer again.
@@ -250,10 +250,12 @@ struct OffloadOptimizer::Impl {
   // The compute stream (the next forward) waits for every weight sent so far; returns the event after which
   // the weight staging may be rewritten.
   Result<EventId> weights_sent();
-  // weights_sent(); the host waits for that event only when the staging (or an fp32 master, the source of
-  // its parameter's copy) is next written: staging_writable(), called by the steps once this iteration's
-  // gradients are down — the device sent the weights before the forward and backward that produced them,
-  // so the wait blocks nothing. wait(), load() and write_state() wait for everything anyway.
+  // weights_sent(); on a device with memory of its own the host waits for that event only when the staging
+  // (or an fp32 master, the source of its parameter's copy) is next written: staging_writable(), called by
+  // the steps once this iteration's gradients are down — the device sent the weights before the forward and
+  // backward that produced them, so the wait blocks nothing. wait(), load() and write_state() wait for
+  // everything anyway. The CPU as the device (host memory) waits at once: the trainer reads the weights
+  // on the host when step() returns.
   Status finish_h2d();
   Status staging_writable();
   std::mutex weights_in_flight_mutex;  // the overlap worker and the trainer's thread

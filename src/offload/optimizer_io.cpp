@@ -11,7 +11,7 @@
 #include <string>
 #include <type_traits>
 
-#include "src/aligned_buffer.h"
+#include "base/aligned_buffer.h"
 #include "src/offload/checkpoint.h"
 #include "src/offload/optimizer_impl.h"
 

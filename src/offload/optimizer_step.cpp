@@ -223,6 +223,9 @@ Result<EventId> OffloadOptimizer::Impl::weights_sent() {
 Status OffloadOptimizer::Impl::finish_h2d() {
   Result<EventId> sent = weights_sent();
   if (!sent.ok()) return sent.status();
+  // The CPU as the device: the trainer computes on the host at once, with nothing to order it after the
+  // copies but this wait.
+  if (device.host_memory()) return device.synchronize(sent.value());
   const std::lock_guard lock(weights_in_flight_mutex);
   weights_in_flight = sent.value();
   return Status::success();

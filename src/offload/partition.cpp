@@ -1,4 +1,4 @@
-// ZeRO partitioning (DESIGN.md "Beyond one machine"): every rank passes the same parameters and owns the
+// ZeRO partitioning (docs/architecture.md, "Beyond one machine"): every rank passes the same parameters and owns the
 // optimizer state of its 1/W of their flattened elements, dtype by dtype. Gradients are reduce-scattered into
 // this rank's shard on the device; the updated shards are all-gathered back into every parameter. The
 // optimizer under it steps this rank's pieces of the parameters as if they were its own, with schedule sync.

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "src/offload/optimizer_impl.h"
-#include "src/offload/work_queue.h"
+#include "base/work_queue.h"
 
 namespace zoe {
 namespace {

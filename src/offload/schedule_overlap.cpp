@@ -14,9 +14,9 @@
 #include <utility>
 #include <vector>
 
-#include "src/aligned_buffer.h"
+#include "base/aligned_buffer.h"
 #include "src/offload/optimizer_impl.h"
-#include "src/offload/work_queue.h"
+#include "base/work_queue.h"
 
 namespace zoe {
 namespace {

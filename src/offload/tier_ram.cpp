@@ -6,7 +6,7 @@
 #include <cstring>
 #include <vector>
 
-#include "src/aligned_buffer.h"
+#include "base/aligned_buffer.h"
 #include "src/offload/checkpoint.h"
 #include "src/offload/optimizer_impl.h"
 

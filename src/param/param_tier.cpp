@@ -19,7 +19,7 @@
 #include <mutex>
 #include <utility>
 
-#include "src/offload/work_queue.h"
+#include "base/work_queue.h"
 #include "src/param/param_home.h"
 
 namespace zoe {

@@ -12,8 +12,8 @@
 
 #include "aio/files.h"
 #include "aio/io_engine.h"
-#include "src/aligned_buffer.h"
-#include "src/crc32c.h"
+#include "base/aligned_buffer.h"
+#include "base/crc32c.h"
 #include "tests/aio/aio_test_util.h"
 
 namespace zoe {

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "src/crc32c.h"
+#include "base/crc32c.h"
 #include "tests/aio/aio_test_util.h"
 #include "tests/aio/swap_model.h"
 #include "tests/fuzz.h"

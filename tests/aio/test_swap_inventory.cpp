@@ -43,7 +43,7 @@ SwapOptions options(std::vector<std::string> paths) {
 // Rewrites the owner record of a manifest, as a run of that owner would have left it (null: none, as an
 // older zoe wrote it).
 void set_owner(const std::string& manifest, const nlohmann::json& owner) {
-  Result<std::string> text = aio::read_whole_file(manifest);
+  Result<std::string> text = read_whole_file(manifest);
   ASSERT_TRUE(text.ok());
   nlohmann::json m = nlohmann::json::parse(text.value());
   if (owner.is_null()) m.erase("owner");
@@ -127,7 +127,7 @@ TEST(SwapInventory, OpenRecordsTheNewOwnerAndOlderManifestsStillOpen) {
   Result<SwapStore> reopened = SwapStore::open(options({dir.path()}), "rank0", kTile, kTile);
   ASSERT_TRUE(reopened.ok()) << reopened.status().to_string();
   const std::optional<ProcessIdentity> owner =
-      aio::parse_owner(nlohmann::json::parse(aio::read_whole_file(manifest).value()));
+      aio::parse_owner(nlohmann::json::parse(read_whole_file(manifest).value()));
   ASSERT_TRUE(owner.has_value());
   EXPECT_EQ(owner->pid, ::getpid());
   EXPECT_EQ(owner->scope, this_process().scope);

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "src/offload/checkpoint.h"
-#include "src/crc32c.h"
+#include "base/crc32c.h"
 
 namespace zoe {
 namespace {

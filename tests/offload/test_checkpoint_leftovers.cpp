@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "src/offload/checkpoint.h"
-#include "src/process_identity.h"
+#include "base/process_identity.h"
 #include "tests/child_process.h"
 
 namespace zoe {

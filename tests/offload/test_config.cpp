@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "src/utf8.h"
+#include "base/utf8.h"
 #include "zoe/config.h"
 
 namespace zoe {

@@ -18,9 +18,9 @@
 #include <string>
 #include <vector>
 
-#include "src/crc32c.h"
+#include "base/crc32c.h"
 #include "src/offload/checkpoint.h"
-#include "src/utf8.h"
+#include "base/utf8.h"
 #include "tests/fuzz.h"
 #include "tests/offload/trainer.h"
 #include "zoe/config.h"
@@ -53,7 +53,7 @@ constexpr const char* kValidConfig = R"({
           "pin_threads": true, "cpu_tile": 65536}
 })";
 
-// What any accepted config promises (the ranges README "DeepSpeed config" documents); empty when it holds.
+// What any accepted config promises (the ranges docs/config.md documents); empty when it holds.
 std::string config_violation(const LoadedConfig& c) {
   const AdamHyper& h = c.hyper;
   const OffloadOptions& o = c.options;

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "src/offload/host_device.h"
 #include "tests/offload/trainer.h"
 #include "zoe/swap.h"
 
@@ -59,6 +60,41 @@ TEST_F(NvmeTier, ChangedGradsAreTakenAgain) {
 }
 
 // Accumulated micro-batches: the swap store's step reads the fp32 sums as tier ram's does.
+// The CPU as the device: a trainer reads the weights on the host as soon as step() returns, with nothing
+// ordering it after the engine's copies (tier nvme with the overlap schedule steps out of place and copies
+// the new weights from its staging). Chaos delays every copy, so a step that returned before its copies
+// were done would show the old weights here.
+TEST_F(NvmeTier, OnTheCpuStepReturnsWithTheNewWeightsInPlace) {
+  HostDeviceOptions ho;
+  ho.cpu = true;
+  ho.chaos_seed = 9;
+  ho.chaos_max_s = 2e-3;
+  std::unique_ptr<Device> device = make_host_device(ho);
+  test::DeviceParams model(*device, DType::bf16, {1000, 37, 4096}, 42);
+  OffloadOptions o;
+  o.schedule = Schedule::overlap;
+  Result<OffloadOptimizer> made = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs, nvme(o));
+  ASSERT_TRUE(made.ok()) << made.status().to_string();
+  OffloadOptimizer& opt = made.value();
+  for (int t = 0; t < 3; ++t) {
+    test::random_grads(1e-2)(model, t, 1.0f);
+    ASSERT_TRUE(opt.step().ok());
+    const std::vector<unsigned char> seen = model.weights();  // at once, as the trainer reads them
+    ASSERT_TRUE(opt.wait().ok());
+    std::vector<unsigned char> want;
+    for (std::size_t i = 0; i < model.specs.size(); ++i) {
+      std::vector<float> master(model.specs[i].n);
+      ASSERT_TRUE(opt.read_state(i, master.data(), nullptr, nullptr).ok());
+      for (float x : master) {
+        const std::uint16_t b = float_to_bf16(x);
+        want.push_back(static_cast<unsigned char>(b & 0xff));
+        want.push_back(static_cast<unsigned char>(b >> 8));
+      }
+    }
+    EXPECT_EQ(seen, want) << "step " << t;
+  }
+}
+
 TEST_F(NvmeTier, AccumulationEqualsRam) {
   OffloadOptions o;
   o.gradient_accumulation_steps = 2;

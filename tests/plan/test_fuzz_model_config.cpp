@@ -7,7 +7,7 @@
 #include <string>
 
 #include "src/plan/plan.h"
-#include "src/utf8.h"
+#include "base/utf8.h"
 #include "tests/fuzz.h"
 
 namespace zoe::plan {

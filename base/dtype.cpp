@@ -1,6 +1,6 @@
 #include "zoe/dtype.h"
 
-#include "simd/convert.h"
+#include "base/convert.h"
 
 namespace zoe {
 
@@ -33,9 +33,9 @@ std::size_t dtype_size(DType dtype) {
   return 0;
 }
 
-std::uint16_t float_to_f16(float x) { return simd::f32_to_f16(x); }
-float f16_to_float(std::uint16_t h) { return simd::f16_to_f32(h); }
-std::uint16_t float_to_bf16(float x) { return simd::f32_to_bf16(x); }
-float bf16_to_float(std::uint16_t b) { return simd::bf16_to_f32(b); }
+std::uint16_t float_to_f16(float x) { return f32_to_f16(x); }
+float f16_to_float(std::uint16_t h) { return f16_to_f32(h); }
+std::uint16_t float_to_bf16(float x) { return f32_to_bf16(x); }
+float bf16_to_float(std::uint16_t b) { return bf16_to_f32(b); }
 
 }  // namespace zoe

@@ -5,9 +5,9 @@
 #include <cstdint>
 #include <cstring>
 
-#include "simd/convert.h"
+#include "base/convert.h"
 
-namespace zoe::simd {
+namespace zoe {
 namespace {
 
 TEST(Convert, F16RoundTripsEveryHalf) {
@@ -70,4 +70,4 @@ TEST(Convert, Bf16IsNearestOnManyFloats) {
 }
 
 }  // namespace
-}  // namespace zoe::simd
+}  // namespace zoe

@@ -4,7 +4,7 @@
 #include <cstdint>
 
 
-namespace zoe::simd {
+namespace zoe {
 
 inline std::uint32_t float_bits(float x) {
   std::uint32_t u;
@@ -68,4 +68,4 @@ inline std::uint16_t f32_to_f16(float x) {
   return static_cast<std::uint16_t>(sign | h);
 }
 
-}  // namespace zoe::simd
+}  // namespace zoe

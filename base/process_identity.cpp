@@ -1,4 +1,4 @@
-#include "src/process_identity.h"
+#include "base/process_identity.h"
 
 #include <signal.h>
 #include <unistd.h>

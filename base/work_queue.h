@@ -8,7 +8,7 @@
 #include <mutex>
 #include <thread>
 
-#include "zoe/device.h"
+#include "base/thread_role.h"
 
 namespace zoe {
 

@@ -1,4 +1,4 @@
-#include "src/crc32c.h"
+#include "base/crc32c.h"
 
 #include <array>
 #include <cstring>
