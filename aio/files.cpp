@@ -14,6 +14,21 @@
 #include <fstream>
 #include <sstream>
 
+namespace zoe {
+
+std::string_view io_op_name(IoOp op) {
+  switch (op) {
+    case IoOp::open: return "open";
+    case IoOp::allocate: return "allocate";
+    case IoOp::read: return "read";
+    case IoOp::write: return "write";
+    case IoOp::sync: return "sync";
+  }
+  return "unknown";
+}
+
+}  // namespace zoe
+
 namespace zoe::aio {
 
 namespace {

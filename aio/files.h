@@ -2,7 +2,7 @@
 // a filesystem refuses it), preallocation, and what a path's filesystem is. Durable small-file replacement
 // (a manifest's replace_file, whose temporaries a store's next owner removes: remove_stale_temps in
 // swap_inventory.h) is base/files.h's.
-// Every failure comes back as a Status naming the path; the fault hook (zoe/swap.h) can fail open,
+// Every failure comes back as a Status naming the path; the fault hook (zoe/io_fault.h) can fail open,
 // allocate and sync on demand.
 #pragma once
 
@@ -13,7 +13,7 @@
 #include "base/files.h"
 #include "base/unique_fd.h"
 #include "zoe/status.h"
-#include "zoe/swap.h"
+#include "zoe/io_fault.h"
 
 namespace zoe::aio {
 

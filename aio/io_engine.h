@@ -11,7 +11,7 @@
 #include <string>
 
 #include "zoe/status.h"
-#include "zoe/swap.h"
+#include "zoe/io_fault.h"
 
 namespace zoe::aio {
 

@@ -2,7 +2,7 @@
 // kept in preallocated swap files under one or more paths and streamed through a few RAM buffers by a
 // pipelined optimizer step (read tile i+1 while Adam runs on tile i while tile i-1 is written back).
 //
-// Layout and safety (the why is in aio/swap_store.cpp):
+// Layout and safety (the why is in src/nvme/swap_store.cpp):
 //  - The range is cut into tiles of `tile` elements; tile t lives on path t % P, so P paths on P disks give
 //    P times the bandwidth. Each path holds one data file `<name>.zoe-swap` (0600), preallocated.
 //  - Every tile has two slots. A step reads the tile's current slot and writes the other one; the tile's
@@ -26,33 +26,11 @@
 
 #include "zoe/adam.h"
 #include "zoe/dtype.h"
+#include "zoe/io_fault.h"
 #include "zoe/offload.h"
 #include "zoe/status.h"
 
 namespace zoe {
-
-// ---- Fault injection (tests). The I/O layer asks the hook at each site; a non-zero error makes the
-// operation fail with that errno as if the OS had said so; for read/write the hook runs when the request
-// completes (the transfer really happened), so a reported failure leaves bytes on disk that must not be
-// trusted — exactly what a real failed write can leave.
-enum class IoOp : std::uint8_t { open, allocate, read, write, sync };
-std::string_view io_op_name(IoOp op);
-
-struct IoSite {
-  IoOp op = IoOp::read;
-  std::string_view path;
-  std::uint64_t offset = 0;  // read/write: file offset of the request
-  std::uint64_t bytes = 0;   // read/write: request length; allocate: file size asked
-  std::uint64_t index = 0;   // read/write: 0-based count of earlier requests of this op in this store
-  bool direct = false;       // open: whether O_DIRECT is being asked for
-};
-
-struct IoFault {
-  int error = 0;                   // errno to report (EIO, ENOSPC, EROFS, EINVAL, ...); 0: no error
-  std::int64_t transferred = -1;   // read/write without error: report this many bytes (short transfer); -1: real
-};
-
-using IoFaultHook = std::function<IoFault(const IoSite&)>;
 
 // When a call's writes become durable: fdatasync'ed, and then the tile table naming them persisted. Within a
 // run, every mode keeps the in-memory table exact, so a failed call can be retried and completes exactly

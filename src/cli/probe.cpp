@@ -12,7 +12,7 @@
 
 #include "aio/files.h"
 #include "aio/io_engine.h"
-#include "aio/swap_inventory.h"
+#include "src/nvme/swap_inventory.h"
 #include "base/aligned_buffer.h"
 #include "src/cli/args.h"
 #include "src/cli/commands.h"

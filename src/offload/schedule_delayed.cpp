@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "base/warning.h"
 #include "src/offload/optimizer_impl.h"
 #include "base/work_queue.h"
 
@@ -117,8 +118,8 @@ Status DelayedSchedule::send_weights(std::size_t i) {
 Status DelayedSchedule::send(std::size_t i) {
   Status s = m_.enqueue_h2d(i);
   if (s.ok() || m_.params[i].tier == nullptr) return s;
-  std::fprintf(stderr, "zoe: warning: writing the weights of parameter '%s' to the parameter tier failed (%s); the next "
-               "step() writes them again\n", m_.params[i].name.c_str(), s.message().c_str());
+  warn("writing the weights of parameter '" + m_.params[i].name + "' to the parameter tier failed (" + s.message() +
+       "); the next step() writes them again");
   if (unsent_.empty()) unsent_cause_ = s;
   unsent_.push_back(i);
   return Status::success();

@@ -1,5 +1,5 @@
 // Where a parameter tier's blocks live between uses (zoe/param_tier.h): pinned host RAM (param_tier.cpp) or
-// an NVMe file (aio/param_home_nvme.cpp). A block is kept in the layout it has on the device — its entries
+// an NVMe file (param_home_nvme.cpp). A block is kept in the layout it has on the device — its entries
 // at `offsets`, each aligned — so that bringing it to the device is one copy.
 #pragma once
 

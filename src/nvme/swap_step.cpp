@@ -6,7 +6,7 @@
 #include <limits>
 
 #include "base/crc32c.h"
-#include "aio/swap_impl.h"
+#include "src/nvme/swap_impl.h"
 
 namespace zoe {
 namespace {

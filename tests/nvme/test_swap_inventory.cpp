@@ -19,7 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "aio/files.h"
-#include "aio/swap_inventory.h"
+#include "src/nvme/swap_inventory.h"
 #include "tests/aio/aio_test_util.h"
 #include "tests/child_process.h"
 #include "zoe/swap.h"

@@ -1,4 +1,4 @@
-#include "aio/swap_inventory.h"
+#include "src/nvme/swap_inventory.h"
 
 #include <fcntl.h>
 #include <unistd.h>

@@ -12,7 +12,7 @@
 
 #include "base/crc32c.h"
 #include "tests/aio/aio_test_util.h"
-#include "tests/aio/swap_model.h"
+#include "tests/nvme/swap_model.h"
 #include "tests/fuzz.h"
 #include "zoe/swap.h"
 
@@ -28,7 +28,7 @@ using fuzz::write_file;
 constexpr std::size_t kTile = 4096;
 constexpr std::size_t kN = 3 * kTile + 5;
 constexpr std::size_t kTiles = 4;
-// aio/swap_store.cpp: a 32-byte header, 24 bytes per tile, the CRC-32C of both, in each of two regions
+// src/nvme/swap_store.cpp: a 32-byte header, 24 bytes per tile, the CRC-32C of both, in each of two regions
 // rounded up to 4 KiB.
 constexpr std::size_t kTableBody = 32 + kTiles * 24;
 constexpr std::size_t kTableRegion = 4096;

@@ -11,7 +11,8 @@
 #include <cstdio>
 #include <future>
 
-#include "aio/swap_impl.h"
+#include "base/warning.h"
+#include "src/nvme/swap_impl.h"
 
 namespace zoe {
 namespace {
@@ -101,8 +102,8 @@ Status SwapStore::Impl::finish_pending_writes() {
     if (w.result.ok()) continue;
     // Nothing has touched the tile's buffer since: write it again to the slot its entry names.
     const std::size_t t = w.tile;
-    std::fprintf(stderr, "zoe: warning: writing %s after the call returned failed (%s); writing it again from RAM\n",
-                 tile_name(t).c_str(), w.result.message().c_str());
+    warn("writing " + tile_name(t) + " after the call returned failed (" + w.result.message() +
+         "); writing it again from RAM");
     Result<aio::IoEngine::Ticket> r =
         engine->submit(IoOp::write, file_of(t).engine_file, file_offset(t, table[t].slot), buffers[t].data(), slot_bytes);
     Status again = r.ok() ? engine->wait(r.value()) : r.status();
@@ -134,8 +135,8 @@ Status SwapStore::Impl::settle() {
       pending_writes.clear();  // the background task waited each, and each succeeded
       return s;
     }
-    std::fprintf(stderr, "zoe: warning: %s the last call on %s failed (%s); retrying before this call writes\n",
-                 persisting_durable ? "making durable" : "finishing the writes of", name.c_str(), s.message().c_str());
+    warn(std::string(persisting_durable ? "making durable" : "finishing the writes of") + " the last call on " + name +
+         " failed (" + s.message() + "); retrying before this call writes");
   }
   if (Status s = finish_pending_writes(); !s.ok()) return s;
   if (!unsynced || options.durability != SwapDurability::next_call) return Status::success();
@@ -170,8 +171,7 @@ Status SwapStore::Impl::flush() {
 SwapStore::Impl::~Impl() {
   if (!persisting.valid() && !unsynced && pending_writes.empty()) return;
   if (Status s = flush(); !s.ok()) {
-    std::fprintf(stderr, "zoe: warning: closing swap store %s: its last writes could not be made durable: %s\n",
-                 name.c_str(), s.message().c_str());
+    warn("closing swap store " + name + ": its last writes could not be made durable: " + s.message());
   }
 }
 

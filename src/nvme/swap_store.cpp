@@ -23,9 +23,10 @@
 #include <optional>
 #include <set>
 
+#include "base/warning.h"
 #include "base/crc32c.h"
-#include "aio/swap_impl.h"
-#include "aio/swap_inventory.h"
+#include "src/nvme/swap_impl.h"
+#include "src/nvme/swap_inventory.h"
 
 namespace zoe {
 namespace {
@@ -72,17 +73,6 @@ Status validate_shape(const SwapOptions& o, const std::string& name, std::size_t
 }
 
 }  // namespace
-
-std::string_view io_op_name(IoOp op) {
-  switch (op) {
-    case IoOp::open: return "open";
-    case IoOp::allocate: return "allocate";
-    case IoOp::read: return "read";
-    case IoOp::write: return "write";
-    case IoOp::sync: return "sync";
-  }
-  return "unknown";
-}
 
 SwapOptions SwapOptions::from(const NvmeOptions& nvme) {
   SwapOptions o;
@@ -217,8 +207,7 @@ Status SwapStore::Impl::load_table() {
   }
   if (damaged) {
     // The other copy is consistent (it names slots no later write touched) but may be one update older.
-    std::fprintf(stderr, "zoe: warning: one copy of tile table %s is damaged; using the other: %s\n", path.c_str(),
-                 describe().c_str());
+    warn("one copy of tile table " + path + " is damaged; using the other: " + describe());
   }
   return Status::success();
 }
@@ -303,11 +292,9 @@ Status SwapStore::Impl::setup_runtime() {
   if (!buffered.empty()) {
     std::string list;
     for (const auto& p : buffered) list += (list.empty() ? "" : ", ") + p;
-    std::fprintf(stderr,
-                 "zoe: warning: swap path %s refuses O_DIRECT (filesystem without direct I/O, e.g. tmpfs/ramfs/overlayfs): "
-                 "using buffered I/O through the page cache, which is slower and uses RAM; put nvme_path on a local "
-                 "NVMe filesystem (ext4, xfs)\n",
-                 list.c_str());
+    warn("swap path " + list + " refuses O_DIRECT (filesystem without direct I/O, e.g. tmpfs/ramfs/overlayfs): "
+         "using buffered I/O through the page cache, which is slower and uses RAM; put nvme_path on a local "
+         "NVMe filesystem (ext4, xfs)");
   }
   return Status::success();
 }

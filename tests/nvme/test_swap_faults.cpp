@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "tests/aio/aio_test_util.h"
-#include "tests/aio/swap_model.h"
+#include "tests/nvme/swap_model.h"
 #include "zoe/swap.h"
 
 namespace zoe {
