@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "src/cli/args.h"
-#include "src/cli/bench_stats.h"
-#include "src/cli/commands.h"
+#include "tools/args.h"
+#include "tools/bench_stats.h"
+#include "tools/commands.h"
 #include "zoe/offload.h"
 
 namespace zoe::cli {

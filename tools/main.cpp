@@ -7,7 +7,7 @@
 #include <string_view>
 
 #include "simd/dispatch.h"
-#include "src/cli/commands.h"
+#include "tools/commands.h"
 #include "zoe/adam.h"
 
 namespace {

@@ -16,10 +16,10 @@
 #include <vector>
 
 #include "base/aligned_buffer.h"
-#include "src/cli/args.h"
-#include "src/cli/commands.h"
+#include "tools/args.h"
+#include "tools/commands.h"
 #ifdef ZOE_HAVE_AIO
-#include "src/cli/probe.h"
+#include "tools/probe.h"
 #endif
 #include "src/plan/plan.h"
 #include "zoe/adam.h"

@@ -14,9 +14,9 @@
 #include "aio/io_engine.h"
 #include "src/nvme/swap_inventory.h"
 #include "base/aligned_buffer.h"
-#include "src/cli/args.h"
-#include "src/cli/commands.h"
-#include "src/cli/probe.h"
+#include "tools/args.h"
+#include "tools/commands.h"
+#include "tools/probe.h"
 
 namespace zoe::cli {
 namespace {

@@ -16,9 +16,9 @@
 #include <utility>
 #include <vector>
 
-#include "src/cli/args.h"
-#include "src/cli/bench_stats.h"
-#include "src/cli/commands.h"
+#include "tools/args.h"
+#include "tools/bench_stats.h"
+#include "tools/commands.h"
 #include "zoe/param_tier.h"
 #ifdef ZOE_HAVE_AIO
 #include "aio/files.h"

@@ -1,4 +1,4 @@
-#include "src/cli/args.h"
+#include "tools/args.h"
 
 #include <charconv>
 #include <cmath>

@@ -19,8 +19,8 @@
 
 #include "base/files.h"
 #include "base/process_identity.h"
-#include "src/cli/args.h"
-#include "src/cli/commands.h"
+#include "tools/args.h"
+#include "tools/commands.h"
 #include "src/offload/checkpoint.h"
 
 namespace zoe::cli {
