@@ -172,11 +172,10 @@ TEST(ChangedWeights, DiscardingTheSpeculativeStepsThenWritingTheMasterEqualsSync
                                       ASSERT_TRUE(opt.discard_speculative_steps().ok());
                                       shift_master(opt);
                                     });
+      // Without the discard this fails whenever the worker has stepped a piece before the trainer's hook
+      // runs (seen when it was written). Whether it has is timing, so that run is not asserted here: under a
+      // loaded CI machine the worker may not have started, and the speculative steps then come after the write.
       expect_bitwise_equal(sync, overlap);
-      // Without the discard, the speculative steps from the old master are kept: the check above can fail.
-      const RunResult kept = run({Schedule::overlap, d, cpu}, {}, random_grads(1e-2),
-                                 [](DeviceParams&, OffloadOptimizer& opt) { shift_master(opt); });
-      EXPECT_NE(sync.state, kept.state);
     }
   }
 }
