@@ -39,7 +39,9 @@ class AtomicFile {
     bool exclusive = true;
   };
   static Result<AtomicFile> create(std::string path, std::string temp, Options options);
-  static Result<AtomicFile> create(std::string path, std::string temp) { return create(std::move(path), std::move(temp), Options{}); }
+  static Result<AtomicFile> create(std::string path, std::string temp) {
+    return create(std::move(path), std::move(temp), Options{});
+  }
 
   AtomicFile(AtomicFile&& o) noexcept;
   AtomicFile& operator=(AtomicFile&&) = delete;

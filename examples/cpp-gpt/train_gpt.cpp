@@ -5,8 +5,8 @@
 // from autograd's post-accumulate hooks (GradReporter: the overlap schedule steps during backward), the loss
 // scaled for fp16, the schedule applied before each step, and save/resume.
 //
-// Same data, model, seed and sizes as `python -m zoe.demo` (see docs/cpp.md, "C++ trainer (libtorch)", for what matches
-// bitwise and what does not).
+// Same data, model, seed and sizes as `python -m zoe.demo` (see docs/cpp.md, "C++ trainer (libtorch)", for
+// what matches bitwise and what does not).
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>

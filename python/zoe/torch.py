@@ -539,7 +539,8 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
             self._note_weights()
             return
         # On a device with memory of its own, offloaded parameters' gradients leave it as each one's backward
-        # ends (docs/architecture.md, "Parameters off the device"): on CUDA they take one window's memory, not theirs.
+        # ends (docs/architecture.md, "Parameters off the device"): on CUDA they take one window's memory,
+        # not theirs.
         for s in self._slots:
             s.windowed = s.tier is not None and not self._zoe_device.host_memory
         self._windowed_slots = [s for s in self._slots if s.windowed]
@@ -844,7 +845,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, torch.optim.Optimizer):
         """What says, for each slot, that the trainer changed its weights: torch's version counter, address and
         dtype of ``p`` (a DTensor's own counter, of its local shard's address), or for an offloaded parameter
         its tier's count of ``gathered()`` write-backs. zoe's own writes go through addresses and change none.
-        Run twice an iteration: one tuple per tensor, no call."""
+        Run twice an iteration, so kept to one tuple per tensor."""
         if self._dtensor is not None:
             return [(s.param._version, s.param._local_tensor.data_ptr(), s.param.dtype) for s in self._slots]
         return [(s.param._version, s.param.data_ptr(), s.param.dtype) if s.tier is None else s.tier[0].edits()

@@ -1,5 +1,5 @@
-// OffloadOptimizer: the offloaded step (docs/architecture.md, "The step, as data", "Schedules"). This file holds the
-// public API and the checks at creation; the engine is cut along two seams (optimizer_impl.h): the tier
+// OffloadOptimizer: the offloaded step (docs/architecture.md, "The step, as data", "Schedules"). This file
+// holds the public API and the checks at creation; the engine is cut along two seams (optimizer_impl.h): the tier
 // where the fp32 state lives (tier_ram.cpp, tier_nvme.cpp) and the schedule that meets the device's
 // forward/backward (schedule_sync.cpp, schedule_overlap.cpp, schedule_delayed.cpp), over what they share
 // (optimizer_step.cpp). Partitioning is partition.cpp; save/load optimizer_io.cpp.
