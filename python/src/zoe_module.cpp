@@ -708,7 +708,9 @@ void bind_engine(nb::module_& m) {
            "threads and on zoe's own workers.");
   m.def("host_device",
         [](std::uint64_t chaos_seed, double chaos_max_s) {
-          if (!(chaos_max_s >= 0 && chaos_max_s <= 1)) check(invalid_argument("host_device: chaos_max_s must be in [0, 1] seconds"));
+          if (!(chaos_max_s >= 0 && chaos_max_s <= 1)) {
+            check(invalid_argument("host_device: chaos_max_s must be in [0, 1] seconds"));
+          }
           HostDeviceOptions options;
           options.chaos_seed = chaos_seed;
           options.chaos_max_s = chaos_max_s;

@@ -182,7 +182,7 @@ class _SavedView(NamedTuple):
     dtype: torch.dtype
     size: torch.Size
     stride: tuple[int, ...]
-    version: int  # the block's write count when saved: weights written since make the graph stale
+    version: int  # the write-backs when saved (gathered()): weights written since make the graph stale
 
 
 class _Active:
@@ -268,8 +268,7 @@ class ParamOffload:
 
         self._active: dict[int, _Active] = {}
         self._live: dict[int, list] = {}  # block address -> [block, leases on it]
-        self._versions = [0] * len(self.blocks)
-        self._write_backs = 0  # gathered() blocks that wrote the weights back (edits())
+        self._write_backs = 0  # gathered() write-backs of every block's weights (edits(), saved tensors)
         self._acc_pending = [0] * len(self.blocks)  # gradient accumulations under way, by block
         self._order: list[int] | None = []  # forward order of blocks, until handed to the tier
         self._order_seen: set[int] = set()
@@ -378,14 +377,14 @@ class ParamOffload:
             if live is not None:
                 b = live[0]
                 return _SavedView(b, t.storage_offset() * t.element_size(), t.dtype, t.size(), t.stride(),
-                                  self._versions[b])
+                                  self._write_backs)
         # Detached: a saved output held as itself would keep its own autograd node alive.
         return t.detach()
 
     def _unpack(self, saved):
         if not isinstance(saved, _SavedView):
             return saved
-        if self._versions[saved.block] != saved.version:
+        if self._write_backs != saved.version:
             raise RuntimeError(f"zoe parameter offload: the weights of block {saved.block} "
                                f"('{self._names[saved.block]}') were written after the forward that saved "
                                "them for backward")
@@ -532,12 +531,11 @@ class ParamOffload:
                     p.data = self._read(b, e, self._device)
             yield self
             if write_back:
+                self._write_backs += 1  # first: a write that fails part-way has still changed some blocks
                 for b, (_, ps) in enumerate(self.blocks):
                     for e, p in enumerate(ps):
                         host = p.detach().to("cpu").contiguous()
                         self.tier.write(b, e, host.data_ptr(), host.numel() * host.element_size())
-                    self._versions[b] += 1
-                self._write_backs += 1
             else:
                 edited = next((p for p in self._placeholders if p._version != self._known_versions[p]), None)
         finally:
