@@ -1,6 +1,7 @@
 // zoe bench accumulate: gradient accumulation (acc += g over micro-batches) against a streams loop with the
 // same loads and stores, measured alternately in the same run (BENCHMARKING.md).
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -9,6 +10,7 @@
 #include "tools/args.h"
 #include "tools/bench_stats.h"
 #include "tools/commands.h"
+#include "tools/report.h"
 #include "zoe/adam.h"
 
 namespace zoe::cli {
@@ -31,14 +33,28 @@ constexpr Mode kModes[] = {
 struct Texts {
   std::string n = "64M", isa = "auto", grad = "f32", mode = "add", threads = "0", reps,
               tile = std::to_string(CpuAdamOptions{}.tile);
+  bool json = false, help = false;
 };
+
+std::array<Option, 9> options_of(Texts& t) {
+  return {{
+      {"n", &t.n, nullptr, "parameters per pass (K, M, G suffixes are powers of 1024)"},
+      {"isa", &t.isa, nullptr, "comma list of auto, scalar, avx2, avx512"},
+      {"grad", &t.grad, nullptr, "comma list of gradient dtypes: f32, f16, bf16"},
+      {"mode", &t.mode, nullptr, "comma list of add, add_zero, first, first_zero"},
+      {"threads", &t.threads, nullptr, "worker threads (0: all CPUs; ZOE_THREADS caps)"},
+      {"reps", &t.reps, nullptr, "timed repetitions (default: about 1 s of passes, 10 to 200)"},
+      {"tile", &t.tile, nullptr, "elements per unit of parallel work"},
+      {"json", nullptr, &t.json, "one JSON object per line on stdout, nothing else"},
+      {"help", nullptr, &t.help, "this help"},
+  }};
+}
 
 struct Settings {
   std::uint64_t n = 0;
   int threads = 0;
   int reps = 0;
   std::size_t tile = 0;
-  bool json = false;
   std::vector<std::string> isas;
   std::vector<DType> grads;
   std::vector<Mode> modes;
@@ -116,33 +132,24 @@ int default_reps(std::uint64_t n) {
   return static_cast<int>(std::clamp<std::uint64_t>(1'000'000'000ull / n, 10, 200));
 }
 
-void print_result(const Settings& cfg, const CpuAdam& engine, DType grad, const Mode& mode, const Measured& m,
-                  bool& header) {
+void report_case(Report& report, const Settings& cfg, const CpuAdam& engine, DType grad, const Mode& mode,
+                 const Measured& m) {
   const double params = static_cast<double>(cfg.n);
   const double bytes = bytes_per_param(grad, mode.options);
   const double params_per_s = params / m.kernel.median;
   const double gbps = params * bytes / m.kernel.median / 1e9;
   const double ceiling = params * bytes / m.streams.median / 1e9;
   const std::string isa(isa_name(engine.isa()));
-  if (cfg.json) {
-    JsonLine line;
-    line.add("bench", "accumulate").add("mode", mode.name).add("isa", isa).add("n", cfg.n)
-        .add("grad", dtype_name(grad)).add("threads", engine.threads()).add("bytes_per_param", bytes)
-        .add("median_s", m.kernel.median).add("min_s", m.kernel.min).add("max_s", m.kernel.max)
-        .add("params_per_s", params_per_s).add("gbps", gbps).add("ceiling_gbps", ceiling)
-        .add("ratio", gbps / ceiling).add("reps", cfg.reps);
-    std::printf("%s\n", line.str().c_str());
-  } else {
-    if (!header) {
-      std::printf("%-7s %-5s %-10s %12s %4s %10s %10s %8s %9s %6s\n", "isa", "grad", "mode", "n", "thr", "median ms",
-                  "Mparam/s", "GB/s", "ceil GB/s", "ratio");
-      header = true;
-    }
-    std::printf("%-7s %-5s %-10s %12llu %4d %10.3f %10.1f %8.1f %9.1f %6.3f\n", isa.c_str(),
-                std::string(dtype_name(grad)).c_str(), mode.name, static_cast<unsigned long long>(cfg.n),
-                engine.threads(), m.kernel.median * 1e3, params_per_s / 1e6, gbps, ceiling, gbps / ceiling);
-  }
-  std::fflush(stdout);
+  JsonLine line;
+  line.add("bench", "accumulate").add("mode", mode.name).add("isa", isa).add("n", cfg.n)
+      .add("grad", dtype_name(grad)).add("threads", engine.threads()).add("bytes_per_param", bytes)
+      .add("median_s", m.kernel.median).add("min_s", m.kernel.min).add("max_s", m.kernel.max)
+      .add("params_per_s", params_per_s).add("gbps", gbps).add("ceiling_gbps", ceiling)
+      .add("ratio", gbps / ceiling).add("reps", cfg.reps);
+  report.result(line, format("%-7s %-5s %-10s %12llu %4d %10.3f %10.1f %8.1f %9.1f %6.3f\n", isa.c_str(),
+                             std::string(dtype_name(grad)).c_str(), mode.name, static_cast<unsigned long long>(cfg.n),
+                             engine.threads(), m.kernel.median * 1e3, params_per_s / 1e6, gbps, ceiling,
+                             gbps / ceiling));
 }
 
 // The counts and lists after parse_options, checked: nothing here may be zero or empty.
@@ -185,8 +192,10 @@ Result<Settings> settings(const Texts& text) {
   return cfg;
 }
 
-Status run(const Settings& cfg) {
-  bool header = false;
+// Every case, each reported as soon as it is measured.
+Status run(const Settings& cfg, Report& report) {
+  report.header(format("%-7s %-5s %-10s %12s %4s %10s %10s %8s %9s %6s\n", "isa", "grad", "mode", "n", "thr",
+                       "median ms", "Mparam/s", "GB/s", "ceil GB/s", "ratio"));
   for (const std::string& isa : cfg.isas) {
     CpuAdamOptions engine_options;
     engine_options.isa = isa;
@@ -200,7 +209,7 @@ Status run(const Settings& cfg) {
       for (const Mode& mode : cfg.modes) {
         Result<Measured> m = measure(*engine, w->tensor(), mode.options, cfg.reps);
         if (!m.ok()) return m.status();
-        print_result(cfg, *engine, grad, mode, *m, header);
+        report_case(report, cfg, *engine, grad, mode, *m);
       }
     }
   }
@@ -210,35 +219,21 @@ Status run(const Settings& cfg) {
 }  // namespace
 
 int bench_accumulate(std::span<char* const> args) {
+  constexpr std::string_view kCommand = "zoe bench accumulate";
   Texts text;
-  bool json = false, help = false;
-  const Option options[] = {
-      {"n", &text.n, nullptr, "parameters per pass (K, M, G suffixes are powers of 1024)"},
-      {"isa", &text.isa, nullptr, "comma list of auto, scalar, avx2, avx512"},
-      {"grad", &text.grad, nullptr, "comma list of gradient dtypes: f32, f16, bf16"},
-      {"mode", &text.mode, nullptr, "comma list of add, add_zero, first, first_zero"},
-      {"threads", &text.threads, nullptr, "worker threads (0: all CPUs; ZOE_THREADS caps)"},
-      {"reps", &text.reps, nullptr, "timed repetitions (default: about 1 s of passes, 10 to 200)"},
-      {"tile", &text.tile, nullptr, "elements per unit of parallel work"},
-      {"json", nullptr, &json, "one JSON object per line on stdout, nothing else"},
-      {"help", nullptr, &help, "this help"},
-  };
-  auto fail = [](const Status& s) {
-    std::fprintf(stderr, "zoe bench accumulate: %s\n", s.to_string().c_str());
-    return exit_status(s);
-  };
-  if (Status s = parse_options(args, options); !s.ok()) return fail(s);
-  if (help) {
-    std::printf("usage: zoe bench accumulate [options]\n\n%s", options_help(options).c_str());
-    std::printf("\nEach case runs CpuAdam::accumulate and a streams loop with the same loads and stores\n"
-                "alternately; ratio = kernel GB/s / streams GB/s. Bytes per parameter: acc read (4, not in the\n"
-                "first modes) + gradient read (4 or 2) + acc written (4) + gradient written (4 or 2, _zero modes).\n");
+  const auto options = options_of(text);
+  if (Status s = parse_options(args, options); !s.ok()) return fail(kCommand, s);
+  if (text.help) {
+    print_help("usage: zoe bench accumulate [options]\n\n", options,
+               "\nEach case runs CpuAdam::accumulate and a streams loop with the same loads and stores\n"
+               "alternately; ratio = kernel GB/s / streams GB/s. Bytes per parameter: acc read (4, not in the\n"
+               "first modes) + gradient read (4 or 2) + acc written (4) + gradient written (4 or 2, _zero modes).\n");
     return 0;
   }
   Result<Settings> cfg = settings(text);
-  if (!cfg.ok()) return fail(cfg.status());
-  cfg->json = json;
-  if (Status s = run(*cfg); !s.ok()) return fail(s);
+  if (!cfg.ok()) return fail(kCommand, cfg.status());
+  Report report(kCommand, text.json);
+  if (Status s = run(*cfg, report); !s.ok()) return fail(kCommand, s);
   return 0;
 }
 

@@ -1,7 +1,9 @@
 // zoe bench adam: CPU Adam step throughput against a streams loop with the same loads and stores, measured
 // alternately in the same run (BENCHMARKING.md).
 #include <cstdio>
+#include <array>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -9,19 +11,11 @@
 #include "tools/args.h"
 #include "tools/bench_stats.h"
 #include "tools/commands.h"
+#include "tools/report.h"
 #include "zoe/adam.h"
 
 namespace zoe::cli {
 namespace {
-
-struct BenchConfig {
-  std::uint64_t n = 0;
-  std::uint64_t tensors = 1;
-  int threads = 0;
-  int reps = 0;
-  std::size_t tile = 0;
-  bool json = false;
-};
 
 const char* state_label(DType state) { return state == DType::f32 ? "fp32" : state == DType::bf16 ? "bf16" : "int8"; }
 
@@ -127,156 +121,203 @@ int default_reps(std::uint64_t n) {
   return static_cast<int>(std::clamp<std::uint64_t>(reps, 10, 200));
 }
 
-}  // namespace
-
-int bench_adam(std::span<char* const> args) {
-  std::string n_text = "64M", tensors_text = "1", isa_text = "auto", grad_text = "f32", out_text = "none",
-              state_text = "fp32", threads_text = "0", reps_text, tile_text = std::to_string(CpuAdamOptions{}.tile);
+// The command line as given, with the defaults.
+struct Texts {
+  std::string n = "64M", tensors = "1", isa = "auto", grad = "f32", out = "none", state = "fp32", threads = "0", reps,
+              tile = std::to_string(CpuAdamOptions{}.tile);
   bool json = false, help = false;
-  const Option options[] = {
-      {"n", &n_text, nullptr, "parameters per step (K, M, G suffixes are powers of 1024)"},
-      {"tensors", &tensors_text, nullptr, "split the parameters into this many separately allocated tensors"},
-      {"isa", &isa_text, nullptr, "comma list of auto, scalar, avx2, avx512"},
-      {"grad", &grad_text, nullptr, "comma list of gradient dtypes: f32, f16, bf16"},
-      {"out", &out_text, nullptr, "comma list of weight-copy dtypes: none, f16, bf16"},
-      {"state", &state_text, nullptr, "comma list of moment dtypes: fp32, bf16, int8"},
-      {"threads", &threads_text, nullptr, "worker threads (0: all CPUs; ZOE_THREADS caps)"},
-      {"reps", &reps_text, nullptr, "timed repetitions (default: about 0.5 s of steps, 10 to 200)"},
-      {"tile", &tile_text, nullptr, "elements per unit of parallel work"},
-      {"json", nullptr, &json, "one JSON object per line on stdout, nothing else"},
-      {"help", nullptr, &help, "this help"},
-  };
-  if (Status s = parse_options(args, options); !s.ok()) {
-    std::fprintf(stderr, "zoe bench adam: %s\n", s.message().c_str());
-    return 2;
-  }
-  if (help) {
-    std::printf("usage: zoe bench adam [options]\n\n%s", options_help(options).c_str());
-    std::printf("\nEach case runs the Adam step and a streams loop with the same loads and stores alternately;\n"
-                "ratio = Adam GB/s / streams GB/s. Bytes per parameter: p read and written (8), m and v read and\n"
-                "written (16 in fp32, 8 in bf16, 4 in int8 plus 16 bytes of scales per 2048), the gradient read and\n"
-                "the weight copy written.\n");
-    return 0;
-  }
-  auto fail = [](const Status& s) {
-    std::fprintf(stderr, "zoe bench adam: %s\n", s.to_string().c_str());
-    return exit_status(s);
-  };
-  BenchConfig cfg;
-  cfg.json = json;
-  Result<std::uint64_t> n = parse_count(n_text, "--n");
-  Result<std::uint64_t> tensors = parse_count(tensors_text, "--tensors");
-  Result<std::uint64_t> threads = parse_count(threads_text, "--threads");
-  Result<std::uint64_t> tile = parse_count(tile_text, "--tile");
+};
+
+std::array<Option, 11> options_of(Texts& t) {
+  return {{
+      {"n", &t.n, nullptr, "parameters per step (K, M, G suffixes are powers of 1024)"},
+      {"tensors", &t.tensors, nullptr, "split the parameters into this many separately allocated tensors"},
+      {"isa", &t.isa, nullptr, "comma list of auto, scalar, avx2, avx512"},
+      {"grad", &t.grad, nullptr, "comma list of gradient dtypes: f32, f16, bf16"},
+      {"out", &t.out, nullptr, "comma list of weight-copy dtypes: none, f16, bf16"},
+      {"state", &t.state, nullptr, "comma list of moment dtypes: fp32, bf16, int8"},
+      {"threads", &t.threads, nullptr, "worker threads (0: all CPUs; ZOE_THREADS caps)"},
+      {"reps", &t.reps, nullptr, "timed repetitions (default: about 0.5 s of steps, 10 to 200)"},
+      {"tile", &t.tile, nullptr, "elements per unit of parallel work"},
+      {"json", nullptr, &t.json, "one JSON object per line on stdout, nothing else"},
+      {"help", nullptr, &t.help, "this help"},
+  }};
+}
+
+struct Settings {
+  std::uint64_t n = 0;
+  std::uint64_t tensors = 1;
+  int threads = 0;
+  int reps = 0;
+  std::size_t tile = 0;
+  std::vector<std::string> isas, outs;
+  std::vector<DType> grads, states;
+};
+
+// The counts after parse_options, checked: nothing here may be zero.
+Status read_counts(const Texts& text, Settings& cfg) {
+  Result<std::uint64_t> n = parse_count(text.n, "--n");
+  Result<std::uint64_t> tensors = parse_count(text.tensors, "--tensors");
+  Result<std::uint64_t> threads = parse_count(text.threads, "--threads");
+  Result<std::uint64_t> tile = parse_count(text.tile, "--tile");
   for (const Status& s : {n.status(), tensors.status(), threads.status(), tile.status()}) {
-    if (!s.ok()) return fail(s);
+    if (!s.ok()) return s;
   }
   cfg.n = n.value();
-  if (Status s = require_at_least(cfg.n, 1, "--n", "parameters per step; 0 has no throughput"); !s.ok()) return fail(s);
+  if (Status s = require_at_least(cfg.n, 1, "--n", "parameters per step; 0 has no throughput"); !s.ok()) return s;
   cfg.tensors = tensors.value();
   cfg.threads = static_cast<int>(threads.value());
   cfg.tile = tile.value();
   if (cfg.tensors == 0 || cfg.tensors > cfg.n) {
-    return fail(invalid_argument("--tensors " + tensors_text + " must be between 1 and --n"));
+    return invalid_argument("--tensors " + text.tensors + " must be between 1 and --n");
   }
   cfg.reps = default_reps(cfg.n);
-  if (!reps_text.empty()) {
-    Result<std::uint64_t> reps = parse_count(reps_text, "--reps");
-    if (!reps.ok()) return fail(reps.status());
-    if (Status s = require_at_least(reps.value(), 1, "--reps", "timed repetitions"); !s.ok()) return fail(s);
+  if (!text.reps.empty()) {
+    Result<std::uint64_t> reps = parse_count(text.reps, "--reps");
+    if (!reps.ok()) return reps.status();
+    if (Status s = require_at_least(reps.value(), 1, "--reps", "timed repetitions"); !s.ok()) return s;
     cfg.reps = static_cast<int>(reps.value());
   }
-  const std::vector<std::string> isas = split_list(isa_text), grad_names = split_list(grad_text),
-                                 outs = split_list(out_text), state_names = split_list(state_text);
-  for (const Status& s : {require_items(isas, "--isa", "auto, scalar, avx2, avx512"),
+  return Status::success();
+}
+
+// The comma lists, checked: none may be empty, every item must be a known one.
+Status read_lists(const Texts& text, Settings& cfg) {
+  cfg.isas = split_list(text.isa);
+  cfg.outs = split_list(text.out);
+  const std::vector<std::string> grad_names = split_list(text.grad), state_names = split_list(text.state);
+  for (const Status& s : {require_items(cfg.isas, "--isa", "auto, scalar, avx2, avx512"),
                           require_items(grad_names, "--grad", "f32, f16, bf16"),
-                          require_items(outs, "--out", "none, f16, bf16"),
+                          require_items(cfg.outs, "--out", "none, f16, bf16"),
                           require_items(state_names, "--state", "fp32, bf16, int8")}) {
-    if (!s.ok()) return fail(s);
+    if (!s.ok()) return s;
   }
-  std::vector<DType> states;
   for (const std::string& st : state_names) {
     const auto d = st == "int8" || st == "i8" ? std::optional<DType>(DType::i8) : parse_dtype(st);
-    if (!d || *d == DType::f16) return fail(invalid_argument("--state " + st + " is not fp32, bf16 or int8"));
-    states.push_back(*d);
+    if (!d || *d == DType::f16) return invalid_argument("--state " + st + " is not fp32, bf16 or int8");
+    cfg.states.push_back(*d);
   }
-  std::vector<DType> grads;
   for (const std::string& g : grad_names) {
     const auto d = parse_dtype(g);
-    if (!d) return fail(invalid_argument("--grad " + g + " is not f32, f16 or bf16"));
-    grads.push_back(*d);
+    if (!d) return invalid_argument("--grad " + g + " is not f32, f16 or bf16");
+    cfg.grads.push_back(*d);
   }
-  for (const std::string& o : outs) {
-    if (o != "none" && o != "f16" && o != "bf16") return fail(invalid_argument("--out " + o + " is not none, f16 or bf16"));
+  for (const std::string& o : cfg.outs) {
+    if (o != "none" && o != "f16" && o != "bf16") return invalid_argument("--out " + o + " is not none, f16 or bf16");
   }
+  return Status::success();
+}
 
-  bool header = false;
-  for (const std::string& isa : isas) {
+// One case of the grid: the dtypes of the gradient, the weight copy and the moments.
+struct Case {
+  DType grad;
+  std::string out;
+  DType state;
+
+  bool has_out() const { return out != "none"; }
+  DType out_dtype() const { return out == "f16" ? DType::f16 : DType::bf16; }
+  double bytes_per_param() const {
+    const double scale_bytes = state == DType::i8 ? 2.0 * 2.0 * 4.0 / kMomentBlock : 0.0;
+    return 8.0 + 4.0 * static_cast<double>(dtype_size(state)) + scale_bytes + static_cast<double>(dtype_size(grad)) +
+           (has_out() ? 2.0 : 0.0);
+  }
+};
+
+struct CaseResult {
+  std::string isa;
+  int threads = 0;
+  Measured m;
+  double single_params_per_s = 0;  // with --tensors > 1: the same parameters as one array
+};
+
+Result<CaseResult> run_case(CpuAdam& engine, const Settings& cfg, const Case& c) {
+  Result<Workload> w = Workload::make(cfg.n, cfg.tensors, c.grad, c.has_out(), c.out_dtype(), c.state);
+  if (!w.ok()) return w.status();
+  Result<Measured> m = measure(engine, *w, cfg.reps);
+  if (!m.ok()) return m.status();
+  CaseResult r{std::string(isa_name(engine.isa())), engine.threads(), *m, 0};
+  // Many tensors: the same parameters as one array, in the same run, for the ratio between the two.
+  if (cfg.tensors > 1) {
+    Result<Workload> single = Workload::make(cfg.n, 1, c.grad, c.has_out(), c.out_dtype(), c.state);
+    if (!single.ok()) return single.status();
+    Result<Measured> ms = measure(engine, *single, cfg.reps);
+    if (!ms.ok()) return ms.status();
+    r.single_params_per_s = static_cast<double>(cfg.n) / ms->adam.median;
+  }
+  return r;
+}
+
+void report_case(Report& report, const Settings& cfg, const Case& c, const CaseResult& r) {
+  const double params = static_cast<double>(cfg.n), bytes_per_param = c.bytes_per_param();
+  const double params_per_s = params / r.m.adam.median;
+  const double gbps = params * bytes_per_param / r.m.adam.median / 1e9;
+  const double ceiling = params * bytes_per_param / r.m.streams.median / 1e9;
+  JsonLine line;
+  line.add("bench", "adam").add("isa", r.isa).add("n", cfg.n).add("grad", dtype_name(c.grad)).add("out", c.out)
+      .add("state", state_label(c.state))
+      .add("threads", r.threads).add("bytes_per_param", bytes_per_param)
+      .add("median_s", r.m.adam.median).add("min_s", r.m.adam.min).add("max_s", r.m.adam.max)
+      .add("params_per_s", params_per_s).add("gbps", gbps).add("ceiling_gbps", ceiling)
+      .add("ratio", gbps / ceiling).add("tensors", cfg.tensors).add("reps", cfg.reps);
+  std::string row = format("%-7s %-5s %-5s %-5s %12llu %8llu %4d %10.3f %10.1f %8.1f %8.1f %6.3f", r.isa.c_str(),
+                           std::string(dtype_name(c.grad)).c_str(), c.out.c_str(), state_label(c.state),
+                           static_cast<unsigned long long>(cfg.n), static_cast<unsigned long long>(cfg.tensors),
+                           r.threads, r.m.adam.median * 1e3, params_per_s / 1e6, gbps, ceiling, gbps / ceiling);
+  if (cfg.tensors > 1) {
+    line.add("single_array_params_per_s", r.single_params_per_s)
+        .add("vs_single_array", params_per_s / r.single_params_per_s);
+    row += format("  %10.3f", params_per_s / r.single_params_per_s);
+  }
+  report.result(line, row + "\n");
+}
+
+// Every case of the grid, each reported as soon as it is measured.
+Status run(const Settings& cfg, Report& report) {
+  report.header(format("%-7s %-5s %-5s %-5s %12s %8s %4s %10s %10s %8s %8s %6s%s\n", "isa", "grad", "out", "state", "n",
+                       "tensors", "thr", "median ms", "Mparam/s", "GB/s", "ceil GB/s", "ratio",
+                       cfg.tensors > 1 ? "  vs 1 array" : ""));
+  for (const std::string& isa : cfg.isas) {
     CpuAdamOptions engine_options;
     engine_options.isa = isa;
     engine_options.threads = cfg.threads;
     engine_options.tile = cfg.tile;
     Result<CpuAdam> engine = CpuAdam::create(engine_options);
-    if (!engine.ok()) return fail(engine.status());
-    for (DType grad : grads) {
-      for (const std::string& out : outs) {
-        for (DType state : states) {
-          const bool has_out = out != "none";
-          const DType out_dtype = out == "f16" ? DType::f16 : DType::bf16;
-          const double scale_bytes = state == DType::i8 ? 2.0 * 2.0 * 4.0 / kMomentBlock : 0.0;
-          const double bytes_per_param = 8.0 + 4.0 * static_cast<double>(dtype_size(state)) + scale_bytes +
-                                         static_cast<double>(dtype_size(grad)) + (has_out ? 2.0 : 0.0);
-          Result<Workload> w = Workload::make(cfg.n, cfg.tensors, grad, has_out, out_dtype, state);
-          if (!w.ok()) return fail(w.status());
-          Result<Measured> m = measure(*engine, *w, cfg.reps);
-          if (!m.ok()) return fail(m.status());
-          const double params = static_cast<double>(cfg.n);
-          const double params_per_s = params / m->adam.median;
-          const double gbps = params * bytes_per_param / m->adam.median / 1e9;
-          const double ceiling = params * bytes_per_param / m->streams.median / 1e9;
-          // Many tensors: the same parameters as one array, in the same run, for the ratio between the two.
-          double single_params_per_s = 0;
-          if (cfg.tensors > 1) {
-            Result<Workload> single = Workload::make(cfg.n, 1, grad, has_out, out_dtype, state);
-            if (!single.ok()) return fail(single.status());
-            Result<Measured> ms = measure(*engine, *single, cfg.reps);
-            if (!ms.ok()) return fail(ms.status());
-            single_params_per_s = params / ms->adam.median;
-          }
-          const std::string isa_used(isa_name(engine->isa()));
-          if (cfg.json) {
-            JsonLine line;
-            line.add("bench", "adam").add("isa", isa_used).add("n", cfg.n).add("grad", dtype_name(grad)).add("out", out)
-                .add("state", state_label(state))
-                .add("threads", engine->threads()).add("bytes_per_param", bytes_per_param)
-                .add("median_s", m->adam.median).add("min_s", m->adam.min).add("max_s", m->adam.max)
-                .add("params_per_s", params_per_s).add("gbps", gbps).add("ceiling_gbps", ceiling)
-                .add("ratio", gbps / ceiling).add("tensors", cfg.tensors).add("reps", cfg.reps);
-            if (cfg.tensors > 1) {
-              line.add("single_array_params_per_s", single_params_per_s)
-                  .add("vs_single_array", params_per_s / single_params_per_s);
-            }
-            std::printf("%s\n", line.str().c_str());
-          } else {
-            if (!header) {
-              std::printf("%-7s %-5s %-5s %-5s %12s %8s %4s %10s %10s %8s %8s %6s%s\n", "isa", "grad", "out", "state", "n", "tensors",
-                          "thr", "median ms", "Mparam/s", "GB/s", "ceil GB/s", "ratio",
-                          cfg.tensors > 1 ? "  vs 1 array" : "");
-              header = true;
-            }
-            std::printf("%-7s %-5s %-5s %-5s %12llu %8llu %4d %10.3f %10.1f %8.1f %8.1f %6.3f", isa_used.c_str(),
-                        std::string(dtype_name(grad)).c_str(), out.c_str(), state_label(state),
-                        static_cast<unsigned long long>(cfg.n),
-                        static_cast<unsigned long long>(cfg.tensors), engine->threads(), m->adam.median * 1e3,
-                        params_per_s / 1e6, gbps, ceiling, gbps / ceiling);
-            if (cfg.tensors > 1) std::printf("  %10.3f", params_per_s / single_params_per_s);
-            std::printf("\n");
-          }
-          std::fflush(stdout);
+    if (!engine.ok()) return engine.status();
+    for (DType grad : cfg.grads) {
+      for (const std::string& out : cfg.outs) {
+        for (DType state : cfg.states) {
+          const Case c{grad, out, state};
+          Result<CaseResult> r = run_case(*engine, cfg, c);
+          if (!r.ok()) return r.status();
+          report_case(report, cfg, c, *r);
         }
       }
     }
   }
+  return Status::success();
+}
+
+}  // namespace
+
+int bench_adam(std::span<char* const> args) {
+  constexpr std::string_view kCommand = "zoe bench adam";
+  Texts text;
+  const auto options = options_of(text);
+  if (Status s = parse_options(args, options); !s.ok()) return fail_message(kCommand, s);
+  if (text.help) {
+    print_help("usage: zoe bench adam [options]\n\n", options,
+               "\nEach case runs the Adam step and a streams loop with the same loads and stores alternately;\n"
+               "ratio = Adam GB/s / streams GB/s. Bytes per parameter: p read and written (8), m and v read and\n"
+               "written (16 in fp32, 8 in bf16, 4 in int8 plus 16 bytes of scales per 2048), the gradient read and\n"
+               "the weight copy written.\n");
+    return 0;
+  }
+  Settings cfg;
+  for (auto read : {read_counts, read_lists}) {
+    if (Status s = read(text, cfg); !s.ok()) return fail(kCommand, s);
+  }
+  Report report(kCommand, text.json);
+  if (Status s = run(cfg, report); !s.ok()) return fail(kCommand, s);
   return 0;
 }
 

@@ -2,6 +2,7 @@
 // bytes (same files, request size and queue depth) measured alternately in the same run (BENCHMARKING.md).
 #include <sys/resource.h>
 
+#include <array>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -9,6 +10,7 @@
 #include "tools/args.h"
 #include "tools/bench_stats.h"
 #include "tools/commands.h"
+#include "tools/report.h"
 #include "zoe/swap.h"
 
 namespace zoe::cli {
@@ -23,7 +25,7 @@ struct Config {
   bool has_out = true;
   DType out = DType::bf16;
   DType state = DType::f32;  // the moments in the swap slots
-  bool json = false, keep = false, durable = true;
+  bool keep = false, durable = true;
   SwapDurability durability = SwapDurability::each_call;
 };
 
@@ -147,71 +149,66 @@ Result<Measured> measure(const Config& cfg) {
   return m;
 }
 
-}  // namespace
-
-int bench_nvme(std::span<char* const> args) {
-  std::string path_text, n_text = "256M", tile_text = "12M", buffers_text = "4", qd_text = "8", block_text = "1M",
-              reps_text = "3", chunk_text, grad_text = "bf16", out_text = "bf16", durability_text = "call", state_text = "fp32";
+// The command line as given, with the defaults.
+struct Texts {
+  std::string path, n = "256M", tile = "12M", buffers = "4", queue_depth = "8", block = "1M", reps = "3", chunk,
+              grad = "bf16", out = "bf16", durability = "call", state = "fp32";
   bool json = false, keep = false, help = false, no_sync = false;
-  const Option options[] = {
-      {"path", &path_text, nullptr, "swap folder (a comma list stripes over several); required"},
-      {"n", &n_text, nullptr, "parameters (K, M, G suffixes are powers of 1024)"},
-      {"tile", &tile_text, nullptr, "bytes of p, m and v per tile (12 per parameter, 8 with --state bf16, 6 with int8; rounded down to whole 4 KiB blocks, int8: 2048 parameters)"},
-      {"state", &state_text, nullptr, "the moments in the swap files: fp32, bf16 or int8"},
-      {"buffers", &buffers_text, nullptr, "tiles in RAM at once (DeepSpeed buffer_count)"},
-      {"queue-depth", &qd_text, nullptr, "I/O requests in flight (DeepSpeed aio.queue_depth)"},
-      {"block-size", &block_text, nullptr, "bytes per I/O request (DeepSpeed aio.block_size)"},
-      {"reps", &reps_text, nullptr, "timed repetitions of raw pass + step"},
-      {"chunk", &chunk_text, nullptr, "parameters per step() call, gradients reused (default: n, one call)"},
-      {"grad", &grad_text, nullptr, "gradient dtype: f32, f16, bf16"},
-      {"out", &out_text, nullptr, "weight-copy dtype: none, f16, bf16"},
-      {"keep", nullptr, &keep, "leave the swap files in place"},
-      {"durability", &durability_text, nullptr,
+};
+
+std::array<Option, 16> options_of(Texts& t) {
+  return {{
+      {"path", &t.path, nullptr, "swap folder (a comma list stripes over several); required"},
+      {"n", &t.n, nullptr, "parameters (K, M, G suffixes are powers of 1024)"},
+      {"tile", &t.tile, nullptr, "bytes of p, m and v per tile (12 per parameter, 8 with --state bf16, 6 with int8; rounded down to whole 4 KiB blocks, int8: 2048 parameters)"},
+      {"state", &t.state, nullptr, "the moments in the swap files: fp32, bf16 or int8"},
+      {"buffers", &t.buffers, nullptr, "tiles in RAM at once (DeepSpeed buffer_count)"},
+      {"queue-depth", &t.queue_depth, nullptr, "I/O requests in flight (DeepSpeed aio.queue_depth)"},
+      {"block-size", &t.block, nullptr, "bytes per I/O request (DeepSpeed aio.block_size)"},
+      {"reps", &t.reps, nullptr, "timed repetitions of raw pass + step"},
+      {"chunk", &t.chunk, nullptr, "parameters per step() call, gradients reused (default: n, one call)"},
+      {"grad", &t.grad, nullptr, "gradient dtype: f32, f16, bf16"},
+      {"out", &t.out, nullptr, "weight-copy dtype: none, f16, bf16"},
+      {"keep", nullptr, &t.keep, "leave the swap files in place"},
+      {"durability", &t.durability, nullptr,
        "call (synced before each step returns), step (in the background, as OffloadOptimizer's durability step) "
        "or checkpoint (never during the run)"},
-      {"no-sync", nullptr, &no_sync, "skip fdatasync in the step and the raw pass (not crash-safe; to see its cost)"},
-      {"json", nullptr, &json, "one JSON object on stdout, nothing else"},
-      {"help", nullptr, &help, "this help"},
-  };
-  auto fail = [](const Status& st) {
-    std::fprintf(stderr, "zoe bench nvme: %s\n", st.to_string().c_str());
-    return exit_status(st);
-  };
-  if (Status s = parse_options(args, options); !s.ok()) {
-    std::fprintf(stderr, "zoe bench nvme: %s\n", s.message().c_str());
-    return 2;
-  }
-  if (help) {
-    std::printf("usage: zoe bench nvme --path DIR [options]\n\n%s", options_help(options).c_str());
-    std::printf("\nEach repetition reads every tile's p, m, v and writes them back raw (no compute), then runs one\n"
-                "pipelined Adam step over the same files. io_bound_s = raw read s + raw write s; ratio = io_bound_s /\n"
-                "step_s (1.0: the step runs at the speed of the disks).\n");
-    return 0;
-  }
-  if (path_text.empty()) return fail(invalid_argument("--path DIR is required"));
-  Config cfg;
-  cfg.paths = split_list(path_text);
+      {"no-sync", nullptr, &t.no_sync, "skip fdatasync in the step and the raw pass (not crash-safe; to see its cost)"},
+      {"json", nullptr, &t.json, "one JSON object on stdout, nothing else"},
+      {"help", nullptr, &t.help, "this help"},
+  }};
+}
+
+Status read_paths(const Texts& text, Config& cfg) {
+  if (text.path.empty()) return invalid_argument("--path DIR is required");
+  cfg.paths = split_list(text.path);
   for (const std::string& p : cfg.paths) {
-    if (p.empty()) return fail(invalid_argument("--path " + path_text + " has an empty folder name in its list"));
+    if (p.empty()) return invalid_argument("--path " + text.path + " has an empty folder name in its list");
   }
-  cfg.json = json;
-  cfg.keep = keep;
-  cfg.durable = !no_sync;
-  if (durability_text == "call") {
+  cfg.keep = text.keep;
+  cfg.durable = !text.no_sync;
+  return Status::success();
+}
+
+Status read_durability(const Texts& text, Config& cfg) {
+  if (text.durability == "call") {
     cfg.durability = SwapDurability::each_call;
-  } else if (durability_text == "step") {
+  } else if (text.durability == "step") {
     cfg.durability = SwapDurability::next_call;
-  } else if (durability_text == "checkpoint") {
+  } else if (text.durability == "checkpoint") {
     cfg.durability = SwapDurability::on_flush;
   } else {
-    std::fprintf(stderr, "zoe bench nvme: --durability %s is unknown: use call, step or checkpoint\n", durability_text.c_str());
-    return 2;
+    return invalid_argument("--durability " + text.durability + " is unknown: use call, step or checkpoint");
   }
-  Result<std::uint64_t> n = parse_count(n_text, "--n"), tile = parse_count(tile_text, "--tile"),
-                        buffers = parse_count(buffers_text, "--buffers"), qd = parse_count(qd_text, "--queue-depth"),
-                        block = parse_count(block_text, "--block-size"), reps = parse_count(reps_text, "--reps");
+  return Status::success();
+}
+
+Status read_counts(const Texts& text, Config& cfg) {
+  Result<std::uint64_t> n = parse_count(text.n, "--n"), tile = parse_count(text.tile, "--tile"),
+                        buffers = parse_count(text.buffers, "--buffers"), qd = parse_count(text.queue_depth, "--queue-depth"),
+                        block = parse_count(text.block, "--block-size"), reps = parse_count(text.reps, "--reps");
   for (const Status& s : {n.status(), tile.status(), buffers.status(), qd.status(), block.status(), reps.status()}) {
-    if (!s.ok()) return fail(s);
+    if (!s.ok()) return s;
   }
   // Zero parameters, repetitions, buffers or queue slots leave nothing to time or no way to move a byte.
   for (const Status& s : {require_at_least(n.value(), 1, "--n", "parameters; 0 has no step to time"),
@@ -219,84 +216,113 @@ int bench_nvme(std::span<char* const> args) {
                           require_at_least(buffers.value(), 2, "--buffers", "one tile in Adam while another is in I/O"),
                           require_at_least(qd.value(), 1, "--queue-depth", "I/O requests in flight"),
                           require_at_least(block.value(), 4096, "--block-size", "bytes per request, whole 4 KiB blocks")}) {
-    if (!s.ok()) return fail(s);
+    if (!s.ok()) return s;
   }
   cfg.n = n.value();
-  Result<DType> state = parse_state_dtype(state_text);
-  if (!state.ok()) return fail(invalid_argument("--state " + state_text + " is not fp32, bf16 or int8"));
+  Result<DType> state = parse_state_dtype(text.state);
+  if (!state.ok()) return invalid_argument("--state " + text.state + " is not fp32, bf16 or int8");
   cfg.state = state.value();
   // Whole 4 KiB blocks of p per tile; int8 moments: whole blocks of codes (kMomentBlock elements) too.
   const std::uint64_t unit = cfg.state == DType::i8 ? kMomentBlock : 1024;
   const std::uint64_t bytes_per_param = 4 + 2 * dtype_size(cfg.state);
   cfg.tile = tile.value() / bytes_per_param / unit * unit;
   if (cfg.tile == 0) {
-    return fail(invalid_argument("--tile " + tile_text + " is below " + std::to_string(bytes_per_param * unit) + " bytes (" +
-                                 std::to_string(unit) + " parameters of " + std::to_string(bytes_per_param) + " bytes)"));
+    return invalid_argument("--tile " + text.tile + " is below " + std::to_string(bytes_per_param * unit) + " bytes (" +
+                            std::to_string(unit) + " parameters of " + std::to_string(bytes_per_param) + " bytes)");
   }
   cfg.buffers = static_cast<int>(buffers.value());
   cfg.queue_depth = static_cast<int>(qd.value());
   cfg.block = block.value();
   cfg.reps = static_cast<int>(reps.value());
+  return Status::success();
+}
+
+// After read_counts: the step's calls and dtypes.
+Status read_step(const Texts& text, Config& cfg) {
   cfg.chunk = cfg.n;
-  if (!chunk_text.empty()) {
-    Result<std::uint64_t> c = parse_count(chunk_text, "--chunk");
-    if (!c.ok()) return fail(c.status());
-    if (Status st = require_at_least(c.value(), 1, "--chunk", "parameters per step() call"); !st.ok()) return fail(st);
+  if (!text.chunk.empty()) {
+    Result<std::uint64_t> c = parse_count(text.chunk, "--chunk");
+    if (!c.ok()) return c.status();
+    if (Status st = require_at_least(c.value(), 1, "--chunk", "parameters per step() call"); !st.ok()) return st;
     cfg.chunk = std::min(cfg.n, std::max<std::uint64_t>(c.value() / cfg.tile, 1) * cfg.tile);  // whole tiles per call
   }
-  const auto g = parse_dtype(grad_text);
-  if (!g) return fail(invalid_argument("--grad " + grad_text + " is not f32, f16 or bf16"));
+  const auto g = parse_dtype(text.grad);
+  if (!g) return invalid_argument("--grad " + text.grad + " is not f32, f16 or bf16");
   cfg.grad = *g;
-  cfg.has_out = out_text != "none";
-  if (out_text != "none" && out_text != "f16" && out_text != "bf16") {
-    return fail(invalid_argument("--out " + out_text + " is not none, f16 or bf16"));
+  cfg.has_out = text.out != "none";
+  if (text.out != "none" && text.out != "f16" && text.out != "bf16") {
+    return invalid_argument("--out " + text.out + " is not none, f16 or bf16");
   }
-  cfg.out = out_text == "f16" ? DType::f16 : DType::bf16;
+  cfg.out = text.out == "f16" ? DType::f16 : DType::bf16;
+  return Status::success();
+}
 
-  Result<Measured> m = measure(cfg);
-  if (!m.ok()) return fail(m.status());
-  const double moved = static_cast<double>(m->moved);
-  const double read_gbps = moved / m->raw_read.median / 1e9, write_gbps = moved / m->raw_write.median / 1e9;
-  const double ratio = m->io_bound.median / m->step.median;
+void report_nvme(Report& report, const Texts& text, const Config& cfg, const Measured& m) {
+  const double moved = static_cast<double>(m.moved);
+  const double read_gbps = moved / m.raw_read.median / 1e9, write_gbps = moved / m.raw_write.median / 1e9;
+  const double ratio = m.io_bound.median / m.step.median;
   const std::uint64_t state_bytes = slot_state_bytes(cfg.n, cfg.state);
   const std::uint64_t rss = peak_rss_bytes();
   std::string paths;
   for (const auto& p : cfg.paths) paths += (paths.empty() ? "" : ",") + p;
-  if (cfg.json) {
-    JsonLine line;
-    line.add("bench", "nvme").add("n", cfg.n).add("state", state_dtype_name(cfg.state)).add("state_bytes", state_bytes).add("raw_read_gbps", read_gbps)
-        .add("raw_write_gbps", write_gbps).add("io_bound_s", m->io_bound.median).add("step_s", m->step.median)
-        .add("ratio", ratio).add("peak_rss_bytes", rss).add("direct_io", m->direct)
-        .add("paths", paths).add("tile", static_cast<std::uint64_t>(cfg.tile)).add("tiles", static_cast<std::uint64_t>(m->tiles))
-        .add("buffers", cfg.buffers).add("queue_depth", cfg.queue_depth).add("block_size", static_cast<std::uint64_t>(cfg.block))
-        .add("chunk", cfg.chunk).add("grad", dtype_name(cfg.grad)).add("out", cfg.has_out ? dtype_name(cfg.out) : "none")
-        .add("reps", cfg.reps).add("bytes_moved_each_way", m->moved)
-        .add("step_min_s", m->step.min).add("step_max_s", m->step.max)
-        .add("raw_read_s", m->raw_read.median).add("raw_write_s", m->raw_write.median)
-        .add("step_read_busy_s", m->last.read_s).add("step_write_busy_s", m->last.write_s)
-        .add("step_adam_s", m->last.adam_s).add("step_crc_s", m->last.crc_s).add("step_wait_s", m->last.wait_s)
-        .add("step_sync_s", m->last.sync_s).add("durable", cfg.durable).add("durability", durability_text);
-    std::printf("%s\n", line.str().c_str());
-  } else {
-    std::printf("zoe bench nvme: %llu parameters, %.2f GiB of p, m, v (%s moments) under %s (direct I/O: %s)\n",
-                static_cast<unsigned long long>(cfg.n), static_cast<double>(state_bytes) / (1ull << 30),
-                std::string(state_dtype_name(cfg.state)).c_str(), paths.c_str(),
-                m->direct ? "yes" : "NO, buffered");
-    std::printf("tile %llu params (%.1f MiB), %d buffers, queue depth %d, %zu KiB requests, %d reps (median [min, max])\n",
-                static_cast<unsigned long long>(cfg.tile), static_cast<double>(slot_state_bytes(cfg.tile, cfg.state)) / (1 << 20), cfg.buffers,
-                cfg.queue_depth, cfg.block / 1024, cfg.reps);
-    std::printf("  raw read         %8.3f s  [%.3f, %.3f]  %6.2f GB/s\n", m->raw_read.median, m->raw_read.min,
-                m->raw_read.max, read_gbps);
-    std::printf("  raw write        %8.3f s  [%.3f, %.3f]  %6.2f GB/s\n", m->raw_write.median, m->raw_write.min,
-                m->raw_write.max, write_gbps);
-    std::printf("  raw I/O bound    %8.3f s  (read + write)\n", m->io_bound.median);
-    std::printf("  step             %8.3f s  [%.3f, %.3f]\n", m->step.median, m->step.min, m->step.max);
-    std::printf("    of which: reads in flight %.3f s, writes in flight %.3f s, Adam %.3f s, CRC %.3f s, waiting on I/O "
-                "%.3f s, fdatasync+table %.3f s\n",
-                m->last.read_s, m->last.write_s, m->last.adam_s, m->last.crc_s, m->last.wait_s, m->last.sync_s);
-    std::printf("  ratio            %8.3f  (raw I/O bound / step; 1.0 = the step runs at disk speed)\n", ratio);
-    std::printf("  peak RSS         %8.1f MiB\n", static_cast<double>(rss) / (1 << 20));
+  JsonLine line;
+  line.add("bench", "nvme").add("n", cfg.n).add("state", state_dtype_name(cfg.state)).add("state_bytes", state_bytes).add("raw_read_gbps", read_gbps)
+      .add("raw_write_gbps", write_gbps).add("io_bound_s", m.io_bound.median).add("step_s", m.step.median)
+      .add("ratio", ratio).add("peak_rss_bytes", rss).add("direct_io", m.direct)
+      .add("paths", paths).add("tile", static_cast<std::uint64_t>(cfg.tile)).add("tiles", static_cast<std::uint64_t>(m.tiles))
+      .add("buffers", cfg.buffers).add("queue_depth", cfg.queue_depth).add("block_size", static_cast<std::uint64_t>(cfg.block))
+      .add("chunk", cfg.chunk).add("grad", dtype_name(cfg.grad)).add("out", cfg.has_out ? dtype_name(cfg.out) : "none")
+      .add("reps", cfg.reps).add("bytes_moved_each_way", m.moved)
+      .add("step_min_s", m.step.min).add("step_max_s", m.step.max)
+      .add("raw_read_s", m.raw_read.median).add("raw_write_s", m.raw_write.median)
+      .add("step_read_busy_s", m.last.read_s).add("step_write_busy_s", m.last.write_s)
+      .add("step_adam_s", m.last.adam_s).add("step_crc_s", m.last.crc_s).add("step_wait_s", m.last.wait_s)
+      .add("step_sync_s", m.last.sync_s).add("durable", cfg.durable).add("durability", text.durability);
+  report.result(line,
+      format("zoe bench nvme: %llu parameters, %.2f GiB of p, m, v (%s moments) under %s (direct I/O: %s)\n",
+             static_cast<unsigned long long>(cfg.n), static_cast<double>(state_bytes) / (1ull << 30),
+             std::string(state_dtype_name(cfg.state)).c_str(), paths.c_str(), m.direct ? "yes" : "NO, buffered") +
+      format("tile %llu params (%.1f MiB), %d buffers, queue depth %d, %zu KiB requests, %d reps (median [min, max])\n",
+             static_cast<unsigned long long>(cfg.tile),
+             static_cast<double>(slot_state_bytes(cfg.tile, cfg.state)) / (1 << 20), cfg.buffers, cfg.queue_depth,
+             cfg.block / 1024, cfg.reps) +
+      format("  raw read         %8.3f s  [%.3f, %.3f]  %6.2f GB/s\n", m.raw_read.median, m.raw_read.min,
+             m.raw_read.max, read_gbps) +
+      format("  raw write        %8.3f s  [%.3f, %.3f]  %6.2f GB/s\n", m.raw_write.median, m.raw_write.min,
+             m.raw_write.max, write_gbps) +
+      format("  raw I/O bound    %8.3f s  (read + write)\n", m.io_bound.median) +
+      format("  step             %8.3f s  [%.3f, %.3f]\n", m.step.median, m.step.min, m.step.max) +
+      format("    of which: reads in flight %.3f s, writes in flight %.3f s, Adam %.3f s, CRC %.3f s, waiting on I/O "
+             "%.3f s, fdatasync+table %.3f s\n",
+             m.last.read_s, m.last.write_s, m.last.adam_s, m.last.crc_s, m.last.wait_s, m.last.sync_s) +
+      format("  ratio            %8.3f  (raw I/O bound / step; 1.0 = the step runs at disk speed)\n", ratio) +
+      format("  peak RSS         %8.1f MiB\n", static_cast<double>(rss) / (1 << 20)));
+}
+
+}  // namespace
+
+int bench_nvme(std::span<char* const> args) {
+  constexpr std::string_view kCommand = "zoe bench nvme";
+  Texts text;
+  const auto options = options_of(text);
+  if (Status s = parse_options(args, options); !s.ok()) return fail_message(kCommand, s);
+  if (text.help) {
+    print_help("usage: zoe bench nvme --path DIR [options]\n\n", options,
+               "\nEach repetition reads every tile's p, m, v and writes them back raw (no compute), then runs one\n"
+               "pipelined Adam step over the same files. io_bound_s = raw read s + raw write s; ratio = io_bound_s /\n"
+               "step_s (1.0: the step runs at the speed of the disks).\n");
+    return 0;
   }
+  Config cfg;
+  if (Status s = read_paths(text, cfg); !s.ok()) return fail(kCommand, s);
+  if (Status s = read_durability(text, cfg); !s.ok()) return fail_message(kCommand, s);
+  for (auto read : {read_counts, read_step}) {
+    if (Status s = read(text, cfg); !s.ok()) return fail(kCommand, s);
+  }
+  Result<Measured> m = measure(cfg);
+  if (!m.ok()) return fail(kCommand, m.status());
+  Report report(kCommand, text.json);
+  report_nvme(report, text, cfg, *m);
   return 0;
 }
 

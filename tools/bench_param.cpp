@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -19,6 +20,7 @@
 #include "tools/args.h"
 #include "tools/bench_stats.h"
 #include "tools/commands.h"
+#include "tools/report.h"
 #include "zoe/param_tier.h"
 #ifdef ZOE_HAVE_AIO
 #include "aio/files.h"
@@ -28,12 +30,6 @@
 
 namespace zoe::cli {
 namespace {
-
-std::string two_places(double x) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.2f", x);
-  return text;
-}
 
 struct LayerRun {
   std::size_t layers = 0;
@@ -186,178 +182,224 @@ class RawReader {
 };
 #endif
 
-}  // namespace
-
-int bench_param_offload(std::span<char* const> args) {
-  std::string home_text, device_name = "host", path_text, layers_text = "24", layer_bytes_text = "16M",
-              prefetch_text = "0,1,2,4", ratio_text = "1.5", iters_text = "5";
+// The command line as given, with the defaults.
+struct Texts {
+  std::string home, device = "host", path, layers = "24", layer_bytes = "16M", prefetch = "0,1,2,4", ratio = "1.5",
+              iters = "5";
   bool json = false, help = false, host_waits = false;
-  const Option options[] = {
-      {"offload-param", &home_text, nullptr, "where the layers' 16-bit weights live: cpu (pinned RAM) or nvme"},
-      {"device", &device_name, nullptr, "host (the stand-in) or cuda"},
-      {"path", &path_text, nullptr, "nvme: folder(s) for the parameter file, comma-separated"},
-      {"layers", &layers_text, nullptr, "layers (one block each)"},
-      {"layer-bytes", &layer_bytes_text, nullptr, "bytes of 16-bit weights per layer (K, M, G suffixes)"},
-      {"prefetch", &prefetch_text, nullptr, "blocks fetched ahead; a comma list runs each"},
-      {"compute-ratio", &ratio_text, nullptr, "each layer's compute (forward, and again backward) as a multiple of "
-                                              "its fetch time, measured at start"},
-      {"iters", &iters_text, nullptr, "timed iterations per prefetch depth"},
-      {"host-waits", nullptr, &host_waits, "the host waits for each layer's compute before the next fetch (no run-ahead)"},
-      {"json", nullptr, &json, "JSON lines on stdout, nothing else"},
-      {"help", nullptr, &help, "this help"},
-  };
-  auto fail = [](const Status& s) {
-    std::fprintf(stderr, "zoe bench step --offload-param: %s\n", s.to_string().c_str());
-    return exit_status(s);
-  };
-  if (Status s = parse_options(args, options); !s.ok()) return fail(s);
-  if (help) {
-    std::printf("usage: zoe bench step --offload-param cpu|nvme [options]\n\n%s", options_help(options).c_str());
-    std::printf("\ndevice_idle_fraction = 1 - compute / iteration; the pool holds the block in use, `prefetch`\n"
-                "ahead and one released. fetch_gbps is what fetches move with no compute in the way,\n"
-                "copy_ceiling_gbps plain copies of as many bytes from page-locked memory to the device\n"
-                "(cudaMemcpyAsync on CUDA), copy_ratio = fetch_gbps / copy_ceiling_gbps. nvme: raw_read_gbps\n"
-                "is O_DIRECT reads of as many bytes of the same files, fetch_ratio = fetch_gbps / raw_read_gbps.\n"
-                "The passes alternate, best of 5 each.\n");
-    return 0;
-  }
-  Result<ParamHome> home = parse_param_home(home_text);
-  if (!home.ok()) return fail(home.status());
-  Result<std::uint64_t> layers = parse_count(layers_text, "--layers");
-  Result<std::uint64_t> layer_bytes = parse_count(layer_bytes_text, "--layer-bytes");
-  Result<std::uint64_t> iters = parse_count(iters_text, "--iters");
+};
+
+std::array<Option, 11> options_of(Texts& t) {
+  return {{
+      {"offload-param", &t.home, nullptr, "where the layers' 16-bit weights live: cpu (pinned RAM) or nvme"},
+      {"device", &t.device, nullptr, "host (the stand-in) or cuda"},
+      {"path", &t.path, nullptr, "nvme: folder(s) for the parameter file, comma-separated"},
+      {"layers", &t.layers, nullptr, "layers (one block each)"},
+      {"layer-bytes", &t.layer_bytes, nullptr, "bytes of 16-bit weights per layer (K, M, G suffixes)"},
+      {"prefetch", &t.prefetch, nullptr, "blocks fetched ahead; a comma list runs each"},
+      {"compute-ratio", &t.ratio, nullptr, "each layer's compute (forward, and again backward) as a multiple of "
+                                           "its fetch time, measured at start"},
+      {"iters", &t.iters, nullptr, "timed iterations per prefetch depth"},
+      {"host-waits", nullptr, &t.host_waits, "the host waits for each layer's compute before the next fetch (no run-ahead)"},
+      {"json", nullptr, &t.json, "JSON lines on stdout, nothing else"},
+      {"help", nullptr, &t.help, "this help"},
+  }};
+}
+
+struct Settings {
+  ParamTierOptions base;
+  std::size_t layers = 0, bytes = 0;  // bytes per layer, whole 4 KiB pages
+  std::uint64_t iters = 0;
+  std::vector<int> depths;
+  double ratio = 0;
+};
+
+Result<Settings> settings(const Texts& text) {
+  Settings cfg;
+  Result<ParamHome> home = parse_param_home(text.home);
+  if (!home.ok()) return home.status();
+  Result<std::uint64_t> layers = parse_count(text.layers, "--layers");
+  Result<std::uint64_t> layer_bytes = parse_count(text.layer_bytes, "--layer-bytes");
+  Result<std::uint64_t> iters = parse_count(text.iters, "--iters");
   for (const Status& s : {layers.status(), layer_bytes.status(), iters.status()}) {
-    if (!s.ok()) return fail(s);
+    if (!s.ok()) return s;
   }
   for (const Status& s : {require_at_least(layers.value(), 2, "--layers", "layers; prefetch needs a next one"),
                           require_at_least(layer_bytes.value(), 64 * 1024, "--layer-bytes", "bytes per layer"),
                           require_at_least(iters.value(), 1, "--iters", "timed iterations")}) {
-    if (!s.ok()) return fail(s);
+    if (!s.ok()) return s;
   }
-  std::vector<int> depths;
-  for (const std::string& d : split_list(prefetch_text)) {
+  for (const std::string& d : split_list(text.prefetch)) {
     Result<std::uint64_t> k = parse_count(d, "--prefetch");
-    if (!k.ok()) return fail(k.status());
-    depths.push_back(static_cast<int>(k.value()));
+    if (!k.ok()) return k.status();
+    cfg.depths.push_back(static_cast<int>(k.value()));
   }
-  if (Status s = require_items(split_list(prefetch_text), "--prefetch", "depths such as 0,1,2,4"); !s.ok()) return fail(s);
+  if (Status s = require_items(split_list(text.prefetch), "--prefetch", "depths such as 0,1,2,4"); !s.ok()) return s;
   char* end = nullptr;
-  const double ratio = std::strtod(ratio_text.c_str(), &end);
-  if (end == ratio_text.c_str() || *end != '\0' || !(ratio > 0)) {
-    return fail(invalid_argument("--compute-ratio " + ratio_text + " is not a positive number"));
+  cfg.ratio = std::strtod(text.ratio.c_str(), &end);
+  if (end == text.ratio.c_str() || *end != '\0' || !(cfg.ratio > 0)) {
+    return invalid_argument("--compute-ratio " + text.ratio + " is not a positive number");
   }
-  ParamTierOptions base;
-  base.home = home.value();
-  base.nvme_paths = split_list(path_text);
-  if (base.home == ParamHome::nvme && base.nvme_paths.empty()) {
-    return fail(invalid_argument("--offload-param nvme needs --path DIR[,DIR...]"));
+  cfg.base.home = home.value();
+  cfg.base.nvme_paths = split_list(text.path);
+  if (cfg.base.home == ParamHome::nvme && cfg.base.nvme_paths.empty()) {
+    return invalid_argument("--offload-param nvme needs --path DIR[,DIR...]");
   }
-  const std::size_t bytes = (layer_bytes.value() + 4095) / 4096 * 4096;
-  Result<std::unique_ptr<Device>> opened = open_bench_device(device_name);
-  if (!opened.ok()) return fail(opened.status());
-  std::unique_ptr<Device> device = std::move(opened).value();
+  cfg.layers = layers.value();
+  cfg.bytes = (layer_bytes.value() + 4095) / 4096 * 4096;
+  cfg.iters = iters.value();
+  return cfg;
+}
 
-  // The fetch time of a layer: every layer fetched in order and released, nothing computing, prefetch 2.
-  // Best of a few passes, so that a cold first touch of the pool does not count. Each pass is followed by
-  // plain copies of as many bytes from page-locked host memory to the device (cudaMemcpyAsync on CUDA) and,
-  // on NVMe, by a raw read of as many bytes of the same files, so that all see the machine as it is then.
-  double fetch_s = 1e30, fetch_gbps = 0;
-  {
-    ParamTierOptions o = base;
-    o.prefetch = 2;
-    Result<ParamTier> tier = make_tier(*device, layers.value(), bytes, o);
-    if (!tier.ok()) return fail(tier.status());
-    Result<CopyCeiling> copies = CopyCeiling::open(*device, bytes);
-    if (!copies.ok()) return fail(copies.status());
-    double copy = 1e30;
+struct FetchResult {
+  double fetch_s = 0;  // per layer
+  double fetch_gbps = 0, copy_gbps = 0;
+  bool raw_measured = false, direct_io = false;  // nvme: the raw O_DIRECT reads
+  double raw_gbps = 0;
+};
+
+// The fetch time of a layer: every layer fetched in order and released, nothing computing, prefetch 2.
+// Best of a few passes, so that a cold first touch of the pool does not count. Each pass is followed by
+// plain copies of as many bytes from page-locked host memory to the device (cudaMemcpyAsync on CUDA) and,
+// on NVMe, by a raw read of as many bytes of the same files, so that all see the machine as it is then.
+Result<FetchResult> measure_fetch(Device& device, const Settings& cfg) {
+  ParamTierOptions o = cfg.base;
+  o.prefetch = 2;
+  Result<ParamTier> tier = make_tier(device, cfg.layers, cfg.bytes, o);
+  if (!tier.ok()) return tier.status();
+  Result<CopyCeiling> copies = CopyCeiling::open(device, cfg.bytes);
+  if (!copies.ok()) return copies.status();
+  double fetch_s = 1e30, copy = 1e30, raw = 1e30;
 #ifdef ZOE_HAVE_AIO
-    std::optional<RawReader> raw_reader;
-    if (base.home == ParamHome::nvme) {
-      Result<RawReader> r = RawReader::open(tier->files(), bytes * layers.value(), o);
-      if (!r.ok()) return fail(r.status());
-      raw_reader.emplace(std::move(r).value());
-    }
-    double raw = 1e30;
+  std::optional<RawReader> raw_reader;
+  if (cfg.base.home == ParamHome::nvme) {
+    Result<RawReader> r = RawReader::open(tier->files(), cfg.bytes * cfg.layers, o);
+    if (!r.ok()) return r.status();
+    raw_reader.emplace(std::move(r).value());
+  }
 #endif
-    for (int pass = 0; pass < 5; ++pass) {
-      Status s;
-      const double t = time_seconds([&] {
-        for (std::size_t l = 0; l < layers.value() && s.ok(); ++l) {
-          Result<void*> b = tier->fetch(l);
-          if (!b.ok()) s = b.status();
-          if (s.ok()) s = tier->release(l);
-        }
-        if (s.ok()) s = tier->synchronize();
-      });
-      if (!s.ok()) return fail(s);
-      fetch_s = std::min(fetch_s, t / static_cast<double>(layers.value()));
-      Result<double> c = copies->pass(layers.value());
-      if (!c.ok()) return fail(c.status());
-      copy = std::min(copy, c.value());
-#ifdef ZOE_HAVE_AIO
-      if (raw_reader) {
-        Result<double> r = raw_reader->pass();
-        if (!r.ok()) return fail(r.status());
-        raw = std::min(raw, r.value());
+  for (int pass = 0; pass < 5; ++pass) {
+    Status s;
+    const double t = time_seconds([&] {
+      for (std::size_t l = 0; l < cfg.layers && s.ok(); ++l) {
+        Result<void*> b = tier->fetch(l);
+        if (!b.ok()) s = b.status();
+        if (s.ok()) s = tier->release(l);
       }
-#endif
-    }
-    const double total = static_cast<double>(bytes * layers.value());
-    fetch_gbps = static_cast<double>(bytes) / fetch_s / 1e9;
-    const double copy_gbps = total / copy / 1e9;
-    JsonLine line;
-    line.add("bench", "param_fetch").add("device", device_name).add("home", param_home_name(base.home))
-        .add("layers", layers.value()).add("layer_bytes", static_cast<std::uint64_t>(bytes))
-        .add("fetch_gbps", fetch_gbps).add("copy_ceiling_gbps", copy_gbps).add("copy_ratio", fetch_gbps / copy_gbps);
-    std::string text = std::string(param_home_name(base.home)) + " fetch: " + two_places(fetch_gbps) + " GB/s" +
-                       ", plain copies to the device: " + two_places(copy_gbps) + " GB/s";
+      if (s.ok()) s = tier->synchronize();
+    });
+    if (!s.ok()) return s;
+    fetch_s = std::min(fetch_s, t / static_cast<double>(cfg.layers));
+    Result<double> c = copies->pass(cfg.layers);
+    if (!c.ok()) return c.status();
+    copy = std::min(copy, c.value());
 #ifdef ZOE_HAVE_AIO
     if (raw_reader) {
-      const double raw_gbps = total / raw / 1e9;
-      line.add("direct_io", tier->direct_io()).add("raw_read_gbps", raw_gbps).add("fetch_ratio", fetch_gbps / raw_gbps);
-      text += ", raw O_DIRECT read of as many bytes: " + two_places(raw_gbps) + " GB/s" + ", fetch_ratio " +
-              two_places(fetch_gbps / raw_gbps) + (tier->direct_io() ? "" : " (buffered: O_DIRECT refused)");
+      Result<double> r = raw_reader->pass();
+      if (!r.ok()) return r.status();
+      raw = std::min(raw, r.value());
     }
 #endif
-    std::printf("%s\n", json ? line.str().c_str() : text.c_str());
   }
-  const LayerRun run{layers.value(), ratio * fetch_s, host_waits};
-  if (!json) {
-    std::printf("%s home, %llu layers of %llu bytes; fetch %.2f ms per layer; compute %.2f ms per layer and pass\n",
-                std::string(param_home_name(base.home)).c_str(), static_cast<unsigned long long>(layers.value()),
-                static_cast<unsigned long long>(bytes), fetch_s * 1e3, run.compute_s * 1e3);
-    std::printf("%8s %14s %14s %14s %8s\n", "prefetch", "budget bytes", "iteration ms", "compute ms", "idle");
+  const double total = static_cast<double>(cfg.bytes * cfg.layers);
+  FetchResult f{fetch_s, static_cast<double>(cfg.bytes) / fetch_s / 1e9, total / copy / 1e9};
+  f.raw_measured = raw < 1e30;
+  f.direct_io = tier->direct_io();
+  if (f.raw_measured) f.raw_gbps = total / raw / 1e9;
+  return f;
+}
+
+void report_fetch(Report& report, const Texts& text, const Settings& cfg, const FetchResult& f) {
+  const std::string home(param_home_name(cfg.base.home));
+  JsonLine line;
+  line.add("bench", "param_fetch").add("device", text.device).add("home", home)
+      .add("layers", static_cast<std::uint64_t>(cfg.layers)).add("layer_bytes", static_cast<std::uint64_t>(cfg.bytes))
+      .add("fetch_gbps", f.fetch_gbps).add("copy_ceiling_gbps", f.copy_gbps).add("copy_ratio", f.fetch_gbps / f.copy_gbps);
+  std::string lines = home + " fetch: " + format("%.2f", f.fetch_gbps) + " GB/s" + ", plain copies to the device: " +
+                      format("%.2f", f.copy_gbps) + " GB/s";
+  if (f.raw_measured) {
+    line.add("direct_io", f.direct_io).add("raw_read_gbps", f.raw_gbps).add("fetch_ratio", f.fetch_gbps / f.raw_gbps);
+    lines += ", raw O_DIRECT read of as many bytes: " + format("%.2f", f.raw_gbps) + " GB/s" + ", fetch_ratio " +
+             format("%.2f", f.fetch_gbps / f.raw_gbps) + (f.direct_io ? "" : " (buffered: O_DIRECT refused)");
   }
-  for (int depth : depths) {
-    ParamTierOptions o = base;
-    o.prefetch = depth;
-    Result<ParamTier> tier = make_tier(*device, layers.value(), bytes, o);
-    if (!tier.ok()) return fail(tier.status());
-    if (Status s = iteration(*device, tier.value(), run); !s.ok()) return fail(s);  // warm-up
-    std::vector<double> times;
-    for (std::uint64_t i = 0; i < iters.value(); ++i) {
-      Status s;
-      times.push_back(time_seconds([&] { s = iteration(*device, tier.value(), run); }));
-      if (!s.ok()) return fail(s);
-    }
-    const TimeSummary t = summarize(times);
-    const double compute = 2.0 * static_cast<double>(layers.value()) * run.compute_s;
-    const double idle = std::max(0.0, 1.0 - compute / t.median);
-    const ParamTierStats st = tier->stats();
-    if (json) {
-      JsonLine line;
-      line.add("bench", "param_offload").add("device", device_name).add("home", param_home_name(base.home)).add("layers", layers.value())
-          .add("layer_bytes", static_cast<std::uint64_t>(bytes)).add("prefetch", depth)
-          .add("budget_bytes", static_cast<std::uint64_t>(st.budget_bytes))
-          .add("pool_peak_bytes", static_cast<std::uint64_t>(st.pool_peak_bytes))
-          .add("fetch_ms_per_layer", fetch_s * 1e3).add("compute_ms_per_layer", run.compute_s * 1e3)
-          .add("iteration_ms", t.median * 1e3).add("iteration_ms_min", t.min * 1e3).add("iteration_ms_max", t.max * 1e3)
-          .add("compute_ms", compute * 1e3).add("device_idle_fraction", idle).add("hits", st.hits).add("loads", st.loads)
-          .add("fetch_wait_s", st.fetch_wait_s);
-      std::printf("%s\n", line.str().c_str());
-    } else {
-      std::printf("%8d %14zu %14.1f %14.1f %8.3f\n", depth, st.budget_bytes, t.median * 1e3, compute * 1e3, idle);
-    }
+  report.result(line, lines + "\n");
+}
+
+struct DepthResult {
+  TimeSummary iteration;
+  double compute_s = 0, idle = 0;  // compute_s: the iteration's, every layer forward and backward
+  ParamTierStats stats;
+};
+
+Result<DepthResult> run_depth(Device& device, const Settings& cfg, const LayerRun& run, int depth) {
+  ParamTierOptions o = cfg.base;
+  o.prefetch = depth;
+  Result<ParamTier> tier = make_tier(device, cfg.layers, cfg.bytes, o);
+  if (!tier.ok()) return tier.status();
+  if (Status s = iteration(device, tier.value(), run); !s.ok()) return s;  // warm-up
+  std::vector<double> times;
+  for (std::uint64_t i = 0; i < cfg.iters; ++i) {
+    Status s;
+    times.push_back(time_seconds([&] { s = iteration(device, tier.value(), run); }));
+    if (!s.ok()) return s;
+  }
+  DepthResult r{summarize(times), 2.0 * static_cast<double>(cfg.layers) * run.compute_s, 0, tier->stats()};
+  r.idle = std::max(0.0, 1.0 - r.compute_s / r.iteration.median);
+  return r;
+}
+
+void report_depth(Report& report, const Texts& text, const Settings& cfg, const FetchResult& f, const LayerRun& run,
+                  int depth, const DepthResult& r) {
+  const ParamTierStats& st = r.stats;
+  const TimeSummary& t = r.iteration;
+  JsonLine line;
+  line.add("bench", "param_offload").add("device", text.device).add("home", param_home_name(cfg.base.home))
+      .add("layers", static_cast<std::uint64_t>(cfg.layers))
+      .add("layer_bytes", static_cast<std::uint64_t>(cfg.bytes)).add("prefetch", depth)
+      .add("budget_bytes", static_cast<std::uint64_t>(st.budget_bytes))
+      .add("pool_peak_bytes", static_cast<std::uint64_t>(st.pool_peak_bytes))
+      .add("fetch_ms_per_layer", f.fetch_s * 1e3).add("compute_ms_per_layer", run.compute_s * 1e3)
+      .add("iteration_ms", t.median * 1e3).add("iteration_ms_min", t.min * 1e3).add("iteration_ms_max", t.max * 1e3)
+      .add("compute_ms", r.compute_s * 1e3).add("device_idle_fraction", r.idle).add("hits", st.hits).add("loads", st.loads)
+      .add("fetch_wait_s", st.fetch_wait_s);
+  report.result(line, format("%8d %14zu %14.1f %14.1f %8.3f\n", depth, st.budget_bytes, t.median * 1e3,
+                             r.compute_s * 1e3, r.idle));
+}
+
+}  // namespace
+
+int bench_param_offload(std::span<char* const> args) {
+  constexpr std::string_view kCommand = "zoe bench step --offload-param";
+  Texts text;
+  const auto options = options_of(text);
+  if (Status s = parse_options(args, options); !s.ok()) return fail(kCommand, s);
+  if (text.help) {
+    print_help("usage: zoe bench step --offload-param cpu|nvme [options]\n\n", options,
+               "\ndevice_idle_fraction = 1 - compute / iteration; the pool holds the block in use, `prefetch`\n"
+               "ahead and one released. fetch_gbps is what fetches move with no compute in the way,\n"
+               "copy_ceiling_gbps plain copies of as many bytes from page-locked memory to the device\n"
+               "(cudaMemcpyAsync on CUDA), copy_ratio = fetch_gbps / copy_ceiling_gbps. nvme: raw_read_gbps\n"
+               "is O_DIRECT reads of as many bytes of the same files, fetch_ratio = fetch_gbps / raw_read_gbps.\n"
+               "The passes alternate, best of 5 each.\n");
+    return 0;
+  }
+  Result<Settings> cfg = settings(text);
+  if (!cfg.ok()) return fail(kCommand, cfg.status());
+  Result<std::unique_ptr<Device>> device = open_bench_device(text.device);
+  if (!device.ok()) return fail(kCommand, device.status());
+  Report report(kCommand, text.json);
+  Result<FetchResult> fetch = measure_fetch(**device, *cfg);
+  if (!fetch.ok()) return fail(kCommand, fetch.status());
+  report_fetch(report, text, *cfg, *fetch);
+  const LayerRun run{cfg->layers, cfg->ratio * fetch->fetch_s, text.host_waits};
+  report.lines(format("%s home, %llu layers of %llu bytes; fetch %.2f ms per layer; compute %.2f ms per layer and pass\n",
+                      std::string(param_home_name(cfg->base.home)).c_str(), static_cast<unsigned long long>(cfg->layers),
+                      static_cast<unsigned long long>(cfg->bytes), fetch->fetch_s * 1e3, run.compute_s * 1e3));
+  report.header(format("%8s %14s %14s %14s %8s\n", "prefetch", "budget bytes", "iteration ms", "compute ms", "idle"));
+  for (int depth : cfg->depths) {
+    Result<DepthResult> r = run_depth(**device, *cfg, run, depth);
+    if (!r.ok()) return fail(kCommand, r.status());
+    report_depth(report, text, *cfg, *fetch, run, depth, *r);
   }
   return 0;
 }

@@ -1,16 +1,19 @@
 // zoe bench step: whole offloaded training iterations against a device whose forward/backward takes a set
 // time. The ceiling is the device's compute alone: device_idle_fraction = 1 - compute / iteration.
+#include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstring>
-#include <utility>
-#include <algorithm>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tools/args.h"
 #include "tools/bench_stats.h"
 #include "tools/commands.h"
+#include "tools/report.h"
 #include "zoe/offload.h"
 
 namespace zoe::cli {
@@ -114,6 +117,225 @@ Status iteration(Device& device, OffloadOptimizer& opt, std::size_t buckets, dou
   return opt.step();
 }
 
+constexpr int kCpuProbes = 3;  // iterations without compute that time the CPU step; sync for delayed
+
+// The command line as given, with the defaults.
+struct Texts {
+  std::string device = "host", schedule = "sync", n = "64M", buckets = "16", compute, iters = "10", tier = "ram", path,
+              durability = "step", state = "fp32", tile = "1M";
+  bool json = false, help = false;
+};
+
+std::array<Option, 14> options_of(Texts& t) {
+  return {{
+      {"device", &t.device, nullptr, "host (the stand-in) or cuda"},
+      {"schedule", &t.schedule, nullptr, "sync, overlap or delayed"},
+      {"tier", &t.tier, nullptr, "where p, m, v live: ram or nvme"},
+      {"path", &t.path, nullptr, "tier nvme: swap folder(s), comma-separated"},
+      {"durability", &t.durability, nullptr, "tier nvme: step (durable in the background) or checkpoint (at save)"},
+      {"state", &t.state, nullptr, "Adam moments: fp32, bf16 or int8"},
+      {"n", &t.n, nullptr, "parameters (K, M, G suffixes are powers of 1024)"},
+      {"buckets", &t.buckets, nullptr, "gradient buckets reported during backward"},
+      {"compute-ms", &t.compute, nullptr, "device forward+backward time (default: 1.5x the CPU step measured at start)"},
+      {"iters", &t.iters, nullptr, "timed iterations"},
+      {"tile", &t.tile, nullptr, "elements per piece: the unit each gradient comes down and is stepped in (overlap)"},
+      {"offload-param", nullptr, nullptr, "cpu|nvme: the layers' weights in a parameter tier instead (see --offload-param cpu --help)"},
+      {"json", nullptr, &t.json, "one JSON object on stdout, nothing else"},
+      {"help", nullptr, &t.help, "this help"},
+  }};
+}
+
+struct Settings {
+  std::uint64_t n = 0, buckets = 0, iters = 0;
+  OffloadOptions offload;
+  std::optional<double> compute_s;  // --compute-ms; else 1.5x the CPU step measured at start
+};
+
+// The counts after parse_options, checked: nothing here may be zero, and every bucket needs a parameter.
+Status read_counts(const Texts& text, Settings& cfg) {
+  Result<std::uint64_t> n = parse_count(text.n, "--n");
+  Result<std::uint64_t> buckets = parse_count(text.buckets, "--buckets");
+  Result<std::uint64_t> iters = parse_count(text.iters, "--iters");
+  Result<std::uint64_t> tile = parse_count(text.tile, "--tile");
+  for (const Status& s : {n.status(), buckets.status(), iters.status(), tile.status()}) {
+    if (!s.ok()) return s;
+  }
+  if (Status s = require_at_least(tile.value(), 1, "--tile", "elements per piece"); !s.ok()) return s;
+  for (const Status& s : {require_at_least(n.value(), 1, "--n", "parameters; 0 has no step to time"),
+                          require_at_least(buckets.value(), 1, "--buckets", "gradient buckets, each of 1 parameter or more"),
+                          require_at_least(iters.value(), 1, "--iters", "timed iterations")}) {
+    if (!s.ok()) return s;
+  }
+  if (buckets.value() > n.value()) {
+    return invalid_argument("--buckets " + text.buckets + " is more than --n " + text.n +
+                            ": every bucket needs at least one parameter");
+  }
+  cfg.n = n.value();
+  cfg.buckets = buckets.value();
+  cfg.iters = iters.value();
+  cfg.offload.tile = tile.value();
+  return Status::success();
+}
+
+Result<Settings> settings(const Texts& text) {
+  Settings cfg;
+  OffloadOptions& o = cfg.offload;
+  Result<Schedule> schedule = parse_schedule(text.schedule);
+  if (!schedule.ok()) return schedule.status();
+  Result<Tier> tier = parse_tier(text.tier);
+  if (!tier.ok()) return tier.status();
+  Result<Durability> durability = parse_durability(text.durability);
+  if (!durability.ok()) return durability.status();
+  if (Status s = read_counts(text, cfg); !s.ok()) return s;
+  o.schedule = schedule.value();
+  o.tier = tier.value();
+  o.nvme.paths = split_list(text.path);
+  o.nvme.durability = durability.value();
+  Result<DType> state = parse_state_dtype(text.state);
+  if (!state.ok()) return invalid_argument("--state " + text.state + " is not fp32, bf16 or int8");
+  o.state_dtype = state.value();
+  if (o.tier == Tier::nvme && o.nvme.paths.empty()) return invalid_argument("--tier nvme needs --path DIR[,DIR...]");
+  o.delayed_warmup_steps = kCpuProbes;
+  if (!text.compute.empty()) {
+    char* end = nullptr;
+    const double ms = std::strtod(text.compute.c_str(), &end);
+    if (end == text.compute.c_str() || *end != '\0' || !(ms >= 0)) {
+      return invalid_argument("--compute-ms " + text.compute + " is not a time in milliseconds");
+    }
+    cfg.compute_s = ms / 1e3;
+  }
+  return cfg;
+}
+
+// The CPU step and the optimizer's own copies, from iterations with no device compute.
+struct Calibration {
+  double cpu_step_s = 0;
+  bool copies_measured = false;  // sync and delayed: overlap's copies run beside Adam
+  double copy_gbps = 0, d2h_gbps = 0, h2d_gbps = 0;
+  double copy_ceiling_gbps = 0, d2h_ceiling_gbps = 0, h2d_ceiling_gbps = 0;
+};
+
+Result<Calibration> calibrate(Device& device, OffloadOptimizer& opt, const DeviceModel& model, const Settings& cfg) {
+  std::vector<double> probes;
+  const StepStats before_probes = opt.stats();
+  double h2d_s = 0;  // the probes' waits after step() returned: the weights still going up
+  for (int i = 0; i < kCpuProbes; ++i) {
+    Status s;
+    probes.push_back(time_seconds([&] {
+      s = iteration(device, opt, cfg.buckets, 0);
+      if (s.ok()) h2d_s += time_seconds([&] { s = opt.wait(); });
+    }));
+    if (!s.ok()) return s;
+  }
+  Calibration c;
+  c.cpu_step_s = summarize(probes).median;
+  // The optimizer's own copies, from the sync probes (the delayed schedule's warm-up is sync): the time in
+  // step() not spent in Adam brought the gradients down; step() returns with the weights' copies enqueued,
+  // and the wait after it is their time.
+  const StepStats& after_probes = opt.stats();
+  const double d2h_s = (after_probes.step_call_s - before_probes.step_call_s) - (after_probes.adam_s - before_probes.adam_s);
+  const double d2h_bytes = static_cast<double>(after_probes.d2h_bytes - before_probes.d2h_bytes);
+  const double h2d_bytes = static_cast<double>(after_probes.h2d_bytes - before_probes.h2d_bytes);
+  Result<std::pair<double, double>> raw = raw_copy_seconds(device, model.specs());
+  if (!raw.ok()) return raw.status();
+  double model_bytes = 0;
+  for (const ParamSpec& p : model.specs()) model_bytes += static_cast<double>(p.n * dtype_size(p.dtype));
+  c.copy_ceiling_gbps = 2 * model_bytes / (raw->first + raw->second) / 1e9;
+  c.d2h_ceiling_gbps = model_bytes / raw->first / 1e9, c.h2d_ceiling_gbps = model_bytes / raw->second / 1e9;
+  c.copies_measured = cfg.offload.schedule != Schedule::overlap && d2h_s > 0 && h2d_s > 0;
+  c.copy_gbps = c.copies_measured ? (d2h_bytes + h2d_bytes) / (d2h_s + h2d_s) / 1e9 : 0;
+  c.d2h_gbps = c.copies_measured ? d2h_bytes / d2h_s / 1e9 : 0;
+  c.h2d_gbps = c.copies_measured ? h2d_bytes / h2d_s / 1e9 : 0;
+  return c;
+}
+
+struct StepResult {
+  Calibration calibration;
+  double compute_s = 0, step_s = 0, adam_s = 0, trainer_waits = 0, worker_waits = 0;
+};
+
+// The timed iterations, in the schedule's steady state: per iteration, the time, Adam and the waits.
+Status timed(Device& device, OffloadOptimizer& opt, const Settings& cfg, StepResult& r) {
+  for (int i = 0; i < 2; ++i) {  // reach the schedule's steady state (delayed: one step in flight)
+    if (Status s = iteration(device, opt, cfg.buckets, r.compute_s); !s.ok()) return s;
+  }
+  // The device's view: from the end of one iteration's compute to the end of the last one's, so a step
+  // still in flight at either end is neither counted nor hidden.
+  auto compute_done = [&device] {
+    Result<EventId> e = device.record(Stream::compute);
+    return e.ok() ? device.synchronize(e.value()) : e.status();
+  };
+  if (Status s = compute_done(); !s.ok()) return s;
+  const double adam_before = opt.stats().adam_s;
+  const HostWaits waits_before = device.host_waits();
+  HostWaits waits_after;  // the iterations' own: before the benchmark's wait for the last compute
+  Status s;
+  const double total = time_seconds([&] {
+    for (std::uint64_t i = 0; i < cfg.iters && s.ok(); ++i) s = iteration(device, opt, cfg.buckets, r.compute_s);
+    waits_after = device.host_waits();
+    if (s.ok()) s = compute_done();
+  });
+  if (s.ok()) s = opt.wait();
+  if (!s.ok()) return s;
+  const double per_iter = 1.0 / static_cast<double>(cfg.iters);
+  r.step_s = total / static_cast<double>(cfg.iters);
+  r.trainer_waits = static_cast<double>(waits_after.trainer_calls - waits_before.trainer_calls) * per_iter;
+  r.worker_waits = static_cast<double>(waits_after.worker_calls - waits_before.worker_calls) * per_iter;
+  r.adam_s = (opt.stats().adam_s - adam_before) / static_cast<double>(cfg.iters);
+  return Status::success();
+}
+
+Result<StepResult> run(const Texts& text, const Settings& cfg, const Report& report) {
+  Result<std::unique_ptr<Device>> opened = open_bench_device(text.device);
+  if (!opened.ok()) return opened.status();
+  std::unique_ptr<Device> device = std::move(opened).value();
+  DeviceModel model(*device, cfg.n, cfg.buckets);
+  if (Status s = model.allocate(); !s.ok()) return s;
+  Result<OffloadOptimizer> opt = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs(), cfg.offload);
+  if (!opt.ok()) return opt.status();
+  StepResult r;
+  Result<Calibration> c = calibrate(*device, *opt, model, cfg);
+  if (!c.ok()) return c.status();
+  r.calibration = *c;
+  r.compute_s = cfg.compute_s.value_or(1.5 * c->cpu_step_s);
+  report.progress(format("%s device, %s schedule, n = %llu in %llu buckets; CPU step %.1f ms, device compute %.1f ms "
+                         "per iteration", device->name().c_str(), text.schedule.c_str(),
+                         static_cast<unsigned long long>(cfg.n), static_cast<unsigned long long>(cfg.buckets),
+                         c->cpu_step_s * 1e3, r.compute_s * 1e3));
+  if (Status s = timed(*device, *opt, cfg, r); !s.ok()) return s;
+  return r;
+}
+
+void report_step(Report& report, const Texts& text, const Settings& cfg, const StepResult& r) {
+  const Calibration& c = r.calibration;
+  const double idle = 1.0 - r.compute_s / r.step_s;
+  JsonLine line;
+  line.add("bench", "step").add("device", text.device).add("schedule", text.schedule).add("tier", text.tier).add("n", cfg.n)
+      .add("durability", text.durability).add("state", text.state)
+      .add("buckets", cfg.buckets).add("device_compute_s", r.compute_s).add("step_s", r.step_s)
+      .add("device_idle_fraction", idle).add("cpu_step_s", c.cpu_step_s).add("cpu_adam_s", r.adam_s)
+      .add("iters", cfg.iters).add("tile", static_cast<std::uint64_t>(cfg.offload.tile))
+      .add("host_waits_per_step", r.trainer_waits)
+      .add("worker_waits_per_step", r.worker_waits).add("copy_ceiling_gbps", c.copy_ceiling_gbps)
+      .add("d2h_ceiling_gbps", c.d2h_ceiling_gbps).add("h2d_ceiling_gbps", c.h2d_ceiling_gbps);
+  std::string text_lines =
+      format("%-8s %-8s %12s %8s %12s %10s %8s %12s %10s\n", "device", "schedule", "n", "buckets", "compute ms",
+             "step ms", "idle", "cpu step ms", "adam ms") +
+      format("%-8s %-8s %12llu %8llu %12.1f %10.1f %8.3f %12.1f %10.1f\n", text.device.c_str(), text.schedule.c_str(),
+             static_cast<unsigned long long>(cfg.n), static_cast<unsigned long long>(cfg.buckets), r.compute_s * 1e3,
+             r.step_s * 1e3, idle, c.cpu_step_s * 1e3, r.adam_s * 1e3);
+  if (c.copies_measured) {
+    line.add("copy_gbps", c.copy_gbps).add("copy_ratio", c.copy_gbps / c.copy_ceiling_gbps)
+        .add("d2h_gbps", c.d2h_gbps).add("d2h_ratio", c.d2h_gbps / c.d2h_ceiling_gbps)
+        .add("h2d_gbps", c.h2d_gbps).add("h2d_ratio", c.h2d_gbps / c.h2d_ceiling_gbps);
+    text_lines += format("copies (D2H + H2D): %.2f GB/s in the optimizer, %.2f GB/s plain copies of the same bytes: "
+                         "ratio %.3f (D2H %.3f, H2D %.3f)\n", c.copy_gbps, c.copy_ceiling_gbps,
+                         c.copy_gbps / c.copy_ceiling_gbps, c.d2h_gbps / c.d2h_ceiling_gbps,
+                         c.h2d_gbps / c.h2d_ceiling_gbps);
+  }
+  report.result(line, text_lines);
+}
+
 }  // namespace
 
 int bench_step(std::span<char* const> args) {
@@ -121,185 +343,26 @@ int bench_step(std::span<char* const> args) {
     const std::string_view arg(a);
     if (arg == "--offload-param" || arg.starts_with("--offload-param=")) return bench_param_offload(args);
   }
-  std::string device_name = "host", schedule_text = "sync", n_text = "64M", buckets_text = "16", compute_text,
-              iters_text = "10", tier_text = "ram", path_text, durability_text = "step", state_text = "fp32",
-              tile_text = "1M";
-  bool json = false, help = false;
-  const Option options[] = {
-      {"device", &device_name, nullptr, "host (the stand-in) or cuda"},
-      {"schedule", &schedule_text, nullptr, "sync, overlap or delayed"},
-      {"tier", &tier_text, nullptr, "where p, m, v live: ram or nvme"},
-      {"path", &path_text, nullptr, "tier nvme: swap folder(s), comma-separated"},
-      {"durability", &durability_text, nullptr, "tier nvme: step (durable in the background) or checkpoint (at save)"},
-      {"state", &state_text, nullptr, "Adam moments: fp32, bf16 or int8"},
-      {"n", &n_text, nullptr, "parameters (K, M, G suffixes are powers of 1024)"},
-      {"buckets", &buckets_text, nullptr, "gradient buckets reported during backward"},
-      {"compute-ms", &compute_text, nullptr, "device forward+backward time (default: 1.5x the CPU step measured at start)"},
-      {"iters", &iters_text, nullptr, "timed iterations"},
-      {"tile", &tile_text, nullptr, "elements per piece: the unit each gradient comes down and is stepped in (overlap)"},
-      {"offload-param", nullptr, nullptr, "cpu|nvme: the layers' weights in a parameter tier instead (see --offload-param cpu --help)"},
-      {"json", nullptr, &json, "one JSON object on stdout, nothing else"},
-      {"help", nullptr, &help, "this help"},
-  };
-  auto fail = [](const Status& s) {
-    std::fprintf(stderr, "zoe bench step: %s\n", s.to_string().c_str());
-    return exit_status(s);
-  };
-  if (Status s = parse_options(args, options); !s.ok()) return fail(s);
-  if (help) {
-    std::printf("usage: zoe bench step [options]\n\n%s", options_help(options).c_str());
-    std::printf("\nstep_s is the wall time per training iteration; device_idle_fraction = 1 - compute / step_s.\n"
-                "cpu_step_s is one iteration with no device compute (copies and CPU Adam alone).\n"
-                "copy_gbps (sync, delayed) is what the optimizer's D2H + H2D achieved; copy_ceiling_gbps plain copies\n"
-                "of the same bytes to and from page-locked host memory (cudaMemcpyAsync on CUDA); copy_ratio their ratio.\n"
-                "d2h_gbps / h2d_gbps and their ratios: each direction alone (the gradients' copies in step(), the\n"
-                "weights' copies after it returns) against d2h_ceiling_gbps / h2d_ceiling_gbps.\n");
+  constexpr std::string_view kCommand = "zoe bench step";
+  Texts text;
+  const auto options = options_of(text);
+  if (Status s = parse_options(args, options); !s.ok()) return fail(kCommand, s);
+  if (text.help) {
+    print_help("usage: zoe bench step [options]\n\n", options,
+               "\nstep_s is the wall time per training iteration; device_idle_fraction = 1 - compute / step_s.\n"
+               "cpu_step_s is one iteration with no device compute (copies and CPU Adam alone).\n"
+               "copy_gbps (sync, delayed) is what the optimizer's D2H + H2D achieved; copy_ceiling_gbps plain copies\n"
+               "of the same bytes to and from page-locked host memory (cudaMemcpyAsync on CUDA); copy_ratio their ratio.\n"
+               "d2h_gbps / h2d_gbps and their ratios: each direction alone (the gradients' copies in step(), the\n"
+               "weights' copies after it returns) against d2h_ceiling_gbps / h2d_ceiling_gbps.\n");
     return 0;
   }
-  Result<Schedule> schedule = parse_schedule(schedule_text);
-  if (!schedule.ok()) return fail(schedule.status());
-  Result<Tier> tier = parse_tier(tier_text);
-  if (!tier.ok()) return fail(tier.status());
-  Result<Durability> durability = parse_durability(durability_text);
-  if (!durability.ok()) return fail(durability.status());
-  Result<std::uint64_t> n = parse_count(n_text, "--n");
-  Result<std::uint64_t> buckets = parse_count(buckets_text, "--buckets");
-  Result<std::uint64_t> iters = parse_count(iters_text, "--iters");
-  Result<std::uint64_t> tile = parse_count(tile_text, "--tile");
-  for (const Status& s : {n.status(), buckets.status(), iters.status(), tile.status()}) {
-    if (!s.ok()) return fail(s);
-  }
-  if (Status s = require_at_least(tile.value(), 1, "--tile", "elements per piece"); !s.ok()) return fail(s);
-  for (const Status& s : {require_at_least(n.value(), 1, "--n", "parameters; 0 has no step to time"),
-                          require_at_least(buckets.value(), 1, "--buckets", "gradient buckets, each of 1 parameter or more"),
-                          require_at_least(iters.value(), 1, "--iters", "timed iterations")}) {
-    if (!s.ok()) return fail(s);
-  }
-  if (buckets.value() > n.value()) {
-    return fail(invalid_argument("--buckets " + buckets_text + " is more than --n " + n_text +
-                                 ": every bucket needs at least one parameter"));
-  }
-
-  Result<std::unique_ptr<Device>> opened = open_bench_device(device_name);
-  if (!opened.ok()) return fail(opened.status());
-  std::unique_ptr<Device> device = std::move(opened).value();
-  DeviceModel model(*device, n.value(), buckets.value());
-  if (Status s = model.allocate(); !s.ok()) return fail(s);
-
-  constexpr int kCpuProbes = 3;  // iterations without compute that time the CPU step; sync for delayed
-  OffloadOptions o;
-  o.schedule = schedule.value();
-  o.tier = tier.value();
-  o.nvme.paths = split_list(path_text);
-  o.nvme.durability = durability.value();
-  Result<DType> state = parse_state_dtype(state_text);
-  if (!state.ok()) return fail(invalid_argument("--state " + state_text + " is not fp32, bf16 or int8"));
-  o.state_dtype = state.value();
-  if (o.tier == Tier::nvme && o.nvme.paths.empty()) return fail(invalid_argument("--tier nvme needs --path DIR[,DIR...]"));
-  o.delayed_warmup_steps = kCpuProbes;
-  o.tile = tile.value();
-  Result<OffloadOptimizer> opt = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs(), o);
-  if (!opt.ok()) return fail(opt.status());
-
-  std::vector<double> probes;
-  const StepStats before_probes = opt->stats();
-  double h2d_s = 0;  // the probes' waits after step() returned: the weights still going up
-  for (int i = 0; i < kCpuProbes; ++i) {
-    Status s;
-    probes.push_back(time_seconds([&] {
-      s = iteration(*device, *opt, buckets.value(), 0);
-      if (s.ok()) h2d_s += time_seconds([&] { s = opt->wait(); });
-    }));
-    if (!s.ok()) return fail(s);
-  }
-  const double cpu_step_s = summarize(probes).median;
-  // The optimizer's own copies, from the sync probes (the delayed schedule's warm-up is sync): the time in
-  // step() not spent in Adam brought the gradients down; step() returns with the weights' copies enqueued,
-  // and the wait after it is their time.
-  const StepStats& after_probes = opt->stats();
-  const double d2h_s = (after_probes.step_call_s - before_probes.step_call_s) - (after_probes.adam_s - before_probes.adam_s);
-  const double d2h_bytes = static_cast<double>(after_probes.d2h_bytes - before_probes.d2h_bytes);
-  const double h2d_bytes = static_cast<double>(after_probes.h2d_bytes - before_probes.h2d_bytes);
-  Result<std::pair<double, double>> raw = raw_copy_seconds(*device, model.specs());
-  if (!raw.ok()) return fail(raw.status());
-  double model_bytes = 0;
-  for (const ParamSpec& p : model.specs()) model_bytes += static_cast<double>(p.n * dtype_size(p.dtype));
-  const double copy_ceiling_gbps = 2 * model_bytes / (raw->first + raw->second) / 1e9;
-  const double d2h_ceiling_gbps = model_bytes / raw->first / 1e9, h2d_ceiling_gbps = model_bytes / raw->second / 1e9;
-  const bool copies_measured = o.schedule != Schedule::overlap && d2h_s > 0 && h2d_s > 0;
-  const double copy_gbps = copies_measured ? (d2h_bytes + h2d_bytes) / (d2h_s + h2d_s) / 1e9 : 0;
-  const double d2h_gbps = copies_measured ? d2h_bytes / d2h_s / 1e9 : 0;
-  const double h2d_gbps = copies_measured ? h2d_bytes / h2d_s / 1e9 : 0;
-  double compute_s = 1.5 * cpu_step_s;
-  if (!compute_text.empty()) {
-    char* end = nullptr;
-    const double ms = std::strtod(compute_text.c_str(), &end);
-    if (end == compute_text.c_str() || *end != '\0' || !(ms >= 0)) {
-      return fail(invalid_argument("--compute-ms " + compute_text + " is not a time in milliseconds"));
-    }
-    compute_s = ms / 1e3;
-  }
-  if (!json) {
-    std::fprintf(stderr, "zoe bench step: %s device, %s schedule, n = %llu in %llu buckets; CPU step %.1f ms, "
-                 "device compute %.1f ms per iteration\n", device->name().c_str(), schedule_text.c_str(),
-                 static_cast<unsigned long long>(n.value()), static_cast<unsigned long long>(buckets.value()),
-                 cpu_step_s * 1e3, compute_s * 1e3);
-  }
-  for (int i = 0; i < 2; ++i) {  // reach the schedule's steady state (delayed: one step in flight)
-    if (Status s = iteration(*device, *opt, buckets.value(), compute_s); !s.ok()) return fail(s);
-  }
-  // The device's view: from the end of one iteration's compute to the end of the last one's, so a step
-  // still in flight at either end is neither counted nor hidden.
-  auto compute_done = [&device] {
-    Result<EventId> e = device->record(Stream::compute);
-    return e.ok() ? device->synchronize(e.value()) : e.status();
-  };
-  if (Status s = compute_done(); !s.ok()) return fail(s);
-  const double adam_before = opt->stats().adam_s;
-  const HostWaits waits_before = device->host_waits();
-  HostWaits waits_after;  // the iterations' own: before the benchmark's wait for the last compute
-  Status s;
-  const double total = time_seconds([&] {
-    for (std::uint64_t i = 0; i < iters.value() && s.ok(); ++i) s = iteration(*device, *opt, buckets.value(), compute_s);
-    waits_after = device->host_waits();
-    if (s.ok()) s = compute_done();
-  });
-  if (s.ok()) s = opt->wait();
-  if (!s.ok()) return fail(s);
-  const double step_s = total / static_cast<double>(iters.value());
-  const double per_iter = 1.0 / static_cast<double>(iters.value());
-  const double trainer_waits = static_cast<double>(waits_after.trainer_calls - waits_before.trainer_calls) * per_iter;
-  const double worker_waits = static_cast<double>(waits_after.worker_calls - waits_before.worker_calls) * per_iter;
-  const double idle = 1.0 - compute_s / step_s;
-  const double adam_s = (opt->stats().adam_s - adam_before) / static_cast<double>(iters.value());
-  if (json) {
-    JsonLine line;
-    line.add("bench", "step").add("device", device_name).add("schedule", schedule_text).add("tier", tier_text).add("n", n.value())
-        .add("durability", durability_text).add("state", state_text)
-        .add("buckets", buckets.value()).add("device_compute_s", compute_s).add("step_s", step_s)
-        .add("device_idle_fraction", idle).add("cpu_step_s", cpu_step_s).add("cpu_adam_s", adam_s)
-        .add("iters", iters.value()).add("tile", tile.value()).add("host_waits_per_step", trainer_waits)
-        .add("worker_waits_per_step", worker_waits).add("copy_ceiling_gbps", copy_ceiling_gbps)
-        .add("d2h_ceiling_gbps", d2h_ceiling_gbps).add("h2d_ceiling_gbps", h2d_ceiling_gbps);
-    if (copies_measured) {
-      line.add("copy_gbps", copy_gbps).add("copy_ratio", copy_gbps / copy_ceiling_gbps)
-          .add("d2h_gbps", d2h_gbps).add("d2h_ratio", d2h_gbps / d2h_ceiling_gbps)
-          .add("h2d_gbps", h2d_gbps).add("h2d_ratio", h2d_gbps / h2d_ceiling_gbps);
-    }
-    std::printf("%s\n", line.str().c_str());
-  } else {
-    std::printf("%-8s %-8s %12s %8s %12s %10s %8s %12s %10s\n", "device", "schedule", "n", "buckets", "compute ms",
-                "step ms", "idle", "cpu step ms", "adam ms");
-    std::printf("%-8s %-8s %12llu %8llu %12.1f %10.1f %8.3f %12.1f %10.1f\n", device_name.c_str(),
-                schedule_text.c_str(), static_cast<unsigned long long>(n.value()),
-                static_cast<unsigned long long>(buckets.value()), compute_s * 1e3, step_s * 1e3, idle,
-                cpu_step_s * 1e3, adam_s * 1e3);
-    if (copies_measured) {
-      std::printf("copies (D2H + H2D): %.2f GB/s in the optimizer, %.2f GB/s plain copies of the same bytes: "
-                  "ratio %.3f (D2H %.3f, H2D %.3f)\n", copy_gbps, copy_ceiling_gbps, copy_gbps / copy_ceiling_gbps,
-                  d2h_gbps / d2h_ceiling_gbps, h2d_gbps / h2d_ceiling_gbps);
-    }
-  }
+  Result<Settings> cfg = settings(text);
+  if (!cfg.ok()) return fail(kCommand, cfg.status());
+  Report report(kCommand, text.json);
+  Result<StepResult> r = run(text, *cfg, report);
+  if (!r.ok()) return fail(kCommand, r.status());
+  report_step(report, text, *cfg, *r);
   return 0;
 }
 

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -18,6 +19,7 @@
 #include "base/aligned_buffer.h"
 #include "tools/args.h"
 #include "tools/commands.h"
+#include "tools/report.h"
 #ifdef ZOE_HAVE_AIO
 #include "tools/probe.h"
 #endif
@@ -136,13 +138,13 @@ Json placement_json(const Inputs& in, const Evaluated& e, const Rates& rates) {
   return j;
 }
 
-void print_placement(const Inputs& in, const Evaluated& e, const Rates& rates, const char* label) {
-  std::printf("\n%s: %s -> %s\n", label, placement_name(e.placement).c_str(),
-              e.verdict.fits ? "fits" : ("does not fit (" + e.verdict.why + ")").c_str());
+std::string placement_text(const Inputs& in, const Evaluated& e, const Rates& rates, const char* label) {
+  std::string out = format("\n%s: %s -> %s\n", label, placement_name(e.placement).c_str(),
+                           e.verdict.fits ? "fits" : ("does not fit (" + e.verdict.why + ")").c_str());
   const Usage& u = e.usage;
-  std::printf("  %-12s %14s %14s %14s\n", "", "per GPU", "per host", "per NVMe path");
-  auto row = [](const char* kind, std::uint64_t g, std::uint64_t h, std::uint64_t n) {
-    std::printf("  %-12s %14s %14s %14s\n", kind, human(g).c_str(), human(h).c_str(), human(n).c_str());
+  out += format("  %-12s %14s %14s %14s\n", "", "per GPU", "per host", "per NVMe path");
+  auto row = [&out](const char* kind, std::uint64_t g, std::uint64_t h, std::uint64_t n) {
+    out += format("  %-12s %14s %14s %14s\n", kind, human(g).c_str(), human(h).c_str(), human(n).c_str());
   };
   row("weights16", u.per_gpu.weights16, u.per_host.weights16, u.per_nvme_path.weights16);
   row("grads16", u.per_gpu.grads16, u.per_host.grads16, u.per_nvme_path.grads16);
@@ -154,19 +156,19 @@ void print_placement(const Inputs& in, const Evaluated& e, const Rates& rates, c
   const std::uint64_t capacity = in.cluster.nvme_capacity.empty() ? 0 : in.cluster.nvme_capacity[0];
   row("usable", usable_gpu(in.cluster), usable_host(in.cluster), capacity);
   const std::string gap = zoe_gap(e.placement);
-  std::printf("  zoe: %s\n", gap.empty() ? "runs this placement" : ("cannot run it as planned: " + gap).c_str());
+  out += format("  zoe: %s\n", gap.empty() ? "runs this placement" : ("cannot run it as planned: " + gap).c_str());
   const StepEstimate s = estimate_step(in.model, in.cluster, e.placement, in.training, rates);
-  if (e.placement.optimizer == Offload::none) {
-    std::printf("  optimizer step: on the GPU (not estimated)\n");
-  } else {
-    std::printf("  optimizer step estimate: %.3f s = max(CPU Adam %.3f s, NVMe %.3f s) + PCIe %.3f s\n", s.total_s,
+  if (e.placement.optimizer == Offload::none) return out + "  optimizer step: on the GPU (not estimated)\n";
+  out += format("  optimizer step estimate: %.3f s = max(CPU Adam %.3f s, NVMe %.3f s) + PCIe %.3f s\n", s.total_s,
                 s.cpu_adam_s, s.nvme_s, s.pcie_s);
-    if (s.nvme_read_bytes > 0) {
-      std::printf("    NVMe per node per step: %s read, %s written\n", human(s.nvme_read_bytes).c_str(),
+  if (s.nvme_read_bytes > 0) {
+    out += format("    NVMe per node per step: %s read, %s written\n", human(s.nvme_read_bytes).c_str(),
                   human(s.nvme_write_bytes).c_str());
-    }
-    if (s.pcie_bytes > 0) std::printf("    PCIe per GPU per step: %s (sync schedule; overlap and delayed hide it)\n", human(s.pcie_bytes).c_str());
   }
+  if (s.pcie_bytes > 0) {
+    out += format("    PCIe per GPU per step: %s (sync schedule; overlap and delayed hide it)\n", human(s.pcie_bytes).c_str());
+  }
+  return out;
 }
 
 const char* kUsage =
@@ -180,291 +182,388 @@ const char* kUsage =
     "--nvme takes one or more paths (or a comma list). Without --stage/--offload-*, the cheapest fitting\n"
     "placement is reported.\n\noptions:\n";
 
-}  // namespace
-
-int plan(std::span<char* const> args) {
-  std::string params_text, model_path, gpus = "1", nodes = "1", gpu_mem, host_ram, nvme_capacity, stage_text,
-      offload_opt, offload_param, state_dtype = "fp32", prefetch = "2", grad_accum = "1", micro_batch, seq_len,
-      adam_rate, nvme_gbps, pcie_gbps;
+// The command line as given, with the defaults.
+struct Texts {
+  std::string params, model, gpus = "1", nodes = "1", gpu_mem, host_ram, nvme_capacity, stage, offload_opt, offload_param,
+      state_dtype = "fp32", prefetch = "2", grad_accum = "1", micro_batch, seq_len, adam_rate, nvme_gbps, pcie_gbps;
   bool json = false, checkpointing = false, help = false;
-  // --nvme takes every path up to the next option.
   std::vector<std::string> nvme_paths;
+};
+
+std::array<Option, 21> options_of(Texts& t) {
+  return {{
+      {"params", &t.params, nullptr, "parameter count (350M, 7.5B, 1T)"},
+      {"model", &t.model, nullptr, "a Hugging Face-style config.json instead of --params"},
+      {"gpus", &t.gpus, nullptr, "GPUs per node"},
+      {"nodes", &t.nodes, nullptr, "nodes"},
+      {"gpu-mem", &t.gpu_mem, nullptr, "memory per GPU (default 80G, assumed)"},
+      {"host-ram", &t.host_ram, nullptr, "RAM per node (default: this machine's)"},
+      {"nvme-capacity", &t.nvme_capacity, nullptr, "bytes each --nvme path may hold (default: its free space)"},
+      {"stage", &t.stage, nullptr, "ZeRO stage 1, 2 or 3 (with --offload-*: the placement to size)"},
+      {"offload-optimizer", &t.offload_opt, nullptr, "none, cpu or nvme"},
+      {"offload-param", &t.offload_param, nullptr, "none, cpu or nvme (needs stage 3)"},
+      {"state-dtype", &t.state_dtype, nullptr, "the moments: fp32, bf16 or int8 (the master stays fp32)"},
+      {"prefetch", &t.prefetch, nullptr, "modules fetched ahead (stage 3, parameter offload)"},
+      {"grad-accum", &t.grad_accum, nullptr, "micro-batches per step (> 1: zoe's fp32 sums on the host)"},
+      {"micro-batch", &t.micro_batch, nullptr, "sequences per GPU per micro-batch (activation estimate)"},
+      {"seq-len", &t.seq_len, nullptr, "tokens per sequence (activation estimate)"},
+      {"activation-checkpointing", nullptr, &t.checkpointing, "full activation checkpointing (activation estimate)"},
+      {"adam-rate", &t.adam_rate, nullptr, "CPU Adam parameters/s per node (default: measured here)"},
+      {"nvme-gbps", &t.nvme_gbps, nullptr, "NVMe GB/s per path, each direction (default: measured on the --nvme paths)"},
+      {"pcie-gbps", &t.pcie_gbps, nullptr, "host-GPU GB/s per GPU (default 25, assumed)"},
+      {"json", nullptr, &t.json, "one JSON object on stdout"},
+      {"help", nullptr, &t.help, "this text"},
+  }};
+}
+
+// --nvme takes every path up to the next option: those go to t.nvme_paths, the rest to parse_options.
+std::vector<char*> split_nvme(std::span<char* const> args, Texts& t) {
   std::vector<char*> rest;
   for (std::size_t i = 0; i < args.size(); ++i) {
     if (std::string_view(args[i]) == "--nvme") {
       while (i + 1 < args.size() && !std::string_view(args[i + 1]).starts_with("--")) {
-        for (const std::string& p : split_list(args[++i])) nvme_paths.push_back(p);
+        for (const std::string& p : split_list(args[++i])) t.nvme_paths.push_back(p);
       }
       continue;
     }
     rest.push_back(args[i]);
   }
-  const Option options[] = {
-      {"params", &params_text, nullptr, "parameter count (350M, 7.5B, 1T)"},
-      {"model", &model_path, nullptr, "a Hugging Face-style config.json instead of --params"},
-      {"gpus", &gpus, nullptr, "GPUs per node"},
-      {"nodes", &nodes, nullptr, "nodes"},
-      {"gpu-mem", &gpu_mem, nullptr, "memory per GPU (default 80G, assumed)"},
-      {"host-ram", &host_ram, nullptr, "RAM per node (default: this machine's)"},
-      {"nvme-capacity", &nvme_capacity, nullptr, "bytes each --nvme path may hold (default: its free space)"},
-      {"stage", &stage_text, nullptr, "ZeRO stage 1, 2 or 3 (with --offload-*: the placement to size)"},
-      {"offload-optimizer", &offload_opt, nullptr, "none, cpu or nvme"},
-      {"offload-param", &offload_param, nullptr, "none, cpu or nvme (needs stage 3)"},
-      {"state-dtype", &state_dtype, nullptr, "the moments: fp32, bf16 or int8 (the master stays fp32)"},
-      {"prefetch", &prefetch, nullptr, "modules fetched ahead (stage 3, parameter offload)"},
-      {"grad-accum", &grad_accum, nullptr, "micro-batches per step (> 1: zoe's fp32 sums on the host)"},
-      {"micro-batch", &micro_batch, nullptr, "sequences per GPU per micro-batch (activation estimate)"},
-      {"seq-len", &seq_len, nullptr, "tokens per sequence (activation estimate)"},
-      {"activation-checkpointing", nullptr, &checkpointing, "full activation checkpointing (activation estimate)"},
-      {"adam-rate", &adam_rate, nullptr, "CPU Adam parameters/s per node (default: measured here)"},
-      {"nvme-gbps", &nvme_gbps, nullptr, "NVMe GB/s per path, each direction (default: measured on the --nvme paths)"},
-      {"pcie-gbps", &pcie_gbps, nullptr, "host-GPU GB/s per GPU (default 25, assumed)"},
-      {"json", nullptr, &json, "one JSON object on stdout"},
-      {"help", nullptr, &help, "this text"},
-  };
-  auto fail = [](const Status& s) {
-    std::fprintf(stderr, "zoe plan: %s\n", s.message().c_str());
-    return exit_status(s);
-  };
-  if (Status s = parse_options(rest, options); !s.ok()) return fail(s);
-  if (help) {
-    std::printf("%s%s  --nvme PATH...           NVMe folders for swap files\n", kUsage, options_help(options).c_str());
-    return 0;
-  }
+  return rest;
+}
+
+// What is to be planned, read from the command line; the rates given there (the others are measured by run).
+struct Request {
   Inputs in;
-  if (params_text.empty() == model_path.empty()) {
-    return fail(invalid_argument("give the model as --params N (e.g. 7.5B) or --model CONFIG.json, one of them"));
+  bool requested = false;  // a placement was asked for (--stage, --offload-*)
+  Placement asked;
+  Figure adam, nvme, nvme_write, pcie{kAssumedPcieGbps, "assumed: PCIe 4.0 x16"};  // value 0: not given
+};
+
+Status read_model(const Texts& t, Model& model) {
+  if (t.params.empty() == t.model.empty()) {
+    return invalid_argument("give the model as --params N (e.g. 7.5B) or --model CONFIG.json, one of them");
   }
-  if (!params_text.empty()) {
-    Result<std::uint64_t> n = parse_param_count(params_text);
-    if (!n.ok()) return fail(n.status());
-    if (*n == 0) return fail(invalid_argument("--params: 0 parameters need no plan"));
-    in.model = model_from_params(*n);
-  } else {
-    std::ifstream f(model_path);
-    if (!f) return fail(invalid_argument("--model: cannot read " + model_path));
-    std::stringstream text;
-    text << f.rdbuf();
-    Result<Model> m = model_from_config(text.str(), model_path);
-    if (!m.ok()) return fail(m.status());
-    in.model = *m;
-  }
-  auto count = [](const std::string& text, const char* option, std::uint64_t min, std::uint64_t* out) {
-    Result<std::uint64_t> v = parse_count(text, option);
-    if (!v.ok()) return v.status();
-    if (Status s = require_at_least(*v, min, option, "of them"); !s.ok()) return s;
-    *out = *v;
+  if (!t.params.empty()) {
+    Result<std::uint64_t> n = parse_param_count(t.params);
+    if (!n.ok()) return n.status();
+    if (*n == 0) return invalid_argument("--params: 0 parameters need no plan");
+    model = model_from_params(*n);
     return Status::success();
-  };
+  }
+  std::ifstream f(t.model);
+  if (!f) return invalid_argument("--model: cannot read " + t.model);
+  std::stringstream text;
+  text << f.rdbuf();
+  Result<Model> m = model_from_config(text.str(), t.model);
+  if (!m.ok()) return m.status();
+  model = *m;
+  return Status::success();
+}
+
+Status count(const std::string& text, const char* option, std::uint64_t min, std::uint64_t* out) {
+  Result<std::uint64_t> v = parse_count(text, option);
+  if (!v.ok()) return v.status();
+  if (Status s = require_at_least(*v, min, option, "of them"); !s.ok()) return s;
+  *out = *v;
+  return Status::success();
+}
+
+// A size given on the command line, else the default and how it was obtained.
+Status size(const std::string& text, const char* option, std::uint64_t fallback, const char* fallback_how,
+            std::uint64_t* out, std::string* how) {
+  *out = fallback;
+  *how = fallback_how;
+  if (text.empty()) return Status::success();
+  Result<std::uint64_t> b = parse_bytes(text, option);
+  if (!b.ok()) return b.status();
+  if (*b == 0) return invalid_argument(std::string(option) + ": 0 bytes");
+  *out = *b;
+  *how = "given";
+  return Status::success();
+}
+
+Status read_training(const Texts& t, Inputs& in) {
   Cluster& c = in.cluster;
-  Training& t = in.training;
-  for (Status s : {count(gpus, "--gpus", 1, &c.gpus_per_node), count(nodes, "--nodes", 1, &c.nodes),
-                   count(prefetch, "--prefetch", 0, &t.prefetch), count(grad_accum, "--grad-accum", 1, &t.grad_accumulation)}) {
-    if (!s.ok()) return fail(s);
+  Training& tr = in.training;
+  for (Status s : {count(t.gpus, "--gpus", 1, &c.gpus_per_node), count(t.nodes, "--nodes", 1, &c.nodes),
+                   count(t.prefetch, "--prefetch", 0, &tr.prefetch),
+                   count(t.grad_accum, "--grad-accum", 1, &tr.grad_accumulation)}) {
+    if (!s.ok()) return s;
   }
-  if (!micro_batch.empty()) {
-    if (Status s = count(micro_batch, "--micro-batch", 1, &t.micro_batch); !s.ok()) return fail(s);
+  if (!t.micro_batch.empty()) {
+    if (Status s = count(t.micro_batch, "--micro-batch", 1, &tr.micro_batch); !s.ok()) return s;
   }
-  if (!seq_len.empty()) {
-    if (Status s = count(seq_len, "--seq-len", 1, &t.seq_len); !s.ok()) return fail(s);
+  if (!t.seq_len.empty()) {
+    if (Status s = count(t.seq_len, "--seq-len", 1, &tr.seq_len); !s.ok()) return s;
   }
-  t.activation_checkpointing = checkpointing;
-  Result<StateDtype> sd = plan::parse_state_dtype(state_dtype);
-  if (!sd.ok()) return fail(sd.status());
-  t.state = *sd;
-  // A size given on the command line, else the default and how it was obtained.
-  auto size = [](const std::string& text, const char* option, std::uint64_t fallback, const char* fallback_how,
-                 std::uint64_t* out, std::string* how) {
-    *out = fallback;
-    *how = fallback_how;
-    if (text.empty()) return Status::success();
-    Result<std::uint64_t> b = parse_bytes(text, option);
-    if (!b.ok()) return b.status();
-    if (*b == 0) return invalid_argument(std::string(option) + ": 0 bytes");
-    *out = *b;
-    *how = "given";
-    return Status::success();
-  };
-  for (Status s : {size(gpu_mem, "--gpu-mem", kAssumedGpuMem, "assumed", &c.gpu_mem, &in.gpu_mem_how),
-                   size(host_ram, "--host-ram", physical_ram(), "this machine's", &c.host_ram, &in.host_ram_how)}) {
-    if (!s.ok()) return fail(s);
+  tr.activation_checkpointing = t.checkpointing;
+  Result<DType> sd = plan::parse_state_dtype(t.state_dtype);
+  if (!sd.ok()) return sd.status();
+  tr.state = *sd;
+  return Status::success();
+}
+
+Status read_memory(const Texts& t, Inputs& in) {
+  Cluster& c = in.cluster;
+  for (Status s : {size(t.gpu_mem, "--gpu-mem", kAssumedGpuMem, "assumed", &c.gpu_mem, &in.gpu_mem_how),
+                   size(t.host_ram, "--host-ram", physical_ram(), "this machine's", &c.host_ram, &in.host_ram_how)}) {
+    if (!s.ok()) return s;
   }
-  c.nvme_paths = nvme_paths;
+  c.nvme_paths = t.nvme_paths;
   std::uint64_t capacity = 0;
-  if (!nvme_capacity.empty()) {
-    Result<std::uint64_t> b = parse_bytes(nvme_capacity, "--nvme-capacity");
-    if (!b.ok()) return fail(b.status());
+  if (!t.nvme_capacity.empty()) {
+    Result<std::uint64_t> b = parse_bytes(t.nvme_capacity, "--nvme-capacity");
+    if (!b.ok()) return b.status();
     capacity = *b;
   }
   for (const std::string& p : c.nvme_paths) {
-    if (::access(p.c_str(), F_OK) != 0) return fail(invalid_argument("--nvme: " + p + " does not exist"));
-    c.nvme_capacity.push_back(nvme_capacity.empty() ? free_bytes(p) : capacity);
+    if (::access(p.c_str(), F_OK) != 0) return invalid_argument("--nvme: " + p + " does not exist");
+    c.nvme_capacity.push_back(t.nvme_capacity.empty() ? free_bytes(p) : capacity);
   }
-  in.capacity_how = nvme_capacity.empty() ? "free space" : "given";
+  in.capacity_how = t.nvme_capacity.empty() ? "free space" : "given";
+  return Status::success();
+}
 
-  // The placement asked for, if any; every candidate, least offload first; the cheapest that fits.
-  const bool requested = !stage_text.empty() || !offload_opt.empty() || !offload_param.empty();
-  Placement asked;
-  if (!offload_opt.empty()) {
-    Result<Offload> o = parse_offload(offload_opt, "--offload-optimizer");
-    if (!o.ok()) return fail(o.status());
+// The placement asked for, if any.
+Status read_placement(const Texts& t, Request& r) {
+  r.requested = !t.stage.empty() || !t.offload_opt.empty() || !t.offload_param.empty();
+  Placement& asked = r.asked;
+  if (!t.offload_opt.empty()) {
+    Result<Offload> o = parse_offload(t.offload_opt, "--offload-optimizer");
+    if (!o.ok()) return o.status();
     asked.optimizer = *o;
   }
-  if (!offload_param.empty()) {
-    Result<Offload> o = parse_offload(offload_param, "--offload-param");
-    if (!o.ok()) return fail(o.status());
+  if (!t.offload_param.empty()) {
+    Result<Offload> o = parse_offload(t.offload_param, "--offload-param");
+    if (!o.ok()) return o.status();
     asked.param = *o;
   }
   asked.stage = asked.param != Offload::none ? 3 : 2;
-  if (!stage_text.empty()) {
-    if (stage_text != "1" && stage_text != "2" && stage_text != "3") {
-      return fail(invalid_argument("--stage: '" + stage_text + "' is not 1, 2 or 3"));
+  if (!t.stage.empty()) {
+    if (t.stage != "1" && t.stage != "2" && t.stage != "3") {
+      return invalid_argument("--stage: '" + t.stage + "' is not 1, 2 or 3");
     }
-    asked.stage = stage_text[0] - '0';
+    asked.stage = t.stage[0] - '0';
   }
   if (asked.param != Offload::none && asked.stage != 3) {
-    return fail(invalid_argument("--offload-param " + std::string(offload_name(asked.param)) +
-                                 " needs --stage 3: parameters are offloaded as stage 3 partitions them"));
+    return invalid_argument("--offload-param " + std::string(offload_name(asked.param)) +
+                            " needs --stage 3: parameters are offloaded as stage 3 partitions them");
   }
-  std::vector<Evaluated> all;
-  for (const Placement& p : candidates()) all.push_back(evaluate(in, p));
-  const auto cheapest = std::find_if(all.begin(), all.end(), [](const Evaluated& e) { return e.verdict.fits; });
-  const auto zoe_cheapest = std::find_if(all.begin(), all.end(), [&in](const Evaluated& e) {
-    return e.verdict.fits && zoe_gap(e.placement).empty();
-  });
-  const Evaluated shown = requested ? evaluate(in, asked) : cheapest != all.end() ? *cheapest : all.back();
+  return Status::success();
+}
 
-  // Rates: given, or measured when a shown placement needs them.
+Status gbps(const std::string& text, const char* option, Figure* out) {
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (text.empty() || *end != '\0' || !(v > 0)) return invalid_argument(std::string(option) + ": '" + text + "' is not a rate in GB/s");
+  *out = {v, "given"};
+  return Status::success();
+}
+
+// The rates given; those not given are measured (or assumed) by run when a shown placement needs them.
+Status read_rates(const Texts& t, Request& r) {
+  if (!t.adam_rate.empty()) {
+    Result<std::uint64_t> rate = parse_param_count(t.adam_rate);
+    if (!rate.ok() || *rate == 0) return invalid_argument("--adam-rate: '" + t.adam_rate + "' is not a rate (e.g. 2B)");
+    r.adam = {static_cast<double>(*rate), "given"};
+  }
+  if (!t.pcie_gbps.empty()) {
+    if (Status s = gbps(t.pcie_gbps, "--pcie-gbps", &r.pcie); !s.ok()) return s;
+  }
+  if (!t.nvme_gbps.empty()) {
+    if (Status s = gbps(t.nvme_gbps, "--nvme-gbps", &r.nvme); !s.ok()) return s;
+    r.nvme_write = r.nvme;
+  }
+  return Status::success();
+}
+
+Result<Request> request(const Texts& t) {
+  Request r;
+  for (Status s : {read_model(t, r.in.model), read_training(t, r.in), read_memory(t, r.in), read_placement(t, r),
+                   read_rates(t, r)}) {
+    if (!s.ok()) return s;
+  }
+  return r;
+}
+
+struct PlanResult {
+  std::vector<Evaluated> all;               // every candidate, least offload first
+  std::size_t cheapest = 0, zoe_cheapest = 0;  // the first that fits (and zoe runs); all.size(): none
+  Evaluated shown;                          // the one asked for, else the cheapest, else the most offloaded
+  Figure adam, nvme, nvme_write, pcie;
   Rates rates;
-  Figure adam, nvme, pcie{kAssumedPcieGbps, "assumed: PCIe 4.0 x16"};
-  auto needs = [&](auto pred) {
-    return pred(shown.placement) || (cheapest != all.end() && pred(cheapest->placement)) ||
-           (zoe_cheapest != all.end() && pred(zoe_cheapest->placement));
+
+  const Evaluated* find(std::size_t i) const { return i < all.size() ? &all[i] : nullptr; }
+};
+
+// The rates not given, measured here when a shown placement needs them.
+Status measure_rates(const Request& r, PlanResult& p, const Report& report) {
+  auto needs = [&p](auto pred) {
+    return pred(p.shown.placement) || (p.find(p.cheapest) && pred(p.all[p.cheapest].placement)) ||
+           (p.find(p.zoe_cheapest) && pred(p.all[p.zoe_cheapest].placement));
   };
-  if (!adam_rate.empty()) {
-    Result<std::uint64_t> r = parse_param_count(adam_rate);
-    if (!r.ok() || *r == 0) return fail(invalid_argument("--adam-rate: '" + adam_rate + "' is not a rate (e.g. 2B)"));
-    adam = {static_cast<double>(*r), "given"};
-  } else if (needs([](const Placement& p) { return p.optimizer != Offload::none; })) {
-    if (!json) std::fprintf(stderr, "zoe plan: measuring CPU Adam (pass --adam-rate to skip)...\n");
+  if (p.adam.how.empty() && needs([](const Placement& x) { return x.optimizer != Offload::none; })) {
+    report.progress("measuring CPU Adam (pass --adam-rate to skip)...");
     Result<Figure> m = measure_adam();
-    if (!m.ok()) return fail(m.status());
-    adam = *m;
+    if (!m.ok()) return m.status();
+    p.adam = *m;
   }
-  auto gbps = [](const std::string& text, const char* option, Figure* out) {
-    char* end = nullptr;
-    const double v = std::strtod(text.c_str(), &end);
-    if (text.empty() || *end != '\0' || !(v > 0)) return invalid_argument(std::string(option) + ": '" + text + "' is not a rate in GB/s");
-    *out = {v, "given"};
-    return Status::success();
-  };
-  if (!pcie_gbps.empty()) {
-    if (Status s = gbps(pcie_gbps, "--pcie-gbps", &pcie); !s.ok()) return fail(s);
-  }
-  Figure nvme_write;
-  if (!nvme_gbps.empty()) {
-    if (Status s = gbps(nvme_gbps, "--nvme-gbps", &nvme); !s.ok()) return fail(s);
-    nvme_write = nvme;
-  } else if (needs([](const Placement& p) { return p.optimizer == Offload::nvme || p.param == Offload::nvme; })) {
-    nvme = nvme_write = {kAssumedNvmeGbps, "assumed: one NVMe drive per path (pass --nvme-gbps)"};
+  if (p.nvme.how.empty() && needs([](const Placement& x) { return x.optimizer == Offload::nvme || x.param == Offload::nvme; })) {
+    p.nvme = p.nvme_write = {kAssumedNvmeGbps, "assumed: one NVMe drive per path (pass --nvme-gbps)"};
 #ifdef ZOE_HAVE_AIO
     // zoe probe's test on each path (256 MiB); the estimate takes their mean per path.
-    if (!c.nvme_paths.empty()) {
-      if (!json) std::fprintf(stderr, "zoe plan: measuring the NVMe paths (pass --nvme-gbps to skip)...\n");
+    const std::vector<std::string>& paths = r.in.cluster.nvme_paths;
+    if (!paths.empty()) {
+      report.progress("measuring the NVMe paths (pass --nvme-gbps to skip)...");
       double read = 0, write = 0;
-      for (const std::string& p : c.nvme_paths) {
-        double w = 0, r = 0;
-        if (Status s = measure_path(p, 256 << 20, &w, &r); !s.ok()) return fail(s);
-        read += r / c.nvme_paths.size();
-        write += w / c.nvme_paths.size();
+      for (const std::string& path : paths) {
+        double w = 0, rd = 0;
+        if (Status s = measure_path(path, 256 << 20, &w, &rd); !s.ok()) return s;
+        read += rd / paths.size();
+        write += w / paths.size();
       }
-      nvme = {read, "measured with zoe probe's test, 256 MiB per path"};
-      nvme_write = {write, nvme.how};
+      p.nvme = {read, "measured with zoe probe's test, 256 MiB per path"};
+      p.nvme_write = {write, p.nvme.how};
     }
 #endif
   }
-  rates.adam_params_per_s = adam.value;
-  rates.nvme_read_gbps = nvme.value;
-  rates.nvme_write_gbps = nvme_write.value;
-  rates.pcie_gbps = pcie.value;
+  return Status::success();
+}
 
-  const Model& m = in.model;
-  if (json) {
-    Json out{{"command", "plan"},
-             {"params", m.params},
-             {"model", m.description},
-             {"shape_assumed", m.shape_assumed},
-             {"gpus_per_node", c.gpus_per_node},
-             {"nodes", c.nodes},
-             {"ranks", c.ranks()},
-             {"gpu_mem_bytes", c.gpu_mem},
-             {"host_ram_bytes", c.host_ram},
-             {"nvme_paths", c.nvme_paths},
-             {"nvme_capacity_bytes", c.nvme_capacity},
-             {"state_dtype", state_dtype_name(t.state)},
-             {"requested", requested}};
-    const Json shown_json = placement_json(in, shown, rates);
-    for (const auto& [k, v] : shown_json.items()) out[k] = v;
-    out["cheapest"] = cheapest != all.end() ? placement_json(in, *cheapest, rates) : Json(nullptr);
-    out["cheapest_zoe_runs"] = zoe_cheapest != all.end() ? placement_json(in, *zoe_cheapest, rates) : Json(nullptr);
-    Json cands = Json::array();
-    for (const Evaluated& e : all) {
-      cands.push_back({{"stage", e.placement.stage}, {"offload_optimizer", offload_name(e.placement.optimizer)},
-                       {"offload_param", offload_name(e.placement.param)}, {"fits", e.verdict.fits},
-                       {"why_not", e.verdict.why}});
-    }
-    out["candidates"] = cands;
-    out["rates"] = {{"adam_params_per_s", adam.value}, {"adam", adam.how}, {"nvme_read_gbps", nvme.value},
-                    {"nvme_write_gbps", nvme_write.value}, {"nvme", nvme.how}, {"pcie_gbps", pcie.value},
-                    {"pcie", pcie.how}};
-    std::printf("%s\n", out.dump().c_str());
-    return 0;
+Result<PlanResult> run(const Request& r, const Report& report) {
+  PlanResult p;
+  for (const Placement& c : candidates()) p.all.push_back(evaluate(r.in, c));
+  const auto fits = [](const Evaluated& e) { return e.verdict.fits; };
+  p.cheapest = std::find_if(p.all.begin(), p.all.end(), fits) - p.all.begin();
+  p.zoe_cheapest = std::find_if(p.all.begin(), p.all.end(), [](const Evaluated& e) {
+                     return e.verdict.fits && zoe_gap(e.placement).empty();
+                   }) - p.all.begin();
+  p.shown = r.requested ? evaluate(r.in, r.asked) : p.find(p.cheapest) ? p.all[p.cheapest] : p.all.back();
+  p.adam = r.adam;
+  p.nvme = r.nvme;
+  p.nvme_write = r.nvme_write;
+  p.pcie = r.pcie;
+  if (Status s = measure_rates(r, p, report); !s.ok()) return s;
+  p.rates.adam_params_per_s = p.adam.value;
+  p.rates.nvme_read_gbps = p.nvme.value;
+  p.rates.nvme_write_gbps = p.nvme_write.value;
+  p.rates.pcie_gbps = p.pcie.value;
+  return p;
+}
+
+std::string plan_json(const Request& r, const PlanResult& p) {
+  const Model& m = r.in.model;
+  const Cluster& c = r.in.cluster;
+  Json out{{"command", "plan"},
+           {"params", m.params},
+           {"model", m.description},
+           {"shape_assumed", m.shape_assumed},
+           {"gpus_per_node", c.gpus_per_node},
+           {"nodes", c.nodes},
+           {"ranks", c.ranks()},
+           {"gpu_mem_bytes", c.gpu_mem},
+           {"host_ram_bytes", c.host_ram},
+           {"nvme_paths", c.nvme_paths},
+           {"nvme_capacity_bytes", c.nvme_capacity},
+           {"state_dtype", state_dtype_name(r.in.training.state)},
+           {"requested", r.requested}};
+  const Json shown_json = placement_json(r.in, p.shown, p.rates);
+  for (const auto& [k, v] : shown_json.items()) out[k] = v;
+  const Evaluated *cheapest = p.find(p.cheapest), *zoe_cheapest = p.find(p.zoe_cheapest);
+  out["cheapest"] = cheapest ? placement_json(r.in, *cheapest, p.rates) : Json(nullptr);
+  out["cheapest_zoe_runs"] = zoe_cheapest ? placement_json(r.in, *zoe_cheapest, p.rates) : Json(nullptr);
+  Json cands = Json::array();
+  for (const Evaluated& e : p.all) {
+    cands.push_back({{"stage", e.placement.stage}, {"offload_optimizer", offload_name(e.placement.optimizer)},
+                     {"offload_param", offload_name(e.placement.param)}, {"fits", e.verdict.fits},
+                     {"why_not", e.verdict.why}});
   }
-  std::printf("zoe plan: %s\n", m.description.c_str());
-  std::printf("cluster: %llu GPUs (%llu per node x %llu nodes), %s per GPU (%s), %s RAM per node (%s)\n",
-              static_cast<unsigned long long>(c.ranks()), static_cast<unsigned long long>(c.gpus_per_node),
-              static_cast<unsigned long long>(c.nodes), human(c.gpu_mem).c_str(), in.gpu_mem_how.c_str(),
-              human(c.host_ram).c_str(), in.host_ram_how.c_str());
+  out["candidates"] = cands;
+  out["rates"] = {{"adam_params_per_s", p.adam.value}, {"adam", p.adam.how}, {"nvme_read_gbps", p.nvme.value},
+                  {"nvme_write_gbps", p.nvme_write.value}, {"nvme", p.nvme.how}, {"pcie_gbps", p.pcie.value},
+                  {"pcie", p.pcie.how}};
+  return out.dump();
+}
+
+// The model, the cluster and the state, above the shown placement; then the rates and what the figures leave out.
+std::string summary_text(const Request& r, const PlanResult& p) {
+  const Cluster& c = r.in.cluster;
+  const Training& t = r.in.training;
+  std::string out = format("zoe plan: %s\n", r.in.model.description.c_str());
+  out += format("cluster: %llu GPUs (%llu per node x %llu nodes), %s per GPU (%s), %s RAM per node (%s)\n",
+                static_cast<unsigned long long>(c.ranks()), static_cast<unsigned long long>(c.gpus_per_node),
+                static_cast<unsigned long long>(c.nodes), human(c.gpu_mem).c_str(), r.in.gpu_mem_how.c_str(),
+                human(c.host_ram).c_str(), r.in.host_ram_how.c_str());
   for (std::size_t i = 0; i < c.nvme_paths.size(); ++i) {
-    std::printf("NVMe path %s: %s (%s)\n", c.nvme_paths[i].c_str(), human(c.nvme_capacity[i]).c_str(), in.capacity_how.c_str());
+    out += format("NVMe path %s: %s (%s)\n", c.nvme_paths[i].c_str(), human(c.nvme_capacity[i]).c_str(),
+                  r.in.capacity_how.c_str());
   }
-  std::printf("optimizer state: fp32 master + %s moments (%.2f bytes per parameter)\n", state_dtype_name(t.state).data(),
-              4 + moment_bytes(1 << 20, t.state) / double(1 << 20));
-  print_placement(in, shown, rates,
-                  requested ? "requested" : cheapest != all.end() ? "cheapest placement that fits" : "nothing fits; the most offloaded");
-  if (adam.value > 0) std::printf("  CPU Adam: %.2f billion parameters/s per node (%s)\n", adam.value / 1e9, adam.how.c_str());
-  if (nvme.value > 0) {
-    std::printf("  NVMe: %.2f GB/s read, %.2f GB/s write per path (%s)\n", nvme.value, nvme_write.value, nvme.how.c_str());
+  out += format("optimizer state: fp32 master + %s moments (%.2f bytes per parameter)\n",
+                state_dtype_name(t.state).data(), 4 + moment_bytes(1 << 20, t.state) / double(1 << 20));
+  out += placement_text(r.in, p.shown, p.rates,
+                        r.requested            ? "requested"
+                        : p.find(p.cheapest) ? "cheapest placement that fits"
+                                               : "nothing fits; the most offloaded");
+  if (p.adam.value > 0) {
+    out += format("  CPU Adam: %.2f billion parameters/s per node (%s)\n", p.adam.value / 1e9, p.adam.how.c_str());
   }
-  std::printf("  PCIe: %.3g GB/s per GPU (%s)\n", pcie.value, pcie.how.c_str());
-  if (m.shape_assumed) {
-    std::printf("  the fetch window (buffers per GPU) uses the assumed shape's largest tensor: --model gives the real one\n");
+  if (p.nvme.value > 0) {
+    out += format("  NVMe: %.2f GB/s read, %.2f GB/s write per path (%s)\n", p.nvme.value, p.nvme_write.value,
+                  p.nvme.how.c_str());
+  }
+  out += format("  PCIe: %.3g GB/s per GPU (%s)\n", p.pcie.value, p.pcie.how.c_str());
+  if (r.in.model.shape_assumed) {
+    out += "  the fetch window (buffers per GPU) uses the assumed shape's largest tensor: --model gives the real one\n";
   }
   if (t.micro_batch == 0 || t.seq_len == 0) {
-    std::printf("  activations are not included: --micro-batch and --seq-len give an estimate\n");
-  } else {
-    std::printf("  activations are an estimate (Korthikanti et al., 2022: s b h (34 + 5 a s / h) bytes a layer%s)\n",
-                t.activation_checkpointing ? "; checkpointed: each layer's input and one layer's" : "");
+    return out + "  activations are not included: --micro-batch and --seq-len give an estimate\n";
   }
-  if (requested && cheapest != all.end()) {
-    std::printf("\ncheapest placement that fits: %s\n", placement_name(cheapest->placement).c_str());
+  return out + format("  activations are an estimate (Korthikanti et al., 2022: s b h (34 + 5 a s / h) bytes a layer%s)\n",
+                      t.activation_checkpointing ? "; checkpointed: each layer's input and one layer's" : "");
+}
+
+// The cheapest placements, every candidate with its verdict, and the shown placement's config.
+std::string placements_text(const Request& r, const PlanResult& p) {
+  const Evaluated *cheapest = p.find(p.cheapest), *zoe_cheapest = p.find(p.zoe_cheapest);
+  std::string out;
+  if (r.requested && cheapest) out += format("\ncheapest placement that fits: %s\n", placement_name(cheapest->placement).c_str());
+  if (zoe_cheapest && zoe_cheapest != cheapest) {
+    out += format("cheapest placement that fits and zoe runs: %s (optimizer step estimate %.3f s)\n",
+                  placement_name(zoe_cheapest->placement).c_str(),
+                  estimate_step(r.in.model, r.in.cluster, zoe_cheapest->placement, r.in.training, p.rates).total_s);
   }
-  if (zoe_cheapest != all.end() && zoe_cheapest != cheapest) {
-    std::printf("cheapest placement that fits and zoe runs: %s (optimizer step estimate %.3f s)\n",
-                placement_name(zoe_cheapest->placement).c_str(),
-                estimate_step(m, c, zoe_cheapest->placement, t, rates).total_s);
+  out += "\nplacements, least offload first:\n";
+  for (const Evaluated& e : p.all) {
+    out += format("  %-40s %s%s\n", placement_name(e.placement).c_str(), e.verdict.fits ? "fits" : e.verdict.why.c_str(),
+                  &e == cheapest ? "   <- cheapest" : "");
   }
-  std::printf("\nplacements, least offload first:\n");
-  for (const Evaluated& e : all) {
-    std::printf("  %-40s %s%s\n", placement_name(e.placement).c_str(), e.verdict.fits ? "fits" : e.verdict.why.c_str(),
-                cheapest != all.end() && &e == &*cheapest ? "   <- cheapest" : "");
-  }
-  if (cheapest == all.end()) std::printf("  nothing fits: more GPUs or nodes, more host RAM, or NVMe paths (--nvme)\n");
-  const std::string config = deepspeed_config(shown.placement, c, t);
-  std::printf("\nconfig (%s):\n%s\n", placement_name(shown.placement).c_str(), config.c_str());
+  if (!cheapest) out += "  nothing fits: more GPUs or nodes, more host RAM, or NVMe paths (--nvme)\n";
+  const std::string config = deepspeed_config(p.shown.placement, r.in.cluster, r.in.training);
+  out += format("\nconfig (%s):\n%s\n", placement_name(p.shown.placement).c_str(), config.c_str());
   const std::vector<std::string> notes = reader_notes(config);
-  std::printf("zoe's config reader: %s\n", notes.empty() ? "loads it without notes" : "loads it with these notes:");
-  for (const std::string& n : notes) std::printf("  %s\n", n.c_str());
+  out += format("zoe's config reader: %s\n", notes.empty() ? "loads it without notes" : "loads it with these notes:");
+  for (const std::string& n : notes) out += format("  %s\n", n.c_str());
+  return out;
+}
+
+}  // namespace
+
+int plan(std::span<char* const> args) {
+  constexpr std::string_view kCommand = "zoe plan";
+  Texts text;
+  const auto options = options_of(text);
+  const std::vector<char*> rest = split_nvme(args, text);
+  if (Status s = parse_options(rest, options); !s.ok()) return fail_message(kCommand, s);
+  if (text.help) {
+    print_help(kUsage, options, "  --nvme PATH...           NVMe folders for swap files\n");
+    return 0;
+  }
+  Result<Request> r = request(text);
+  if (!r.ok()) return fail_message(kCommand, r.status());
+  Report report(kCommand, text.json);
+  Result<PlanResult> p = run(*r, report);
+  if (!p.ok()) return fail_message(kCommand, p.status());
+  report.result(plan_json(*r, *p), summary_text(*r, *p) + placements_text(*r, *p));
   return 0;
 }
 

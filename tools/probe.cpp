@@ -17,6 +17,7 @@
 #include "tools/args.h"
 #include "tools/commands.h"
 #include "tools/probe.h"
+#include "tools/report.h"
 
 namespace zoe::cli {
 namespace {
@@ -146,42 +147,43 @@ std::string stores_json(const std::vector<aio::FoundStore>& stores) {
   return out + "]";
 }
 
-void print_stores(const std::vector<aio::FoundStore>& stores) {
-  if (stores.empty()) std::printf("  swap stores     none\n");
+std::string stores_text(const std::vector<aio::FoundStore>& stores) {
+  std::string out;
+  if (stores.empty()) out += "  swap stores     none\n";
   for (const aio::FoundStore& s : stores) {
-    std::printf("  swap store      %s: %s in %zu files, %s\n", s.name.c_str(), aio::format_bytes(s.bytes).c_str(),
-                s.files.size(), s.who.c_str());
-    if (s.state != aio::StoreState::in_use) std::printf("                  remove: %s\n", aio::remove_command(s).c_str());
+    out += format("  swap store      %s: %s in %zu files, %s\n", s.name.c_str(), aio::format_bytes(s.bytes).c_str(),
+                  s.files.size(), s.who.c_str());
+    if (s.state != aio::StoreState::in_use) out += format("                  remove: %s\n", aio::remove_command(s).c_str());
   }
+  return out;
 }
 
-void print_json(const Probe& p) {
+std::string probe_text(const Probe& p, std::size_t measured_bytes) {
+  std::string out = p.path + "\n" + format("  filesystem      %s\n", p.fs_type.c_str());
+  if (p.usable) {
+    out += format("  O_DIRECT        %s\n", p.direct ? "yes" : "no (buffered fallback)");
+    if (p.logical_block == 0) {
+      out += "  logical block   unknown (no block device under it; zoe assumes 4096)\n";
+    } else {
+      out += format("  logical block   %u bytes%s\n", p.logical_block,
+                    p.dio_align ? (" (O_DIRECT alignment " + std::to_string(p.dio_align) + ")").c_str() : "");
+    }
+    out += format("  free            %.1f GiB\n", static_cast<double>(p.free_bytes) / (1ull << 30));
+    out += format("  bandwidth       write %.2f GB/s, read %.2f GB/s (%.0f MiB, 1 MiB requests, queue depth 8)\n",
+                  p.write_gbps, p.read_gbps, static_cast<double>(measured_bytes) / (1 << 20));
+  }
+  if (p.usable || !p.stores.empty()) out += stores_text(p.stores);  // a path that failed early was not looked into
+  return out + format("  verdict         %s\n", p.verdict.c_str());
+}
+
+void report_probe(Report& report, const Probe& p, std::size_t measured_bytes) {
   JsonLine line;
   line.add("path", p.path).add("fs", p.fs_type).add("direct_io", p.direct)
       .add("logical_block", static_cast<std::uint64_t>(p.logical_block))
       .add("dio_alignment", static_cast<std::uint64_t>(p.dio_align)).add("free_bytes", p.free_bytes)
       .add("write_gbps", p.write_gbps).add("read_gbps", p.read_gbps).add("usable", p.usable)
       .add_json("swap_stores", stores_json(p.stores)).add("verdict", p.verdict);
-  std::printf("%s\n", line.str().c_str());
-}
-
-void print_text(const Probe& p, std::size_t measured_bytes) {
-  std::printf("%s\n", p.path.c_str());
-  std::printf("  filesystem      %s\n", p.fs_type.c_str());
-  if (p.usable) {
-    std::printf("  O_DIRECT        %s\n", p.direct ? "yes" : "no (buffered fallback)");
-    if (p.logical_block == 0) {
-      std::printf("  logical block   unknown (no block device under it; zoe assumes 4096)\n");
-    } else {
-      std::printf("  logical block   %u bytes%s\n", p.logical_block,
-                  p.dio_align ? (" (O_DIRECT alignment " + std::to_string(p.dio_align) + ")").c_str() : "");
-    }
-    std::printf("  free            %.1f GiB\n", static_cast<double>(p.free_bytes) / (1ull << 30));
-    std::printf("  bandwidth       write %.2f GB/s, read %.2f GB/s (%.0f MiB, 1 MiB requests, queue depth 8)\n",
-                p.write_gbps, p.read_gbps, static_cast<double>(measured_bytes) / (1 << 20));
-  }
-  if (p.usable || !p.stores.empty()) print_stores(p.stores);  // a path that failed early was not looked into
-  std::printf("  verdict         %s\n", p.verdict.c_str());
+  report.result(line, probe_text(p, measured_bytes));
 }
 
 }  // namespace
@@ -212,30 +214,26 @@ int probe(std::span<char* const> args) {
       {"json", nullptr, &json, "one JSON object per path on stdout, nothing else"},
       {"help", nullptr, &help, "this help"},
   };
-  if (Status s = parse_options(option_args, options); !s.ok()) {
-    std::fprintf(stderr, "zoe probe: %s\n", s.message().c_str());
-    return 2;
-  }
+  constexpr std::string_view kCommand = "zoe probe";
+  if (Status s = parse_options(option_args, options); !s.ok()) return fail_message(kCommand, s);
   if (help || paths.empty()) {
-    std::printf("usage: zoe probe PATH... [options]\n\n%s", options_help(options).c_str());
-    std::printf("\nExit status 1 if any path is unusable for swap files. Swap stores left there by runs that are not\n"
-                "running are listed with the command that removes them; they make a warning, not an unusable path.\n");
+    print_help("usage: zoe probe PATH... [options]\n\n", options,
+               "\nExit status 1 if any path is unusable for swap files. Swap stores left there by runs that are not\n"
+               "running are listed with the command that removes them; they make a warning, not an unusable path.\n");
     return help ? 0 : 2;
   }
   Result<std::uint64_t> bytes = parse_count(bytes_text, "--bytes");
   if (!bytes.ok() || bytes.value() == 0) {
-    std::fprintf(stderr, "zoe probe: --bytes %s is not a positive count\n", bytes_text.c_str());
-    return 2;
+    return fail_message(kCommand, invalid_argument("--bytes " + bytes_text + " is not a positive count"));
   }
   const std::size_t rounded = (bytes.value() + (1 << 20) - 1) / (1 << 20) * (1 << 20);
+  Report report(kCommand, json);
   int status = 0;
   for (const std::string& path : paths) {
     Probe p = probe_one(path, rounded);
     if (!p.usable) status = 1;
     warn_about_stores(p);
-    if (json) print_json(p);
-    else print_text(p, rounded);
-    std::fflush(stdout);
+    report_probe(report, p, rounded);
   }
   return status;
 }

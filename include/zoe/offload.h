@@ -7,7 +7,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "zoe/adam.h"
@@ -133,6 +135,22 @@ struct OffloadOptions {
   std::size_t tile = 1 << 20;          // elements per unit of pipelined work. DeepSpeed's sub_group_size is larger
   CpuAdamOptions cpu;
 };
+
+// OffloadOptions field by field, by the one flat name each has outside C++ (the Python binding's
+// EngineOptions, the "options" of a parsed DeepSpeed config): the binding and the config's dictionary are
+// loops over this table, so a new option is added to the struct above and to the table
+// (src/offload/options.cpp), nowhere else. Values travel as one of five kinds; a choice (tier, schedule, ...)
+// travels as its name.
+using OptionValue = std::variant<bool, std::int64_t, double, std::string, std::vector<std::string>>;
+struct OptionField {
+  std::string_view name;
+  OptionValue (*get)(const OffloadOptions&);
+  // A value of get()'s kind. One the field cannot hold (out of range, an unknown name, a scale that is not
+  // finite and > 0) is invalid_argument starting with the field's name, and the options stay as they were.
+  Status set(OffloadOptions& options, const OptionValue& value) const { return assign(options, value, name); }
+  Status (*assign)(OffloadOptions&, const OptionValue&, std::string_view name);
+};
+std::span<const OptionField> option_fields();
 
 // A param group: parameters sharing hyper-parameters (as in torch.optim).
 struct ParamGroup {

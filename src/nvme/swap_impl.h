@@ -1,5 +1,6 @@
-// The swap store's private state, shared by swap_store.cpp (files, manifest, tile table, read/write) and
-// swap_step.cpp (the tile pipeline and the Adam step).
+// The swap store's private state, shared by swap_store.cpp (files, manifest), swap_table.cpp (the tile
+// table's file), swap_pipeline.cpp (the tile pipeline) and swap_step.cpp (the Adam step, read/write and the
+// other calls built on the pipeline).
 #pragma once
 
 #include <cstddef>

@@ -1,11 +1,11 @@
-// The swap store's tile pipeline and the calls built on it: initialize, step, read, write, the raw I/O pass.
+// The swap store's calls built on the tile pipeline (swap_pipeline.cpp): initialize, step, read, write, the
+// raw I/O pass.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <limits>
 
-#include "base/crc32c.h"
 #include "src/nvme/swap_impl.h"
 
 namespace zoe {
@@ -14,12 +14,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-std::string hex32(std::uint32_t v) {
-  char b[16];
-  std::snprintf(b, sizeof b, "0x%08x", v);
-  return b;
-}
 
 Status check_range(std::size_t offset, std::size_t count, std::size_t n, const char* what) {
   if (offset > n || count > n - offset) {
@@ -45,269 +39,6 @@ bool all_finite(const void* grad, DType dtype, std::size_t n) {
   std::uint32_t bad = 0;
   for (std::size_t i = 0; i < n; ++i) bad |= static_cast<std::uint32_t>((g[i] & mask) == mask);
   return bad == 0;
-}
-
-// The CRC-32C of a tile's p, m and v (count elements each, in their own sizes; i8: each moment's codes then
-// its block scales).
-void SwapStore::Impl::checksum(const TileArrays& a, std::size_t count, std::uint32_t out[3]) const {
-  if (moment_bytes == 4) {
-    crc32c_x3(a.p, a.m, a.v, count * 4, out);  // three interleaved streams of one length
-    return;
-  }
-  out[0] = crc32c(a.p, count * 4);
-  out[1] = crc32c(a.m, count * moment_bytes);
-  out[2] = crc32c(a.v, count * moment_bytes);
-  if (scale_count > 0) {
-    const std::size_t scales = moment_blocks(count) * 4;
-    out[1] = crc32c(a.m_scale, scales, out[1]);
-    out[2] = crc32c(a.v_scale, scales, out[2]);
-  }
-}
-
-void SwapStore::Impl::zero_padding(const TileArrays& a, std::size_t count) const {
-  if (count == tile) return;
-  std::memset(a.p + count, 0, (tile - count) * 4);
-  for (unsigned char* x : {a.m, a.v}) std::memset(x + count * moment_bytes, 0, (tile - count) * moment_bytes);
-  if (scale_count == 0) return;
-  const std::size_t used = moment_blocks(count);
-  for (float* x : {a.m_scale, a.v_scale}) std::memset(x + used, 0, (scale_count - used) * 4);
-}
-
-Status SwapStore::Impl::verify_tile(std::size_t t, const TileArrays& a, std::size_t count) {
-  const TileEntry& entry = table[t];
-  const auto t0 = Clock::now();
-  std::uint32_t got[3];
-  checksum(a, count, got);
-  stats.crc_s += since(t0);
-  for (int k = 0; k < 3; ++k) {
-    if (got[k] != entry.crc[k]) {
-      static const char* kArray[3] = {"p", "m", "v"};
-      return Status(StatusCode::corrupt,
-                    tile_name(t) + ", slot " + std::to_string(entry.slot) + " at offset " +
-                        std::to_string(file_offset(t, entry.slot)) + ", fails its checksum (" + kArray[k] + ": stored " +
-                        hex32(entry.crc[k]) + ", read " + hex32(got[k]) + "): the swap file was altered after step " +
-                        std::to_string(entry.step) + " was written; the store refuses it -- restore from a checkpoint");
-    }
-  }
-  return Status::success();
-}
-
-// Every tile in its own buffer (keeps_resident()): a task reads its tile only when the buffer does not hold
-// it, so no read waits for a write and a step of a resident store moves no bytes in. With durability
-// next_call / on_flush the writes are left in flight: the tile's entry names the new slot at once (the
-// state is in RAM), and settle() waits for them — and rewrites any that failed — before the next call
-// touches a buffer or a slot.
-Status SwapStore::Impl::run_resident_tiles(std::span<const TileTask> tasks, const TileCompute& compute) {
-  // streaming_call() has settled the last call: no write is in flight from any buffer.
-  const bool behind = options.durability != SwapDurability::each_call;
-  const std::size_t T = tasks.size();
-  Status failure;
-  auto note = [&failure](Status s) {
-    if (failure.ok() && !s.ok()) failure = std::move(s);
-  };
-  std::vector<aio::IoEngine::Ticket> reads(T, 0);
-  for (std::size_t j = 0; j < T && failure.ok(); ++j) {
-    const std::size_t t = tasks[j].tile;
-    if (!tasks[j].read || resident[t]) continue;
-    Result<aio::IoEngine::Ticket> r =
-        engine->submit(IoOp::read, file_of(t).engine_file, file_offset(t, table[t].slot), buffers[t].data(), slot_bytes);
-    if (r.ok()) reads[j] = r.value();
-    note(r.status());
-  }
-  // Each tile verified (if read) and computed; resident[t] drops while its buffer is ahead of its entry.
-  std::size_t computed = 0;
-  for (; computed < T && failure.ok(); ++computed) {
-    const TileTask& task = tasks[computed];
-    const std::size_t t = task.tile, count = tile_count(t);
-    const TileArrays a = arrays(t);
-    if (reads[computed] != 0) {
-      const auto t0 = Clock::now();
-      Status s = engine->wait(reads[computed]);
-      stats.wait_s += since(t0);
-      reads[computed] = 0;
-      if (!s.ok()) {
-        note(Status(s.code(), "reading " + tile_name(t) + ": " + s.message(), s.sys_errno()));
-        break;
-      }
-      if (Status bad = verify_tile(t, a, count); !bad.ok()) {
-        note(std::move(bad));
-        break;
-      }
-    } else if (task.read) {
-      ++stats.tiles_resident;
-    }
-    resident[t] = 0;
-    if (Status s = compute(task, a, count); !s.ok()) {
-      note(std::move(s));
-      break;
-    }
-    if (!task.write) resident[t] = 1;
-    if (task.write) zero_padding(a, count);
-  }
-  for (aio::IoEngine::Ticket r : reads) {
-    if (r != 0) (void)engine->wait(r);
-  }
-  if (!failure.ok()) return failure;  // tiles computed but not written are read again by a retry
-  // The new entries. Writes left in flight get their checksums in the background task (launch_background);
-  // writes this call waits for get them now, one tile per thread at a time.
-  std::vector<TileEntry> next(T);
-  for (std::size_t j = 0; j < T; ++j) next[j] = {tasks[j].new_step, 1 - table[tasks[j].tile].slot, {0, 0, 0}};
-  if (!behind) {
-    const auto t0 = Clock::now();
-    adam->parallel_for(T, [&](std::size_t j) {
-      if (!tasks[j].write) return;
-      checksum(arrays(tasks[j].tile), tile_count(tasks[j].tile), next[j].crc);
-    });
-    stats.crc_s += since(t0);
-  }
-  std::vector<aio::IoEngine::Ticket> writes(T, 0);  // durability each_call: waited before the call returns
-  for (std::size_t j = 0; j < T && failure.ok(); ++j) {
-    if (!tasks[j].write) continue;
-    const std::size_t t = tasks[j].tile;
-    Result<aio::IoEngine::Ticket> w =
-        engine->submit(IoOp::write, file_of(t).engine_file, file_offset(t, next[j].slot), buffers[t].data(), slot_bytes);
-    if (!w.ok()) {
-      note(w.status());
-      break;
-    }
-    if (behind) {
-      table[t] = next[j];
-      resident[t] = 1;
-      pending_writes.push_back({t, w.value(), false, Status::success()});
-    } else {
-      writes[j] = w.value();
-    }
-  }
-  for (std::size_t j = 0; j < T; ++j) {
-    if (writes[j] == 0) continue;
-    const std::size_t t = tasks[j].tile;
-    const auto w0 = Clock::now();
-    Status s = engine->wait(writes[j]);
-    stats.wait_s += since(w0);
-    if (!s.ok()) {  // the buffer is ahead of the valid copy, which a retry reads again
-      note(Status(s.code(), "writing " + tile_name(t) + ": " + s.message() + "; its previous copy stays the valid one",
-                  s.sys_errno()));
-      continue;
-    }
-    table[t] = next[j];
-    resident[t] = 1;
-  }
-  return failure;
-}
-
-// Buffer b holds tile task j for j % K == b. With K buffers the compute works on tile j while the reads of
-// tiles j+1 .. j+K-2 and the write of tile j-1 are in flight; the read of tile j+K-1 reuses tile j-1's
-// buffer, so it is issued only once that write completed. A tile's table entry flips only when its write
-// completed; after a failure nothing new is issued, and writes already in flight that complete still flip
-// (their tiles are then validly at the new step).
-Status SwapStore::Impl::run_tiles(std::span<const TileTask> tasks, const TileCompute& compute) {
-  if (keeps_resident()) return run_resident_tiles(tasks, compute);
-  const std::size_t K = buffers.size(), T = tasks.size();
-  struct BufferState {
-    aio::IoEngine::Ticket read = 0, write = 0;
-    std::size_t task = 0;
-    TileEntry next;
-  };
-  std::vector<BufferState> state(K);
-  Status failure;
-  auto note = [&failure](Status s) {
-    if (failure.ok() && !s.ok()) failure = std::move(s);
-  };
-  auto wait_timed = [&](aio::IoEngine::Ticket t) {
-    const auto t0 = Clock::now();
-    Status s = engine->wait(t);
-    stats.wait_s += since(t0);
-    return s;
-  };
-  auto issue_read = [&](std::size_t j) -> Status {
-    BufferState& b = state[j % K];
-    b = BufferState{};
-    b.task = j;
-    const TileTask& task = tasks[j];
-    if (!task.read) return Status::success();
-    Result<aio::IoEngine::Ticket> r = engine->submit(IoOp::read, file_of(task.tile).engine_file,
-                                                     file_offset(task.tile, table[task.tile].slot), buffers[j % K].data(),
-                                                     slot_bytes);
-    if (!r.ok()) return r.status();
-    b.read = r.value();
-    return Status::success();
-  };
-  auto finish_write = [&](BufferState& b) -> Status {
-    if (b.write == 0) return Status::success();
-    Status s = wait_timed(b.write);
-    b.write = 0;
-    const std::size_t t = tasks[b.task].tile;
-    if (!s.ok()) {
-      return Status(s.code(), "writing " + tile_name(t) + ": " + s.message() + "; its previous copy stays the valid one",
-                    s.sys_errno());
-    }
-    table[t] = b.next;
-    return Status::success();
-  };
-
-  bool settled = false;
-  const std::size_t ahead = std::min(K - 1, T);
-  for (std::size_t j = 0; j < ahead && failure.ok(); ++j) note(issue_read(j));
-  for (std::size_t j = 0; j < T && failure.ok(); ++j) {
-    BufferState& b = state[j % K];
-    const TileTask& task = tasks[j];
-    const TileEntry& entry = table[task.tile];
-    const TileArrays a = arrays(j % K);
-    const std::size_t count = tile_count(task.tile);
-    if (task.read) {
-      Status s = wait_timed(b.read);
-      b.read = 0;
-      if (!s.ok()) {
-        note(Status(s.code(), "reading " + tile_name(task.tile) + ": " + s.message(), s.sys_errno()));
-        break;
-      }
-      if (Status bad = verify_tile(task.tile, a, count); !bad.ok()) {
-        note(std::move(bad));
-        break;
-      }
-    }
-    if (Status s = compute(task, a, count); !s.ok()) {
-      note(std::move(s));
-      break;
-    }
-    if (task.write) {
-      // The last call's slots must be durable before this call rewrites any (next_call: its background
-      // sync has overlapped the reads issued so far).
-      if (!settled) {
-        settled = true;
-        if (Status st = settle(); !st.ok()) {
-          note(std::move(st));
-          break;
-        }
-      }
-      zero_padding(a, count);
-      const auto t0 = Clock::now();
-      b.next.step = task.new_step;
-      b.next.slot = 1 - entry.slot;
-      checksum(a, count, b.next.crc);
-      stats.crc_s += since(t0);
-      Result<aio::IoEngine::Ticket> w = engine->submit(IoOp::write, file_of(task.tile).engine_file,
-                                                       file_offset(task.tile, b.next.slot), a.p, slot_bytes);
-      if (!w.ok()) {
-        note(w.status());
-        break;
-      }
-      b.write = w.value();
-    }
-    if (const std::size_t r = j + K - 1; r < T) {
-      note(finish_write(state[r % K]));
-      if (!failure.ok()) break;
-      note(issue_read(r));
-    }
-  }
-  // Drain: reads in flight are dropped; every write that completes is valid and flips its tile.
-  for (BufferState& b : state) {
-    note(finish_write(b));
-    if (b.read != 0) (void)engine->wait(b.read);
-    b.read = 0;
-  }
-  (void)engine->wait_all();
-  return failure;
 }
 
 namespace {
@@ -415,24 +146,32 @@ void copy_out(const float* p, void* out, DType dtype, std::size_t count) {
 
 }  // namespace
 
-Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions& options) {
-  Impl& im = *impl_;
-  if (options.step < 1) return invalid_argument("step = " + std::to_string(options.step) + ": steps count from 1");
-  if (Status s = check_segments(segments, im.n, im.scale_count > 0); !s.ok()) return s;
-  if (options.check_finite) {
-    for (std::size_t i = 0; i < segments.size(); ++i) {
-      const SwapSegment& s = segments[i];
-      if (s.n > 0 && !all_finite(s.grad, s.grad_dtype, s.n)) {
-        return Status(StatusCode::non_finite, "segment " + std::to_string(i) + " (elements [" + std::to_string(s.offset) +
-                                                  ", " + std::to_string(s.offset + s.n) +
-                                                  ")) has a NaN or Inf gradient; nothing was changed");
-      }
+namespace {
+
+Status check_finite_grads(std::span<const SwapSegment> segments) {
+  for (std::size_t i = 0; i < segments.size(); ++i) {
+    const SwapSegment& s = segments[i];
+    if (s.n > 0 && !all_finite(s.grad, s.grad_dtype, s.n)) {
+      return Status(StatusCode::non_finite, "segment " + std::to_string(i) + " (elements [" + std::to_string(s.offset) +
+                                                ", " + std::to_string(s.offset + s.n) +
+                                                ")) has a NaN or Inf gradient; nothing was changed");
     }
   }
-  // Tiles touched, in order, each with the first segment touching it.
+  return Status::success();
+}
+
+// The tiles a step touches, in order, each with the first segment touching it; `skipped` counts the tiles
+// already at the step (a retry), which are read only where a segment wants its copy-out refilled.
+struct StepPlan {
   std::vector<TileTask> tasks;
   std::vector<std::size_t> first_segment;
   std::size_t skipped = 0;
+};
+
+Status plan_step(const SwapStore::Impl& im, std::span<const SwapSegment> segments, std::int64_t step,
+                 StepPlan& plan) {
+  std::vector<TileTask>& tasks = plan.tasks;
+  std::vector<std::size_t>& first_segment = plan.first_segment;
   auto needs_out = [&](std::size_t t, std::size_t si) {
     for (; si < segments.size() && segments[si].offset < im.tile_begin(t) + im.tile_count(t); ++si) {
       if (segments[si].n > 0 && segments[si].out != nullptr && segments[si].offset + segments[si].n > im.tile_begin(t)) return true;
@@ -446,93 +185,137 @@ Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions&
       if (!first_segment.empty() && tasks.back().tile == t) continue;
       const std::int64_t at = im.table[t].step;
       if (at < 0) return invalid_argument(im.unwritten(t));
-      if (at > options.step) {
+      if (at > step) {
         return invalid_argument(im.tile_name(t) + " is at step " + std::to_string(at) + ", past step " +
-                                std::to_string(options.step) + ": steps must not go backwards (set_step() after a load)");
+                                std::to_string(step) + ": steps must not go backwards (set_step() after a load)");
       }
-      const bool retry = at == options.step;
-      if (retry) ++skipped;
+      const bool retry = at == step;
+      if (retry) ++plan.skipped;
       if (retry && !needs_out(t, si)) {
         first_segment.push_back(si);
         tasks.push_back({t, false, false, at});  // placeholder so later segments see the tile; removed below
         continue;
       }
-      tasks.push_back({t, true, !retry, options.step});
+      tasks.push_back({t, true, !retry, step});
       first_segment.push_back(si);
     }
   }
-  {
-    std::size_t w = 0;
-    for (std::size_t i = 0; i < tasks.size(); ++i) {
-      if (!tasks[i].read && !tasks[i].write) continue;
-      tasks[w] = tasks[i];
-      first_segment[w++] = first_segment[i];
-    }
-    tasks.resize(w);
-    first_segment.resize(w);
+  std::size_t w = 0;
+  for (std::size_t i = 0; i < tasks.size(); ++i) {
+    if (!tasks[i].read && !tasks[i].write) continue;
+    tasks[w] = tasks[i];
+    first_segment[w++] = first_segment[i];
   }
-  StepOptions adam_options = options;
-  adam_options.check_finite = false;  // checked above, over all segments, before anything changed
+  tasks.resize(w);
+  first_segment.resize(w);
+  return Status::success();
+}
+
+// The step's compute stage: Adam over the segments' parts in one tile.
+class TileStepper {
+ public:
+  TileStepper(const SwapStore::Impl& im, std::span<const SwapSegment> segments, const StepPlan& plan,
+              const StepOptions& options)
+      : im_(im), segments_(segments), plan_(plan), options_(options), adam_options_(options) {
+    adam_options_.check_finite = false;  // checked above, over all segments, before anything changed
+  }
+
+  Status operator()(const TileTask& task, const TileArrays& a, std::size_t count) {
+    const auto t0 = Clock::now();
+    gather(task, a, count);
+    Status r;
+    for (const Call& g : groups_) {
+      if (g.tensors.empty() || !r.ok()) continue;
+      StepOptions o = adam_options_;
+      o.step = g.step;
+      r = im_.adam->step(*g.hyper, o, g.tensors);
+    }
+    adam_s_ += since(t0);
+    if (!r.ok()) return Status(r.code(), "Adam on " + im_.tile_name(task.tile) + ": " + r.message(), r.sys_errno());
+    return r;
+  }
+
+  double adam_s() const { return adam_s_; }
+
+ private:
   struct Call {
     const AdamHyper* hyper;
     std::int64_t step;
     std::vector<AdamTensor> tensors;
   };
-  std::vector<Call> groups;
-  double adam_s = 0;
+
+  // One Adam call per set of hyper-parameters in the tile (param groups often alternate, e.g. weights
+  // with weight decay and norms without): each call is a parallel pass with its own start-up cost.
+  void gather(const TileTask& task, const TileArrays& a, std::size_t count) {
+    const std::size_t begin = im_.tile_begin(task.tile), end = begin + count;
+    const std::size_t index = static_cast<std::size_t>(&task - plan_.tasks.data());
+    for (Call& g : groups_) g.tensors.clear();
+    for (std::size_t si = plan_.first_segment[index]; si < segments_.size() && segments_[si].offset < end; ++si) {
+      const SwapSegment& seg = segments_[si];
+      const std::size_t lo = std::max(begin, seg.offset), hi = std::min(end, seg.offset + seg.n);
+      if (seg.n == 0 || lo >= hi) continue;
+      const std::size_t at = lo - begin, from = lo - seg.offset;
+      void* out = seg.out == nullptr ? nullptr : static_cast<char*>(seg.out) + from * 2;
+      if (!task.write) {  // a retried tile: already stepped, only its copy-out is refilled
+        if (out != nullptr) copy_out(a.p + at, out, seg.out_dtype, hi - lo);
+        continue;
+      }
+      const std::int64_t step = seg.step > 0 ? seg.step : options_.step;
+      auto group = std::find_if(groups_.begin(), groups_.end(),
+                                [&](const Call& g) { return g.hyper == seg.hyper && g.step == step; });
+      if (group == groups_.end()) group = groups_.insert(groups_.end(), Call{seg.hyper, step, {}});
+      group->tensors.push_back(tensor(a, at, seg, from, out, hi - lo));
+    }
+  }
+
+  AdamTensor tensor(const TileArrays& a, std::size_t at, const SwapSegment& seg, std::size_t from, void* out,
+                    std::size_t n) const {
+    AdamTensor t;
+    t.param = a.p + at;
+    t.exp_avg = a.m + at * im_.moment_bytes;
+    t.exp_avg_sq = a.v + at * im_.moment_bytes;
+    t.state_dtype = im_.options.state_dtype;
+    if (a.m_scale != nullptr) {  // i8: `at` is a block boundary (check_segments, tile % kMomentBlock == 0)
+      t.exp_avg_scale = a.m_scale + at / kMomentBlock;
+      t.exp_avg_sq_scale = a.v_scale + at / kMomentBlock;
+    }
+    t.grad = static_cast<const char*>(seg.grad) + from * dtype_size(seg.grad_dtype);
+    t.grad_dtype = seg.grad_dtype;
+    t.out = out;
+    t.out_dtype = seg.out_dtype;
+    t.n = n;
+    return t;
+  }
+
+  const SwapStore::Impl& im_;
+  std::span<const SwapSegment> segments_;
+  const StepPlan& plan_;
+  const StepOptions& options_;
+  StepOptions adam_options_;
+  std::vector<Call> groups_;
+  double adam_s_ = 0;
+};
+
+}  // namespace
+
+Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions& options) {
+  Impl& im = *impl_;
+  if (options.step < 1) return invalid_argument("step = " + std::to_string(options.step) + ": steps count from 1");
+  if (Status s = check_segments(segments, im.n, im.scale_count > 0); !s.ok()) return s;
+  if (options.check_finite) {
+    if (Status s = check_finite_grads(segments); !s.ok()) return s;
+  }
+  StepPlan plan;
+  if (Status s = plan_step(im, segments, options.step, plan); !s.ok()) return s;
+  TileStepper stepper(im, segments, plan, options);
   Status s = streaming_call(im, true, [&] {
-    return im.run_tiles(tasks, [&](const TileTask& task, const TileArrays& a, std::size_t count) -> Status {
-      const auto t0 = Clock::now();
-      const std::size_t begin = im.tile_begin(task.tile), end = begin + count;
-      const std::size_t index = static_cast<std::size_t>(&task - tasks.data());
-      // One Adam call per set of hyper-parameters in the tile (param groups often alternate, e.g. weights
-      // with weight decay and norms without): each call is a parallel pass with its own start-up cost.
-      for (Call& g : groups) g.tensors.clear();
-      for (std::size_t si = first_segment[index]; si < segments.size() && segments[si].offset < end; ++si) {
-        const SwapSegment& seg = segments[si];
-        const std::size_t lo = std::max(begin, seg.offset), hi = std::min(end, seg.offset + seg.n);
-        if (seg.n == 0 || lo >= hi) continue;
-        const std::size_t at = lo - begin, from = lo - seg.offset;
-        void* out = seg.out == nullptr ? nullptr : static_cast<char*>(seg.out) + from * 2;
-        if (!task.write) {  // a retried tile: already stepped, only its copy-out is refilled
-          if (out != nullptr) copy_out(a.p + at, out, seg.out_dtype, hi - lo);
-          continue;
-        }
-        const std::int64_t step = seg.step > 0 ? seg.step : options.step;
-        auto group = std::find_if(groups.begin(), groups.end(),
-                                  [&](const Call& g) { return g.hyper == seg.hyper && g.step == step; });
-        if (group == groups.end()) group = groups.insert(groups.end(), Call{seg.hyper, step, {}});
-        AdamTensor t;
-        t.param = a.p + at;
-        t.exp_avg = a.m + at * im.moment_bytes;
-        t.exp_avg_sq = a.v + at * im.moment_bytes;
-        t.state_dtype = im.options.state_dtype;
-        if (a.m_scale != nullptr) {  // i8: `at` is a block boundary (check_segments, tile % kMomentBlock == 0)
-          t.exp_avg_scale = a.m_scale + at / kMomentBlock;
-          t.exp_avg_sq_scale = a.v_scale + at / kMomentBlock;
-        }
-        t.grad = static_cast<const char*>(seg.grad) + from * dtype_size(seg.grad_dtype);
-        t.grad_dtype = seg.grad_dtype;
-        t.out = out;
-        t.out_dtype = seg.out_dtype;
-        t.n = hi - lo;
-        group->tensors.push_back(t);
-      }
-      Status r;
-      for (const Call& g : groups) {
-        if (g.tensors.empty() || !r.ok()) continue;
-        StepOptions o = adam_options;
-        o.step = g.step;
-        r = im.adam->step(*g.hyper, o, g.tensors);
-      }
-      adam_s += since(t0);
-      if (!r.ok()) return Status(r.code(), "Adam on " + im.tile_name(task.tile) + ": " + r.message(), r.sys_errno());
-      return r;
+    return im.run_tiles(plan.tasks, [&stepper](const TileTask& task, const TileArrays& a, std::size_t count) {
+      return stepper(task, a, count);
     });
   });
-  im.stats.adam_s = adam_s;
-  im.stats.tiles_skipped = skipped;
-  for (const TileTask& t : tasks) {
+  im.stats.adam_s = stepper.adam_s();
+  im.stats.tiles_skipped = plan.skipped;
+  for (const TileTask& t : plan.tasks) {
     if (t.write && im.table[t.tile].step == options.step) ++im.stats.tiles_stepped;
   }
   if (!s.ok()) {

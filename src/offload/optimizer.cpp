@@ -17,54 +17,6 @@
 
 namespace zoe {
 
-std::string_view tier_name(Tier tier) { return tier == Tier::ram ? "ram" : "nvme"; }
-
-std::string_view schedule_name(Schedule schedule) {
-  switch (schedule) {
-    case Schedule::sync: return "sync";
-    case Schedule::overlap: return "overlap";
-    case Schedule::delayed: return "delayed";
-  }
-  return "invalid";
-}
-
-std::string_view durability_name(Durability durability) {
-  return durability == Durability::step ? "step" : "checkpoint";
-}
-
-Result<Durability> parse_durability(std::string_view name) {
-  for (Durability d : {Durability::step, Durability::checkpoint}) {
-    if (name == durability_name(d)) return d;
-  }
-  return invalid_argument("durability '" + std::string(name) + "' is unknown: use step (each step durable in the "
-                          "background) or checkpoint (durable at save() only)");
-}
-
-std::string_view state_dtype_name(DType state) {
-  return state == DType::f32 ? "fp32" : state == DType::bf16 ? "bf16" : state == DType::i8 ? "int8" : "invalid";
-}
-
-Result<DType> parse_state_dtype(std::string_view name) {
-  for (DType d : {DType::f32, DType::bf16, DType::i8}) {
-    if (name == state_dtype_name(d)) return d;
-  }
-  return invalid_argument("state_dtype '" + std::string(name) + "' is unknown: use fp32, bf16 or int8");
-}
-
-Result<Tier> parse_tier(std::string_view name) {
-  for (Tier t : {Tier::ram, Tier::nvme}) {
-    if (name == tier_name(t)) return t;
-  }
-  return invalid_argument("tier '" + std::string(name) + "' is unknown: use ram or nvme");
-}
-
-Result<Schedule> parse_schedule(std::string_view name) {
-  for (Schedule s : {Schedule::sync, Schedule::overlap, Schedule::delayed}) {
-    if (name == schedule_name(s)) return s;
-  }
-  return invalid_argument("schedule '" + std::string(name) + "' is unknown: use sync, overlap or delayed");
-}
-
 // A parameter in a parameter tier: its entry exists and holds exactly the parameter's weights.
 Status check_tier_entry(const ParamSpec& p, const std::string& where) {
   if (p.tier_block >= p.tier->blocks()) {

@@ -154,18 +154,14 @@ Status OffloadOptimizer::save(const std::string& path, bool record_names) {
   return writer->commit(manifest.dump());
 }
 
-// Everything is read and checked into temporary buffers first: a refused or corrupt checkpoint leaves the
-// optimizer as it was.
-Status OffloadOptimizer::load(const std::string& path) {
-  const std::lock_guard serial(impl_->calls);
-  Impl& m = *impl_;
-  if (Status s = wait(); !s.ok()) return s;
-  Result<CheckpointReader> reader = CheckpointReader::open(path);
-  if (!reader.ok()) return reader.status();
-  const nlohmann::json manifest = nlohmann::json::parse(reader->manifest(), nullptr, false);
-  auto refuse = [&path](const std::string& why) {
-    return Status(StatusCode::invalid_argument, "checkpoint " + path + " does not fit this optimizer: " + why);
-  };
+namespace {
+
+Status refuse(const std::string& path, const std::string& why) {
+  return Status(StatusCode::invalid_argument, "checkpoint " + path + " does not fit this optimizer: " + why);
+}
+
+// The manifest's format and version, which say whether the rest can be read at all.
+Status check_format(const nlohmann::json& manifest, const std::string& path) {
   std::string format;
   int version = 0;
   if (manifest.is_discarded() || !get(manifest, "format", format) || format != kFormat) {
@@ -175,13 +171,18 @@ Status OffloadOptimizer::load(const std::string& path) {
     return Status(StatusCode::unsupported, "checkpoint " + path + " has manifest version " + std::to_string(version) +
                                                "; this build reads up to " + std::to_string(kManifestVersion));
   }
+  return Status::success();
+}
+
+// The partition, the parameters and the number of groups, compared with this optimizer's.
+Status check_layout(const Impl& m, const nlohmann::json& manifest, const std::string& path) {
   int rank = -1, world = -1;
   const nlohmann::json& partition = member(manifest, "partition");
   const int my_rank = m.partition ? m.partition->comm->rank() : 0;
   const int my_world = m.partition ? m.partition->comm->world() : 1;
   if (!get(partition, "rank", rank) || !get(partition, "world", world) || rank != my_rank || world != my_world) {
-    return refuse("it was written by rank " + std::to_string(rank) + " of " + std::to_string(world) +
-                  "; this optimizer is rank " + std::to_string(my_rank) + " of " + std::to_string(my_world));
+    return refuse(path, "it was written by rank " + std::to_string(rank) + " of " + std::to_string(world) +
+                            "; this optimizer is rank " + std::to_string(my_rank) + " of " + std::to_string(my_world));
   }
   const nlohmann::json& params = member(manifest, "params");
   const nlohmann::json& groups = member(manifest, "groups");
@@ -189,12 +190,12 @@ Status OffloadOptimizer::load(const std::string& path) {
     return Status(StatusCode::corrupt, "checkpoint " + path + ": its manifest lacks the params or groups list");
   }
   if (params.size() != m.params.size()) {
-    return refuse("it holds " + std::to_string(params.size()) + " parameters, this optimizer " +
-                  std::to_string(m.params.size()));
+    return refuse(path, "it holds " + std::to_string(params.size()) + " parameters, this optimizer " +
+                            std::to_string(m.params.size()));
   }
   if (groups.size() != m.groups.size()) {
-    return refuse("it holds " + std::to_string(groups.size()) + " param groups, this optimizer " +
-                  std::to_string(m.groups.size()));
+    return refuse(path, "it holds " + std::to_string(groups.size()) + " param groups, this optimizer " +
+                            std::to_string(m.groups.size()));
   }
   for (std::size_t i = 0; i < params.size(); ++i) {
     std::size_t n = 0;
@@ -205,45 +206,55 @@ Status OffloadOptimizer::load(const std::string& path) {
     }
     const ParamSpec& p = m.params[i];
     if (n != p.n || dtype != dtype_name(p.dtype) || group != p.group) {
-      return refuse("parameter " + std::to_string(i) + " is n=" + std::to_string(n) + " " + dtype + " in group " +
-                    std::to_string(group) + " there, n=" + std::to_string(p.n) + " " + std::string(dtype_name(p.dtype)) +
-                    " in group " + std::to_string(p.group) + " here");
+      return refuse(path, "parameter " + std::to_string(i) + " is n=" + std::to_string(n) + " " + dtype + " in group " +
+                              std::to_string(group) + " there, n=" + std::to_string(p.n) + " " +
+                              std::string(dtype_name(p.dtype)) + " in group " + std::to_string(p.group) + " here");
     }
   }
-  std::vector<ParamGroup> new_groups = m.groups;
-  for (std::size_t g = 0; g < groups.size(); ++g) {
-    AdamHyper& h = new_groups[g].hyper;
-    if (!get(groups[g], "lr", h.lr) || !get(groups[g], "beta1", h.beta1) || !get(groups[g], "beta2", h.beta2) ||
-        !get(groups[g], "eps", h.eps) || !get(groups[g], "weight_decay", h.weight_decay) ||
-        !get(groups[g], "adamw", h.adamw) || !get(groups[g], "bias_correction", h.bias_correction)) {
+  return Status::success();
+}
+
+// Each group's hyper-parameters, into `groups` (as many as the manifest's, checked by check_layout).
+Status read_groups(const nlohmann::json& manifest, const std::string& path, std::vector<ParamGroup>& groups) {
+  const nlohmann::json& written = member(manifest, "groups");
+  for (std::size_t g = 0; g < written.size(); ++g) {
+    AdamHyper& h = groups[g].hyper;
+    if (!get(written[g], "lr", h.lr) || !get(written[g], "beta1", h.beta1) || !get(written[g], "beta2", h.beta2) ||
+        !get(written[g], "eps", h.eps) || !get(written[g], "weight_decay", h.weight_decay) ||
+        !get(written[g], "adamw", h.adamw) || !get(written[g], "bias_correction", h.bias_correction)) {
       return Status(StatusCode::corrupt, "checkpoint " + path + ": param group " + std::to_string(g) + " is malformed");
     }
     if (Status s = CpuAdam::validate(h); !s.ok()) {
       return Status(StatusCode::corrupt, "checkpoint " + path + ": param group " + std::to_string(g) + ": " + s.message());
     }
   }
-  std::int64_t step = 0;
-  LossScaler::State ls{};
+  return Status::success();
+}
+
+// The step count, the loss scaler's state and each parameter's step count.
+Status read_counters(const nlohmann::json& manifest, const std::string& path, std::int64_t& step,
+                     LossScaler::State& ls, std::vector<std::int64_t>& param_steps) {
   const nlohmann::json& scale = member(manifest, "loss_scale");
   if (!get(manifest, "step", step) || step < 0 || !get(scale, "scale", ls.scale) || !(ls.scale > 0) ||
       !get(scale, "clean_steps", ls.clean_steps) || ls.clean_steps < 0 ||
       !get(scale, "hysteresis_left", ls.hysteresis_left) || ls.hysteresis_left < 1) {
     return Status(StatusCode::corrupt, "checkpoint " + path + ": step or loss-scale state is malformed");
   }
-  std::vector<std::int64_t> param_steps(m.params.size(), step);
+  std::fill(param_steps.begin(), param_steps.end(), step);
   if (manifest.contains("param_steps")) {
     const nlohmann::json& ps = manifest["param_steps"];
-    bool ok = ps.is_array() && ps.size() == m.params.size();
-    for (std::size_t i = 0; ok && i < m.params.size(); ++i) {
+    bool ok = ps.is_array() && ps.size() == param_steps.size();
+    for (std::size_t i = 0; ok && i < param_steps.size(); ++i) {
       ok = ps[i].is_number_integer() && ps[i].get<std::int64_t>() >= 0 && ps[i].get<std::int64_t>() <= step;
       if (ok) param_steps[i] = ps[i].get<std::int64_t>();
     }
     if (!ok) return Status(StatusCode::corrupt, "checkpoint " + path + ": param_steps is malformed");
   }
-  Result<AlignedBuffer> weights = AlignedBuffer::allocate(m.weight_offsets.back());
-  if (!weights.ok()) return weights.status();
-  if (Status s = reader->read("weights16", weights->data(), m.weight_offsets.back()); !s.ok()) return s;
-  if (Status s = m.tier->load(reader.value(), path, step); !s.ok()) return s;
+  return Status::success();
+}
+
+// The loaded 16-bit weights (and, in place, the f32 masters the tier loaded) where the step reads them.
+void place_weights(Impl& m, const AlignedBuffer& weights) {
   if (m.in_place) {
     // The device's weights are the ones to set: f32 masters and 16-bit copies alike.
     for (std::size_t i = 0; i < m.params.size(); ++i) {
@@ -251,12 +262,38 @@ Status OffloadOptimizer::load(const std::string& path) {
       if (p.dtype == DType::f32) {
         std::memcpy(p.device_weights, m.tier->master(i), p.n * 4);
       } else if (p.n > 0) {
-        std::memcpy(p.device_weights, weights->as<unsigned char>() + m.weight_offsets[i], p.n * 2);
+        std::memcpy(p.device_weights, weights.as<unsigned char>() + m.weight_offsets[i], p.n * 2);
       }
     }
   } else if (m.weight_offsets.back() > 0) {
-    std::memcpy(m.weight_staging, weights->data(), m.weight_offsets.back());
+    std::memcpy(m.weight_staging, weights.data(), m.weight_offsets.back());
   }
+}
+
+}  // namespace
+
+// Everything is read and checked into temporary buffers first: a refused or corrupt checkpoint leaves the
+// optimizer as it was.
+Status OffloadOptimizer::load(const std::string& path) {
+  const std::lock_guard serial(impl_->calls);
+  Impl& m = *impl_;
+  if (Status s = wait(); !s.ok()) return s;
+  Result<CheckpointReader> reader = CheckpointReader::open(path);
+  if (!reader.ok()) return reader.status();
+  const nlohmann::json manifest = nlohmann::json::parse(reader->manifest(), nullptr, false);
+  if (Status s = check_format(manifest, path); !s.ok()) return s;
+  if (Status s = check_layout(m, manifest, path); !s.ok()) return s;
+  std::vector<ParamGroup> new_groups = m.groups;
+  if (Status s = read_groups(manifest, path, new_groups); !s.ok()) return s;
+  std::int64_t step = 0;
+  LossScaler::State ls{};
+  std::vector<std::int64_t> param_steps(m.params.size());
+  if (Status s = read_counters(manifest, path, step, ls, param_steps); !s.ok()) return s;
+  Result<AlignedBuffer> weights = AlignedBuffer::allocate(m.weight_offsets.back());
+  if (!weights.ok()) return weights.status();
+  if (Status s = reader->read("weights16", weights->data(), m.weight_offsets.back()); !s.ok()) return s;
+  if (Status s = m.tier->load(reader.value(), path, step); !s.ok()) return s;
+  place_weights(m, *weights);
   m.groups = std::move(new_groups);
   m.step_count = step;
   m.param_steps = std::move(param_steps);

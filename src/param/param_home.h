@@ -1,4 +1,4 @@
-// Where a parameter tier's blocks live between uses (zoe/param_tier.h): pinned host RAM (param_tier.cpp) or
+// Where a parameter tier's blocks live between uses (zoe/param_tier.h): pinned host RAM (param_home_ram.cpp) or
 // an NVMe file (param_home_nvme.cpp). A block is kept in the layout it has on the device — its entries
 // at `offsets`, each aligned — so that bringing it to the device is one copy.
 #pragma once

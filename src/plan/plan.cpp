@@ -118,15 +118,6 @@ std::string_view offload_name(Offload o) {
   return "?";
 }
 
-std::string_view state_dtype_name(StateDtype d) {
-  switch (d) {
-    case StateDtype::fp32: return "fp32";
-    case StateDtype::bf16: return "bf16";
-    case StateDtype::int8: return "int8";
-  }
-  return "?";
-}
-
 Result<Offload> parse_offload(std::string_view text, std::string_view option) {
   for (Offload o : {Offload::none, Offload::cpu, Offload::nvme}) {
     if (offload_name(o) == text) return o;
@@ -134,10 +125,8 @@ Result<Offload> parse_offload(std::string_view text, std::string_view option) {
   return invalid_argument(std::string(option) + ": '" + std::string(text) + "' is not one of none, cpu, nvme");
 }
 
-Result<StateDtype> parse_state_dtype(std::string_view text) {
-  for (StateDtype d : {StateDtype::fp32, StateDtype::bf16, StateDtype::int8}) {
-    if (state_dtype_name(d) == text) return d;
-  }
+Result<DType> parse_state_dtype(std::string_view text) {
+  if (Result<DType> d = zoe::parse_state_dtype(text); d.ok()) return d;
   return invalid_argument("--state-dtype: '" + std::string(text) + "' is not one of fp32, bf16, int8");
 }
 
@@ -171,18 +160,30 @@ namespace {
 // (dump() recurses once per level).
 constexpr int kMaxDepth = 64;
 
-Result<Model> read_model(std::string_view json_text, std::string_view source) {
+// A model config's sizes as read (0 where absent) and what its architecture changes in the count.
+struct ModelShape {
+  std::uint64_t layers = 0, hidden = 0, vocab = 0, heads = 0, kv_heads = 0, head_dim = 0, inter = 0, positions = 0,
+                experts = 0;
+  std::string type;
+  bool gated = false, bias = false, tied = true;
+};
+
+Status parse_model_json(std::string_view json_text, std::string_view source, ConfigJson& cfg) {
   bool too_deep = false;
   const auto depth_check = [&too_deep](int depth, ConfigJson::parse_event_t, ConfigJson&) {
     too_deep = too_deep || depth > kMaxDepth;
     return true;
   };
-  const ConfigJson cfg = ConfigJson::parse(json_text, depth_check, false);
+  cfg = ConfigJson::parse(json_text, depth_check, false);
   if (cfg.is_discarded() || !cfg.is_object()) return invalid_argument(std::string(source) + ": not a JSON object");
   if (too_deep) {
     return invalid_argument(std::string(source) + ": nests arrays or objects more than " + std::to_string(kMaxDepth) +
                             " levels deep: not a model config");
   }
+  return Status::success();
+}
+
+Status read_sizes(const ConfigJson& cfg, std::string_view source, ModelShape& shape) {
   Result<std::uint64_t> layers = field(cfg, {"num_hidden_layers", "n_layer", "num_layers"}, source);
   Result<std::uint64_t> hidden = field(cfg, {"hidden_size", "n_embd", "d_model"}, source);
   Result<std::uint64_t> vocab = field(cfg, {"vocab_size"}, source);
@@ -202,6 +203,19 @@ Result<Model> read_model(std::string_view json_text, std::string_view source) {
     if (value == 0) missing += (missing.empty() ? "" : ", ") + std::string(name);
   }
   if (!missing.empty()) return invalid_argument(std::string(source) + ": missing " + missing);
+  shape.layers = *layers;
+  shape.hidden = *hidden;
+  shape.vocab = *vocab;
+  shape.heads = *heads;
+  shape.kv_heads = *kv_heads;
+  shape.head_dim = *head_dim;
+  shape.inter = *inter;
+  shape.positions = *positions;
+  shape.experts = *experts;
+  return Status::success();
+}
+
+Status read_architecture(const ConfigJson& cfg, std::string_view source, ModelShape& shape) {
   Result<std::string> model_type = text_field(cfg, "model_type", source);
   Result<std::string> hidden_act = text_field(cfg, "hidden_act", source);
   Result<std::string> activation = text_field(cfg, "activation_function", source);
@@ -213,17 +227,24 @@ Result<Model> read_model(std::string_view json_text, std::string_view source) {
   }
   const std::string& type = *model_type;
   const std::string& act = hidden_act->empty() ? *activation : *hidden_act;
-  const bool gated = act == "silu" || act == "swiglu" || act == "swish" ||
-                     type == "llama" || type == "mistral" || type == "mixtral" || type.rfind("qwen", 0) == 0 ||
-                     type.rfind("gemma", 0) == 0;
-  const bool bias = cfg.contains("attention_bias") && !cfg.at("attention_bias").is_null()
-                        ? *attention_bias
-                        : (type == "gpt2" || type == "gpt_neo" || type == "gpt_neox" || type == "opt" ||
-                           type == "bert" || type == "phi");
-  const bool tied = *tie;
-  const std::uint64_t h = *hidden, L = *layers, V = *vocab, H = *heads;
-  const std::uint64_t kv = *kv_heads ? *kv_heads : H, hd = *head_dim ? *head_dim : h / H;
-  const std::uint64_t I = *inter ? *inter : 4 * h, E = *experts ? *experts : 1;
+  shape.type = type;
+  shape.gated = act == "silu" || act == "swiglu" || act == "swish" ||
+                type == "llama" || type == "mistral" || type == "mixtral" || type.rfind("qwen", 0) == 0 ||
+                type.rfind("gemma", 0) == 0;
+  shape.bias = cfg.contains("attention_bias") && !cfg.at("attention_bias").is_null()
+                   ? *attention_bias
+                   : (type == "gpt2" || type == "gpt_neo" || type == "gpt_neox" || type == "opt" ||
+                      type == "bert" || type == "phi");
+  shape.tied = *tie;
+  return Status::success();
+}
+
+Result<Model> count_model(const ModelShape& shape, std::string_view source) {
+  const std::string& type = shape.type;
+  const bool gated = shape.gated, bias = shape.bias, tied = shape.tied;
+  const std::uint64_t h = shape.hidden, L = shape.layers, V = shape.vocab, H = shape.heads;
+  const std::uint64_t kv = shape.kv_heads ? shape.kv_heads : H, hd = shape.head_dim ? shape.head_dim : h / H;
+  const std::uint64_t I = shape.inter ? shape.inter : 4 * h, E = shape.experts ? shape.experts : 1;
   // The count in double first: each product below is at most the total, so a total that fits in 2^62
   // keeps the integer arithmetic exact, and a config whose sizes overflow it is refused, not wrapped.
   const auto count = [&](auto one) {
@@ -235,7 +256,7 @@ Result<Model> read_model(std::string_view json_text, std::string_view source) {
     T mlp = (gated ? 3 : 2) * th * tI;
     if (bias) mlp += (gated ? 2 : 1) * tI + th;
     mlp = mlp * tE + (E > 1 ? th * tE : 0);
-    return T(L) * (attn + mlp + 2 * norm) + T(V) * th * (tied ? 1 : 2) + T(*positions) * th + norm;
+    return T(L) * (attn + mlp + 2 * norm) + T(V) * th * (tied ? 1 : 2) + T(shape.positions) * th + norm;
   };
   if (const double total = count(1.0); !(total < 0x1p62)) {
     char figure[32];
@@ -255,6 +276,15 @@ Result<Model> read_model(std::string_view json_text, std::string_view source) {
                   std::to_string(kv) + " kv)" + (E > 1 ? ", " + std::to_string(E) + " experts" : "") +
                   (tied ? ", tied embeddings" : ", untied embeddings") + " -> " + billions(m.params) + " parameters";
   return m;
+}
+
+Result<Model> read_model(std::string_view json_text, std::string_view source) {
+  ConfigJson cfg;
+  ModelShape shape;
+  if (Status s = parse_model_json(json_text, source, cfg); !s.ok()) return s;
+  if (Status s = read_sizes(cfg, source, shape); !s.ok()) return s;
+  if (Status s = read_architecture(cfg, source, shape); !s.ok()) return s;
+  return count_model(shape, source);
 }
 
 }  // namespace
@@ -287,13 +317,12 @@ std::string zoe_gap(const Placement& p) {
   return gap;
 }
 
-std::uint64_t moment_bytes(std::uint64_t elements, StateDtype d) {
+std::uint64_t moment_bytes(std::uint64_t elements, DType d) {
   switch (d) {
-    case StateDtype::fp32: return 8 * elements;
-    case StateDtype::bf16: return 4 * elements;
-    case StateDtype::int8: return 2 * elements + 2 * 4 * ceil_div(elements, kInt8Block);
+    case DType::bf16: return 4 * elements;
+    case DType::i8: return 2 * elements + 2 * 4 * ceil_div(elements, kInt8Block);
+    default: return 8 * elements;
   }
-  return 0;
 }
 
 Usage usage(const Model& m, const Cluster& c, const Placement& p, const Training& t) {

@@ -13,16 +13,17 @@
 #include <vector>
 
 #include "zoe/adam.h"
+#include "zoe/dtype.h"
+#include "zoe/offload.h"
 #include "zoe/status.h"
 
 namespace zoe::plan {
 
 enum class Offload { none, cpu, nvme };
-enum class StateDtype { fp32, bf16, int8 };
 std::string_view offload_name(Offload o);
-std::string_view state_dtype_name(StateDtype d);
 Result<Offload> parse_offload(std::string_view text, std::string_view option);
-Result<StateDtype> parse_state_dtype(std::string_view text);
+// --state-dtype's value, by the names OffloadOptions::state_dtype has (zoe/offload.h).
+Result<DType> parse_state_dtype(std::string_view text);
 
 // Blockwise 8-bit moments (state dtype int8, zoe/adam.h): one fp32 scale per block of this many elements, per
 // moment.
@@ -72,7 +73,7 @@ std::string format_bytes(std::uint64_t bytes);
 std::string zoe_gap(const Placement& p);
 
 struct Training {
-  StateDtype state = StateDtype::fp32;
+  DType state = DType::f32;  // of the moments: f32, bf16 or i8
   std::uint64_t prefetch = 2;        // modules fetched ahead of the one computing (parameter offload, stage 3)
   std::uint64_t grad_accumulation = 1;
   std::uint64_t buffer_count = 4;    // NVMe tier: tile buffers per rank
@@ -94,7 +95,7 @@ struct Usage {
 
 // Bytes of the two moments of `elements` parameters in the state dtype (int8: one byte each, plus an fp32
 // scale per block of each).
-std::uint64_t moment_bytes(std::uint64_t elements, StateDtype d);
+std::uint64_t moment_bytes(std::uint64_t elements, DType d);
 Usage usage(const Model& m, const Cluster& c, const Placement& p, const Training& t);
 
 // What may be used of each resource: GPUs keep 5% for the CUDA context and allocator fragmentation, hosts

@@ -85,11 +85,11 @@ TEST(Plan, OffloadedStateLivesOnTheHostOrTheNvmePaths) {
 }
 
 TEST(Plan, LowBitMoments) {
-  EXPECT_EQ(moment_bytes(4096, StateDtype::fp32), 8 * 4096u);
-  EXPECT_EQ(moment_bytes(4096, StateDtype::bf16), 4 * 4096u);
+  EXPECT_EQ(moment_bytes(4096, DType::f32), 8 * 4096u);
+  EXPECT_EQ(moment_bytes(4096, DType::bf16), 4 * 4096u);
   // One byte per moment and element, and one fp32 scale per block of 2048 per moment: 2 blocks here.
-  EXPECT_EQ(moment_bytes(4096, StateDtype::int8), 2 * 4096u + 2 * 4 * 2);
-  EXPECT_EQ(moment_bytes(4097, StateDtype::int8), 2 * 4097u + 2 * 4 * 3);
+  EXPECT_EQ(moment_bytes(4096, DType::i8), 2 * 4096u + 2 * 4 * 2);
+  EXPECT_EQ(moment_bytes(4097, DType::i8), 2 * 4097u + 2 * 4 * 3);
 }
 
 TEST(Plan, ActivationEstimate) {

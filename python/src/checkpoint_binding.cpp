@@ -1,0 +1,88 @@
+// zoe._zoe's module functions over files: a zoe checkpoint read whole or located blob by blob, and a
+// DeepSpeed JSON config parsed into plain Python values.
+#include <algorithm>
+
+#include "python/src/binding.h"
+#include "src/offload/checkpoint.h"
+#include "src/offload/config.h"
+
+namespace zoe::python {
+namespace {
+
+// A checkpoint file opened (header, trailer and index read and checked) without the GIL.
+CheckpointReader open_checkpoint(const std::string& path) {
+  Result<CheckpointReader> r = Status(StatusCode::internal, "not read");
+  {
+    nb::gil_scoped_release release;
+    r = CheckpointReader::open(path);
+  }
+  return take(std::move(r));
+}
+
+// The DeepSpeed JSON config as plain Python values (engine options by the names Engine takes, the Adam
+// hyper-parameters, and the notes on keys zoe ignored or read differently).
+nb::dict config_dict(const LoadedConfig& c) {
+  nb::dict opts;
+  for (const OptionField& f : option_fields()) opts[f.name.data()] = option_to_python(f.get(c.options));
+  nb::dict d;
+  d["options"] = opts;
+  d["hyper"] = hyper_dict(c.hyper);
+  d["notes"] = c.notes;
+  if (c.offload_param) {
+    nb::dict op;
+    op["device"] = std::string(param_home_name(c.param_tier.home));
+    op["nvme_path"] = c.param_tier.nvme_paths;
+    op["prefetch"] = c.param_tier.prefetch;
+    op["budget_bytes"] = c.param_tier.budget_bytes;
+    d["offload_param"] = op;
+  } else {
+    d["offload_param"] = nb::none();
+  }
+  return d;
+}
+
+}  // namespace
+
+void bind_checkpoint_config(nb::module_& m) {
+  m.def("read_checkpoint",
+        [](const nb::str& path_arg) {
+          const std::string path = utf8_arg(path_arg, "path");
+          const CheckpointReader reader = open_checkpoint(path);
+          nb::dict blobs;
+          for (const std::string& name : reader.names()) {
+            const std::size_t bytes = take(reader.size(name));
+            auto* data = new std::uint8_t[std::max<std::size_t>(bytes, 1)];
+            nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<std::uint8_t*>(p); });
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              s = reader.read(name, data, bytes);
+            }
+            check(s);
+            blobs[name.c_str()] = nb::ndarray<nb::numpy, std::uint8_t, nb::ndim<1>>(data, {bytes}, owner);
+          }
+          return nb::make_tuple(reader.manifest(), blobs);
+        },
+        nb::arg("path"),
+        "A zoe checkpoint file, every blob's checksum verified: (manifest JSON text, {blob name: uint8 array}).");
+  m.def("checkpoint_blobs",
+        [](const nb::str& path_arg) {
+          const std::string path = utf8_arg(path_arg, "path");
+          const CheckpointReader reader = open_checkpoint(path);
+          nb::dict blobs;
+          for (const std::string& name : reader.names()) {
+            blobs[name.c_str()] = nb::make_tuple(take(reader.offset(name)), take(reader.size(name)));
+          }
+          return blobs;
+        },
+        nb::arg("path"), "Where each blob of a zoe checkpoint file lies in it: {blob name: (offset, bytes)}; nothing is read.");
+  m.def("parse_config",
+        [](const nb::str& text, const nb::str& source) {
+          return config_dict(take(parse_config(utf8_arg(text, "text"), utf8_arg(source, "source"))));
+        },
+        nb::arg("text"), nb::arg("source") = "<string>");
+  m.def("load_config", [](const nb::str& path) { return config_dict(take(load_config_file(utf8_arg(path, "path")))); },
+        nb::arg("path"));
+}
+
+}  // namespace zoe::python

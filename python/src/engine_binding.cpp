@@ -1,0 +1,359 @@
+// zoe._zoe's Engine: an OffloadOptimizer over parameters given by address on a Device, with collectives
+// implemented in Python and parameters whose weights live in a ParamTier; its calls release the GIL.
+#include <algorithm>
+#include <span>
+#include <tuple>
+
+#include "python/src/binding.h"
+#include "zoe/partition.h"
+
+namespace zoe::python {
+namespace {
+
+// One parameter as (n, dtype name, device weights address, device gradients address, group, name, shape);
+// the name and shape are recorded in checkpoints (zoe export).
+using ParamTuple = std::tuple<std::size_t, std::string, std::uintptr_t, std::uintptr_t, int, std::string,
+                              std::vector<std::int64_t>>;
+
+// Collectives implemented in Python (zoe/_data_parallel.py, over torch.distributed): an object with rank(),
+// world(), reduce_scatter(send, recv, count, dtype) and all_gather(send, recv, count, dtype) on addresses of
+// the device's memory, and all_reduce_host(values) -> values. Python enqueues on torch's streams, not on
+// zoe's: what zoe enqueued is finished before each call, and the call finishes its own work before it
+// returns.
+class PyCollectives final : public Collectives {
+ public:
+  PyCollectives(nb::object impl, Device& device)
+      : impl_(std::move(impl)), device_(device), rank_(nb::cast<int>(impl_.attr("rank")())),
+        world_(nb::cast<int>(impl_.attr("world")())) {}
+  ~PyCollectives() override {
+    nb::gil_scoped_acquire gil;  // the last reference to a Python object goes with the GIL held
+    impl_.reset();
+  }
+  int rank() const override { return rank_; }
+  int world() const override { return world_; }
+  Status reduce_scatter(const void* send, void* recv, std::size_t count, DType dtype, Stream) override {
+    return call("reduce_scatter", send, recv, count, dtype);
+  }
+  Status all_gather(const void* send, void* recv, std::size_t count, DType dtype, Stream) override {
+    return call("all_gather", send, recv, count, dtype);
+  }
+  Status all_reduce_host(double* values, std::size_t count) override {
+    nb::gil_scoped_acquire gil;
+    try {
+      nb::list in;
+      for (std::size_t i = 0; i < count; ++i) in.append(values[i]);
+      nb::object out = impl_.attr("all_reduce_host")(in);
+      for (std::size_t i = 0; i < count; ++i) values[i] = nb::cast<double>(out[i]);
+    } catch (const std::exception& e) {
+      return Status(StatusCode::internal, std::string("all_reduce_host over torch.distributed failed: ") + e.what());
+    }
+    return Status::success();
+  }
+
+ private:
+  Status call(const char* name, const void* send, void* recv, std::size_t count, DType dtype) {
+    if (Status s = device_.synchronize(); !s.ok()) return s;
+    nb::gil_scoped_acquire gil;
+    try {
+      impl_.attr(name)(reinterpret_cast<std::uintptr_t>(send), reinterpret_cast<std::uintptr_t>(recv), count,
+                       std::string(dtype_name(dtype)));
+    } catch (const std::exception& e) {
+      return Status(StatusCode::internal, std::string(name) + " over torch.distributed failed: " + e.what());
+    }
+    return Status::success();
+  }
+
+  nb::object impl_;
+  Device& device_;
+  int rank_, world_;
+};
+
+struct PyEngine {
+  // Declared first so that it is destroyed last: the optimizer's destructor still talks to the device.
+  nb::object device_owner;
+  std::vector<nb::object> tiers;  // parameter tiers the optimizer writes into: they outlive it
+  PyEngine() = default;
+  PyEngine(PyEngine&&) = default;
+  ~PyEngine() {
+    opt.reset();  // before the tiers it writes into may be closed
+    for (nb::object& t : tiers) --nb::cast<PyParamTier&>(t).engines;
+  }
+  std::unique_ptr<PyCollectives> collectives;  // outlives the optimizer, which holds its address
+  std::optional<OffloadOptimizer> opt;
+  std::size_t param_count = 0;
+
+  OffloadOptimizer& get() { return *opt; }
+
+  // A state array of parameter i, checked against its size (null when not given).
+  float* state_array(std::size_t i, std::optional<F32Array>& a, const char* what) {
+    if (!a) return nullptr;
+    const std::vector<std::size_t> sizes = opt->state_sizes();
+    if (i >= sizes.size()) {
+      throw std::invalid_argument("parameter " + std::to_string(i) + " does not exist (" + std::to_string(sizes.size()) +
+                                  " parameters)");
+    }
+    if (a->size() != sizes[i]) {
+      throw std::invalid_argument(std::string(what) + " has " + std::to_string(a->size()) + " elements, parameter " +
+                                  std::to_string(i) + " has " + std::to_string(sizes[i]));
+    }
+    return a->data();
+  }
+
+  // Runs a call on the optimizer with the GIL released and raises on failure.
+  template <typename F>
+  void call(F&& f) {
+    Status s;
+    {
+      nb::gil_scoped_release release;
+      s = f(*opt);
+    }
+    check(s);
+  }
+};
+
+std::unique_ptr<PyEngine> make_engine(nb::object device_obj, std::vector<nb::dict> groups,
+                                      std::vector<ParamTuple> params, const EngineOptions& options,
+                                      nb::object collectives, const std::vector<std::tuple<std::size_t, nb::object, std::size_t, std::size_t>>& tiered) {
+  PyDevice& device = nb::cast<PyDevice&>(device_obj);
+  std::vector<ParamGroup> gs;
+  for (nb::dict& g : groups) {
+    auto get = [&g, &gs](const char* key, auto fallback) {
+      using T = decltype(fallback);
+      if (!g.contains(key)) return fallback;
+      T v{};
+      if (!nb::try_cast<T>(g[key], v)) {
+        nb::object shown = nb::steal(PyObject_ASCII(nb::object(g[key]).ptr()));
+        if (!shown.is_valid()) throw nb::python_error();
+        check(invalid_argument("group " + std::to_string(gs.size()) + ": " + key + " = " +
+                               nb::borrow<nb::str>(shown).c_str() + " is invalid: need " +
+                               (std::is_same_v<T, bool> ? "True or False" : "a number")));
+      }
+      return v;
+    };
+    const AdamHyper defaults;
+    gs.push_back(ParamGroup{make_hyper(get("lr", defaults.lr), get("beta1", defaults.beta1),
+                                       get("beta2", defaults.beta2), get("eps", defaults.eps),
+                                       get("weight_decay", defaults.weight_decay), get("adamw", defaults.adamw),
+                                       get("bias_correction", defaults.bias_correction))});
+  }
+  std::vector<ParamSpec> ps;
+  ps.reserve(params.size());
+  for (const auto& [n, dtype, weights, grads, group, name, shape] : params) {
+    ParamSpec p;
+    p.n = n;
+    p.dtype = parse_dtype_or_throw(dtype);
+    p.device_weights = reinterpret_cast<void*>(weights);
+    p.device_grads = reinterpret_cast<const void*>(grads);
+    p.group = group;
+    p.name = name;
+    p.shape = shape;
+    ps.push_back(p);
+  }
+  auto engine = std::make_unique<PyEngine>();
+  for (const auto& [param, tier_obj, block, entry] : tiered) {
+    if (param >= ps.size()) throw std::invalid_argument("tiered parameter " + std::to_string(param) + " does not exist");
+    ps[param].tier = &nb::cast<PyParamTier&>(tier_obj).get();
+    ps[param].tier_block = block;
+    ps[param].tier_entry = entry;
+    if (std::find_if(engine->tiers.begin(), engine->tiers.end(), [&](const nb::object& t) { return t.is(tier_obj); }) ==
+        engine->tiers.end()) {
+      engine->tiers.push_back(tier_obj);
+      ++nb::cast<PyParamTier&>(tier_obj).engines;
+    }
+  }
+  const OffloadOptions o = to_options(options);
+  engine->device_owner = device_obj;
+  engine->param_count = ps.size();
+  if (!collectives.is_none()) engine->collectives = std::make_unique<PyCollectives>(collectives, *device.device);
+  Result<OffloadOptimizer> made = Status(StatusCode::internal, "not created");
+  {
+    nb::gil_scoped_release release;
+    made = OffloadOptimizer::create(*device.device, std::move(gs), std::move(ps), o, engine->collectives.get());
+  }
+  engine->opt.emplace(take(std::move(made)));
+  return engine;
+}
+
+// Tier nvme's counters, where the engine this module is built against has them (they arrived with the tier).
+template <typename Stats>
+void add_nvme_stats(nb::dict& d, const Stats& s) {
+  if constexpr (requires { s.nvme_read_s; }) {
+    d["nvme_read_bytes"] = s.nvme_read_bytes;
+    d["nvme_write_bytes"] = s.nvme_write_bytes;
+    d["nvme_read_s"] = s.nvme_read_s;
+    d["nvme_write_s"] = s.nvme_write_s;
+  }
+}
+
+nb::dict stats_dict(const StepStats& s) {
+  nb::dict d;
+  d["steps"] = s.steps;
+  d["skipped"] = s.skipped;
+  d["redone"] = s.redone;
+  d["last_grad_norm"] = s.last_grad_norm;
+  d["adam_s"] = s.adam_s;
+  d["step_call_s"] = s.step_call_s;
+  d["d2h_bytes"] = s.d2h_bytes;
+  d["h2d_bytes"] = s.h2d_bytes;
+  add_nvme_stats(d, s);
+  return d;
+}
+
+// The calls of a training step: creation, gradients in, the step, clipping.
+void bind_engine_steps(nb::class_<PyEngine>& engine) {
+  engine.def("__init__",
+             [](PyEngine* self, nb::object device, std::vector<nb::dict> groups, std::vector<ParamTuple> params,
+                const EngineOptions& options, nb::object collectives,
+                std::vector<std::tuple<std::size_t, nb::object, std::size_t, std::size_t>> tiered) {
+               new (self) PyEngine(std::move(*make_engine(device, groups, params, options, collectives, tiered)));
+             },
+             nb::arg("device"), nb::arg("groups"), nb::arg("params"), nb::arg("options"),
+             nb::arg("collectives").none() = nb::none(),
+             nb::arg("tiered") = std::vector<std::tuple<std::size_t, nb::object, std::size_t, std::size_t>>{},
+             "collectives: None, or an object of rank(), world(), reduce_scatter, all_gather and all_reduce_host "
+             "(zoe/_data_parallel.py): with world > 1 the engine partitions the parameters over its ranks. "
+             "tiered: (parameter, ParamTier, block, entry) for each parameter whose weights live in a parameter "
+             "tier (its weights address is then ignored).")
+      .def("grad_ready",
+           [](PyEngine& e, std::size_t i) { e.call([i](OffloadOptimizer& o) { return o.grad_ready(i); }); })
+      .def("step", [](PyEngine& e) { e.call([](OffloadOptimizer& o) { return o.step(); }); })
+      .def("wait", [](PyEngine& e) { e.call([](OffloadOptimizer& o) { return o.wait(); }); })
+      .def("grads_changed", [](PyEngine& e) { e.call([](OffloadOptimizer& o) { return o.grads_changed(); }); },
+           "The trainer changed gradients after backward: step() takes them all again.")
+      .def("discard_speculative_steps",
+           [](PyEngine& e) { e.call([](OffloadOptimizer& o) { return o.discard_speculative_steps(); }); },
+           "Undoes the overlap schedule's steps taken during this backward; step() takes them again.")
+      .def("grad_norm",
+           [](PyEngine& e) {
+             double norm = 0;
+             e.call([&norm](OffloadOptimizer& o) {
+               Result<double> r = o.grad_norm();
+               if (r.ok()) norm = r.value();
+               return r.ok() ? Status::success() : r.status();
+             });
+             return norm;
+           },
+           "The global L2 norm of this iteration's gradients, unscaled, as step() will use it.")
+      .def("set_max_grad_norm",
+           [](PyEngine& e, float max_norm) { e.call([max_norm](OffloadOptimizer& o) { return o.set_max_grad_norm(max_norm); }); },
+           nb::arg("max_norm"), "Clipping from the next step on (0: none).");
+}
+
+// Checkpoints, hyper-parameters, the loss scale and the counters.
+void bind_engine_settings(nb::class_<PyEngine>& engine) {
+  engine.def("save",
+             [](PyEngine& e, const nb::str& path_arg, bool record_names) {
+               const std::string path = utf8_arg(path_arg, "path");
+               e.call([&](OffloadOptimizer& o) { return o.save(path, record_names); });
+             },
+             nb::arg("path"), nb::arg("record_names") = true)
+      .def("load",
+           [](PyEngine& e, const nb::str& path_arg) {
+             const std::string path = utf8_arg(path_arg, "path");
+             e.call([&path](OffloadOptimizer& o) { return o.load(path); });
+           },
+           nb::arg("path"))
+      .def("set_hyper",
+           [](PyEngine& e, std::size_t group, float lr, float beta1, float beta2, float eps, float weight_decay,
+              bool adamw) {
+             AdamHyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, adamw, true);
+             check(CpuAdam::validate(h));
+             AdamHyper& target = e.get().group_hyper(group);
+             target = h;
+           },
+           nb::arg("group"), nb::arg("lr"), nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"),
+           nb::arg("weight_decay"), nb::arg("adamw"))
+      .def("hyper", [](PyEngine& e, std::size_t group) { return hyper_dict(e.get().group_hyper(group)); })
+      .def_prop_ro("loss_scale", [](PyEngine& e) { return e.get().loss_scale(); })
+      .def_prop_ro("loss_scale_state",
+                   [](PyEngine& e) {
+                     const LossScaleState ls = e.get().loss_scale_state();
+                     return std::make_tuple(ls.scale, ls.clean_steps, ls.hysteresis_left);
+                   },
+                   "(scale, clean_steps, hysteresis_left) of the fp16 loss scaler.")
+      .def("set_loss_scale_state",
+           [](PyEngine& e, float scale, std::int64_t clean_steps, std::int32_t hysteresis_left) {
+             e.call([&](OffloadOptimizer& o) { return o.set_loss_scale_state({scale, clean_steps, hysteresis_left}); });
+           },
+           nb::arg("scale"), nb::arg("clean_steps"), nb::arg("hysteresis_left"))
+      .def_prop_ro("step_count", [](PyEngine& e) { return e.get().step_count(); })
+      .def_prop_ro("last_step_skipped", [](PyEngine& e) { return e.get().last_step_skipped(); })
+      .def_prop_ro("param_count", [](PyEngine& e) { return e.param_count; })
+      .def("stats", [](PyEngine& e) { return stats_dict(e.get().stats()); });
+}
+
+// The optimizer state of each parameter: read, written, viewed, and its step counts.
+void bind_engine_state(nb::class_<PyEngine>& engine) {
+  engine.def("read_state",
+             [](PyEngine& e, std::size_t i, std::optional<F32Array> master, std::optional<F32Array> exp_avg,
+                std::optional<F32Array> exp_avg_sq) {
+               float* ptrs[3] = {e.state_array(i, master, "master"), e.state_array(i, exp_avg, "exp_avg"),
+                                 e.state_array(i, exp_avg_sq, "exp_avg_sq")};
+               e.call([&](OffloadOptimizer& o) { return o.read_state(i, ptrs[0], ptrs[1], ptrs[2]); });
+             },
+             nb::arg("param"), nb::arg("master").none(), nb::arg("exp_avg").none(), nb::arg("exp_avg_sq").none(),
+             "Copies a parameter's fp32 master weights and moments into the given arrays (call wait() first).")
+      .def("write_state",
+           [](PyEngine& e, std::size_t i, std::optional<F32Array> master, std::optional<F32Array> exp_avg,
+              std::optional<F32Array> exp_avg_sq) {
+             const float* ptrs[3] = {e.state_array(i, master, "master"), e.state_array(i, exp_avg, "exp_avg"),
+                                     e.state_array(i, exp_avg_sq, "exp_avg_sq")};
+             e.call([&](OffloadOptimizer& o) { return o.write_state(i, ptrs[0], ptrs[1], ptrs[2]); });
+           },
+           nb::arg("param"), nb::arg("master").none(), nb::arg("exp_avg").none(), nb::arg("exp_avg_sq").none(),
+           "Replaces a parameter's fp32 master weights and moments (None: kept); the device weights follow.")
+      .def_prop_ro("state_sizes", [](PyEngine& e) { return e.get().state_sizes(); },
+                   "Elements of each parameter (partitioned: each piece) read_state/write_state take.")
+      .def("set_step_count",
+           [](PyEngine& e, std::int64_t steps) { e.call([steps](OffloadOptimizer& o) { return o.set_step_count(steps); }); },
+           nb::arg("steps"))
+      .def("set_grads_absent",
+           [](PyEngine& e, const std::vector<std::size_t>& which) {
+             e.call([&which](OffloadOptimizer& o) { return o.set_grads_absent(which); });
+           },
+           nb::arg("params"),
+           "The parameters (engine numbering) whose gradient is None this iteration: the coming step leaves them "
+           "as they are (state, weights, step count). Replaces the previous list.")
+      .def("moments_view",
+           [](nb::handle self, std::size_t i, int which) -> nb::object {
+             PyEngine& e = nb::cast<PyEngine&>(self);
+             float* at = e.get().moments_of(i, which);
+             if (at == nullptr) return nb::none();
+             const std::size_t n = e.get().state_sizes()[i];
+             // The array keeps the engine alive: the view cannot outlive the memory it shows.
+             return nb::cast(nb::ndarray<nb::numpy, float, nb::ndim<1>>(at, {n}, self));
+           },
+           nb::arg("param"), nb::arg("which"),
+           "Tier ram with fp32 moments: a numpy view of parameter `param`'s exp_avg (1) or exp_avg_sq (2) in the "
+           "engine's memory (it keeps the engine alive); None otherwise.")
+      .def("set_grad_sources",
+           [](PyEngine& e, const std::vector<std::size_t>& params, const std::vector<std::uintptr_t>& addresses) {
+             if (params.size() != addresses.size()) throw nb::value_error("set_grad_sources: one address per parameter");
+             e.call([&](OffloadOptimizer& o) {
+               for (std::size_t k = 0; k < params.size(); ++k) {
+                 if (Status s = o.set_grad_source(params[k], reinterpret_cast<const void*>(addresses[k])); !s.ok()) return s;
+               }
+               return Status::success();
+             });
+           },
+           nb::arg("params"), nb::arg("addresses"),
+           "Where each parameter's gradient is from now on (a tensor's data_ptr(); it must outlive its use).")
+      .def("param_step_count", [](PyEngine& e, std::size_t i) { return e.get().param_step_count(i); }, nb::arg("param"),
+           "Steps applied to this parameter (torch's state[p]['step']).")
+      .def("set_param_step_count",
+           [](PyEngine& e, std::size_t i, std::int64_t steps) {
+             e.call([i, steps](OffloadOptimizer& o) { return o.set_param_step_count(i, steps); });
+           },
+           nb::arg("param"), nb::arg("steps"));
+}
+
+}  // namespace
+
+void bind_engine(nb::module_& m) {
+  nb::class_<PyEngine> engine(m, "Engine", "zoe's OffloadOptimizer over parameters given by address on a Device.");
+  bind_engine_steps(engine);
+  bind_engine_settings(engine);
+  bind_engine_state(engine);
+}
+
+}  // namespace zoe::python
