@@ -75,11 +75,15 @@ class TorchCollectives:
         everyone = _tensor_at(recv, count * self._world, dt, self.device)
         # This rank's shard may be part of `everyone`: a copy of it is sent.
         mine = _tensor_at(send, count, dt, self.device).clone()
+        self.gather_tensor(everyone, mine)
+        self._finish()
+
+    def gather_tensor(self, everyone: torch.Tensor, mine: torch.Tensor) -> None:
+        """Every rank's ``mine`` into ``everyone`` (W times as long), in rank order."""
         if self._gloo:
             dist.all_gather(list(everyone.chunk(self._world)), mine, group=self.group)
         else:
             dist.all_gather_into_tensor(everyone, mine, group=self.group)
-        self._finish()
 
     def all_reduce_host(self, values: list[float]) -> list[float]:
         where = "cpu" if self._gloo else self.device

@@ -43,7 +43,7 @@ def local_numel(p: torch.Tensor) -> int:
 
 
 class _LocalBucket:
-    """The gradients of one dtype's local shards (a ``_Bucket`` of one rank: no weights of its own — the
+    """The gradients of one dtype's local shards (a ``Bucket`` of one rank: no weights of its own — the
     shards are FSDP2's)."""
 
     def __init__(self, dtype, device, slots):
@@ -190,58 +190,59 @@ class ShardedParams:
         sum_sq, ranks_bad = t.tolist()
         return math.sqrt(sum_sq), int(ranks_bad)
 
-    def global_norm(self, opt) -> float:
+    def global_norm(self, engine) -> float:
         """clip_grad_norm_'s total norm: over every rank's shards."""
-        norm, ranks_bad = self._global(opt._engine.grad_norm())
+        norm, ranks_bad = self._global(engine.grad_norm())
         self._norm_taken = True
         return math.nan if ranks_bad else norm
 
-    def agree(self, opt) -> None:
-        """Before the engine's step, so that every rank of the mesh decides alike: the clip coefficient from
-        the global norm, and a refusal or fp16 overflow skip when any rank's shard is non-finite."""
+    def agree(self, flat, max_norm: float, refuse: bool) -> None:
+        """Before the engine's step of the optimizer's FlatState (``flat``), so that every rank of the mesh
+        decides alike: the clip coefficient from the global norm (``max_norm``: this step's, 0 for none), and
+        a refusal (``refuse``: of non-finite gradients) or fp16 overflow skip when any rank's shard is
+        non-finite."""
         self.check_storage()
-        max_norm = opt._clip_once if opt._clip_once is not None else opt._max_grad_norm
-        refuse = opt._options["refuse_non_finite"] and not opt._loss_scaling
-        if not (max_norm or opt._loss_scaling or refuse):
-            self._set_max_norm(opt, 0.0)
+        engine = flat.engine
+        if not (max_norm or flat.loss_scaling or refuse):
+            self._set_max_norm(engine, 0.0)
             return
         if self._norm_taken:
             # Taken for clip_grad_norm_: a trainer's edit since then may be invisible to version counters.
-            opt._engine.grads_changed()
+            engine.grads_changed()
             self._norm_taken = False
-        local = opt._engine.grad_norm()
+        local = engine.grad_norm()
         norm, ranks_bad = self._global(local)
         if ranks_bad:
-            self._set_max_norm(opt, 0.0)  # as in one process: no clipping by a non-finite norm
+            self._set_max_norm(engine, 0.0)  # as in one process: no clipping by a non-finite norm
             if refuse:
                 # Refused before the engine steps, on every rank alike; the engine takes the gradients anew
                 # next time.
-                opt._engine.grads_changed()
+                engine.grads_changed()
                 here = "non-finite" if not math.isfinite(local) else "finite"
                 raise _zoe.InvalidArgumentError(
                     f"step refused: NaN/Inf gradients on {ranks_bad} of the ranks of the {_mesh_str(self.mesh)} "
                     f"(this rank's shards are {here}); no state changed (refuse_non_finite=False lets them propagate "
                     "as torch.optim does)")
-            if opt._loss_scaling and math.isfinite(local):
-                self._inject_overflow(opt)
+            if flat.loss_scaling and math.isfinite(local):
+                self._inject_overflow(flat)
             return
         # The engine clips by max_norm' / (local + 1e-6); this max_norm' makes that torch's coefficient
         # max_norm / (global + 1e-6), to the float rounding of max_norm'.
         coef = max_norm / (norm + 1e-6) if max_norm else 1.0
-        self._set_max_norm(opt, max(coef * (local + 1e-6), _F32_TINY) if coef < 1.0 else 0.0)
+        self._set_max_norm(engine, max(coef * (local + 1e-6), _F32_TINY) if coef < 1.0 else 0.0)
 
-    def _set_max_norm(self, opt, value: float) -> None:
+    def _set_max_norm(self, engine, value: float) -> None:
         if value != self._engine_max_norm:
-            opt._engine.set_max_grad_norm(value)
+            engine.set_max_grad_norm(value)
             self._engine_max_norm = value
 
-    def _inject_overflow(self, opt) -> None:
+    def _inject_overflow(self, flat) -> None:
         # The engine's loss scaler must skip and back off with the ranks that overflowed; it skips what it
         # sees, so it is shown one non-finite element, put back after the step.
-        b = next(b for b in opt._buckets if b.grads.numel())
+        b = next(b for b in flat.buckets if b.grads.numel())
         self._injected = (b, b.grads[0].item())
         b.grads[0] = math.inf
-        opt._engine.grads_changed()
+        flat.engine.grads_changed()
 
     def end_iteration(self) -> None:
         if self._injected is not None:

@@ -19,12 +19,12 @@ import contextlib
 import json
 import math
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
 from . import _dtensor, _scratch, _zoe
+from ._flat import FlatState
 
 try:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -39,103 +39,13 @@ def rank_file(folder: str, rank: int, world: int) -> str:
     return os.path.join(folder, "zoe", f"rank{rank}-of-{world}.zoe")
 
 
-def _callers(depth: int = 10) -> list[tuple[str, str]]:
-    """(module, function) of the frames above the caller, nearest first."""
-    out, frame = [], sys._getframe(1)
-    while frame is not None and len(out) < depth:
-        out.append((frame.f_globals.get("__name__", ""), frame.f_code.co_name))
-        frame = frame.f_back
-    return out
-
-
-def called_by_accelerate_prepare() -> bool:
-    """state_dict() called by Accelerate's AcceleratedOptimizer (prepare()), which moves it to the device and
-    loads it straight back: a round trip that needs no copy of the state (and must not put it on a GPU)."""
-    return any(module == "accelerate.optimizer" and name == "__init__" for module, name in _callers())
-
-
-def called_by_distributed_checkpoint() -> bool:
-    """A call from torch.distributed.checkpoint's get_/set_(optimizer_)state_dict: they keep only "state" and
-    "param_groups" of an optimizer's state_dict, with tensors they can save and reshard — torch's format."""
-    return any(module.startswith("torch.distributed.checkpoint") for module, _ in _callers(16))
-
-
-def called_to_initialise_state() -> bool:
-    """step() from torch.distributed.checkpoint's _init_optim_state, which steps with zero gradients and lr 0
-    to make a torch optimizer create its state. zoe's state exists from construction; Adam's moments would
-    decay and the step count advance."""
-    return any(module.startswith("torch.distributed.checkpoint") and name == "_init_optim_state"
-               for module, name in _callers(12))
-
-
-# The trainers' save paths that call state_dict() on rank 0 only (transformers' Trainer; Accelerate's
-# save_state, which writes the main process's state_dict).
-_RANK0_SAVERS = {("transformers.trainer", "_save_optimizer_and_scheduler"),
-                 ("accelerate.checkpointing", "save_accelerator_state")}
-
-
-def refuse_rank0_only_save(world: int) -> None:
-    """A partitioned optimizer's state_dict() holds one rank's partition: saved from rank 0 alone, the others'
-    would be lost. Refused at save time, naming the fix."""
-    if world > 1 and any(caller in _RANK0_SAVERS for caller in _callers()):
-        raise RuntimeError(
-            f"zoe.torch.OffloadOptimizer: the trainer saves state_dict() from rank 0 only, but each of the {world} "
-            "ranks holds its own partition of the optimizer state, so the checkpoint would lack the others'. With "
-            "transformers' Trainer add the callback: Trainer(..., callbacks=[zoe.hf.ZoeCheckpointCallback(opt)]); "
-            "with Accelerate: zoe.hf.register_accelerator_hooks(accelerator, opt). Each rank then saves its own "
-            "file beside the checkpoint.")
-
-
-def refuse_trainer_without_callback(opt) -> None:
-    """On every rank at the first step of a partitioned optimizer under transformers' Trainer that will save
-    checkpoints: without zoe.hf.ZoeCheckpointCallback only rank 0's partition would be saved. Refused here,
-    where every rank can stop together, rather than at the first save, where rank 0 alone would."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_globals.get("__name__") == "transformers.trainer" and frame.f_code.co_name == "_inner_training_loop":
-            break
-        frame = frame.f_back
-    if frame is None:
-        return
-    trainer = frame.f_locals.get("self")
-    strategy = str(getattr(getattr(trainer, "args", None), "save_strategy", "no"))
-    if strategy.lower().endswith("no"):
-        return
-    from .hf import ZoeCheckpointCallback
-
-    callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", [])
-    if any(isinstance(c, ZoeCheckpointCallback) and c.optimizer is opt for c in callbacks):
-        return
-    raise RuntimeError(
-        f"zoe.torch.OffloadOptimizer: transformers' Trainer saves the optimizer's state_dict() from rank 0 only, "
-        f"but each of the {opt._world} ranks holds its own partition of the optimizer state, so its checkpoints "
-        "would lack the others'. Add the callback: Trainer(..., callbacks=[zoe.hf.ZoeCheckpointCallback(opt)]); "
-        "each rank then saves its own file beside the checkpoint.")
-
-
-def pieces(opt) -> list[tuple]:
-    """The engine's parameters in its order (OffloadOptimizer._make_engine's): (slot, first element within the
-    parameter, elements) of each slot's part of this rank's shard of its bucket."""
-    out = []
-    for b in opt._buckets:
-        lo, hi = opt._rank * b.shard_numel, (opt._rank + 1) * b.shard_numel
-        for s in b.slots:
-            if s.windowed:  # not partitioned (one rank), and not in the flat buffers
-                out.append((s, 0, s.numel))
-                continue
-            a, z = max(lo, s.offset), min(hi, s.offset + s.numel)
-            if a < z:
-                out.append((s, a - s.offset, z - a))
-    return out
-
-
-def _saved_keys(opt, sd: dict) -> list:
+def _saved_keys(param_groups, sd: dict) -> list:
     """The key of each of the optimizer's parameters in sd["state"], in param-group order: torch numbers them,
     torch.distributed.checkpoint names them (FQNs); as torch's load_state_dict, matched by position."""
     groups = sd["param_groups"]
-    if len(groups) != len(opt.param_groups):
-        raise ValueError(f"this state_dict has {len(groups)} param groups, the optimizer {len(opt.param_groups)}")
-    for gi, (saved, mine) in enumerate(zip(groups, opt.param_groups)):
+    if len(groups) != len(param_groups):
+        raise ValueError(f"this state_dict has {len(groups)} param groups, the optimizer {len(param_groups)}")
+    for gi, (saved, mine) in enumerate(zip(groups, param_groups)):
         if len(saved["params"]) != len(mine["params"]):
             raise ValueError(f"param group {gi} of this state_dict has {len(saved['params'])} parameters, the "
                              f"optimizer's {len(mine['params'])}: it is for a different model")
@@ -164,16 +74,16 @@ def _as_local(t: torch.Tensor, s, what: str) -> torch.Tensor:
     return t.detach().to("cpu", torch.float32).reshape(-1)
 
 
-def read_torch_state(opt, sd: dict):
-    """A torch-format state checked against the optimizer's parameters and brought to fp32 tensors per
-    parameter, this optimizer's elements of each (a DTensor parameter's local shard): ({index: (master,
-    exp_avg, exp_avg_sq)}, step). Nothing changes here; a bad state raises."""
+def read_torch_state(flat: FlatState, param_groups, sd: dict):
+    """A torch-format state checked against the optimizer's parameters (its FlatState and param groups) and
+    brought to fp32 tensors per parameter, this optimizer's elements of each (a DTensor parameter's local
+    shard): ({index: (master, exp_avg, exp_avg_sq)}, step). Nothing changes here; a bad state raises."""
     state = sd.get("state", {})
     masters = sd.get("zoe_masters", {})
-    keys = _saved_keys(opt, sd)
+    keys = _saved_keys(param_groups, sd)
     steps = {}  # torch keeps a step per parameter; one without state has not been stepped
     full = {}
-    for s in opt._slots:
+    for s in flat.slots:
         key = keys[s.index]
         st = state.get(key, state.get(str(key)))
         if st is None:
@@ -205,10 +115,10 @@ def read_torch_state(opt, sd: dict):
     return full, steps
 
 
-def read_loss_scale(opt, sd: dict):
+def read_loss_scale(flat: FlatState, sd: dict):
     """The loss scaler's state a torch-format state_dict carries (None: none, or this optimizer does not scale)."""
     ls = next((g["zoe_loss_scale"] for g in sd["param_groups"] if "zoe_loss_scale" in g), None)
-    if ls is None or not opt._loss_scaling:
+    if ls is None or not flat.loss_scaling:
         return None
     try:
         scale, clean, left = (float(ls[0]), int(ls[1]), int(ls[2]))
@@ -219,75 +129,65 @@ def read_loss_scale(opt, sd: dict):
     return scale, clean, left
 
 
-def write_torch_state(opt, full: dict, steps: dict) -> None:
+def write_torch_state(flat: FlatState, full: dict, steps: dict) -> None:
     """The state read_torch_state made, into this rank's pieces; the weights then agree on every rank. The
     optimizer's step count is the largest parameter's; each parameter keeps its own."""
-    opt._engine.set_step_count(max(steps.values(), default=0))
-    for s, begin, n in pieces(opt):
+    engine = flat.engine
+    engine.set_step_count(max(steps.values(), default=0))
+    for s, begin, n in flat.pieces():
         master, m, v = (t[begin:begin + n].contiguous() for t in full[s.index])
-        opt._engine.write_state(s.engine_ids[0], master, m, v)
+        engine.write_state(s.engine_ids[0], master, m, v)
         for i in s.engine_ids:
-            opt._engine.set_param_step_count(i, steps.get(s.index, 0))
-    if opt._world > 1:
-        _gather_weights(opt)
+            engine.set_param_step_count(i, steps.get(s.index, 0))
+    if flat.world > 1:
+        flat.gather_weights()
 
 
-def _gather_weights(opt) -> None:
-    """Every rank's shard of the weights into every rank's buckets (write_state set this rank's only)."""
-    comm = opt._dp.collectives
-    for b in opt._buckets:
-        shard = b.weights[opt._rank * b.shard_numel:(opt._rank + 1) * b.shard_numel].clone()
-        if comm._gloo:
-            dist.all_gather(list(b.weights.chunk(opt._world)), shard, group=comm.group)
-        else:
-            dist.all_gather_into_tensor(b.weights, shard, group=comm.group)
-
-
-def torch_state(opt, masters_in_state: bool = False) -> dict:
+def torch_state(flat: FlatState, param_groups, masters_in_state: bool = False) -> dict:
     """fp32 tensors per parameter: moments and step, and the masters as ``zoe_masters`` (``masters_in_state``:
     as each parameter's ``zoe_master``). Whole tensors, gathered over zoe's partition; DTensors of the
     parameter's placements for DTensor (FSDP2) parameters, each rank its shards."""
-    opt._engine.wait()
-    step = int(opt._engine.step_count)
-    if opt._dtensor is not None:
-        weights = _dtensor_state(opt)
+    flat.engine.wait()
+    step = int(flat.engine.step_count)
+    if flat.dtensor is not None:
+        weights = _dtensor_state(flat)
     else:
-        weights = _gathered_state(opt)
+        weights = _gathered_state(flat)
     state, masters = {}, {}
-    own = {s.index: opt._engine.param_step_count(s.engine_ids[0]) for s in opt._slots if s.engine_ids}
+    own = {s.index: flat.engine.param_step_count(s.engine_ids[0]) for s in flat.slots if s.engine_ids}
     for index, (p, m, v) in weights.items():
         state[index] = {"step": torch.tensor(float(own.get(index, step))), "exp_avg": m, "exp_avg_sq": v}
         if masters_in_state:
             state[index]["zoe_master"] = p
         else:
             masters[index] = p
-    sd = {"state": state, "param_groups": _param_groups(opt)}
+    sd = {"state": state, "param_groups": _param_groups(flat, param_groups)}
     if not masters_in_state:
         sd["zoe_masters"] = masters
     return sd
 
 
-def _gathered_state(opt) -> dict:
+def _gathered_state(flat: FlatState) -> dict:
     """{index: (master, exp_avg, exp_avg_sq)}, whole, every rank's partition gathered."""
-    flat = {b.dtype: torch.zeros(3, b.shard_numel, dtype=torch.float32) for b in opt._buckets}
-    owner = {id(s): b for b in opt._buckets for s in b.slots}
+    shards = {b.dtype: torch.zeros(3, b.shard_numel, dtype=torch.float32) for b in flat.buckets}
+    owner = {id(s): b for b in flat.buckets for s in b.slots}
     windowed = {}
-    for s, begin, n in pieces(opt):
+    for s, begin, n in flat.pieces():
         b = owner[id(s)]
-        at = s.offset + begin - opt._rank * b.shard_numel
+        at = s.offset + begin - flat.rank * b.shard_numel
         bufs = [torch.empty(n, dtype=torch.float32) for _ in range(3)]
-        opt._engine.read_state(s.engine_ids[0], *bufs)
+        flat.engine.read_state(s.engine_ids[0], *bufs)
         if s.windowed:
             windowed[s.index] = tuple(t.view(s.shape) for t in bufs)
             continue
         for k in range(3):
-            flat[b.dtype][k, at:at + n] = bufs[k]
+            shards[b.dtype][k, at:at + n] = bufs[k]
     out = {}
-    for b in opt._buckets:
-        mine = flat[b.dtype]
-        if opt._world > 1:
-            everyone = [torch.empty_like(mine) for _ in range(opt._world)]
-            dist.all_gather(everyone, mine, group=opt._dp.collectives.group)
+    for b in flat.buckets:
+        mine = shards[b.dtype]
+        if flat.world > 1:
+            everyone = [torch.empty_like(mine) for _ in range(flat.world)]
+            dist.all_gather(everyone, mine, group=flat.dp.collectives.group)
             whole = torch.cat(everyone, dim=1)
         else:
             whole = mine
@@ -297,27 +197,27 @@ def _gathered_state(opt) -> dict:
     return out
 
 
-def _dtensor_state(opt) -> dict:
+def _dtensor_state(flat: FlatState) -> dict:
     """{index: (master, exp_avg, exp_avg_sq)} as DTensors over this rank's shards (host memory: nothing of
     the offloaded state goes to the accelerator)."""
     out = {}
-    for s in opt._slots:
+    for s in flat.slots:
         p = s.param
         local = [torch.zeros(s.numel, dtype=torch.float32) for _ in range(3)]
         if s.engine_ids:
-            opt._engine.read_state(s.engine_ids[0], *local)
+            flat.engine.read_state(s.engine_ids[0], *local)
         out[s.index] = tuple(
             _dtensor.DTensor.from_local(t.view(p._local_tensor.shape), p.device_mesh, p.placements, run_check=False,
                                         shape=p.shape, stride=p.stride()) for t in local)
     return out
 
 
-def _param_groups(opt) -> list[dict]:
+def _param_groups(flat: FlatState, param_groups) -> list[dict]:
     """torch.optim.AdamW's param_groups: zoe's hyper-parameters, torch's flags at their defaults, and an fp16
     run's loss scaler."""
-    scaler = list(opt._engine.loss_scale_state) if opt._loss_scaling else None
+    scaler = list(flat.engine.loss_scale_state) if flat.loss_scaling else None
     out, index = [], 0
-    for g in opt.param_groups:
+    for g in param_groups:
         d = {k: v for k, v in g.items() if k not in ("params", "adamw", "zoe_loss_scale")}
         d.update(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
                  decoupled_weight_decay=bool(g.get("adamw", True)))
@@ -403,7 +303,7 @@ def consolidate(state_dicts) -> dict:
 def blob_file(meta: dict, state: dict | None):
     """A state_dict's engine checkpoint as a temporary file, for the engine's readers: ``meta["checkpoint"]``
     (uint8), with the moments put back from torch's ``state`` where ``meta["moments"]`` cut them out
-    (OffloadOptimizer._save_engine_into). The file's checksums then tell whether they are the ones saved."""
+    (StateDictMethods._save_engine_into). The file's checksums then tell whether they are the ones saved."""
     blob = meta["checkpoint"].cpu().numpy()
     with _scratch.scratch_file() as path:
         with open(path, "wb") as f:
@@ -441,10 +341,8 @@ def export_fp32(source, out_dir, names=None, moments: bool = False) -> list[str]
     ``model.named_parameters()``). Returns the files written."""
     from safetensors.torch import save_file
 
-    from .torch import OffloadOptimizer
-
-    if isinstance(source, OffloadOptimizer):
-        sd = torch_state(source)
+    if isinstance(source, torch.optim.Optimizer) and hasattr(source, "torch_state_dict"):  # an OffloadOptimizer
+        sd = source.torch_state_dict()
         groups = source.param_groups
     elif isinstance(source, (list, tuple)):
         sd = consolidate(source)

@@ -61,10 +61,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 import sys
 import threading
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -73,6 +72,7 @@ from . import _checks, _zoe
 from ._stream import TorchStream, host_wait_stats
 from ._data_parallel import _CudaMemory
 from ._dtensor import is_dtensor
+from ._offload_blocks import Active, Frame, SavedView, block_selector, contiguous_strides, plan, storage_view
 
 __all__ = ["ParamOffload", "offload_parameters", "full_shape", "set_grad"]
 
@@ -96,8 +96,6 @@ def set_grad(p: torch.Tensor, grad: torch.Tensor | None) -> None:
     finally:
         p.data = placeholder
 
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # The saved-tensor hooks in force (None: none). Inside a checkpointed region they are checkpointing's, which
 # this module must not displace.
@@ -145,18 +143,7 @@ def offload_parameters(model: nn.Module, device: str = "cpu", nvme_path: str | S
             "FSDP2's shards yet: offload the parameters of a model that is not sharded, or use FSDP2's own "
             "CPUOffloadPolicy with zoe's OffloadOptimizer for the optimizer state. Nothing was changed.")
     return ParamOffload(model, "ram" if device == "cpu" else "nvme", paths, prefetch, budget_bytes or 0,
-                        tier_factory, _block_selector(block_modules))
-
-
-def _block_selector(block_modules) -> Callable[[str, nn.Module], bool]:
-    if block_modules is None:
-        return lambda name, m: True
-    if isinstance(block_modules, type) or (isinstance(block_modules, tuple)
-                                           and all(isinstance(c, type) for c in block_modules)):
-        return lambda name, m: isinstance(m, block_modules)
-    if callable(block_modules):
-        return block_modules
-    raise TypeError("block_modules: a module class, a tuple of them, or a predicate (name, module) -> bool")
+                        tier_factory, block_selector(block_modules))
 
 
 class _Lease:
@@ -175,54 +162,6 @@ class _Lease:
         self.offload._release(self.block, self.address)
 
 
-class _SavedView(NamedTuple):
-    """A saved tensor that lies in a block, by position rather than address."""
-    block: int
-    byte_offset: int
-    dtype: torch.dtype
-    size: torch.Size
-    stride: tuple[int, ...]
-    version: int  # the write-backs when saved (gathered()): weights written since make the graph stale
-
-
-class _Active:
-    """A block fetched for the hooks: how many module calls and gradient accumulations use it now, and the
-    storage its parameters' ``.data`` are views of."""
-
-    __slots__ = ("count", "storage")
-
-    def __init__(self, storage: torch.UntypedStorage):
-        self.count = 1
-        self.storage = storage
-
-
-class _Frame:
-    """One module call between its forward hooks: the blocks its pre-hook took and whether it installed
-    the saved-tensor hooks, so that the post-hook (also run when forward raises) undoes exactly that."""
-
-    __slots__ = ("module", "blocks", "pushed")
-
-    def __init__(self, module: nn.Module):
-        self.module = module
-        self.blocks: list[int] = []
-        self.pushed = False
-
-
-def _view(storage: torch.UntypedStorage, byte_offset: int, dtype: torch.dtype, size, stride) -> torch.Tensor:
-    item = dtype.itemsize
-    if byte_offset % item:
-        raise RuntimeError(f"zoe parameter offload: offset {byte_offset} is not aligned to {dtype}")
-    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, byte_offset // item, size, stride)
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
-
-
 class ParamOffload:
     """The installed parameter offload of one model (see the module docstring).
 
@@ -236,7 +175,7 @@ class ParamOffload:
             if hasattr(p, "_zoe_param_offload"):
                 raise RuntimeError("offload_parameters: this model's parameters are offloaded already")
         self._model = model
-        self.blocks, self._module_blocks = _plan(model, select)
+        self.blocks, self._module_blocks = plan(model, select)
         if not self.blocks:
             raise ValueError("offload_parameters: the model has no float16/bfloat16/float32 parameters")
         devices = {p.device for _, ps in self.blocks for p in ps}
@@ -249,7 +188,7 @@ class ParamOffload:
 
         self._names = [name for name, _ in self.blocks]
         self._shapes = {p: p.shape for _, ps in self.blocks for p in ps}
-        self._strides = {p: _contiguous_strides(p.shape) for p in self._shapes}
+        self._strides = {p: contiguous_strides(p.shape) for p in self._shapes}
         entry_bytes = [[p.numel() * p.element_size() for p in ps] for _, ps in self.blocks]
         if tier_factory is None:
             zdev = _zoe.cpu_device() if self._device.type == "cpu" else _zoe.cuda_device(self._device.index)
@@ -266,7 +205,7 @@ class ParamOffload:
         self._offsets = [[int(self.tier.entry_offset(b, e)) for e in range(len(ps))]
                          for b, (_, ps) in enumerate(self.blocks)]
 
-        self._active: dict[int, _Active] = {}
+        self._active: dict[int, Active] = {}
         self._live: dict[int, list] = {}  # block address -> [block, leases on it]
         self._write_backs = 0  # gathered() write-backs of every block's weights (edits(), saved tensors)
         self._acc_pending = [0] * len(self.blocks)  # gradient accumulations under way, by block
@@ -355,8 +294,8 @@ class ParamOffload:
             return
         storage = self._fetch(block, backward)
         for p, off in zip(self.blocks[block][1], self._offsets[block]):
-            p.data = _view(storage, off, p.dtype, self._shapes[p], self._strides[p])
-        self._active[block] = _Active(storage)
+            p.data = storage_view(storage, off, p.dtype, self._shapes[p], self._strides[p])
+        self._active[block] = Active(storage)
 
     def _drop(self, block: int) -> None:
         active = self._active[block]
@@ -376,19 +315,19 @@ class ParamOffload:
                 live = None
             if live is not None:
                 b = live[0]
-                return _SavedView(b, t.storage_offset() * t.element_size(), t.dtype, t.size(), t.stride(),
+                return SavedView(b, t.storage_offset() * t.element_size(), t.dtype, t.size(), t.stride(),
                                   self._write_backs)
         # Detached: a saved output held as itself would keep its own autograd node alive.
         return t.detach()
 
     def _unpack(self, saved):
-        if not isinstance(saved, _SavedView):
+        if not isinstance(saved, SavedView):
             return saved
         if self._write_backs != saved.version:
             raise RuntimeError(f"zoe parameter offload: the weights of block {saved.block} "
                                f"('{self._names[saved.block]}') were written after the forward that saved "
                                "them for backward")
-        return _view(self._fetch(saved.block, True), saved.byte_offset, saved.dtype, saved.size, saved.stride)
+        return storage_view(self._fetch(saved.block, True), saved.byte_offset, saved.dtype, saved.size, saved.stride)
 
     def _push_hooks(self) -> bool:
         """Installs the saved-tensor hooks unless some are in force (this module's, or checkpointing's)."""
@@ -407,7 +346,7 @@ class ParamOffload:
 
     # -- module hooks ------------------------------------------------------------------------------------
 
-    def _frames(self) -> list[_Frame]:
+    def _frames(self) -> list[Frame]:
         frames = getattr(self._local, "frames", None)
         if frames is None:
             frames = self._local.frames = []
@@ -419,7 +358,7 @@ class ParamOffload:
         if module is self._model and not backward:
             self._recover(frames)
             self.check_edits()
-        frame = _Frame(module)
+        frame = Frame(module)
         frames.append(frame)
         if self._gathered:
             return
@@ -459,7 +398,7 @@ class ParamOffload:
                        "parameters of a submodule without calling it, make the reading module a block of its "
                        "subtree: offload_parameters(..., block_modules=(ThatModuleClass,)).")
 
-    def _unwind(self, frame: _Frame) -> None:
+    def _unwind(self, frame: Frame) -> None:
         try:
             for b in reversed(frame.blocks):
                 self._drop(b)
@@ -467,7 +406,7 @@ class ParamOffload:
             if frame.pushed:
                 self._pop_hooks()
 
-    def _recover(self, frames: list[_Frame]) -> None:
+    def _recover(self, frames: list[Frame]) -> None:
         """Undoes what an interrupted forward or backward left before the model's next forward: a
         KeyboardInterrupt skips the always-called post-hooks (they catch Exception), a backward that raised
         skips the accumulation post-hooks. (A model that calls itself from its own forward is taken for an
@@ -642,36 +581,3 @@ class ParamOffload:
     def __repr__(self) -> str:
         total = sum(self._block_bytes)
         return f"ParamOffload({len(self.blocks)} blocks, {total} bytes)"
-
-
-def _plan(model: nn.Module, select: Callable[[str, nn.Module], bool]):
-    """The blocks ``[(name, [params])]`` and, for each module whose forward fetches, the blocks of every
-    parameter its forward reads directly: its own and its descendants' down to the next block module, tied
-    ones included (a block module's "domain")."""
-    blocks: list[tuple[str, list[nn.Parameter]]] = []
-    owner: dict[nn.Parameter, int] = {}
-    block_of_host: dict[nn.Module, int] = {}
-    uses: dict[nn.Module, dict[nn.Parameter, None]] = {}
-
-    # Not named_modules(): it lists a shared module once, under its first parent, and the domain of every
-    # block module that calls it must include it.
-    def visit(name: str, m: nn.Module, host: nn.Module, host_name: str) -> None:
-        if m is model or select(name, m):
-            host, host_name = m, name
-        used = uses.setdefault(host, {})
-        for p in m.parameters(recurse=False):
-            if p.dtype not in _DTYPES or p.numel() == 0:
-                continue
-            used[p] = None
-            if p not in owner:
-                if host not in block_of_host:
-                    block_of_host[host] = len(blocks)
-                    blocks.append((host_name or "(root)", []))
-                owner[p] = block_of_host[host]
-                blocks[owner[p]][1].append(p)
-        for child_name, child in m.named_children():
-            visit(f"{name}.{child_name}" if name else child_name, child, host, host_name)
-
-    visit("", model, model, "")
-    module_blocks = {host: sorted({owner[p] for p in used}) for host, used in uses.items()}
-    return blocks, module_blocks

@@ -1,13 +1,18 @@
 """OffloadOptimizer's state_dict and load_state_dict (mixed into zoe.torch.OffloadOptimizer): zoe's own format
 (this rank's engine checkpoint, inline or as a file beside a trainer's checkpoint), torch.optim's format, and
-every rank's state_dicts of a run of another size (_interop.py)."""
+every rank's state_dicts of a run of another size (_interop.py).
+
+The state is the optimizer's FlatState (``self._flat``, _flat.py), read and written through its interface;
+besides it this mixin uses torch.optim.Optimizer's own state_dict()/load_state_dict() for the param groups,
+``self.state`` (_state_view.py), ``step_count``, and ``_weights_loaded()`` (_weight_edits.py) after a load.
+Its own fields: ``_saved_to`` and ``_load_folder`` (save_to()/load_from())."""
 from __future__ import annotations
 
 import os
 
 import torch
 
-from . import _checks, _interop, _param_offload, _scratch, _serial, _torch_flags, _zoe
+from . import _adaptations, _checks, _interop, _scratch, _serial, _torch_flags, _zoe
 
 _STATE_FORMAT = _interop.STATE_FORMAT
 
@@ -34,14 +39,8 @@ def _read_into(f, buffer: memoryview) -> int:
 class StateDictMethods:
     """state_dict() and load_state_dict() of OffloadOptimizer, and the file-based save_to()/load_from()."""
 
-    def _layout(self) -> list:
-        extra = self._dtensor.describe if self._dtensor is not None else lambda p: []
-        return [[list(_param_offload.full_shape(p)), str(p.dtype), bool(p.requires_grad)] + extra(p)
-                for g in self.param_groups for p in g["params"]]
-
-    def _partition(self) -> tuple[int, int]:
-        """(world size, rank) of the state this rank holds: zoe's partition, or FSDP2's shards."""
-        return self._dtensor.ranks() if self._dtensor is not None else (self._world, self._rank)
+    _saved_to: str | None = None  # save_to(): the next state_dict() refers to each rank's file there
+    _load_folder: str | None = None  # load_from(): where the next load_state_dict() finds them
 
     @_serial.serialised
     def state_dict(self) -> dict:
@@ -54,13 +53,14 @@ class StateDictMethods:
         format instead, which it can save and reshard (see ``torch_state_dict``), with the masters in each
         parameter's state as ``zoe_master``: DTensors of this rank's shards for FSDP2, else whole tensors
         (gathered over zoe's partition; collective)."""
-        if _interop.called_by_distributed_checkpoint():
-            return _interop.torch_state(self, masters_in_state=True)
-        world, rank = self._partition()
+        flat = self._flat
+        if _adaptations.called_by_distributed_checkpoint():
+            return _interop.torch_state(flat, self.param_groups, masters_in_state=True)
+        world, rank = flat.partition()
         folder, self._saved_to = self._saved_to, None
-        live = folder is None and _interop.called_by_accelerate_prepare()
+        live = folder is None and _adaptations.called_by_accelerate_prepare()
         if folder is None and not live:
-            _interop.refuse_rank0_only_save(world)
+            _adaptations.refuse_rank0_only_save(world)
         with self.state.hidden():  # torch's packing would copy every parameter's moments
             sd = super().state_dict()
         empty = torch.empty(0, dtype=torch.uint8)
@@ -68,9 +68,9 @@ class StateDictMethods:
             "format": _STATE_FORMAT,
             "world_size": world,
             "rank": rank,
-            "layout": self._layout(),
+            "layout": flat.layout(self.param_groups),
             # The engine's parameters: (parameter index, first element, elements), for consolidate_state_dicts.
-            "pieces": [[s.index, begin, n] for s, begin, n in _interop.pieces(self)] if self._dtensor is None else None,
+            "pieces": [[s.index, begin, n] for s, begin, n in flat.pieces()] if flat.dtensor is None else None,
             "checkpoint": empty,
         }
         if folder is not None:
@@ -90,11 +90,12 @@ class StateDictMethods:
         ``zoe.checkpoint`` with those two ranges cut out (``zoe.moments``: where they go back, for zoe's own
         load, which checks every byte against the file's checksums). A partitioned optimizer (zoe's pieces,
         FSDP2's shards) keeps the whole file in ``zoe.checkpoint``."""
+        flat = self._flat
         with _scratch.scratch_file() as path:
-            self._engine.save(path, record_names=False)  # param_groups name them, as torch's do
+            flat.engine.save(path, record_names=False)  # param_groups name them, as torch's do
             size = os.path.getsize(path)
             holes = []
-            if self._world == 1 and self._dtensor is None:
+            if flat.whole:
                 index = _zoe.checkpoint_blobs(path)
                 holes = sorted([*index[key], key] for key in ("exp_avg", "exp_avg_sq"))
             moments = {key: torch.empty(n // 4, dtype=torch.float32) for _, n, key in holes}
@@ -110,9 +111,9 @@ class StateDictMethods:
             return
         sd["zoe"]["moments"] = holes
         first = 0
-        for s, _, n in _interop.pieces(self):
+        for s, _, n in flat.pieces():
             m, v = (moments[key][first:first + n].view(s.shape) for key in ("exp_avg", "exp_avg_sq"))
-            steps = float(self._engine.param_step_count(s.engine_ids[0]))
+            steps = float(flat.engine.param_step_count(s.engine_ids[0]))
             sd["state"][s.index] = {"step": torch.tensor(steps), "exp_avg": m, "exp_avg_sq": v}
             first += n
 
@@ -123,11 +124,11 @@ class StateDictMethods:
         Hugging Face Trainer and Accelerate save the optimizer's state_dict from rank 0 only
         (``zoe.hf.ZoeCheckpointCallback`` and ``zoe.hf.register_accelerator_hooks`` call this). Returns the
         file written."""
-        world, rank = self._partition()
+        world, rank = self._flat.partition()
         folder = os.path.abspath(_checks.path("save_to", "folder", folder))
         path = _interop.rank_file(folder, rank, world)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        self._engine.save(path)
+        self._flat.engine.save(path)
         self._saved_to = folder
         return path
 
@@ -174,7 +175,7 @@ class StateDictMethods:
             return
         if meta.get("format") != _STATE_FORMAT:
             raise ValueError(f"this state_dict's 'zoe' entry is of format {meta.get('format')!r}, not {_STATE_FORMAT}")
-        world, rank = self._partition()
+        world, rank = self._flat.partition()
         if "folder" in meta:
             self._load_rank_file(state_dict, world, rank)
             return
@@ -188,14 +189,14 @@ class StateDictMethods:
         # The param groups only: the state is the engine's (torch would copy each tensor to its parameter).
         super().load_state_dict(_groups_and_extras(state_dict))
         with _interop.blob_file(meta, state_dict.get("state")) as path:
-            self._engine.load(path)  # across ranks collective: the loaded shards are all-gathered
-        self._hyper_sent = [None] * len(self.param_groups)
+            self._flat.engine.load(path)  # across ranks collective: the loaded shards are all-gathered
+        self._flat.hyper_unknown(len(self.param_groups))
 
     def _check_layout(self, meta: dict) -> None:
         # requires_grad (the layout's third entry) may differ: frozen parameters are held and stepped alike.
         def essential(layout):
             return [entry[:2] + entry[3:] for entry in layout]
-        layout = self._layout()
+        layout = self._flat.layout(self.param_groups)
         if essential(meta["layout"]) == essential(layout):
             return
         if len(meta["layout"]) != len(layout):
@@ -221,29 +222,30 @@ class StateDictMethods:
                 "OffloadOptimizer.save_to (zoe.hf's callback or hooks) and each rank's file must stay beside it; if "
                 "the folder moved, call opt.load_from(new_folder) before loading")
         super().load_state_dict(_groups_and_extras(state_dict))
-        self._engine.load(path)  # across ranks collective: the loaded shards are all-gathered
-        self._hyper_sent = [None] * len(self.param_groups)
+        self._flat.engine.load(path)  # across ranks collective: the loaded shards are all-gathered
+        self._flat.hyper_unknown(len(self.param_groups))
 
     def _load_torch_state_dict(self, state_dict: dict) -> None:
         for gi, g in enumerate(state_dict["param_groups"]):
             _torch_flags.check_group(g, f"param group {gi} of this state_dict")
-        full, steps = _interop.read_torch_state(self, state_dict)
-        scaler = _interop.read_loss_scale(self, state_dict)
+        flat = self._flat
+        full, steps = _interop.read_torch_state(flat, self.param_groups, state_dict)
+        scaler = _interop.read_loss_scale(flat, state_dict)
         super().load_state_dict(_groups_and_extras(state_dict))
         for g in self.param_groups:
             g.pop("zoe_loss_scale", None)  # the engine's, not a hyper-parameter
             if "decoupled_weight_decay" in g:  # torch.optim.Adam(W)'s name for zoe's adamw
                 g["adamw"] = bool(g["decoupled_weight_decay"])
-        _interop.write_torch_state(self, full, steps)
+        _interop.write_torch_state(flat, full, steps)
         if scaler is not None:
-            self._engine.set_loss_scale_state(*scaler)
-        self._hyper_sent = [None] * len(self.param_groups)
+            flat.engine.set_loss_scale_state(*scaler)
+        flat.hyper_unknown(len(self.param_groups))
 
     @_serial.serialised
     def save_checkpoint(self, path: str) -> None:
         """Writes this rank's state as a zoe checkpoint file (atomic, checksummed) — what ``state_dict()``
         carries — for ``zoe export``, which joins every rank's into safetensors by parameter name."""
-        self._engine.save(_checks.path("save_checkpoint", "path", path))
+        self._flat.engine.save(_checks.path("save_checkpoint", "path", path))
 
     @_serial.serialised
     def torch_state_dict(self) -> dict:
@@ -252,4 +254,4 @@ class StateDictMethods:
         them; zoe's ``load_state_dict`` takes them, on any number of ranks), and an fp16 run's loss scaler as
         each group's ``zoe_loss_scale``. Partitioned: collective, every rank gets the whole. DTensor (FSDP2)
         parameters: DTensor moments and masters of this rank's shards, as torch's optimizers hold them."""
-        return _interop.torch_state(self)
+        return _interop.torch_state(self._flat, self.param_groups)

@@ -176,24 +176,82 @@ def train(model, opt, sched, data, held, args, device):
     return r
 
 
+def _write_corpus(path: str) -> int:
+    text, source = corpus_text()
+    with open(path, "wb") as f:
+        f.write(text.encode("utf-8"))
+    print(f"{path}: {source}, {len(text.encode('utf-8'))} bytes")
+    return 0
+
+
+def _device(args) -> torch.device:
+    if args.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(args.device)
+
+
+def _offload(model, args):
+    """The model's weights in a parameter tier (--offload-param), or None."""
+    if args.offload_param == "none":
+        return None
+    params_dir = os.path.join(os.path.abspath(args.out), "params")
+    os.makedirs(params_dir, exist_ok=True)
+    return offload_parameters(model, device=args.offload_param, prefetch=2, block_modules=(Block,),
+                              nvme_path=params_dir if args.offload_param == "nvme" else None)
+
+
+def _print_setup(args, device, compute, n_params, tier, note, data, offload) -> None:
+    print(f"zoe demo: GPT {n_params / 1e6:.2f}M parameters ({args.layers} layers, d={args.d_model}), "
+          f"{args.dtype} weights on {device}" + (" (fp32 arithmetic)" if compute else "") +
+          f"; fp32 master + moments in zoe, tier {tier}, schedule {args.schedule}; "
+          f"{torch.get_num_threads()} torch threads, zoe kernel {zoe.CpuAdam().kernel}")
+    print(f"text: {data.source}, {len(data) / 1e3:.0f} kB; batch {args.batch} x {args.seq} tokens")
+    if note:
+        print(f"note: {note}")
+    if offload is not None:
+        st = offload.stats()
+        print(f"parameters offloaded to {args.offload_param}: {len(offload.blocks)} blocks, device pool of "
+              f"{st['budget_bytes'] / 2**20:.2f} MiB (prefetch 2)")
+
+
+def _summary(args, r, model, n_params, device, tier, swap_dir, offload, opt, note, smooth, png, mpl_version) -> dict:
+    losses, wall, parts, t_step = r["losses"], r["wall"], r["parts"], r["t_step"]
+    stats = opt.stats()
+    tokens_per_step = args.batch * args.seq
+    return {
+        "model_params": n_params, "device": str(device), "offload_param": args.offload_param,
+        "state_dtype": args.state,
+        # fp32 master + two moments, per parameter, as zoe holds them in RAM (tier ram)
+        "resident_state_bytes": _resident_state_bytes(model, args.state) if tier == "ram" else 0,
+        # tier nvme: the swap files, which hold each tile twice (a step writes the slot it did not read)
+        "swap_file_bytes": _swap_file_bytes(swap_dir) if tier == "nvme" else 0,
+        "param_tier": offload.stats() if offload is not None else None, "weights_dtype": args.dtype, "tier": tier,
+        "schedule": args.schedule, "steps": args.steps, "batch": args.batch, "seq": args.seq,
+        "tokens_per_s": tokens_per_step * args.steps / wall, "tokens_per_s_per_step": r["tokens_per_s"],
+        "wall_s": wall, "eval_s": r["t_eval"],
+        "first_loss": losses[0], "final_loss": smooth[-1], "held_out_loss": r["held_losses"][-1],
+        "held_out_curve": {"steps": r["held_steps"], "losses": r["held_losses"], "batches": HELD_OUT_BATCHES},
+        "loss_range": [min(losses), max(losses)], "loss_unit": "nats per byte (cross-entropy)",
+        "per_step_ms": {"device_compute": 1e3 * r["t_compute"] / args.steps, "optimizer_step": 1e3 * t_step / args.steps,
+                        "d2h_h2d_and_waits": 1e3 * parts["xfer"] / args.steps, "cpu_adam": 1e3 * parts["adam"] / args.steps,
+                        "nvme_io_in_flight": 1e3 * parts["io"] / args.steps, "adapter_python": 1e3 * parts["adapter"] / args.steps},
+        "adapter_fraction_of_step": parts["adapter"] / t_step if t_step else 0.0,
+        "engine": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
+        "losses": losses, "plot": png, "plot_renderer": f"matplotlib {mpl_version}", "note": note,
+    }
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.write_corpus:
-        text, source = corpus_text()
-        with open(args.write_corpus, "wb") as f:
-            f.write(text.encode("utf-8"))
-        print(f"{args.write_corpus}: {source}, {len(text.encode('utf-8'))} bytes")
-        return 0
+        return _write_corpus(args.write_corpus)
     try:
         mpl_version = plot.require_matplotlib()
     except ImportError as e:
         print(f"zoe demo: {e}", file=sys.stderr)
         return 2
     torch.manual_seed(args.seed)
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
+    device = _device(args)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     # A CPU without bf16/fp16 matrix instructions runs 16-bit matmuls many times slower than fp32: there the
     # weights stay 16-bit (what the optimizer exchanges) and the arithmetic runs in fp32.
@@ -208,33 +266,17 @@ def main(argv=None) -> int:
     held = [held_data.next(held_out=True) for _ in range(HELD_OUT_BATCHES)]
     os.makedirs(args.out, exist_ok=True)
     swap_dir = os.path.join(os.path.abspath(args.out), "swap")
-    offload = None
-    if args.offload_param != "none":
-        params_dir = os.path.join(os.path.abspath(args.out), "params")
-        os.makedirs(params_dir, exist_ok=True)
-        offload = offload_parameters(model, device=args.offload_param, prefetch=2, block_modules=(Block,),
-                                     nvme_path=params_dir if args.offload_param == "nvme" else None)
+    offload = _offload(model, args)
     opt, tier, note = make_optimizer(model, args, swap_dir)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))))
-    params_m = n_params / 1e6
-    print(f"zoe demo: GPT {params_m:.2f}M parameters ({args.layers} layers, d={args.d_model}), "
-          f"{args.dtype} weights on {device}" + (" (fp32 arithmetic)" if compute else "") +
-          f"; fp32 master + moments in zoe, tier {tier}, schedule {args.schedule}; "
-          f"{torch.get_num_threads()} torch threads, zoe kernel {zoe.CpuAdam().kernel}")
-    print(f"text: {data.source}, {len(data) / 1e3:.0f} kB; batch {args.batch} x {args.seq} tokens")
-    if note:
-        print(f"note: {note}")
-    if offload is not None:
-        st = offload.stats()
-        print(f"parameters offloaded to {args.offload_param}: {len(offload.blocks)} blocks, device pool of "
-              f"{st['budget_bytes'] / 2**20:.2f} MiB (prefetch 2)")
+    _print_setup(args, device, compute, n_params, tier, note, data, offload)
 
     r = train(model, opt, sched, data, held, args, device)
-    losses, wall, parts, t_step = r["losses"], r["wall"], r["parts"], r["t_step"]
+    losses = r["losses"]
     window = max(1, args.steps // 20)
     smooth = plot.trailing_mean(losses, window)
-    held_loss = r["held_losses"][-1]
+    params_m = n_params / 1e6
     png = os.path.join(args.out, "loss.png")
     plot.draw(png, plot.Curves(list(range(1, args.steps + 1)), losses, smooth, window, r["held_steps"],
                                r["held_losses"], HELD_OUT_BATCHES, r["tokens_per_s"]),
@@ -242,36 +284,14 @@ def main(argv=None) -> int:
                     + (f"\nweights offloaded to {args.offload_param}, fetched per block (prefetch 2)" if offload else ""),
               subtitle=f"{args.layers} layers, d={args.d_model}, {args.dtype} weights on {device}, fp32 master + Adam "
                        f"moments in zoe; batch {args.batch} x {args.seq} bytes, lr {args.lr:g}")
-    stats = opt.stats()
-    tokens_per_step = args.batch * args.seq
-    summary = {
-        "model_params": n_params, "device": str(device), "offload_param": args.offload_param,
-        "state_dtype": args.state,
-        # fp32 master + two moments, per parameter, as zoe holds them in RAM (tier ram)
-        "resident_state_bytes": _resident_state_bytes(model, args.state) if tier == "ram" else 0,
-        # tier nvme: the swap files, which hold each tile twice (a step writes the slot it did not read)
-        "swap_file_bytes": _swap_file_bytes(swap_dir) if tier == "nvme" else 0,
-        "param_tier": offload.stats() if offload is not None else None, "weights_dtype": args.dtype, "tier": tier,
-        "schedule": args.schedule, "steps": args.steps, "batch": args.batch, "seq": args.seq,
-        "tokens_per_s": tokens_per_step * args.steps / wall, "tokens_per_s_per_step": r["tokens_per_s"],
-        "wall_s": wall, "eval_s": r["t_eval"],
-        "first_loss": losses[0], "final_loss": smooth[-1], "held_out_loss": held_loss,
-        "held_out_curve": {"steps": r["held_steps"], "losses": r["held_losses"], "batches": HELD_OUT_BATCHES},
-        "loss_range": [min(losses), max(losses)], "loss_unit": "nats per byte (cross-entropy)",
-        "per_step_ms": {"device_compute": 1e3 * r["t_compute"] / args.steps, "optimizer_step": 1e3 * t_step / args.steps,
-                        "d2h_h2d_and_waits": 1e3 * parts["xfer"] / args.steps, "cpu_adam": 1e3 * parts["adam"] / args.steps,
-                        "nvme_io_in_flight": 1e3 * parts["io"] / args.steps, "adapter_python": 1e3 * parts["adapter"] / args.steps},
-        "adapter_fraction_of_step": parts["adapter"] / t_step if t_step else 0.0,
-        "engine": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
-        "losses": losses, "plot": png, "plot_renderer": f"matplotlib {mpl_version}", "note": note,
-    }
+    summary = _summary(args, r, model, n_params, device, tier, swap_dir, offload, opt, note, smooth, png, mpl_version)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     if offload is not None:
         del opt, sched  # the optimizer writes into the parameter tier: it goes first
         offload.remove()  # the trained weights back in the model; the tier (and its NVMe file) freed
-    print(f"done: {args.steps} steps in {wall:.1f} s, {summary['tokens_per_s']:,.0f} tokens/s; loss "
-          f"{losses[0]:.3f} -> {smooth[-1]:.3f} (held-out {held_loss:.3f}); optimizer step "
+    print(f"done: {args.steps} steps in {r['wall']:.1f} s, {summary['tokens_per_s']:,.0f} tokens/s; loss "
+          f"{losses[0]:.3f} -> {smooth[-1]:.3f} (held-out {summary['held_out_loss']:.3f}); optimizer step "
           f"{summary['per_step_ms']['optimizer_step']:.1f} ms of which adapter Python "
           f"{100 * summary['adapter_fraction_of_step']:.1f}%")
     print(f"wrote {png} and {os.path.join(args.out, 'summary.json')}")

@@ -1,0 +1,190 @@
+"""The optimizer's state and flat buffers, behind one object (``FlatState``): the engine, where each parameter
+lives in its dtype's flat buffers (``Slot``, ``Bucket``), and how the state is partitioned — zoe's own
+data-parallel mode (_data_parallel.py) or FSDP2's shards (_dtensor.py). The optimizer builds it; its
+checkpoints (_state_dict.py), the interchange with torch's format (_interop.py) and ``opt.state``
+(_state_view.py) read and write the state through it alone."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _dtensor, _param_offload
+
+ZOE_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+class Slot:
+    """Where one parameter (trainable now or later) lives in its dtype's flat buffers."""
+
+    __slots__ = ("param", "index", "group", "offset", "numel", "shape", "tier", "windowed", "bucket", "grad_view",
+                 "grad_ptr", "grads_at", "own_grad", "own_version", "weight_view", "engine_ids", "accumulated",
+                 "taken")
+
+    def __init__(self, param, index, group, offset):
+        self.param = param
+        self.index = index  # position in param-group order, as state_dict numbers parameters
+        self.group = group
+        self.offset = offset
+        # An offloaded parameter's weights live in its parameter tier (zoe.torch.offload_parameters): p.data
+        # is a placeholder between uses, and the engine writes the updated weights into the tier.
+        self.tier = getattr(param, "_zoe_param_offload", None)  # (ParamOffload, block, entry)
+        self.shape = _param_offload.full_shape(param)
+        self.numel = _dtensor.local_numel(param) if self.tier is None else math.prod(self.shape)
+        # Its gradient leaves the device as its backward ends, and its place in the bucket is a window that
+        # every such parameter of the dtype uses in turn (OffloadOptimizer._build).
+        self.windowed = False
+        self.bucket = None  # its dtype's Bucket
+        self.grad_view = None
+        self.grad_ptr = 0  # grad_view's address: a p.grad.data = ... keeps the tensor and changes it
+        # A gradient tensor of the trainer's (autograd's) in p.grad, taken at this version: read by the engine
+        # where it is (grads_at, the address the engine reads this slot's gradient from) or copied.
+        self.grads_at = 0
+        self.own_grad = None
+        self.own_version = 0
+        self.weight_view = None  # p.data as the optimizer laid it (a view of its bucket)
+        self.engine_ids: list[int] = []
+        self.accumulated = 0  # backward passes that accumulated into this gradient since the last step
+        self.taken = False  # the engine has read this iteration's gradient (reported, or for a norm)
+
+
+class Bucket:
+    """The flat weights and gradients of every trainable parameter of one dtype, and this rank's shard.
+
+    Windowed slots (offloaded parameters, whose gradients leave the device when reported; one rank only)
+    are not in the flat buffers: their weights are in the parameter tier, and their gradients take turns in
+    one ``window`` as large as the largest of them — each is there only from its accumulation to its report,
+    which follow each other on autograd's thread. A tensor of its own, so that its version counter tells
+    a trainer's edit of those gradients from edits of the others."""
+
+    def __init__(self, dtype, device, slots, world):
+        self.dtype = dtype
+        self.slots = slots
+        total = 0
+        for s in slots:
+            s.bucket = self
+            s.offset = 0 if s.windowed else total
+            total += 0 if s.windowed else s.numel
+        self.shard_numel = -(-total // world) if total else 0
+        padded = self.shard_numel * world
+        # Padded to W x shard_numel elements: the engine reduces and gathers in these buffers.
+        self.weights = torch.zeros(padded, dtype=dtype, device=device)
+        self.grads = torch.zeros(padded, dtype=dtype, device=device)
+        window = max((s.numel for s in slots if s.windowed), default=0)
+        self.window = torch.zeros(window, dtype=dtype, device=device) if window else None
+
+    def grad_buffer(self, s: Slot) -> torch.Tensor:
+        return self.window if s.windowed else self.grads
+
+
+class FlatState:
+    """The engine and the flat buffers it reads gradients from and writes weights into, of one optimizer.
+
+    ``engine``: the ``_zoe.Engine`` (None until the optimizer made it). ``slots``: every parameter held, in
+    param-group order; ``buckets``: one per dtype. ``world``/``rank``: zoe's own partition (1/0 without one;
+    FSDP2's shards are a world of one to the engine, ``dtensor`` says where they lie). ``dp``: zoe's own
+    data-parallel mode (``_data_parallel.DataParallel``), ``dtensor``: FSDP2's (``_dtensor.ShardedParams``),
+    at most one of them. ``loss_scaling``: the engine scales an fp16 loss. ``hyper_sent``: the
+    hyper-parameters the engine holds for each param group (None: unknown, sent again at the next step)."""
+
+    def __init__(self):
+        self.engine = None
+        self.slots: list[Slot] = []
+        self.buckets: list = []
+        self.dtensor: _dtensor.ShardedParams | None = None
+        self.group = None  # zoe's partition's torch.distributed group
+        self.world, self.rank = 1, 0
+        self.dp = None
+        self.loss_scaling = False
+        self.hyper_sent: list[tuple | None] = []
+
+    @property
+    def whole(self) -> bool:
+        """This rank's engine holds every parameter whole: one rank, no FSDP2 shards."""
+        return self.world == 1 and self.dtensor is None
+
+    def partition(self) -> tuple[int, int]:
+        """(world size, rank) of the state this rank holds: zoe's partition, or FSDP2's shards."""
+        return self.dtensor.ranks() if self.dtensor is not None else (self.world, self.rank)
+
+    def slot_of(self, param) -> Slot | None:
+        return next((s for s in self.slots if s.param is param), None)
+
+    def layout(self, param_groups) -> list:
+        """What a state_dict records of each parameter: its full shape, dtype and requires_grad (and, for FSDP2,
+        this rank's shard)."""
+        extra = self.dtensor.describe if self.dtensor is not None else lambda p: []
+        return [[list(_param_offload.full_shape(p)), str(p.dtype), bool(p.requires_grad)] + extra(p)
+                for g in param_groups for p in g["params"]]
+
+    def hyper_unknown(self, groups: int) -> None:
+        """After a load: the param groups are the loaded ones, sent to the engine at the next step."""
+        self.hyper_sent = [None] * groups
+
+    def pieces(self) -> list[tuple]:
+        """The engine's parameters in its order (engine_specs'): (slot, first element within the parameter,
+        elements) of each slot's part of this rank's shard of its bucket."""
+        out = []
+        for b in self.buckets:
+            lo, hi = self.rank * b.shard_numel, (self.rank + 1) * b.shard_numel
+            for s in b.slots:
+                if s.windowed:  # not partitioned (one rank), and not in the flat buffers
+                    out.append((s, 0, s.numel))
+                    continue
+                a, z = max(lo, s.offset), min(hi, s.offset + s.numel)
+                if a < z:
+                    out.append((s, a - s.offset, z - a))
+        return out
+
+    def engine_specs(self, param_groups) -> tuple[list, list]:
+        """The engine's parameters (specs) and those whose weights are in a parameter tier (tiered), as
+        ``_zoe.Engine`` takes them; numbers each slot's pieces (``engine_ids``) in the engine's order."""
+        specs, tiered = [], []
+        # Recorded in zoe's checkpoints for zoe export: the names of an optimizer built from named_parameters().
+        names = {}
+        index = 0
+        for g in param_groups:
+            for k, _ in enumerate(g["params"]):
+                if "param_names" in g:
+                    names[index] = g["param_names"][k]
+                index += 1
+        pieces = 0  # the engine's parameters, which read_state() names: this rank's pieces of the slots
+        for b in self.buckets:
+            lo, hi = self.rank * b.shard_numel, (self.rank + 1) * b.shard_numel
+            esize = b.grads.element_size()
+            for s in b.slots:
+                # A DTensor's shard is FSDP2's own storage, stepped in place.
+                weights_ptr = (self.dtensor.weights_ptr(s) if self.dtensor is not None
+                               else b.weights.data_ptr() + s.offset * esize)
+                shape = list(s.param._local_tensor.shape if self.dtensor is not None else s.shape)
+                if s.tier is not None:
+                    offload, block, entry = s.tier
+                    tiered.append((len(specs), offload.tier, block, entry))
+                    weights_ptr = 0
+                grads_ptr = b.grad_buffer(s).data_ptr() + s.offset * esize
+                specs.append((s.numel, ZOE_DTYPES[b.dtype], weights_ptr, grads_ptr, s.group, names.get(s.index, ""),
+                              shape))
+                if s.windowed or max(lo, s.offset) < min(hi, s.offset + s.numel):
+                    s.engine_ids.append(pieces)
+                    pieces += 1
+        return specs, tiered
+
+    def read_state(self, s: Slot) -> dict[str, torch.Tensor]:
+        """The fp32 master weights and moments of a slot's pieces on this rank, flat (the engine's work in
+        flight waited for)."""
+        self.engine.wait()
+        parts = {k: [] for k in ("master", "exp_avg", "exp_avg_sq")}
+        for i in s.engine_ids:
+            n = self.engine.state_sizes[i]
+            bufs = [torch.empty(n, dtype=torch.float32) for _ in range(3)]
+            self.engine.read_state(i, *bufs)
+            for k, t in zip(parts, bufs):
+                parts[k].append(t)
+        return {k: torch.cat(v) if v else torch.empty(0) for k, v in parts.items()}
+
+    def gather_weights(self) -> None:
+        """Every rank's shard of the weights into every rank's buckets (a write of the state set this rank's
+        only)."""
+        for b in self.buckets:
+            shard = b.weights[self.rank * b.shard_numel:(self.rank + 1) * b.shard_numel].clone()
+            self.dp.collectives.gather_tensor(b.weights, shard)
