@@ -144,3 +144,27 @@ def test_unexpected_cpp_exceptions_become_zoe_errors():
     with pytest.raises(zoe.InvalidArgumentError, match=r"group 0: adamw = 1 is invalid: need True or False"):
         _engine(zoe.EngineOptions(), groups=[dict(adamw=1)])
     assert issubclass(zoe.OutOfMemoryError, zoe.ZoeError) and issubclass(zoe.OutOfMemoryError, MemoryError)
+
+
+def test_engine_options_are_the_option_table():
+    """EngineOptions has a property per field of the C++ table and nothing else of its own; the parsed config's
+    options name the same fields, and each value set through them reads back as set."""
+    names = zoe.EngineOptions.names()
+    assert len(names) == len(set(names)) > 20
+    config = zoe.parse_config("{}")["options"]
+    assert list(config) == names
+    opts = zoe.EngineOptions()
+    for name in names:
+        assert getattr(opts, name) == config[name], name
+        setattr(opts, name, config[name])
+    opts.schedule, opts.threads, opts.nvme_paths = "overlap", 2, ["/a", "/b"]
+    assert (opts.schedule, opts.threads, opts.nvme_paths) == ("overlap", 2, ["/a", "/b"])
+    with pytest.raises(zoe.InvalidArgumentError,
+                       match=r"EngineOptions\.refuse_non_finite = 1 is invalid: need True or False"):
+        opts.refuse_non_finite = 1
+    with pytest.raises(zoe.InvalidArgumentError,
+                       match=r"EngineOptions\.nvme_paths = '/a' is invalid: need a list of str"):
+        opts.nvme_paths = "/a"
+    opts.schedule = "eager"  # a choice is checked when an engine is made from the options, as every value is
+    with pytest.raises(zoe.InvalidArgumentError, match=r"EngineOptions\.schedule: schedule 'eager' is unknown"):
+        _engine(opts)
