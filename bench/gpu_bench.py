@@ -19,6 +19,8 @@ The second batch size is chosen so that forward+backward takes at least 1.5x zoe
 first). Then the largest model each configuration could train on this GPU and this host, by layers at this
 width, from the device and host bytes measured per layer (computed, not run).
 
+``--tile`` sets zoe's piece size (an A/B of the copies' granularity), ``--batches`` fixed batch sizes.
+
 ``--dry-run``: the same on the CPU with a tiny model (scripts/test runs it, so that this script cannot rot);
 its figures mean nothing.
 """
@@ -150,7 +152,10 @@ class Bench:
                 c = ZOE_CONFIGS[config]
                 if c.get("offload"):
                     offload = offload_parameters(model, device=c["offload"], prefetch=2, block_modules=(Block,))
-                opt = OffloadOptimizer(model.parameters(), schedule=c["schedule"], delayed_warmup_steps=2, **HYPER)
+                tile = dict(tile=args.tile) if args.tile else {}
+                opt = OffloadOptimizer(model.parameters(), schedule=c["schedule"], delayed_warmup_steps=2, **tile,
+                                       **HYPER)
+                row["tile"] = args.tile
             x, y = self.batch(b)
 
             def iteration() -> torch.Tensor:
@@ -268,6 +273,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-batch", type=int, default=64, help="the second batch size is at most this")
     p.add_argument("--steps", type=int, default=8, help="timed iterations per configuration")
     p.add_argument("--warmup", type=int, default=4, help="iterations before timing (more than zoe's delayed warm-up of 2)")
+    p.add_argument("--tile", type=int, help="zoe's elements per piece (OffloadOptimizer tile; default its own)")
+    p.add_argument("--batches", help="comma-separated batch sizes, instead of --batch and the one chosen after it")
     p.add_argument("--configs", default="torch,zoe_sync,zoe_overlap,zoe_delayed,zoe_overlap_param_cpu")
     p.add_argument("--out", help="folder for gpu_bench.jsonl (default $OUT; none: stdout only)")
     args = p.parse_args(argv)
@@ -286,7 +293,8 @@ def main(argv=None) -> int:
     bench.emit({"bench": "gpu", "device": str(bench.device), "model_params": bench.n_params,
                 "layers": args.layers, "d_model": args.d_model, "seq": args.seq, "copy_ceiling_gbps": ceiling,
                 "torch": torch.__version__, "dry_run": args.dry_run})
-    batches = [args.batch]
+    fixed = [int(x) for x in args.batches.split(",") if x] if args.batches else None
+    batches = fixed or [args.batch]
     b = 0
     while b < len(batches):
         batch = batches[b]
@@ -299,7 +307,7 @@ def main(argv=None) -> int:
             if base and "tokens_per_s" in r:
                 r["ratio_vs_torch"] = r["tokens_per_s"] / (sum(base) / len(base))
             bench.emit(r)
-        if b == 0:
+        if b == 0 and not fixed:
             steps = [r["cpu_step_s"] for r in rows if r["config"] == "zoe_sync" and "cpu_step_s" in r]
             if steps:
                 per_seq = fb_s / batch

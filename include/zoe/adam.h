@@ -28,6 +28,20 @@ struct AdamHyper {
   bool bias_correction = true;
 };
 
+// Where a step first copies what it is about to change: an undo copy, for a step that may have to be taken
+// back (the overlap schedule's speculation). Each array has the layout of the one it copies — param,
+// exp_avg, exp_avg_sq, out (needed when out is set) and, for state dtype i8, the block scales. The step
+// copies tile by tile, each just before stepping it, so the step reads that tile from cache: one more write
+// per byte, where a separate copy first would read all of it from memory once more. param null: no copy.
+struct AdamUndo {
+  float* param = nullptr;
+  void* exp_avg = nullptr;
+  void* exp_avg_sq = nullptr;
+  void* out = nullptr;
+  float* exp_avg_scale = nullptr;
+  float* exp_avg_sq_scale = nullptr;
+};
+
 // One tensor's state. Gradients may be any DType; `out`, when not null, receives the updated weights in
 // `out_dtype` (f16 or bf16). Outputs (param, exp_avg, exp_avg_sq, out) must not overlap each other or grad.
 // The moments are stored in `state_dtype`: f32, or bf16 — half the bytes; each step computes in fp32 from
@@ -48,6 +62,7 @@ struct AdamTensor {
   std::size_t n = 0;
   float* exp_avg_scale = nullptr;  // state dtype i8: one per kMomentBlock elements (moment_blocks(n))
   float* exp_avg_sq_scale = nullptr;
+  AdamUndo undo;  // outputs too: they must not overlap anything else
 };
 
 // Elements per block of 8-bit moments (one fp32 scale per block and moment).

@@ -56,9 +56,11 @@ class StateTier {
   virtual Status initialize() = 0;
   // One Adam step (a multi-tensor step per param group) over the pieces `which`, with the gradients of
   // staging set `set`. A tier that does not hold pieces in RAM steps every piece at once: `which` must then
-  // be all of them.
+  // be all of them, and `undo` empty. `undo`, where given, says where each piece's state and weights are
+  // copied before they change (AdamUndo): the overlap schedule's speculative steps.
+  using UndoOf = std::function<AdamUndo(const Piece&)>;
   virtual Status step(const std::vector<std::size_t>& which, float grad_scale, int set,
-                      const std::vector<ParamGroup>& hyper) = 0;
+                      const std::vector<ParamGroup>& hyper, const UndoOf& undo) = 0;
   // [offset, offset + count) of the flattened p, m, v, wherever they live; a null array is skipped.
   virtual Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v) = 0;
   virtual Status write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v) = 0;

@@ -243,7 +243,7 @@ Status OffloadOptimizer::Impl::staging_writable() {
 Status OffloadOptimizer::Impl::step_all(float grad_scale, int set, const std::vector<ParamGroup>& hyper) {
   std::vector<std::size_t> all(pieces.size());
   for (std::size_t k = 0; k < all.size(); ++k) all[k] = k;
-  return tier->step(all, grad_scale, set, hyper);
+  return tier->step(all, grad_scale, set, hyper, {});
 }
 
 // From the gradients' statistics, summed in parameter order: skip (fp16 overflow), and the grad_scale that

@@ -110,9 +110,9 @@ class OverlapSchedule final : public StepSchedule {
     return Status::success();
   }
   void end_iteration();
-  void save_undo(const Piece& k);
+  // Where piece k's state and weights are kept while its speculative step may be undone.
+  AdamUndo undo_area(const Piece& k);
   void restore_undo(const Piece& k);
-  void copy_undo(const Piece& k, bool save);
 
   Impl& m_;
   bool speculation_can_fail_ = false;
@@ -146,8 +146,10 @@ Status OverlapSchedule::step_piece_when_down(std::size_t k, EventId copied) {
       worker_status_ = s;
       return;
     }
-    if (speculation_can_fail_) save_undo(m_.pieces[k]);
-    if (Status s = m_.tier->step({k}, speculative_scale, 0, speculated_with_); !s.ok()) {
+    // The undo copy is taken by the step itself, tile by tile (AdamUndo).
+    const StateTier::UndoOf undo = [this](const Piece& piece) { return undo_area(piece); };
+    if (Status s = m_.tier->step({k}, speculative_scale, 0, speculated_with_, speculation_can_fail_ ? undo : nullptr);
+        !s.ok()) {
       worker_status_ = s;
       return;
     }
@@ -215,7 +217,7 @@ Status OverlapSchedule::step() {
   }
   if (!redo.empty()) {
     ++m_.stats_.redone;
-    if (Status s = m_.tier->step(redo, d.grad_scale, 0, m_.groups); !s.ok()) return s;
+    if (Status s = m_.tier->step(redo, d.grad_scale, 0, m_.groups, {}); !s.ok()) return s;
     for (std::size_t k : redo) {
       if (Status s = m_.enqueue_h2d(m_.pieces[k]); !s.ok()) return s;
     }
@@ -231,37 +233,39 @@ Status OverlapSchedule::step() {
   return Status::success();
 }
 
-void OverlapSchedule::save_undo(const Piece& k) { copy_undo(k, true); }
+AdamUndo OverlapSchedule::undo_area(const Piece& k) {
+  const std::size_t off = m_.offsets[k.param] + k.begin, mb = m_.moment_bytes();
+  AdamUndo u;
+  u.param = undo_master_.as<float>() + off;
+  u.exp_avg = undo_exp_avg_.as<unsigned char>() + off * mb;
+  u.exp_avg_sq = undo_exp_avg_sq_.as<unsigned char>() + off * mb;
+  if (m_.params[k.param].dtype != DType::f32) u.out = undo_weights_.as<unsigned char>() + m_.weight_offsets[k.param] + k.begin * 2;
+  if (m_.options.state_dtype == DType::i8) {
+    const std::size_t at = m_.tier->piece(k).scale_index;
+    u.exp_avg_scale = undo_m_scale_.as<float>() + at;
+    u.exp_avg_sq_scale = undo_v_scale_.as<float>() + at;
+  }
+  return u;
+}
 
-void OverlapSchedule::restore_undo(const Piece& k) { copy_undo(k, false); }
-
-// A piece's master, moments (and their block scales) and 16-bit weights, to the undo copy or back. On all of
-// the CPU's threads: one piece's copy is as large as its Adam step's traffic, and on the worker's one thread
-// it took longer than the step itself (an H200 host: 0.45 s a step for 300M parameters).
-void OverlapSchedule::copy_undo(const Piece& k, bool save) {
+// A piece's master, moments (and their block scales) and 16-bit weights back from the undo copy, on all of
+// the CPU's threads: one piece's copy is as large as its Adam step's traffic.
+void OverlapSchedule::restore_undo(const Piece& k) {
   constexpr std::size_t kChunk = 1 << 16;  // elements per task
-  const std::size_t off = m_.offsets[k.param] + k.begin, w = m_.weight_offsets[k.param] + k.begin * 2;
+  const AdamUndo u = undo_area(k);
   const std::size_t mb = m_.moment_bytes();
   const PieceState st = m_.tier->piece(k);
-  const bool weights = m_.params[k.param].dtype != DType::f32;
   auto* weights_at = static_cast<unsigned char*>(m_.weights_of(k.param)) + k.begin * 2;
-  auto copy = [save](void* live, void* undo, std::size_t bytes) {
-    if (save) {
-      std::memcpy(undo, live, bytes);
-    } else {
-      std::memcpy(live, undo, bytes);
-    }
-  };
   m_.adam.parallel_for((k.n + kChunk - 1) / kChunk, [&](std::size_t c) {
     const std::size_t b = c * kChunk, n = std::min(kChunk, k.n - b);
-    copy(st.p + b, undo_master_.as<float>() + off + b, n * 4);
-    copy(static_cast<unsigned char*>(st.m) + b * mb, undo_exp_avg_.as<unsigned char>() + (off + b) * mb, n * mb);
-    copy(static_cast<unsigned char*>(st.v) + b * mb, undo_exp_avg_sq_.as<unsigned char>() + (off + b) * mb, n * mb);
-    if (weights) copy(weights_at + b * 2, undo_weights_.as<unsigned char>() + w + b * 2, n * 2);
+    std::memcpy(st.p + b, u.param + b, n * 4);
+    std::memcpy(static_cast<unsigned char*>(st.m) + b * mb, static_cast<unsigned char*>(u.exp_avg) + b * mb, n * mb);
+    std::memcpy(static_cast<unsigned char*>(st.v) + b * mb, static_cast<unsigned char*>(u.exp_avg_sq) + b * mb, n * mb);
+    if (u.out != nullptr) std::memcpy(weights_at + b * 2, static_cast<unsigned char*>(u.out) + b * 2, n * 2);
   });
   if (st.m_scale != nullptr) {
-    copy(st.m_scale, undo_m_scale_.as<float>() + st.scale_index, moment_blocks(k.n) * 4);
-    copy(st.v_scale, undo_v_scale_.as<float>() + st.scale_index, moment_blocks(k.n) * 4);
+    std::memcpy(st.m_scale, u.exp_avg_scale, moment_blocks(k.n) * 4);
+    std::memcpy(st.v_scale, u.exp_avg_sq_scale, moment_blocks(k.n) * 4);
   }
 }
 

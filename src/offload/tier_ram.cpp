@@ -55,7 +55,7 @@ class RamTier final : public StateTier {
   // One CpuAdam call per param group and step count over the given pieces (a multi-tensor step); pieces of
   // parameters without a gradient this iteration are left as they are.
   Status step(const std::vector<std::size_t>& which, float grad_scale, int set,
-              const std::vector<ParamGroup>& hyper) override {
+              const std::vector<ParamGroup>& hyper, const UndoOf& undo) override {
     const auto start = std::chrono::steady_clock::now();
     struct Call {
       std::size_t group;
@@ -71,6 +71,7 @@ class RamTier final : public StateTier {
       auto c = std::find_if(calls.begin(), calls.end(), [&](const Call& x) { return x.group == g && x.step == t; });
       if (c == calls.end()) c = calls.insert(calls.end(), Call{g, t, {}});
       c->tensors.push_back(tensor(m_.pieces[k], set));
+      if (undo) c->tensors.back().undo = undo(m_.pieces[k]);
     }
     std::sort(calls.begin(), calls.end(), [](const Call& a, const Call& b) { return a.group < b.group; });
     for (const Call& c : calls) {

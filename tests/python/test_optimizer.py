@@ -459,3 +459,23 @@ def test_cuda_schedules_step_as_on_the_cpu(schedule):
     assert all(torch.equal(a, b) for a, b in zip(want_v, got_v))
     steady = waits[warmup + 1:] if schedule == "delayed" else waits[1:]
     assert max(steady) <= CUDA_TRAINER_WAITS[schedule], waits
+
+
+def test_tile_defaults_to_larger_pieces_on_cuda_with_tier_ram(tmp_path):
+    """tile=None: 4M-element pieces where each piece is a device copy (CUDA, tier ram), the engine's 1M
+    elsewhere; a tile given is used as given. engine_options is what OffloadOptimizer makes its engine from."""
+    from zoe import _options
+
+    def tile(cuda, **kw):
+        o = dict(OffloadOptimizer(make_mlp(dtype=torch.bfloat16).parameters(), **kw)._options)
+        opts, _, _ = _options.engine_options(o, partition=(1, 0), accumulation_steps=1, reduce=False,
+                                             sharded=False, dtypes=[torch.float32], cuda=cuda)
+        return opts.tile
+
+    default = zoe.EngineOptions().tile
+    assert default == 1 << 20
+    assert tile(True) == _options.CUDA_TILE == 1 << 22
+    assert tile(False) == default
+    assert tile(True, tile=4096) == tile(False, tile=4096) == 4096
+    nvme = dict(tier="nvme", nvme_path=str(tmp_path))
+    assert tile(True, **nvme) == default  # tier nvme's tiles are its RAM buffers: they stay the engine's
