@@ -62,7 +62,7 @@ struct AdamTensor {
   std::size_t n = 0;
   float* exp_avg_scale = nullptr;  // state dtype i8: one per kMomentBlock elements (moment_blocks(n))
   float* exp_avg_sq_scale = nullptr;
-  AdamUndo undo;  // outputs too: they must not overlap anything else
+  AdamUndo undo{};  // outputs too: they must not overlap anything else
 };
 
 // Elements per block of 8-bit moments (one fp32 scale per block and moment).

@@ -153,7 +153,8 @@ Status OverlapSchedule::step_piece_when_down(std::size_t k, EventId copied) {
       worker_status_ = s;
       return;
     }
-    stepped_[k] = 1;
+    // A parameter named absent is left out by the step, and its undo copy is not taken: nothing to undo.
+    stepped_[k] = m_.is_absent(m_.pieces[k].param, 0) ? 0 : 1;
     if (Status s = m_.enqueue_h2d(m_.pieces[k]); !s.ok()) worker_status_ = s;
   });
   return Status::success();
