@@ -608,7 +608,9 @@ TEST(OffloadOptimizer, AnAbsentParameterReportedDuringBackwardStaysAsItWasWhenSp
   for (int t = 1; t <= 3; ++t) {
     ASSERT_TRUE(trainer.device_synchronize().ok());
     grads(trainer.model(), t, trainer.opt().loss_scale());
-    if (t == 3) ASSERT_TRUE(trainer.opt().set_grads_absent({kAbsent}).ok());
+    if (t == 3) {
+      ASSERT_TRUE(trainer.opt().set_grads_absent({kAbsent}).ok());
+    }
     const std::vector<float> before = state();
     for (std::size_t b = trainer.model().specs.size(); b-- > 0;) ASSERT_TRUE(trainer.opt().grad_ready(b).ok());
     const Status s = trainer.opt().step();
