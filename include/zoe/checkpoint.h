@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "zoe/offload.h"
 #include "zoe/status.h"
 
 namespace zoe {
@@ -19,6 +20,12 @@ struct CheckpointParam {
   std::string name;
   std::vector<std::int64_t> shape;
   std::size_t n = 0;
+};
+
+// Elements [begin, begin + n) of parameter `param` of params().
+struct CheckpointPiece {
+  std::size_t param = 0, begin = 0, n = 0;
+  bool operator==(const CheckpointPiece&) const = default;
 };
 
 // Every rank's checkpoint file of one run, opened (each file's header, index and manifest checked) and checked
@@ -33,6 +40,10 @@ class PartitionedCheckpoint {
   const std::vector<CheckpointParam>& params() const;
   std::int64_t step() const;
   std::size_t files() const;
+  LossScaleState loss_scale() const;  // the run's fp16 loss scaler (every rank holds the same)
+  // What file `file` (in the order open() was given them) holds: its state arrays' pieces of params(), in
+  // their order.
+  const std::vector<CheckpointPiece>& pieces(std::size_t file) const;
   // Checks every file's blobs ("master", "exp_avg", "exp_avg_sq") against their checksums, reading them
   // without keeping them.
   Status verify(std::span<const char* const> blobs) const;

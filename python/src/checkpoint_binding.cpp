@@ -1,10 +1,12 @@
-// zoe._zoe's module functions over files: a zoe checkpoint read whole or located blob by blob, and a
-// DeepSpeed JSON config parsed into plain Python values.
+// zoe._zoe's module functions over files: a zoe checkpoint read whole or located blob by blob, a run's
+// optimizer checkpoints joined (PartitionedCheckpoint), and a DeepSpeed JSON config parsed into plain Python
+// values.
 #include <algorithm>
 
 #include "python/src/binding.h"
 #include "src/offload/checkpoint.h"
 #include "src/offload/config.h"
+#include "zoe/checkpoint.h"
 
 namespace zoe::python {
 namespace {
@@ -37,6 +39,50 @@ nb::dict config_dict(const LoadedConfig& c) {
     d["offload_param"] = op;
   } else {
     d["offload_param"] = nb::none();
+  }
+  return d;
+}
+
+// Every rank's optimizer checkpoint of one run, joined: the run's step and loss scaler, its parameters
+// ((name, shape, n) each), each file's pieces of them, and each state array's fp32 elements per parameter.
+nb::dict join_checkpoints(const std::vector<std::string>& paths) {
+  Result<PartitionedCheckpoint> c = Status(StatusCode::internal, "not read");
+  const char* arrays[3] = {"master", "exp_avg", "exp_avg_sq"};
+  std::vector<std::vector<float>> joined[3];
+  {
+    nb::gil_scoped_release release;
+    c = PartitionedCheckpoint::open(paths);
+    for (int k = 0; c.ok() && k < 3; ++k) {
+      Result<std::vector<std::vector<float>>> j = c->join(arrays[k]);
+      if (!j.ok()) {
+        c = j.status();
+        break;
+      }
+      joined[k] = std::move(j).value();
+    }
+  }
+  const PartitionedCheckpoint checkpoint = take(std::move(c));
+  nb::dict d;
+  d["step"] = checkpoint.step();
+  const LossScaleState ls = checkpoint.loss_scale();
+  d["loss_scale"] = nb::make_tuple(ls.scale, ls.clean_steps, ls.hysteresis_left);
+  nb::list params, pieces;
+  for (const CheckpointParam& p : checkpoint.params()) params.append(nb::make_tuple(p.name, p.shape, p.n));
+  for (std::size_t f = 0; f < checkpoint.files(); ++f) {
+    nb::list file;
+    for (const CheckpointPiece& k : checkpoint.pieces(f)) file.append(nb::make_tuple(k.param, k.begin, k.n));
+    pieces.append(file);
+  }
+  d["params"] = params;
+  d["pieces"] = pieces;
+  for (int k = 0; k < 3; ++k) {
+    nb::list out;
+    for (std::vector<float>& elements : joined[k]) {
+      auto* owned = new std::vector<float>(std::move(elements));
+      nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+      out.append(nb::ndarray<nb::numpy, float, nb::ndim<1>>(owned->data(), {owned->size()}, owner));
+    }
+    d[arrays[k]] = out;
   }
   return d;
 }
@@ -76,6 +122,16 @@ void bind_checkpoint_config(nb::module_& m) {
           return blobs;
         },
         nb::arg("path"), "Where each blob of a zoe checkpoint file lies in it: {blob name: (offset, bytes)}; nothing is read.");
+  m.def("join_checkpoints",
+        [](const std::vector<nb::str>& path_args) {
+          std::vector<std::string> paths;
+          for (const nb::str& p : path_args) paths.push_back(utf8_arg(p, "paths"));
+          return join_checkpoints(paths);
+        },
+        nb::arg("paths"),
+        "Every rank's optimizer checkpoint of one run joined, as zoe export does: {step, loss_scale, params: "
+        "[(name, shape, n)], pieces: [each file's [(param, begin, n)]], master/exp_avg/exp_avg_sq: [fp32 array per "
+        "param]}.");
   m.def("parse_config",
         [](const nb::str& text, const nb::str& source) {
           return config_dict(take(parse_config(utf8_arg(text, "text"), utf8_arg(source, "source"))));

@@ -16,7 +16,6 @@ and reshards; under it the masters go into each parameter's state as ``"zoe_mast
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 
@@ -240,6 +239,9 @@ def consolidate(state_dicts) -> dict:
         meta = sd.get("zoe") if isinstance(sd, dict) else None
         if meta is None or meta.get("format") != STATE_FORMAT:
             raise ValueError(f"state_dict {k} was not written by zoe.torch.OffloadOptimizer.state_dict()")
+        if meta.get("pieces", []) is None:
+            raise ValueError(f"state_dict {k} holds FSDP2 shards: torch.distributed.checkpoint saves and reshards "
+                             "those (get_state_dict / set_state_dict)")
         if "pieces" not in meta:
             raise ValueError(f"state_dict {k} predates partition records (no 'pieces'); it loads only on the ranks "
                              "that wrote it")
@@ -259,43 +261,38 @@ def consolidate(state_dicts) -> dict:
     layout = metas[0]["layout"]
     if any(m["layout"] != layout for m in metas):
         raise ValueError("the state_dicts are of different models (their parameter layouts differ)")
-    full, filled, steps = {}, {}, set()
-    for meta in metas:
-        try:
-            manifest, blobs = _read_blob(meta, states[id(meta)])
-        except _zoe.ZoeError as e:
-            raise type(e)(f"rank {meta['rank']}'s state_dict: its zoe checkpoint is damaged: {e}") from e
-        steps.add(manifest["step"])
-        arrays = [blobs[name].view("<f4") for name in ("master", "exp_avg", "exp_avg_sq")]
-        at = 0
-        for index, begin, n in meta["pieces"]:
-            numel = int(torch.Size(layout[index][0]).numel())
-            if index not in full:
-                full[index] = torch.zeros(3, numel, dtype=torch.float32)
-                filled[index] = 0
-            for k in range(3):
-                full[index][k, begin:begin + n] = torch.from_numpy(arrays[k][at:at + n].copy())
-            filled[index] += n
-            at += n
-        if at != arrays[0].size:
-            raise ValueError(f"rank {meta['rank']}'s checkpoint holds {arrays[0].size} elements, its pieces {at}")
+    joined = _join(metas, states)
+    # The engine's parameters are this optimizer's slots, in its order: each file's pieces of them, matched
+    # with the pieces its state_dict names by torch index, say which parameter each one is.
+    index_of = {}
+    for meta, engine_pieces in zip(metas, joined["pieces"]):
+        named = [k for k in meta["pieces"] if k[2] > 0]
+        held = [k for k in engine_pieces if k[2] > 0]
+        fits = len(named) == len(held)
+        for (index, begin, n), (e, engine_begin, engine_n) in zip(named, held):
+            fits = fits and (begin, n) == (engine_begin, engine_n) and index_of.setdefault(e, index) == index
+        if not fits:
+            raise ValueError(f"rank {meta['rank']}'s state_dict: its zoe checkpoint holds other pieces than its "
+                             "state_dict names")
+    state, masters = {}, {}
+    for e, index in index_of.items():
+        shape = layout[index][0]
+        if joined["params"][e][2] != int(torch.Size(shape).numel()):
+            raise ValueError(f"parameter {index}: zoe's checkpoints hold {joined['params'][e][2]} elements, the "
+                             f"layout {int(torch.Size(shape).numel())}")
+        m, v = (torch.from_numpy(joined[key][e]).view(shape) for key in ("exp_avg", "exp_avg_sq"))
+        state[index] = {"step": torch.tensor(float(joined["step"])), "exp_avg": m, "exp_avg_sq": v}
+        masters[index] = torch.from_numpy(joined["master"][e]).view(shape)
     for index, (shape, _, trainable, *rest) in enumerate(layout):
-        if trainable and filled.get(index, 0) != int(torch.Size(shape).numel()):
-            raise ValueError(f"parameter {index}: the ranks' partitions hold {filled.get(index, 0)} of its "
-                             f"{int(torch.Size(shape).numel())} elements")
-    if len(steps) != 1:
-        raise ValueError(f"the ranks' states are at different steps: {sorted(steps)}")
-    step = steps.pop()
-    state = {i: {"step": torch.tensor(float(step)), "exp_avg": t[1].view(layout[i][0]),
-                 "exp_avg_sq": t[2].view(layout[i][0])} for i, t in full.items()}
-    masters = {i: t[0].view(layout[i][0]) for i, t in full.items()}
+        if trainable and int(torch.Size(shape).numel()) > 0 and index not in state:
+            raise ValueError(f"parameter {index}: no rank's partition holds it")
     groups = [dict(g) for g in sds[0]["param_groups"]]
     # An fp16 model's run scaled its loss (zoe's default for fp16); the scaler of any other is at rest.
-    ls = manifest.get("loss_scale") if any(entry[1] == str(torch.float16) for entry in layout) else None
+    fp16 = any(entry[1] == str(torch.float16) for entry in layout)
     for g in groups:
         g.pop("zoe_loss_scale", None)
-        if ls is not None:
-            g["zoe_loss_scale"] = [ls["scale"], ls["clean_steps"], ls["hysteresis_left"]]
+        if fp16:
+            g["zoe_loss_scale"] = list(joined["loss_scale"])
     return {"state": state, "param_groups": groups, "zoe_masters": masters}
 
 
@@ -326,10 +323,18 @@ def blob_file(meta: dict, state: dict | None):
         yield path
 
 
-def _read_blob(meta: dict, state: dict | None):
-    with blob_file(meta, state) as path:
-        manifest, blobs = _zoe.read_checkpoint(path)
-    return json.loads(manifest), blobs
+def _join(metas: list, states: dict) -> dict:
+    """The ranks' engine checkpoints joined by the engine's PartitionedCheckpoint (what zoe export reads), with
+    an error naming the rank, not the temporary file."""
+    with contextlib.ExitStack() as files:
+        paths = [files.enter_context(blob_file(meta, states[id(meta)])) for meta in metas]
+        try:
+            return _zoe.join_checkpoints(paths)
+        except _zoe.ZoeError as e:
+            message = str(e)
+            for meta, path in zip(metas, paths):
+                message = message.replace(path, f"rank {meta['rank']}'s zoe checkpoint")
+            raise type(e)(message) from e
 
 
 def export_fp32(source, out_dir, names=None, moments: bool = False) -> list[str]:

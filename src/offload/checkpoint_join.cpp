@@ -1,92 +1,49 @@
 // A run's optimizer checkpoints, one per rank, read and joined (zoe/checkpoint.h): each file's manifest says
 // which pieces of which parameters its state arrays hold (the partition's record, or every parameter whole at
 // world 1), and joining copies each piece to its place.
+#include <algorithm>
 #include <cstring>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "src/offload/checkpoint.h"
+#include "src/offload/optimizer_manifest.h"
 #include "zoe/checkpoint.h"
 
 namespace zoe {
 namespace {
 
-using Json = nlohmann::json;
-
-
-struct UserParam {
-  std::size_t n = 0;
-  std::string name;
-  std::vector<std::int64_t> shape;
-  bool operator==(const UserParam&) const = default;
-};
-
-struct Piece {
-  std::size_t param, begin, n;
-};
-
+// One rank's file: its manifest, and its state arrays' pieces of the trainer's parameters.
 struct RankFile {
   std::string path;
-  int rank = 0, world = 1;
-  std::int64_t step = 0;
-  std::vector<UserParam> params;
-  std::vector<Piece> pieces;  // in the order of the state arrays
+  OptimizerManifest manifest;
+  std::vector<CheckpointPiece> pieces;  // in the order of the state arrays
   std::size_t elements = 0;
+  // The trainer's parameters: the optimizer's own at world 1.
+  const std::vector<ManifestParam>& params() const {
+    return manifest.world == 1 ? manifest.params : manifest.user_params;
+  }
 };
 
-Status malformed(const std::string& path, const std::string& what) {
-  return Status(StatusCode::corrupt, "checkpoint " + path + ": " + what);
-}
-
-std::vector<UserParam> read_params(const Json& list) {
-  std::vector<UserParam> out;
-  for (const Json& p : list) {
-    UserParam u;
-    u.n = p.at("n").get<std::size_t>();
-    if (p.contains("name")) u.name = p.at("name").get<std::string>();
-    if (p.contains("shape")) u.shape = p.at("shape").get<std::vector<std::int64_t>>();
-    out.push_back(u);
-  }
-  return out;
-}
-
 Result<RankFile> describe(const std::string& path, const CheckpointReader& reader) {
-  const Json m = Json::parse(reader.manifest(), nullptr, false);
-  if (m.is_discarded() || m.value("format", "") != "zoe-offload-optimizer") {
-    return malformed(path, "not a zoe optimizer checkpoint (its manifest is not one)");
-  }
+  Result<OptimizerManifest> m = OptimizerManifest::parse(reader.manifest(), path);
+  if (!m.ok()) return m.status();
   RankFile f;
   f.path = path;
-  try {
-    f.step = m.at("step").get<std::int64_t>();
-    const Json& part = m.at("partition");
-    f.rank = part.at("rank").get<int>();
-    f.world = part.at("world").get<int>();
-    if (f.world == 1) {
-      f.params = read_params(m.at("params"));
-      for (std::size_t i = 0; i < f.params.size(); ++i) f.pieces.push_back({i, 0, f.params[i].n});
-    } else {
-      if (!part.contains("pieces")) {
-        return malformed(path, "rank " + std::to_string(f.rank) + " of " + std::to_string(f.world) +
-                                   ", written before zoe recorded how partitions join; it cannot be exported");
-      }
-      f.params = read_params(part.at("params"));
-      for (const Json& k : part.at("pieces")) {
-        f.pieces.push_back({k.at("param").get<std::size_t>(), k.at("begin").get<std::size_t>(), k.at("n").get<std::size_t>()});
-      }
-    }
-  } catch (const Json::exception& e) {
-    return malformed(path, std::string("its manifest is malformed (") + e.what() + ")");
+  f.manifest = std::move(m).value();
+  const OptimizerManifest& mf = f.manifest;
+  if (mf.world == 1) {
+    for (std::size_t i = 0; i < mf.params.size(); ++i) f.pieces.push_back({i, 0, mf.params[i].n});
+  } else if (!mf.pieces_recorded) {
+    return Status(StatusCode::corrupt, "checkpoint " + path + ": rank " + std::to_string(mf.rank) + " of " +
+                                           std::to_string(mf.world) +
+                                           ", written before zoe recorded how partitions join; it cannot be joined");
+  } else {
+    f.pieces = mf.pieces;
   }
-  for (const Piece& k : f.pieces) {
-    if (k.param >= f.params.size() || k.begin > f.params[k.param].n || k.n > f.params[k.param].n - k.begin) {
-      return malformed(path, "a piece lies outside its parameter");
-    }
-    f.elements += k.n;
-  }
+  for (const CheckpointPiece& k : f.pieces) f.elements += k.n;
   return f;
 }
 
@@ -130,7 +87,7 @@ struct PartitionedCheckpoint::Impl {
       std::vector<float> all(files_[f].elements);
       if (Status s = readers_[f].read(blob, all.data(), all.size() * 4); !s.ok()) return s;
       std::size_t at = 0;
-      for (const Piece& p : files_[f].pieces) {
+      for (const CheckpointPiece& p : files_[f].pieces) {
         std::memcpy(data[p.param].data() + p.begin, all.data() + at, p.n * 4);
         filled[p.param] += p.n;
         at += p.n;
@@ -148,17 +105,18 @@ struct PartitionedCheckpoint::Impl {
 
   // One run's ranks, each once, over the same parameters at the same step.
   Status check_one_run() const {
-    const int world = files_[0].world;
+    const int world = files_[0].manifest.world;
     std::map<int, std::string> by_rank;
     for (const RankFile& f : files_) {
-      if (f.world != world) {
-        return invalid_argument(f.path + " is a checkpoint of " + std::to_string(f.world) + " ranks, " + files_[0].path +
+      if (f.manifest.world != world) {
+        return invalid_argument(f.path + " is a checkpoint of " + std::to_string(f.manifest.world) + " ranks, " + files_[0].path +
                                 " of " + std::to_string(world) + ": give one run's checkpoints");
       }
-      if (!by_rank.emplace(f.rank, f.path).second) {
-        return invalid_argument(f.path + " and " + by_rank[f.rank] + " are both rank " + std::to_string(f.rank));
+      const int rank = f.manifest.rank;
+      if (!by_rank.emplace(rank, f.path).second) {
+        return invalid_argument(f.path + " and " + by_rank[rank] + " are both rank " + std::to_string(rank));
       }
-      if (f.params != files_[0].params || f.step != files_[0].step) {
+      if (!same_params(f.params(), files_[0].params()) || f.manifest.step != files_[0].manifest.step) {
         return invalid_argument(f.path + " and " + files_[0].path + " are not of one run (their parameters or steps differ)");
       }
     }
@@ -171,8 +129,16 @@ struct PartitionedCheckpoint::Impl {
     return Status::success();
   }
 
+  // The trainer's parameters as every rank records them (dtype and group aside: a partition's pieces of one
+  // parameter are all of its dtype and group).
+  static bool same_params(const std::vector<ManifestParam>& a, const std::vector<ManifestParam>& b) {
+    return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const ManifestParam& x, const ManifestParam& y) {
+      return x.n == y.n && x.name == y.name && x.shape == y.shape;
+    });
+  }
+
   Status name_params() {
-    const std::vector<UserParam>& params = files_[0].params;
+    const std::vector<ManifestParam>& params = files_[0].params();
     std::map<std::string, std::size_t> seen;
     for (std::size_t i = 0; i < params.size(); ++i) {
       CheckpointParam e{params[i].name.empty() ? "param." + std::to_string(i) : params[i].name, params[i].shape,
@@ -205,7 +171,11 @@ PartitionedCheckpoint& PartitionedCheckpoint::operator=(PartitionedCheckpoint&&)
 PartitionedCheckpoint::~PartitionedCheckpoint() = default;
 
 const std::vector<CheckpointParam>& PartitionedCheckpoint::params() const { return impl_->params_; }
-std::int64_t PartitionedCheckpoint::step() const { return impl_->files_[0].step; }
+std::int64_t PartitionedCheckpoint::step() const { return impl_->files_[0].manifest.step; }
+LossScaleState PartitionedCheckpoint::loss_scale() const { return impl_->files_[0].manifest.loss_scale; }
+const std::vector<CheckpointPiece>& PartitionedCheckpoint::pieces(std::size_t file) const {
+  return impl_->files_.at(file).pieces;
+}
 std::size_t PartitionedCheckpoint::files() const { return impl_->files_.size(); }
 Status PartitionedCheckpoint::verify(std::span<const char* const> blobs) const { return impl_->verify(blobs); }
 Result<std::vector<std::vector<float>>> PartitionedCheckpoint::join(const char* blob) const {

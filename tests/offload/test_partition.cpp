@@ -14,6 +14,7 @@
 
 #include "tests/aio/aio_test_util.h"
 #include "tests/offload/trainer.h"
+#include "zoe/checkpoint.h"
 #include "zoe/partition.h"
 
 namespace zoe {
@@ -290,6 +291,64 @@ TEST(Partition, MixedDtypesInFlatOrCopiedBuffersTrainAsOneProcessBitwise) {
       for (int r = 0; r < 2; ++r) EXPECT_EQ(ranks[r], whole) << "rank " << r;
     }
   }
+}
+
+// Each rank's checkpoint holds its pieces; joined (PartitionedCheckpoint: zoe export, Python's
+// consolidate_state_dicts) they are the state of one process that took the same steps, bit for bit.
+TEST(Partition, RanksCheckpointsJoinIntoOneProcesssState) {
+  const std::string dir = ::testing::TempDir() + "zoe_partition_join_" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  OffloadOptions o;
+  o.loss_scale.enabled = true;
+  o.loss_scale.initial_scale = 1024;
+  const std::vector<std::size_t> sizes = {1000, 37, 4096, 1};
+  const std::string whole_path = dir + "/whole.zoe";
+  {
+    Trainer whole(Schedule::sync, DType::f16, o, 0, sizes);
+    whole.run(1, 5, random_grads(1e-2));
+    ASSERT_TRUE(whole.opt().save(whole_path).ok());
+  }
+  std::shared_ptr<HostGroup> group = make_host_group(2);
+  std::vector<std::string> rank_paths = {dir + "/rank0.zoe", dir + "/rank1.zoe"};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      Trainer t(Schedule::sync, DType::f16, o, 0, sizes, group, r);
+      if (!t.created()) return;
+      t.run(1, 5, random_grads(1e-2));
+      const Status s = t.opt().save(rank_paths[r]);
+      EXPECT_TRUE(s.ok()) << s.to_string();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+
+  Result<PartitionedCheckpoint> one = PartitionedCheckpoint::open({whole_path});
+  Result<PartitionedCheckpoint> two = PartitionedCheckpoint::open({rank_paths[1], rank_paths[0]});  // any order
+  ASSERT_TRUE(one.ok()) << one.status().to_string();
+  ASSERT_TRUE(two.ok()) << two.status().to_string();
+  EXPECT_EQ(two->files(), 2u);
+  EXPECT_EQ(two->step(), one->step());
+  EXPECT_EQ(two->loss_scale().scale, one->loss_scale().scale);
+  ASSERT_EQ(two->params().size(), sizes.size());
+  std::size_t held = 0;
+  for (std::size_t f = 0; f < 2; ++f) {
+    for (const CheckpointPiece& k : two->pieces(f)) held += k.n;
+  }
+  EXPECT_EQ(held, 1000u + 37 + 4096 + 1) << "each element in exactly one rank's pieces";
+  for (const char* blob : {"master", "exp_avg", "exp_avg_sq"}) {
+    SCOPED_TRACE(blob);
+    Result<std::vector<std::vector<float>>> a = one->join(blob), b = two->join(blob);
+    ASSERT_TRUE(a.ok() && b.ok());
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      ASSERT_EQ(b.value()[i].size(), sizes[i]);
+      EXPECT_EQ(std::memcmp(a.value()[i].data(), b.value()[i].data(), sizes[i] * 4), 0) << "parameter " << i;
+    }
+  }
+  // One rank's file alone is not a run's state.
+  Result<PartitionedCheckpoint> half = PartitionedCheckpoint::open({rank_paths[0]});
+  ASSERT_FALSE(half.ok());
+  EXPECT_NE(half.status().message().find("rank 1 of 2 is missing"), std::string::npos) << half.status().to_string();
+  std::filesystem::remove_all(dir);
 }
 
 TEST(Partition, CheckpointOfAnotherPartitioningIsRefused) {
