@@ -358,6 +358,12 @@ def test_bad_partition_sets_are_refused(two_rank_runs):
     single = torch.load(_run(r["tmp"], "single2", 1, 0, 2) / "state0.pt", weights_only=False)
     with pytest.raises(ValueError, match="different sizes"):
         consolidate_state_dicts([s0, single])
+    # FSDP2 shards are torch.distributed.checkpoint's to reshard; a state_dict whose map of pieces is not what
+    # its engine checkpoint holds is refused, not joined into the wrong places.
+    with pytest.raises(ValueError, match="FSDP2 shards"):
+        consolidate_state_dicts([s0, dict(s1, zoe=dict(s1["zoe"], pieces=None))])
+    with pytest.raises(ValueError, match="other pieces than its state_dict names"):
+        consolidate_state_dicts([dict(s0, zoe=dict(s0["zoe"], pieces=s1["zoe"]["pieces"])), s1])
     # A damaged checkpoint names what failed its check; the optimizer that was to load it is unchanged.
     damaged = dict(s1)
     damaged["zoe"] = dict(s1["zoe"])
