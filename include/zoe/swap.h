@@ -101,6 +101,7 @@ struct SwapStats {
   double adam_s = 0;      // CpuAdam (and f16/bf16 copy-out)
   double crc_s = 0;       // verifying what was read and checksumming what is written
   double wait_s = 0;      // the compute thread waiting for a read or a free buffer: the step is I/O-bound there
+  double gate_s = 0;      // speculate(): the compute thread waiting at the gate for gradients
   double sync_s = 0;      // fdatasync and the tile table update
   double total_s = 0;     // the whole call
   std::size_t tiles_stepped = 0;   // tiles this call moved to the new step
@@ -151,6 +152,24 @@ class SwapStore {
   // the same gradients after a failure completes exactly the missing tiles and gives the result of an
   // uninterrupted run. On failure the Status says which tiles are at which step (also: tile_runs()).
   Status step(std::span<const SwapSegment> segments, const StepOptions& options);
+
+  // A speculative step (the optimizer's overlap schedule steps tiles while backward still produces the
+  // gradients of others): as step(), but before computing each tile it calls gate(begin, end) with the
+  // tile's elements, which returns once every segment touching them has its gradient in place — it may set
+  // a segment's `grad` (and `grad_dtype`) now, or to null to leave that segment out (its elements keep their
+  // values) — or fails to stop the call. Tiles go in descending order (a backward pass reports the last
+  // layers first), reads running ahead of the gate. Each tile's new state is written to its other slot,
+  // never over the valid copy, and the table keeps naming the old one: commit_speculation() makes the new
+  // state the store's (durable as `durability` says), discard_speculation() drops it and the store is as it
+  // was — a crash before the commit reopens at the last committed step. One of them must follow, whether
+  // this call succeeded or not; every other call is refused until then. options.check_finite is not
+  // applied: the caller checks gradients as they arrive. Not thread-safe with the store's other calls, but
+  // the gate may block on another thread's work.
+  using TileGate = std::function<Status(std::size_t begin, std::size_t end)>;
+  Status speculate(std::span<const SwapSegment> segments, const StepOptions& options, const TileGate& gate);
+  Status commit_speculation();
+  Status discard_speculation();
+  bool speculating() const;
 
   // Copies [offset, offset + count) out of (read) or into (write) the store; a null array is skipped
   // (write: kept as stored). write() keeps each tile's step number; use set_step() after loading a

@@ -37,6 +37,7 @@ struct TileTask {
   bool read = true;
   bool write = true;
   std::int64_t new_step = 0;
+  bool speculative = false;  // its new entry goes to Impl::speculated, not the table (SwapStore::speculate)
 };
 
 // A tile's arrays in its buffer (and slot): [p | m | v | m_scale | v_scale]. m and v are in the store's state
@@ -109,6 +110,15 @@ struct SwapStore::Impl {
   };
   std::vector<char> resident;
   std::vector<PendingWrite> pending_writes;
+  // A speculative step (SwapStore::speculate) awaiting commit or discard: each tile it wrote has its new entry
+  // here (step -1: not written), naming the slot the table does not; every other call is refused meanwhile.
+  std::vector<TileEntry> speculated;
+  bool speculating = false;
+  Status refuse_while_speculating(const char* call) const;
+  // A tile's write completed: its entry flips, or (speculative) waits in `speculated`.
+  void wrote_tile(const TileTask& task, const TileEntry& entry) {
+    (task.speculative ? speculated : table)[task.tile] = entry;
+  }
 
   PathFile& file_of(std::size_t t) { return files[t % files.size()]; }
   std::uint64_t file_offset(std::size_t t, std::uint32_t slot) const {
@@ -168,6 +178,11 @@ struct SwapStore::Impl {
   std::string describe() const;       // which tiles are at which step
   Status with_state(Status s) const;  // appends describe() to an error
 };
+
+// One Adam step over the segments (SwapStore::step; with `gate`, SwapStore::speculate: each tile waits for
+// gate(begin, end) before it is computed, and is written beside its valid copy).
+Status step_tiles(SwapStore::Impl& im, std::span<const SwapSegment> segments, const StepOptions& options,
+                  const SwapStore::TileGate* gate);
 
 // Whether every gradient element is finite (f32, f16, bf16 bit patterns).
 bool all_finite(const void* grad, DType dtype, std::size_t n);

@@ -159,7 +159,7 @@ void submit_resident_writes(SwapStore::Impl& im, std::span<const TileTask> tasks
       failure.note(w.status());
       break;
     }
-    if (behind) {
+    if (behind) {  // never speculative (run_resident_tiles)
       im.table[t] = next[j];
       im.resident[t] = 1;
       im.pending_writes.push_back({t, w.value(), false, Status::success()});
@@ -183,8 +183,8 @@ void wait_resident_writes(SwapStore::Impl& im, std::span<const TileTask> tasks, 
                           s.sys_errno()));
       continue;
     }
-    im.table[t] = next[j];
-    im.resident[t] = 1;
+    im.wrote_tile(tasks[j], next[j]);
+    im.resident[t] = 1;  // the buffer holds what the entry (or the speculative one) names
   }
 }
 
@@ -196,8 +196,10 @@ void wait_resident_writes(SwapStore::Impl& im, std::span<const TileTask> tasks, 
 // state is in RAM), and settle() waits for them — and rewrites any that failed — before the next call
 // touches a buffer or a slot.
 Status SwapStore::Impl::run_resident_tiles(std::span<const TileTask> tasks, const TileCompute& compute) {
-  // streaming_call() has settled the last call: no write is in flight from any buffer.
-  const bool behind = options.durability != SwapDurability::each_call;
+  // streaming_call() has settled the last call: no write is in flight from any buffer. A speculative call
+  // waits for its writes: only commit_speculation() may make them the table's.
+  const bool speculative = !tasks.empty() && tasks.front().speculative;
+  const bool behind = options.durability != SwapDurability::each_call && !speculative;
   FirstFailure failure;
   std::vector<aio::IoEngine::Ticket> reads(tasks.size(), 0);
   submit_resident_reads(*this, tasks, reads, failure);
@@ -277,7 +279,7 @@ class TilePipeline {
       return Status(s.code(), "writing " + im_.tile_name(t) + ": " + s.message() + "; its previous copy stays the valid one",
                     s.sys_errno());
     }
-    im_.table[t] = b.next;
+    im_.wrote_tile(tasks_[b.task], b.next);
     return Status::success();
   }
 

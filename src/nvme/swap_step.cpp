@@ -57,6 +57,7 @@ void zero_tile(const SwapStore::Impl& im, const TileArrays& a, std::size_t count
 template <typename Body>
 Status streaming_call(SwapStore::Impl& im, bool writes, Body&& body) {
   const auto t0 = Clock::now();
+  if (Status s = im.refuse_while_speculating("this call"); !s.ok()) return s;
   im.stats = {};
   if (Status s = im.ready_for_io(); !s.ok()) return s;
   // A resident store settles the last call's writes first: they complete into its counters, not this call's.
@@ -211,16 +212,22 @@ Status plan_step(const SwapStore::Impl& im, std::span<const SwapSegment> segment
   return Status::success();
 }
 
-// The step's compute stage: Adam over the segments' parts in one tile.
+// The step's compute stage: Adam over the segments' parts in one tile (after the gate, when speculating).
 class TileStepper {
  public:
   TileStepper(const SwapStore::Impl& im, std::span<const SwapSegment> segments, const StepPlan& plan,
-              const StepOptions& options)
-      : im_(im), segments_(segments), plan_(plan), options_(options), adam_options_(options) {
+              const StepOptions& options, const SwapStore::TileGate* gate)
+      : im_(im), segments_(segments), plan_(plan), options_(options), adam_options_(options), gate_(gate) {
     adam_options_.check_finite = false;  // checked above, over all segments, before anything changed
   }
 
   Status operator()(const TileTask& task, const TileArrays& a, std::size_t count) {
+    if (gate_ != nullptr) {
+      const auto g0 = Clock::now();
+      const Status s = (*gate_)(im_.tile_begin(task.tile), im_.tile_begin(task.tile) + count);
+      gate_s_ += since(g0);
+      if (!s.ok()) return s;
+    }
     const auto t0 = Clock::now();
     gather(task, a, count);
     Status r;
@@ -236,6 +243,7 @@ class TileStepper {
   }
 
   double adam_s() const { return adam_s_; }
+  double gate_s() const { return gate_s_; }
 
  private:
   struct Call {
@@ -253,7 +261,7 @@ class TileStepper {
     for (std::size_t si = plan_.first_segment[index]; si < segments_.size() && segments_[si].offset < end; ++si) {
       const SwapSegment& seg = segments_[si];
       const std::size_t lo = std::max(begin, seg.offset), hi = std::min(end, seg.offset + seg.n);
-      if (seg.n == 0 || lo >= hi) continue;
+      if (seg.n == 0 || lo >= hi || seg.grad == nullptr) continue;  // null: the gate left it out
       const std::size_t at = lo - begin, from = lo - seg.offset;
       void* out = seg.out == nullptr ? nullptr : static_cast<char*>(seg.out) + from * 2;
       if (!task.write) {  // a retried tile: already stepped, only its copy-out is refilled
@@ -292,31 +300,47 @@ class TileStepper {
   const StepPlan& plan_;
   const StepOptions& options_;
   StepOptions adam_options_;
+  const SwapStore::TileGate* gate_;
   std::vector<Call> groups_;
-  double adam_s_ = 0;
+  double adam_s_ = 0, gate_s_ = 0;
 };
 
 }  // namespace
 
-Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions& options) {
-  Impl& im = *impl_;
+Status step_tiles(SwapStore::Impl& im, std::span<const SwapSegment> segments, const StepOptions& options,
+                  const SwapStore::TileGate* gate) {
   if (options.step < 1) return invalid_argument("step = " + std::to_string(options.step) + ": steps count from 1");
+  if (Status s = im.refuse_while_speculating(gate != nullptr ? "speculate()" : "step()"); !s.ok()) return s;
   if (Status s = check_segments(segments, im.n, im.scale_count > 0); !s.ok()) return s;
-  if (options.check_finite) {
+  if (options.check_finite && gate == nullptr) {
     if (Status s = check_finite_grads(segments); !s.ok()) return s;
   }
   StepPlan plan;
   if (Status s = plan_step(im, segments, options.step, plan); !s.ok()) return s;
-  TileStepper stepper(im, segments, plan, options);
-  Status s = streaming_call(im, true, [&] {
+  if (gate != nullptr) {
+    // Backward reports the last parameters first.
+    std::reverse(plan.tasks.begin(), plan.tasks.end());
+    std::reverse(plan.first_segment.begin(), plan.first_segment.end());
+    for (TileTask& t : plan.tasks) t.speculative = true;
+  }
+  TileStepper stepper(im, segments, plan, options, gate);
+  // A speculative call flips no entry: its durability is commit_speculation()'s.
+  Status s = streaming_call(im, gate == nullptr, [&] {
     return im.run_tiles(plan.tasks, [&stepper](const TileTask& task, const TileArrays& a, std::size_t count) {
       return stepper(task, a, count);
     });
   });
+  if (gate != nullptr) im.speculating = true;  // commit or discard, whatever the call did
   im.stats.adam_s = stepper.adam_s();
+  im.stats.gate_s = stepper.gate_s();
   im.stats.tiles_skipped = plan.skipped;
   for (const TileTask& t : plan.tasks) {
-    if (t.write && im.table[t.tile].step == options.step) ++im.stats.tiles_stepped;
+    const TileEntry& e = t.speculative ? im.speculated[t.tile] : im.table[t.tile];
+    if (t.write && e.step == options.step) ++im.stats.tiles_stepped;
+  }
+  if (!s.ok() && gate != nullptr) {
+    return Status(s.code(), "speculative step " + std::to_string(options.step) + " stopped: " + s.message() +
+                                " (discard_speculation() leaves the store as it was)", s.sys_errno());
   }
   if (!s.ok()) {
     return Status(s.code(), "step " + std::to_string(options.step) + " incomplete: " + s.message() +
@@ -325,6 +349,10 @@ Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions&
                   s.sys_errno());
   }
   return s;
+}
+
+Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions& options) {
+  return step_tiles(*impl_, segments, options, nullptr);
 }
 
 namespace {
@@ -513,6 +541,7 @@ Status SwapStore::write_q8(std::size_t offset, std::size_t count, const std::int
 
 Status SwapStore::discard() {
   Impl& im = *impl_;
+  if (Status s = im.refuse_while_speculating("discard()"); !s.ok()) return s;
   if (Status s = im.settle(); !s.ok()) return s;
   for (TileEntry& e : im.table) e.step = -1;
   std::fill(im.resident.begin(), im.resident.end(), 0);
@@ -522,6 +551,7 @@ Status SwapStore::discard() {
 Status SwapStore::set_step(std::int64_t step) {
   Impl& im = *impl_;
   if (step < 0) return invalid_argument("set_step: step = " + std::to_string(step) + " must be >= 0");
+  if (Status s = im.refuse_while_speculating("set_step()"); !s.ok()) return s;
   for (std::size_t t = 0; t < im.ntiles; ++t) {
     if (im.table[t].step < 0) return invalid_argument("set_step: " + im.unwritten(t));
   }
@@ -533,6 +563,7 @@ Status SwapStore::set_step(std::int64_t step) {
 
 Result<std::pair<double, double>> SwapStore::raw_io_pass() {
   Impl& im = *impl_;
+  if (Status s = im.refuse_while_speculating("raw_io_pass()"); !s.ok()) return s;
   if (Status s = im.ready_for_io(); !s.ok()) return s;
   // Its writes go to the slots the table on disk may still name.
   if (Status s = im.settle(); !s.ok()) return s;

@@ -81,6 +81,24 @@ class StateTier {
 
   // The master weights of parameter i where the staging cannot hold them (f32 parameters; tier ram only).
   virtual float* master(std::size_t) { return nullptr; }
+
+  // Tier nvme's speculation (the overlap schedule; tier ram undoes pieces instead): one call steps every
+  // parameter with a gradient of staging set 0, each tile once ready(i) has said, for each parameter i in it,
+  // whether its gradient is down (true: step it; false: it has none this iteration) — or failed, which stops
+  // the call. The new state and weights are kept beside the old until commit_speculation();
+  // discard_speculation() drops them and puts back the 16-bit weights the call wrote into the staging.
+  using ParamReady = std::function<Result<bool>(std::size_t param)>;
+  virtual bool speculates() const { return false; }
+  virtual Status speculate(float, const std::vector<ParamGroup>&, const ParamReady&) {
+    return Status(StatusCode::unsupported, "this tier does not speculate");
+  }
+  virtual Status commit_speculation() { return Status::success(); }
+  virtual Status discard_speculation() { return Status::success(); }
+  // Parameters the last speculate() stepped (ready(i) said true): the step of every one of them is in it.
+  virtual const std::vector<char>& speculated_params() const {
+    static const std::vector<char> kNone;
+    return kNone;
+  }
 };
 
 class StepSchedule {

@@ -6,11 +6,16 @@
 // step is then sync's, over the gradients taken again.
 // Speculative steps use the hyper-parameters set when the iteration's first gradient was reported; a trainer
 // that sets others before step() (a learning-rate schedule stepped late) has them undone and redone too.
-// Tier nvme does not speculate: its steps are not undone (the gradients come down during backward, and the
-// step runs once they are all down).
+// Tier nvme cannot keep an undo copy (its state is not in RAM): from the iteration's first report one
+// speculative call of the tier steps the whole store on the worker, each tile once the gradients of its
+// parameters are down (param_ready), its new state written beside the old (SwapStore::speculate). step()
+// then commits it, or discards it and steps as sync from the state the store still holds.
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -32,6 +37,8 @@ class OverlapSchedule final : public StepSchedule {
     // trainer changes gradients after reporting them (grads_changed(), clip_grad_norm_ by the trainer,
     // set_max_grad_norm() between steps): an undo copy is kept whenever the tier steps during backward.
     speculation_can_fail_ = m_.tier->in_ram();
+    in_store_ = m_.tier->speculates();
+    down_.assign(m_.params.size(), std::nullopt);
     if (!speculation_can_fail_) return Status::success();
     for (AlignedBuffer* b : {&undo_master_, &undo_exp_avg_, &undo_exp_avg_sq_}) {
       Result<AlignedBuffer> r = AlignedBuffer::allocate(m_.offsets.back() * 4);
@@ -53,7 +60,10 @@ class OverlapSchedule final : public StepSchedule {
     return Status::success();
   }
 
-  ~OverlapSchedule() override { worker_.reset(); }  // its closures use this schedule's members
+  ~OverlapSchedule() override {
+    stop_gate();  // a speculation of the store waiting for gradients ends
+    worker_.reset();  // its closures use this schedule's members
+  }
 
   Status grad_ready(std::size_t i) override {
     if (reported_[i]) return invalid_argument("parameter " + std::to_string(i) + " was reported ready twice in one iteration");
@@ -62,7 +72,9 @@ class OverlapSchedule final : public StepSchedule {
       // Copied for the worker: the trainer may set the groups' hyper-parameters while it steps.
       speculated_with_ = m_.groups;
       speculating_ = true;
+      if (in_store_) start_store_speculation();
     }
+    if (in_store_) return report_to_store(i);
     Status s = m_.tier->in_ram()
                    ? m_.enqueue_d2h(i, 0, [this](std::size_t k, EventId copied) { return step_piece_when_down(k, copied); })
                    : m_.enqueue_d2h(i, 0);
@@ -75,7 +87,7 @@ class OverlapSchedule final : public StepSchedule {
   Result<int> take_grads() override {
     if (Status s = report_the_rest(); !s.ok()) return s;
     if (retake_) {
-      if (Status s = undo_speculation(); !s.ok()) return s;
+      if (Status s = in_store_ ? stop_store_speculation() : undo_speculation(); !s.ok()) return s;
       if (Status s = take_all_grads(m_); !s.ok()) return s;
       retake_ = false;
       taken_again_ = true;
@@ -90,10 +102,14 @@ class OverlapSchedule final : public StepSchedule {
   void retake() override { retake_ = true; }
 
   Status discard_speculative_steps() override {
-    if (!speculation_can_fail_) return Status::success();  // tier nvme steps nothing during backward
+    if (in_store_) return stop_store_speculation();
+    if (!speculation_can_fail_) return Status::success();
     if (Status s = undo_speculation(); !s.ok()) return s;
     return m_.finish_h2d();
   }
+
+  // Tier nvme: what reads or writes the store (save, load, read_state) must not run beside its speculation.
+  Status wait() override { return in_store_ ? stop_store_speculation() : Status::success(); }
 
  private:
   Status step_piece_when_down(std::size_t k, EventId copied);
@@ -101,14 +117,27 @@ class OverlapSchedule final : public StepSchedule {
   // stepped, and step() steps them all.
   Status undo_speculation();
   // Every parameter the trainer did not report is reported now: its gradient is final at the end of backward.
+  // Those still unreported then have none this iteration (the store's speculation leaves them out).
   Status report_the_rest() {
     for (std::size_t i = 0; i < m_.params.size(); ++i) {
       if (!reported_[i] && !m_.is_absent(i, 0)) {
         if (Status s = grad_ready(i); !s.ok()) return s;
       }
     }
+    {
+      const std::lock_guard lock(down_mutex_);
+      all_reported_ = true;
+    }
+    down_cv_.notify_all();
     return Status::success();
   }
+  // Tier nvme (in_store_).
+  void start_store_speculation();
+  Status report_to_store(std::size_t i);
+  Result<bool> param_ready(std::size_t i);
+  Status step_in_store();
+  void stop_gate();
+  Status stop_store_speculation();  // stops it, waits for it and discards what it stepped
   void end_iteration();
   // Where piece k's state and weights are kept while its speculative step may be undone.
   AdamUndo undo_area(const Piece& k);
@@ -127,6 +156,13 @@ class OverlapSchedule final : public StepSchedule {
   // The groups' hyper-parameters the speculative steps of this iteration use (speculating_: set).
   std::vector<ParamGroup> speculated_with_;
   bool speculating_ = false;
+  // Tier nvme: the store's speculation (store_speculation_: started this iteration and not stopped), and the
+  // hand-off from the trainer's reports to its gate: each reported parameter's copy event.
+  bool in_store_ = false, store_speculation_ = false;
+  std::mutex down_mutex_;
+  std::condition_variable down_cv_;
+  std::vector<std::optional<EventId>> down_;
+  bool all_reported_ = false, gate_stopped_ = false;
   Status worker_status_;  // the first failure inside the worker
   std::unique_ptr<WorkQueue> worker_ = std::make_unique<WorkQueue>();  // per-piece steps during backward
 };
@@ -175,6 +211,12 @@ Status OverlapSchedule::undo_speculation() {
 }
 
 void OverlapSchedule::end_iteration() {
+  {
+    const std::lock_guard lock(down_mutex_);
+    std::fill(down_.begin(), down_.end(), std::nullopt);
+    all_reported_ = gate_stopped_ = false;
+  }
+  store_speculation_ = false;
   std::fill(reported_.begin(), reported_.end(), 0);
   std::fill(stepped_.begin(), stepped_.end(), 0);
   overflow_seen_ = false;
@@ -191,6 +233,7 @@ bool same_hyper(const std::vector<ParamGroup>& a, const std::vector<ParamGroup>&
 }
 
 Status OverlapSchedule::step() {
+  if (in_store_) return step_in_store();
   if (retake_ || taken_again_ || !m_.tier->in_ram()) {
     // Every gradient down (again, after an undo, where they changed), then sync's step.
     Result<int> taken = take_grads();
@@ -268,6 +311,114 @@ void OverlapSchedule::restore_undo(const Piece& k) {
     std::memcpy(st.m_scale, u.exp_avg_scale, moment_blocks(k.n) * 4);
     std::memcpy(st.v_scale, u.exp_avg_sq_scale, moment_blocks(k.n) * 4);
   }
+}
+
+// ---- tier nvme: the store's speculation ----
+
+void OverlapSchedule::start_store_speculation() {
+  store_speculation_ = true;
+  const float speculative_scale = static_cast<float>(1.0 / m_.visible_scale);
+  worker_->enqueue([this, speculative_scale] {
+    // The speculation writes the weights into the staging the device may still be reading.
+    if (Status s = m_.staging_writable(); !s.ok()) {
+      worker_status_ = s;
+      return;
+    }
+    worker_status_ = m_.tier->speculate(speculative_scale, speculated_with_,
+                                        [this](std::size_t i) { return param_ready(i); });
+  });
+}
+
+Status OverlapSchedule::report_to_store(std::size_t i) {
+  Status s = m_.enqueue_d2h(i, 0);
+  Result<EventId> copied = s.ok() ? m_.device.record(Stream::d2h) : Result<EventId>(s);
+  {
+    const std::lock_guard lock(down_mutex_);
+    if (copied.ok()) down_[i] = copied.value();
+    else gate_stopped_ = true;  // the speculation cannot complete: step() steps as sync
+  }
+  down_cv_.notify_all();
+  if (!copied.ok()) return copied.status();
+  return m_.grad_leaves_when_reported(i) ? m_.grad_left_device(i) : Status::success();
+}
+
+// On the worker, inside the store's speculation: parameter i's gradient is down (true), or it has none
+// this iteration (false: not reported by the end of backward). An fp16 overflow (or a NaN/Inf the step would
+// refuse) stops the speculation: the step will be skipped.
+Result<bool> OverlapSchedule::param_ready(std::size_t i) {
+  std::optional<EventId> copied;
+  {
+    std::unique_lock lock(down_mutex_);
+    down_cv_.wait(lock, [&] { return down_[i].has_value() || all_reported_ || gate_stopped_; });
+    if (gate_stopped_) return Status(StatusCode::internal, "the speculation was stopped");
+    copied = down_[i];
+  }
+  if (!copied) return false;
+  if (Status s = m_.device.synchronize(*copied); !s.ok()) return s;
+  const OffloadOptions& o = m_.options;
+  for (std::size_t k = m_.first_piece[i]; k < m_.first_piece[i + 1]; ++k) {
+    if ((o.loss_scale.enabled || o.refuse_non_finite) && m_.stats[0][k].non_finite > 0) {
+      overflow_seen_ = true;
+      return Status(StatusCode::non_finite, "parameter " + std::to_string(i) + " has a NaN/Inf gradient");
+    }
+  }
+  return true;
+}
+
+void OverlapSchedule::stop_gate() {
+  {
+    const std::lock_guard lock(down_mutex_);
+    gate_stopped_ = true;
+  }
+  down_cv_.notify_all();
+}
+
+Status OverlapSchedule::stop_store_speculation() {
+  if (!store_speculation_) return Status::success();
+  stop_gate();
+  worker_->drain();
+  worker_status_ = Status::success();  // whatever stopped it, nothing of it is kept
+  store_speculation_ = false;
+  overflow_seen_ = false;
+  return m_.tier->discard_speculation();
+}
+
+// The speculation is kept when it stepped what sync would have: no skip, no clipping, the same
+// hyper-parameters, every gradient as reported, and no parameter stepped that is now named absent.
+Status OverlapSchedule::step_in_store() {
+  bool keep = !retake_ && !taken_again_;
+  if (keep) {
+    if (Status s = report_the_rest(); !s.ok()) return s;  // the end of backward; starts the speculation if unstarted
+    worker_->drain();
+    keep = store_speculation_ && std::exchange(worker_status_, Status::success()).ok();
+  }
+  Impl::Decision d{};
+  if (keep) {
+    d = m_.decide(0, m_.visible_scale, m_.options.max_grad_norm);
+    const std::vector<char>& stepped = m_.tier->speculated_params();
+    bool absent_stepped = false;
+    for (std::size_t i = 0; i < stepped.size() && !absent_stepped; ++i) absent_stepped = stepped[i] && m_.is_absent(i, 0);
+    keep = d.error.ok() && !d.overflow && !d.refused && d.grad_scale == static_cast<float>(1.0 / m_.visible_scale) &&
+           same_hyper(speculated_with_, m_.groups) && !absent_stepped;
+  }
+  if (!keep) {
+    // The store still holds the state before the step: sync's step from there, over the gradients (taken
+    // again where they changed).
+    if (store_speculation_) ++m_.stats_.redone;
+    if (Status s = stop_store_speculation(); !s.ok()) return s;
+    Result<int> taken = take_grads();
+    end_iteration();
+    if (!taken.ok()) return taken.status();
+    return finish_sync_step(m_);
+  }
+  const Status committed = m_.tier->commit_speculation();
+  end_iteration();
+  if (!committed.ok()) return committed;
+  // The staging holds the step's weights: up to the device and into the parameter tiers.
+  if (Status s = m_.send_all_weights(); !s.ok()) return m_.weights_not_sent(d, 0, s);
+  m_.record_outcome(d, 0);
+  m_.visible_scale = m_.scaler.scale();
+  return Status::success();
 }
 
 }  // namespace

@@ -55,13 +55,7 @@ class NvmeTier final : public StateTier {
     o.step = m_.step_count.load() + 1;
     o.grad_scale = grad_scale;
     const Status s = store_.step(segments, o);
-    const SwapStats& io = store_.last_stats();
-    StepStats& st = m_.stats_;
-    st.adam_s += io.total_s;
-    st.nvme_read_bytes += io.read_bytes;
-    st.nvme_write_bytes += io.write_bytes;
-    st.nvme_read_s += io.read_s;
-    st.nvme_write_s += io.write_s;
+    add_stats(store_.last_stats());
     return s;
   }
 
@@ -130,6 +124,69 @@ class NvmeTier final : public StateTier {
 
   bool in_ram() const override { return false; }
 
+  bool speculates() const override { return true; }
+
+  // Every parameter's segment up front, its gradient (and whether it has one) taken at the gate.
+  Status speculate(float grad_scale, const std::vector<ParamGroup>& hyper, const ParamReady& ready) override {
+    const std::size_t P = m_.params.size();
+    stepped_.assign(P, 0);
+    std::vector<char> asked(P, 0);
+    std::vector<SwapSegment> segments;
+    std::vector<std::size_t> segment_of(P, 0);
+    for (std::size_t i = 0; i < P; ++i) {
+      const ParamSpec& p = m_.params[i];
+      if (p.n == 0) continue;
+      segment_of[i] = segments.size();
+      segments.push_back({at_[i], p.n, &hyper[p.group].hyper, m_.grad_of(i, 0), p.dtype, m_.weights_of(i), p.dtype,
+                          m_.bias_step(i)});
+    }
+    const SwapStore::TileGate gate = [&](std::size_t begin, std::size_t end) {
+      for (std::size_t i = store_param(begin); i < P && at_[i] < end; ++i) {
+        if (m_.params[i].n == 0 || asked[i]) continue;
+        asked[i] = 1;
+        Result<bool> down = ready(i);
+        if (!down.ok()) return down.status();
+        SwapSegment& seg = segments[segment_of[i]];
+        seg.grad = down.value() ? m_.step_grad(i, 0, &seg.grad_dtype) : nullptr;
+        stepped_[i] = down.value() ? 1 : 0;
+      }
+      return Status::success();
+    };
+    StepOptions o;
+    o.step = m_.step_count.load() + 1;
+    o.grad_scale = grad_scale;
+    const Status s = store_.speculate(segments, o, gate);
+    add_stats(store_.last_stats());
+    return s;
+  }
+
+  Status commit_speculation() override { return store_.commit_speculation(); }
+
+  // The staging's 16-bit weights the speculation wrote are put back from the masters the store still
+  // holds: they are what the device has (each step's weights are its masters rounded).
+  Status discard_speculation() override {
+    if (Status s = store_.discard_speculation(); !s.ok()) return s;
+    std::vector<float> masters;
+    for (std::size_t i = 0; i < m_.params.size(); ++i) {
+      if (!stepped_[i]) continue;
+      const ParamSpec& p = m_.params[i];
+      constexpr std::size_t kSlice = std::size_t(1) << 20;
+      masters.resize(std::min(kSlice, p.n));
+      for (std::size_t b = 0; b < p.n; b += kSlice) {
+        const std::size_t n = std::min(kSlice, p.n - b);
+        if (Status s = read(m_.offsets[i] + b, n, masters.data(), nullptr, nullptr); !s.ok()) return s;
+        auto* w = static_cast<std::uint16_t*>(m_.weights_of(i)) + b;
+        for (std::size_t k = 0; k < n; ++k) {
+          w[k] = p.dtype == DType::f16 ? float_to_f16(masters[k]) : float_to_bf16(masters[k]);
+        }
+      }
+    }
+    std::fill(stepped_.begin(), stepped_.end(), 0);
+    return Status::success();
+  }
+
+  const std::vector<char>& speculated_params() const override { return stepped_; }
+
  private:
   bool q8() const { return m_.options.state_dtype == DType::i8; }
   std::size_t blocks() const { return at_.back() / kMomentBlock; }  // i8: every parameter's blocks
@@ -173,6 +230,18 @@ class NvmeTier final : public StateTier {
     if (Status s = io(s0, s1 - s0, staged); !s.ok()) return s;
     if (!in) copy_runs(false);
     return Status::success();
+  }
+  void add_stats(const SwapStats& io) {
+    StepStats& st = m_.stats_;
+    st.adam_s += io.total_s - io.gate_s;  // a speculation's waits for gradients are backward's time
+    st.nvme_read_bytes += io.read_bytes;
+    st.nvme_write_bytes += io.write_bytes;
+    st.nvme_read_s += io.read_s;
+    st.nvme_write_s += io.write_s;
+  }
+  // The parameter holding store element `at` (the last one starting at or before it).
+  std::size_t store_param(std::size_t at) const {
+    return static_cast<std::size_t>(std::upper_bound(at_.begin(), at_.end() - 1, at) - at_.begin()) - 1;
   }
   std::size_t param_of(std::size_t flat) const {
     const auto& o = m_.offsets;
@@ -234,6 +303,7 @@ class NvmeTier final : public StateTier {
   // Where parameter i's elements start in the store (at_.back(): the store's size): m_.offsets, or with i8
   // moments each parameter rounded up to whole blocks.
   std::vector<std::size_t> at_;
+  std::vector<char> stepped_;  // the last speculation's parameters with a gradient (their weights in staging)
 };
 
 }  // namespace

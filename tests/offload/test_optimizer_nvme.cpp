@@ -137,6 +137,61 @@ TEST_F(NvmeTier, EveryScheduleEqualsRamSyncBitwise) {
   test::expect_bitwise_equal(ram_delayed, nvme_delayed);
 }
 
+// Overlap on tier nvme steps the store during backward (SwapStore::speculate) and commits at step(): without
+// clipping or an overflow it moves the bytes sync moves and redoes nothing, for every state dtype; an
+// overflow stops the speculation (the step is skipped, what it wrote dropped) — sync's bits either way.
+TEST_F(NvmeTier, OverlapCommitsItsSpeculationWithSyncsBytes) {
+  for (DType state : {DType::f32, DType::bf16, DType::i8}) {
+    for (bool overflow : {false, true}) {
+      SCOPED_TRACE(std::string(state_dtype_name(state)) + (overflow ? ", an overflow at step 5" : ""));
+      OffloadOptions o;
+      o.state_dtype = state;
+      o.loss_scale.enabled = true;
+      o.loss_scale.initial_scale = 1024;
+      o.loss_scale.hysteresis = 1;
+      const test::GradFn grads = overflow ? test::random_grads(1e-2, {5}) : test::random_grads(1e-2);
+      const test::RunResult sync = test::train(Schedule::sync, DType::f16, nvme(o, 2), 8, grads);
+      const test::RunResult overlap = test::train(Schedule::overlap, DType::f16, nvme(o, 2), 8, grads);
+      test::expect_bitwise_equal(sync, overlap);
+      const std::uint64_t per_step = sync.stats.nvme_read_bytes / static_cast<std::uint64_t>(sync.steps);
+      if (!overflow) {
+        EXPECT_EQ(overlap.stats.redone, 0);
+        EXPECT_EQ(overlap.stats.nvme_read_bytes, sync.stats.nvme_read_bytes);
+        EXPECT_EQ(overlap.stats.nvme_write_bytes, sync.stats.nvme_write_bytes);
+      } else {
+        EXPECT_EQ(overlap.stats.redone, 1);
+        // What the stopped speculation read of step 5 before the overflow was seen: at most a step.
+        EXPECT_GE(overlap.stats.nvme_read_bytes, sync.stats.nvme_read_bytes);
+        EXPECT_LE(overlap.stats.nvme_read_bytes, sync.stats.nvme_read_bytes + per_step);
+      }
+    }
+  }
+}
+
+// What makes a speculation wrong after backward — a learning rate set late, a parameter named absent after it
+// was reported, clipping that bites — has it dropped and the step redone from the state the store kept.
+TEST_F(NvmeTier, AWrongSpeculationIsRedoneWithSyncsBits) {
+  using After = test::Trainer::AfterBackward;
+  const std::vector<std::pair<const char*, After>> cases = {
+      {"a late learning rate", [](test::DeviceParams&, OffloadOptimizer& opt) { opt.group_hyper(0).lr *= 0.9f; }},
+      {"named absent after its report", [](test::DeviceParams&, OffloadOptimizer& opt) {
+         ASSERT_TRUE(opt.set_grads_absent({1}).ok());
+       }},
+      {"clipping", [](test::DeviceParams&, OffloadOptimizer& opt) { ASSERT_TRUE(opt.set_max_grad_norm(0.05f).ok()); }},
+  };
+  for (const auto& [what, after] : cases) {
+    SCOPED_TRACE(what);
+    auto run = [&, after = after](Schedule schedule) {  // one at a time: a swap store has one owner
+      test::Trainer t(schedule, DType::bf16, nvme({}), 0);
+      t.run(1, 5, test::random_grads(1e-2), after);
+      return t.result();
+    };
+    const test::RunResult a = run(Schedule::sync), b = run(Schedule::overlap);
+    test::expect_bitwise_equal(a, b);
+    EXPECT_EQ(b.stats.redone, 5);
+  }
+}
+
 // A state that fits in the store's buffers stays resident (NvmeOptions::keep_resident): no reads after the
 // first, writes finished after step() returns; the same bits as tier ram, on the host stand-in (staged) and
 // on the CPU device (sync steps tier nvme in place there), with loss scaling and clipping.
