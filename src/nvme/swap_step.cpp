@@ -1,5 +1,4 @@
-// The swap store's calls built on the tile pipeline (swap_pipeline.cpp): initialize, step, read, write, the
-// raw I/O pass.
+// The swap store's calls built on the tile pipeline (swap_pipeline.cpp): initialize, step, read, write.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -559,55 +558,6 @@ Status SwapStore::set_step(std::int64_t step) {
   for (TileEntry& e : im.table) e.step = step;
   im.unsynced = true;  // the new step numbers (and any write() before them) become durable together
   return im.flush();
-}
-
-Result<std::pair<double, double>> SwapStore::raw_io_pass() {
-  Impl& im = *impl_;
-  if (Status s = im.refuse_while_speculating("raw_io_pass()"); !s.ok()) return s;
-  if (Status s = im.ready_for_io(); !s.ok()) return s;
-  // Its writes go to the slots the table on disk may still name.
-  if (Status s = im.settle(); !s.ok()) return s;
-  std::fill(im.resident.begin(), im.resident.end(), 0);  // the buffers are its scratch
-  const std::size_t K = im.buffers.size();
-  std::vector<aio::IoEngine::Ticket> tickets(K, 0);
-  double seconds[2] = {0, 0};
-  for (int pass = 0; pass < 2; ++pass) {
-    const IoOp op = pass == 0 ? IoOp::read : IoOp::write;
-    const auto t0 = Clock::now();
-    for (std::size_t t = 0; t < im.ntiles; ++t) {
-      aio::IoEngine::Ticket& ticket = tickets[t % K];
-      if (ticket != 0) {
-        if (Status s = im.engine->wait(ticket); !s.ok()) {
-          (void)im.engine->wait_all();
-          return s;
-        }
-      }
-      // Reads take the valid slot, writes the other one: the same bytes a step moves, and never the valid copy.
-      const std::uint32_t slot = pass == 0 ? im.table[t].slot : 1 - im.table[t].slot;
-      Result<aio::IoEngine::Ticket> r =
-          im.engine->submit(op, im.file_of(t).engine_file, im.file_offset(t, slot), im.buffers[t % K].data(), im.slot_bytes);
-      if (!r.ok()) {
-        (void)im.engine->wait_all();
-        return r.status();
-      }
-      ticket = r.value();
-    }
-    Status s = Status::success();
-    for (auto& ticket : tickets) {
-      if (ticket != 0) {
-        Status w = im.engine->wait(ticket);
-        if (s.ok()) s = std::move(w);
-      }
-      ticket = 0;
-    }
-    // The step makes its writes durable before it flips the table; the ceiling must pay the same flush.
-    for (std::size_t k = 0; s.ok() && pass == 1 && im.options.durable && k < im.files.size(); ++k) {
-      s = aio::sync_file(im.files[k].fd.get(), im.files[k].data_path, im.options.fault_hook);
-    }
-    if (!s.ok()) return s;
-    seconds[pass] = since(t0);
-  }
-  return std::make_pair(seconds[0], seconds[1]);
 }
 
 }  // namespace zoe
