@@ -256,6 +256,8 @@ Result<Calibration> calibrate(Device& device, OffloadOptimizer& opt, const Devic
 struct StepResult {
   Calibration calibration;
   double compute_s = 0, step_s = 0, adam_s = 0, trainer_waits = 0, worker_waits = 0;
+  // Tier nvme, per timed iteration: the swap store's bytes, and the steps redone (a wrong speculation re-reads).
+  double nvme_read_bytes = 0, nvme_write_bytes = 0, redone = 0;
 };
 
 // The timed iterations, in the schedule's steady state: per iteration, the time, Adam and the waits.
@@ -270,7 +272,8 @@ Status timed(Device& device, OffloadOptimizer& opt, const Settings& cfg, StepRes
     return e.ok() ? device.synchronize(e.value()) : e.status();
   };
   if (Status s = compute_done(); !s.ok()) return s;
-  const double adam_before = opt.stats().adam_s;
+  const StepStats before = opt.stats();
+  const double adam_before = before.adam_s;
   const HostWaits waits_before = device.host_waits();
   HostWaits waits_after;  // the iterations' own: before the benchmark's wait for the last compute
   Status s;
@@ -286,6 +289,10 @@ Status timed(Device& device, OffloadOptimizer& opt, const Settings& cfg, StepRes
   r.trainer_waits = static_cast<double>(waits_after.trainer_calls - waits_before.trainer_calls) * per_iter;
   r.worker_waits = static_cast<double>(waits_after.worker_calls - waits_before.worker_calls) * per_iter;
   r.adam_s = (opt.stats().adam_s - adam_before) / static_cast<double>(cfg.iters);
+  const StepStats& after = opt.stats();
+  r.nvme_read_bytes = static_cast<double>(after.nvme_read_bytes - before.nvme_read_bytes) * per_iter;
+  r.nvme_write_bytes = static_cast<double>(after.nvme_write_bytes - before.nvme_write_bytes) * per_iter;
+  r.redone = static_cast<double>(after.redone - before.redone) * per_iter;
   return Status::success();
 }
 
@@ -337,6 +344,12 @@ void report_step(Report& report, const Texts& text, const Settings& cfg, const S
                          c.copy_gbps / c.copy_ceiling_gbps, c.d2h_gbps / c.d2h_ceiling_gbps,
                          c.h2d_gbps / c.h2d_ceiling_gbps);
   }
+  if (text.tier == "nvme") {
+    line.add("nvme_read_bytes_per_step", r.nvme_read_bytes).add("nvme_write_bytes_per_step", r.nvme_write_bytes)
+        .add("redone_per_step", r.redone);
+    text_lines += format("nvme per step: %.1f MB read, %.1f MB written; steps redone %.2f\n", r.nvme_read_bytes / 1e6,
+                         r.nvme_write_bytes / 1e6, r.redone);
+  }
   report.result(line, text_lines);
 }
 
@@ -358,7 +371,9 @@ int bench_step(std::span<char* const> args) {
                "copy_gbps (sync, delayed) is what the optimizer's D2H + H2D achieved; copy_ceiling_gbps plain copies\n"
                "of the same bytes to and from page-locked host memory (cudaMemcpyAsync on CUDA); copy_ratio their ratio.\n"
                "d2h_gbps / h2d_gbps and their ratios: each direction alone (the gradients' copies in step(), the\n"
-               "weights' copies after it returns) against d2h_ceiling_gbps / h2d_ceiling_gbps.\n");
+               "weights' copies after it returns) against d2h_ceiling_gbps / h2d_ceiling_gbps.\n"
+               "Tier nvme: nvme_read_bytes_per_step / nvme_write_bytes_per_step, the swap store's traffic, and\n"
+               "redone_per_step, the steps overlap stepped again after a wrong speculation (each reads the state again).\n");
     return 0;
   }
   Result<Settings> cfg = settings(text);

@@ -153,6 +153,9 @@ struct SwapStore::Impl {
   // Waits the writes left in flight and rewrites from RAM each that failed; an error leaves them pending.
   Status finish_pending_writes();
   Status run_resident_tiles(std::span<const TileTask> tasks, const TileCompute& compute);
+  // The write half of a resident call: the tiles' buffers to their other slots, each entry flipped as
+  // durability allows (at once with the write left in flight, or once it completed).
+  Status write_resident_tiles(std::span<const TileTask> tasks);
   // The arrays of the tile held in buffer b (a resident store: tile t in buffers[t]).
   TileArrays arrays(std::size_t b) {
     unsigned char* base = buffers[b].as<unsigned char>();

@@ -159,7 +159,7 @@ void submit_resident_writes(SwapStore::Impl& im, std::span<const TileTask> tasks
       failure.note(w.status());
       break;
     }
-    if (behind) {  // never speculative (run_resident_tiles)
+    if (behind) {
       im.table[t] = next[j];
       im.resident[t] = 1;
       im.pending_writes.push_back({t, w.value(), false, Status::success()});
@@ -196,10 +196,7 @@ void wait_resident_writes(SwapStore::Impl& im, std::span<const TileTask> tasks, 
 // state is in RAM), and settle() waits for them — and rewrites any that failed — before the next call
 // touches a buffer or a slot.
 Status SwapStore::Impl::run_resident_tiles(std::span<const TileTask> tasks, const TileCompute& compute) {
-  // streaming_call() has settled the last call: no write is in flight from any buffer. A speculative call
-  // waits for its writes: only commit_speculation() may make them the table's.
-  const bool speculative = !tasks.empty() && tasks.front().speculative;
-  const bool behind = options.durability != SwapDurability::each_call && !speculative;
+  // streaming_call() has settled the last call: no write is in flight from any buffer.
   FirstFailure failure;
   std::vector<aio::IoEngine::Ticket> reads(tasks.size(), 0);
   submit_resident_reads(*this, tasks, reads, failure);
@@ -208,6 +205,22 @@ Status SwapStore::Impl::run_resident_tiles(std::span<const TileTask> tasks, cons
     if (r != 0) (void)engine->wait(r);
   }
   if (!failure.ok()) return failure.status;  // tiles computed but not written are read again by a retry
+  if (!tasks.empty() && tasks.front().speculative) {
+    // The new state stays in RAM, unwritten, until commit_speculation() writes it as a step's (behind it,
+    // with durability next_call / on_flush); a discard marks the buffer stale.
+    for (const TileTask& task : tasks) {
+      if (!task.write) continue;
+      speculated[task.tile] = {task.new_step, 1 - table[task.tile].slot, {0, 0, 0}};
+      resident[task.tile] = 1;
+    }
+    return Status::success();
+  }
+  return write_resident_tiles(tasks);
+}
+
+Status SwapStore::Impl::write_resident_tiles(std::span<const TileTask> tasks) {
+  const bool behind = options.durability != SwapDurability::each_call;
+  FirstFailure failure;
   const std::vector<TileEntry> next = next_entries(*this, tasks, behind);
   std::vector<aio::IoEngine::Ticket> writes(tasks.size(), 0);  // durability each_call: waited before the call returns
   submit_resident_writes(*this, tasks, next, behind, writes, failure);

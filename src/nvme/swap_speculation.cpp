@@ -1,6 +1,8 @@
 // Speculative steps (SwapStore::speculate): the tile pipeline's step with each tile's new state written beside
 // the valid copy and named only in `speculated` until commit_speculation() flips the table — the same
 // two-slot rule that makes a failed write harmless makes a wrong speculation free to drop.
+#include <chrono>
+
 #include "src/nvme/swap_impl.h"
 
 namespace zoe {
@@ -23,18 +25,33 @@ Status SwapStore::speculate(std::span<const SwapSegment> segments, const StepOpt
 Status SwapStore::commit_speculation() {
   Impl& im = *impl_;
   if (!im.speculating) return invalid_argument("commit_speculation: no speculative step is pending");
+  const auto t0 = std::chrono::steady_clock::now();
+  im.stats = {};
   const std::vector<TileEntry> before = im.table;
-  bool wrote = false;
+  std::vector<TileTask> unwritten;  // a resident store's tiles: computed in their buffers, written now
+  bool flipped = false;
   for (std::size_t t = 0; t < im.ntiles; ++t) {
-    if (im.speculated[t].step < 0) continue;
-    im.table[t] = im.speculated[t];
-    wrote = true;
+    const TileEntry& e = im.speculated[t];
+    if (e.step < 0) continue;
+    if (im.keeps_resident()) {
+      unwritten.push_back({t, false, true, e.step, false});
+      im.resident[t] = 0;  // ahead of its entry until its write is issued (or has completed)
+    } else {
+      im.table[t] = e;
+      flipped = true;
+    }
   }
+  const bool wrote = flipped || !unwritten.empty();
   im.speculating = false;
   im.speculated.clear();
+  Status s = unwritten.empty() ? Status::success() : im.write_resident_tiles(unwritten);
+  im.stats.write_bytes = unwritten.size() * im.slot_bytes;
   // As a step's own end: durable now (each_call; on failure rolled back to `before`), in the background
   // (next_call) or at flush().
-  return im.with_state(im.after_call(before, wrote));
+  Status persisted = im.after_call(before, wrote);
+  if (s.ok()) s = std::move(persisted);
+  im.stats.total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return im.with_state(std::move(s));
 }
 
 Status SwapStore::discard_speculation() {

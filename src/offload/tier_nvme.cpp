@@ -160,7 +160,11 @@ class NvmeTier final : public StateTier {
     return s;
   }
 
-  Status commit_speculation() override { return store_.commit_speculation(); }
+  Status commit_speculation() override {
+    const Status s = store_.commit_speculation();
+    add_stats(store_.last_stats());  // a resident store writes its tiles here
+    return s;
+  }
 
   // The staging's 16-bit weights the speculation wrote are put back from the masters the store still
   // holds: they are what the device has (each step's weights are its masters rounded).
