@@ -234,7 +234,7 @@ bool same_hyper(const std::vector<ParamGroup>& a, const std::vector<ParamGroup>&
 
 Status OverlapSchedule::step() {
   if (in_store_) return step_in_store();
-  if (retake_ || taken_again_ || !m_.tier->in_ram()) {
+  if (retake_ || taken_again_) {
     // Every gradient down (again, after an undo, where they changed), then sync's step.
     Result<int> taken = take_grads();
     end_iteration();
