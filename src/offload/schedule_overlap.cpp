@@ -39,6 +39,7 @@ class OverlapSchedule final : public StepSchedule {
     speculation_can_fail_ = m_.tier->in_ram();
     in_store_ = m_.tier->speculates();
     down_.assign(m_.params.size(), std::nullopt);
+    no_grad_before_.assign(m_.params.size(), 0);
     if (!speculation_can_fail_) return Status::success();
     for (AlignedBuffer* b : {&undo_master_, &undo_exp_avg_, &undo_exp_avg_sq_}) {
       Result<AlignedBuffer> r = AlignedBuffer::allocate(m_.offsets.back() * 4);
@@ -163,6 +164,9 @@ class OverlapSchedule final : public StepSchedule {
   std::condition_variable down_cv_;
   std::vector<std::optional<EventId>> down_;
   bool all_reported_ = false, gate_stopped_ = false;
+  // Parameters without a gradient in the last iteration (frozen ones, typically): the next speculation
+  // leaves them out, so that tiles only they cover are not read and rewritten unchanged.
+  std::vector<char> no_grad_before_;
   Status worker_status_;  // the first failure inside the worker
   std::unique_ptr<WorkQueue> worker_ = std::make_unique<WorkQueue>();  // per-piece steps during backward
 };
@@ -211,6 +215,7 @@ Status OverlapSchedule::undo_speculation() {
 }
 
 void OverlapSchedule::end_iteration() {
+  for (std::size_t i = 0; in_store_ && i < m_.params.size(); ++i) no_grad_before_[i] = !reported_[i] || m_.is_absent(i, 0);
   {
     const std::lock_guard lock(down_mutex_);
     std::fill(down_.begin(), down_.end(), std::nullopt);
@@ -324,7 +329,7 @@ void OverlapSchedule::start_store_speculation() {
       worker_status_ = s;
       return;
     }
-    worker_status_ = m_.tier->speculate(speculative_scale, speculated_with_,
+    worker_status_ = m_.tier->speculate(speculative_scale, speculated_with_, no_grad_before_,
                                         [this](std::size_t i) { return param_ready(i); });
   });
 }
@@ -384,7 +389,8 @@ Status OverlapSchedule::stop_store_speculation() {
 }
 
 // The speculation is kept when it stepped what sync would have: no skip, no clipping, the same
-// hyper-parameters, every gradient as reported, and no parameter stepped that is now named absent.
+// hyper-parameters, every gradient as reported, no parameter stepped that is now named absent and none left
+// out that has a gradient after all.
 Status OverlapSchedule::step_in_store() {
   bool keep = !retake_ && !taken_again_;
   if (keep) {
@@ -396,10 +402,13 @@ Status OverlapSchedule::step_in_store() {
   if (keep) {
     d = m_.decide(0, m_.visible_scale, m_.options.max_grad_norm);
     const std::vector<char>& stepped = m_.tier->speculated_params();
-    bool absent_stepped = false;
-    for (std::size_t i = 0; i < stepped.size() && !absent_stepped; ++i) absent_stepped = stepped[i] && m_.is_absent(i, 0);
+    bool as_sync = stepped.size() == m_.params.size();
+    for (std::size_t i = 0; i < stepped.size() && as_sync; ++i) {
+      const bool has_grad = reported_[i] && !m_.is_absent(i, 0) && m_.params[i].n > 0;
+      as_sync = (stepped[i] != 0) == has_grad;
+    }
     keep = d.error.ok() && !d.overflow && !d.refused && d.grad_scale == static_cast<float>(1.0 / m_.visible_scale) &&
-           same_hyper(speculated_with_, m_.groups) && !absent_stepped;
+           same_hyper(speculated_with_, m_.groups) && as_sync;
   }
   if (!keep) {
     // The store still holds the state before the step: sync's step from there, over the gradients (taken

@@ -127,7 +127,8 @@ class NvmeTier final : public StateTier {
   bool speculates() const override { return true; }
 
   // Every parameter's segment up front, its gradient (and whether it has one) taken at the gate.
-  Status speculate(float grad_scale, const std::vector<ParamGroup>& hyper, const ParamReady& ready) override {
+  Status speculate(float grad_scale, const std::vector<ParamGroup>& hyper, const std::vector<char>& left_out,
+                   const ParamReady& ready) override {
     const std::size_t P = m_.params.size();
     stepped_.assign(P, 0);
     std::vector<char> asked(P, 0);
@@ -135,7 +136,10 @@ class NvmeTier final : public StateTier {
     std::vector<std::size_t> segment_of(P, 0);
     for (std::size_t i = 0; i < P; ++i) {
       const ParamSpec& p = m_.params[i];
-      if (p.n == 0) continue;
+      if (p.n == 0 || (!left_out.empty() && left_out[i])) {
+        asked[i] = 1;  // no segment: the gate does not wait for it
+        continue;
+      }
       segment_of[i] = segments.size();
       segments.push_back({at_[i], p.n, &hyper[p.group].hyper, m_.grad_of(i, 0), p.dtype, m_.weights_of(i), p.dtype,
                           m_.bias_step(i)});
