@@ -196,7 +196,9 @@ TEST_F(NvmeTier, AParameterWithoutGradientsCostsOverlapNoIo) {
         if (b == 1 && frozen) continue;
         EXPECT_TRUE(opt.grad_ready(b).ok());
       }
-      if (frozen) EXPECT_TRUE(opt.set_grads_absent({1}).ok());
+      if (frozen) {
+        EXPECT_TRUE(opt.set_grads_absent({1}).ok());
+      }
       const Status s = opt.step();
       EXPECT_TRUE(s.ok()) << s.to_string();
       if (t == 1) r.after_first = opt.stats();
