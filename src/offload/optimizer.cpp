@@ -364,10 +364,7 @@ Status OffloadOptimizer::write_state(std::size_t param, const float* master, con
   if (Status s = m.tier->write(m.offsets[param], p.n, master, exp_avg, exp_avg_sq); !s.ok()) return s;
   if (master == nullptr || p.n == 0) return Status::success();
   // The device weights follow the master: rounded into the 16-bit copy, sent up unless it is the device's.
-  if (p.dtype != DType::f32) {
-    auto* w = static_cast<std::uint16_t*>(m.weights_of(param));
-    for (std::size_t j = 0; j < p.n; ++j) w[j] = p.dtype == DType::f16 ? float_to_f16(master[j]) : float_to_bf16(master[j]);
-  }
+  if (p.dtype != DType::f32) m.round_into_weights(param, 0, master, p.n);
   if (Status s = m.enqueue_h2d(param); !s.ok()) return s;
   return m.finish_h2d();
 }

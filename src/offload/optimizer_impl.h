@@ -8,6 +8,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -256,6 +257,13 @@ struct OffloadOptimizer::Impl {
   void* weights_of(std::size_t i) {
     if (in_place) return params[i].device_weights;
     return static_cast<unsigned char*>(weight_staging) + weight_offsets[i];
+  }
+  // Elements [begin, begin + n) of a 16-bit parameter i's weights set to `master` rounded: the weights the
+  // device holds follow the master.
+  void round_into_weights(std::size_t i, std::size_t begin, const float* master, std::size_t n) {
+    auto* w = static_cast<std::uint16_t*>(weights_of(i)) + begin;
+    const bool f16 = params[i].dtype == DType::f16;
+    for (std::size_t j = 0; j < n; ++j) w[j] = f16 ? float_to_f16(master[j]) : float_to_bf16(master[j]);
   }
 
   Status allocate();

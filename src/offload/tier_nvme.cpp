@@ -183,10 +183,7 @@ class NvmeTier final : public StateTier {
       for (std::size_t b = 0; b < p.n; b += kSlice) {
         const std::size_t n = std::min(kSlice, p.n - b);
         if (Status s = read(m_.offsets[i] + b, n, masters.data(), nullptr, nullptr); !s.ok()) return s;
-        auto* w = static_cast<std::uint16_t*>(m_.weights_of(i)) + b;
-        for (std::size_t k = 0; k < n; ++k) {
-          w[k] = p.dtype == DType::f16 ? float_to_f16(masters[k]) : float_to_bf16(masters[k]);
-        }
+        m_.round_into_weights(i, b, masters.data(), n);
       }
     }
     std::fill(stepped_.begin(), stepped_.end(), 0);

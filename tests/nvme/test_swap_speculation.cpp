@@ -65,6 +65,16 @@ Status speculate(SwapStore& store, SwapModel& model, std::int64_t t, Gate& gate)
   return store.speculate(segs, o, gate.fn());
 }
 
+// A store of the default segments at step 1, with the reference stepped alike.
+Result<SwapStore> store_at_step_one(const SwapOptions& options, SwapModel& model) {
+  Result<SwapStore> made = SwapStore::create(options, "r", kN, kTile);
+  if (!made.ok()) return made;
+  if (Status s = made->initialize(testing::fill_initial); !s.ok()) return s;
+  if (Status s = testing::step(made.value(), model, 1); !s.ok()) return s;
+  model.reference_step(1);
+  return made;
+}
+
 struct Mode {
   SwapDurability durability;
   bool resident;
@@ -74,13 +84,10 @@ class SwapSpeculation : public ::testing::TestWithParam<Mode> {};
 
 TEST_P(SwapSpeculation, CommittedEqualsAStepAndDiscardedChangesNothing) {
   TempDir dir;
-  Result<SwapStore> made = SwapStore::create(options_for(dir.path(), GetParam().durability, GetParam().resident), "r", kN, kTile);
+  SwapModel model(kN, testing::default_specs(kN));
+  Result<SwapStore> made = store_at_step_one(options_for(dir.path(), GetParam().durability, GetParam().resident), model);
   ASSERT_TRUE(made.ok()) << made.status().to_string();
   SwapStore& store = made.value();
-  ASSERT_TRUE(store.initialize(testing::fill_initial).ok());
-  SwapModel model(kN, testing::default_specs(kN));
-  ASSERT_TRUE(testing::step(store, model, 1).ok());
-  model.reference_step(1);
 
   Gate first;
   ASSERT_TRUE(speculate(store, model, 2, first).ok());
@@ -116,14 +123,11 @@ TEST_P(SwapSpeculation, AStoppedGateOrAFailedWriteIsDiscardedAndTheStepRedoneExa
     SCOPED_TRACE(write_fails ? "a failed write" : "the gate stops");
     TempDir dir;
     FaultPlan faults;
+    SwapModel model(kN, testing::default_specs(kN));
     Result<SwapStore> made =
-        SwapStore::create(options_for(dir.path(), GetParam().durability, GetParam().resident, &faults), "r", kN, kTile);
+        store_at_step_one(options_for(dir.path(), GetParam().durability, GetParam().resident, &faults), model);
     ASSERT_TRUE(made.ok()) << made.status().to_string();
     SwapStore& store = made.value();
-    ASSERT_TRUE(store.initialize(testing::fill_initial).ok());
-    SwapModel model(kN, testing::default_specs(kN));
-    ASSERT_TRUE(testing::step(store, model, 1).ok());
-    model.reference_step(1);
     ASSERT_TRUE(store.flush().ok());  // step 1's writes settled: the fault lands in the speculation's
     Gate gate;
     if (write_fails) {
