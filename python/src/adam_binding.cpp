@@ -26,15 +26,15 @@ struct PyCpuAdam {
       if (exp_avgs[i].size() != t.n || exp_avg_sqs[i].size() != t.n || grads[i].size() != t.n) {
         throw std::invalid_argument(where + ": param, exp_avg, exp_avg_sq and grad must have the same size");
       }
-      t.param = params[i].data();
-      t.exp_avg = exp_avgs[i].data();
-      t.exp_avg_sq = exp_avg_sqs[i].data();
-      t.grad = grads[i].data();
+      t.param = memory_of(params[i], where + " param");
+      t.exp_avg = memory_of(exp_avgs[i], where + " exp_avg");
+      t.exp_avg_sq = memory_of(exp_avg_sqs[i], where + " exp_avg_sq");
+      t.grad = memory_of(grads[i], where + " grad");
       t.grad_dtype = dtype_of(grads[i], (where + " grad").c_str());
       if (!outs.empty() && outs[i]) {
         CpuArray& out = *outs[i];
         if (out.size() != t.n) throw std::invalid_argument(where + ": out must have the same size as param");
-        t.out = out.data();
+        t.out = memory_of(out, where + " out");
         t.out_dtype = dtype_of(out, (where + " out").c_str());
         if (t.out_dtype == DType::f32) throw std::invalid_argument(where + ": out must be float16 or bfloat16");
       }

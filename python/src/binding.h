@@ -83,6 +83,16 @@ using CpuArray = nb::ndarray<nb::device::cpu, nb::c_contig>;
 using F32Array = nb::ndarray<float, nb::device::cpu, nb::c_contig>;
 
 DType dtype_of(const CpuArray& a, const char* what);
+// The address of an array's elements. A tensor subclass without storage of its own (a DTensor, an offloaded
+// FSDP2 shard) exports a null address through DLPack: refused here, where reading it would crash.
+template <class Array>
+auto memory_of(const Array& a, const std::string& what) {
+  if (a.data() == nullptr && a.size() != 0) {
+    throw std::invalid_argument(what + ": the tensor has no memory of its own (a tensor subclass such as a "
+                                "DTensor: pass its local tensor, or a plain copy)");
+  }
+  return a.data();
+}
 DType parse_dtype_or_throw(const std::string& name);
 AdamHyper make_hyper(float lr, float beta1, float beta2, float eps, float weight_decay, bool adamw,
                      bool bias_correction);

@@ -96,7 +96,7 @@ struct PyEngine {
       throw std::invalid_argument(std::string(what) + " has " + std::to_string(a->size()) + " elements, parameter " +
                                   std::to_string(i) + " has " + std::to_string(sizes[i]));
     }
-    return a->data();
+    return memory_of(*a, what);
   }
 
   // Runs a call on the optimizer with the GIL released and raises on failure.

@@ -35,19 +35,23 @@ void bind_param_tier_create(nb::class_<PyParamTier>& tier) {
 
 // Entries written and read, blocks fetched and released.
 void bind_param_tier_io(nb::class_<PyParamTier>& tier) {
+  // The bytes are the array's own: a pointer and a size from Python could disagree with the memory behind them.
   tier.def("write",
-           [](PyParamTier& t, std::size_t block, std::size_t entry, std::uintptr_t address, std::size_t nbytes,
-              std::size_t byte_offset) {
-             check(t.call([&](ParamTier& p) { return p.write(block, entry, reinterpret_cast<const void*>(address), byte_offset, nbytes); }));
+           [](PyParamTier& t, std::size_t block, std::size_t entry, const CpuArray& data, std::size_t byte_offset) {
+             const void* from = memory_of(data, "ParamTier.write");
+             check(t.call([&](ParamTier& p) { return p.write(block, entry, from, byte_offset, data.nbytes()); }));
            },
-           nb::arg("block"), nb::arg("entry"), nb::arg("address"), nb::arg("nbytes"), nb::arg("byte_offset") = 0,
-           "Copies nbytes of host memory at `address` into the entry's home.")
+           nb::arg("block"), nb::arg("entry"), nb::arg("data"), nb::arg("byte_offset") = 0,
+           "Copies the elements of `data` (a host array; a strided one is copied contiguous first) into the "
+           "entry's home from byte_offset on.")
       .def("read",
-           [](PyParamTier& t, std::size_t block, std::size_t entry, std::uintptr_t address, std::size_t nbytes,
-              std::size_t byte_offset) {
-             check(t.call([&](ParamTier& p) { return p.read(block, entry, reinterpret_cast<void*>(address), byte_offset, nbytes); }));
+           [](PyParamTier& t, std::size_t block, std::size_t entry, CpuArray out, std::size_t byte_offset) {
+             void* to = memory_of(out, "ParamTier.read");
+             check(t.call([&](ParamTier& p) { return p.read(block, entry, to, byte_offset, out.nbytes()); }));
            },
-           nb::arg("block"), nb::arg("entry"), nb::arg("address"), nb::arg("nbytes"), nb::arg("byte_offset") = 0)
+           // noconvert: a contiguous copy made of a strided `out` would be filled and dropped.
+           nb::arg("block"), nb::arg("entry"), nb::arg("out").noconvert(), nb::arg("byte_offset") = 0,
+           "Fills `out` (a contiguous host array) with the entry's bytes from byte_offset on.")
       .def("set_order", [](PyParamTier& t, std::vector<std::size_t> order) { check(t.get().set_order(std::move(order))); })
       .def("fetch",
            [](PyParamTier& t, std::size_t block, bool backward) {

@@ -52,7 +52,7 @@ class _LocalBucket:
         self.shard_numel = sum(s.numel for s in slots)
         self.weights = None
         self.grads = torch.zeros(self.shard_numel, dtype=dtype, device=device)
-        self.window = None  # offloaded parameters are refused with FSDP2
+        self.window = None  # a shard in a parameter tier takes its gradient from FSDP2 like any other
 
     def grad_buffer(self, s) -> torch.Tensor:
         return self.grads
@@ -148,7 +148,9 @@ class ShardedParams:
                     if p.grad is not None:
                         self.copy_grad(s, p.grad)
                     p.grad = s.grad_view
-        self._shards = [(s, s.param._local_tensor.data_ptr()) for b in buckets for s in b.slots if s.numel]
+        # A shard in a parameter tier (offload_parameters) has no storage of FSDP2's to check.
+        self._shards = [(s, s.param._local_tensor.data_ptr()) for b in buckets for s in b.slots
+                        if s.numel and s.tier is None]
         return buckets
 
     def weights_ptr(self, slot) -> int:

@@ -30,7 +30,9 @@ class Slot:
         # is a placeholder between uses, and the engine writes the updated weights into the tier.
         self.tier = getattr(param, "_zoe_param_offload", None)  # (ParamOffload, block, entry)
         self.shape = _param_offload.full_shape(param)
-        self.numel = _dtensor.local_numel(param) if self.tier is None else math.prod(self.shape)
+        # (An FSDP2 shard in a tier is its local shard's size, as any DTensor's.)
+        self.numel = (_dtensor.local_numel(param) if self.tier is None or _dtensor.is_dtensor(param)
+                      else math.prod(self.shape))
         # Its gradient leaves the device as its backward ends, and its place in the bucket is a window that
         # every such parameter of the dtype uses in turn (OffloadOptimizer._build).
         self.windowed = False
@@ -153,14 +155,15 @@ class FlatState:
             lo, hi = self.rank * b.shard_numel, (self.rank + 1) * b.shard_numel
             esize = b.grads.element_size()
             for s in b.slots:
-                # A DTensor's shard is FSDP2's own storage, stepped in place.
-                weights_ptr = (self.dtensor.weights_ptr(s) if self.dtensor is not None
-                               else b.weights.data_ptr() + s.offset * esize)
                 shape = list(s.param._local_tensor.shape if self.dtensor is not None else s.shape)
                 if s.tier is not None:
                     offload, block, entry = s.tier
                     tiered.append((len(specs), offload.tier, block, entry))
                     weights_ptr = 0
+                elif self.dtensor is not None:  # A DTensor's shard is FSDP2's own storage, stepped in place.
+                    weights_ptr = self.dtensor.weights_ptr(s)
+                else:
+                    weights_ptr = b.weights.data_ptr() + s.offset * esize
                 grads_ptr = b.grad_buffer(s).data_ptr() + s.offset * esize
                 specs.append((s.numel, ZOE_DTYPES[b.dtype], weights_ptr, grads_ptr, s.group, names.get(s.index, ""),
                               shape))

@@ -60,7 +60,6 @@ forward of a module that fetches it (it is the empty placeholder there).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import sys
 import threading
 from typing import Callable, Sequence
@@ -69,8 +68,7 @@ import torch
 from torch import nn
 
 from . import _checks, _zoe
-from ._stream import TorchStream, host_wait_stats
-from ._data_parallel import _CudaMemory
+from ._tier_blocks import TierBlocks
 from ._dtensor import is_dtensor
 from ._offload_blocks import Active, Frame, SavedView, block_selector, contiguous_strides, plan, storage_view
 
@@ -123,7 +121,11 @@ def offload_parameters(model: nn.Module, device: str = "cpu", nvme_path: str | S
     given, builds the tier in place of ``zoe._zoe.ParamTier`` (tests use a Python double).
 
     Parameters of other dtypes, and empty ones, stay where they are. The model must be on its device (one
-    device) before this call."""
+    device) before this call.
+
+    A model wrapped with FSDP2's ``fully_shard`` (its blocks and its root) gets a ``ShardOffload``
+    (_fsdp_offload.py): each rank's local shards in its own tier, one block per FSDP parameter group, NVMe
+    files under ``<nvme_path>/rank<r>``."""
     if device not in ("cpu", "nvme"):
         raise ValueError(f"offload_parameters: device must be 'cpu' or 'nvme', not {device!r}")
     if device == "nvme":
@@ -135,34 +137,18 @@ def offload_parameters(model: nn.Module, device: str = "cpu", nvme_path: str | S
     _checks.integer("offload_parameters", "prefetch", prefetch, 0, _checks.INT_MAX)
     if budget_bytes is not None:
         _checks.integer("offload_parameters", "budget_bytes", budget_bytes, 0, 2**63 - 1)
-    sharded = [name for name, p in model.named_parameters() if is_dtensor(p)]
-    if sharded:
-        raise _zoe.UnsupportedError(
-            f"offload_parameters: the model's parameters are DTensors (FSDP2 fully_shard; {sharded[0]!r} and "
-            f"{len(sharded) - 1} more). zoe's parameter tier holds whole tensors of one process and cannot offload "
-            "FSDP2's shards yet: offload the parameters of a model that is not sharded, or use FSDP2's own "
-            "CPUOffloadPolicy with zoe's OffloadOptimizer for the optimizer state. Nothing was changed.")
-    return ParamOffload(model, "ram" if device == "cpu" else "nvme", paths, prefetch, budget_bytes or 0,
+    home = "ram" if device == "cpu" else "nvme"
+    if any(is_dtensor(p) for p in model.parameters()):
+        if block_modules is not None:
+            raise ValueError("offload_parameters: block_modules is for models that are not sharded; on an FSDP2 "
+                             "model each fully_shard parameter group is one block")
+        from ._fsdp_offload import ShardOffload
+        return ShardOffload(model, home, paths, prefetch, budget_bytes or 0, tier_factory)
+    return ParamOffload(model, home, paths, prefetch, budget_bytes or 0,
                         tier_factory, block_selector(block_modules))
 
 
-class _Lease:
-    """One ``tier.fetch`` of a block, carried by the object through which torch reads the block's memory
-    (the storage keeps that object alive): when the last tensor on the storage dies, the block is released."""
-
-    __slots__ = ("offload", "block", "address")
-
-    def __init__(self, offload: "ParamOffload", block: int, address: int):
-        self.offload = offload
-        self.block = block
-        self.address = address
-        offload._live_add(address, block)
-
-    def __del__(self):
-        self.offload._release(self.block, self.address)
-
-
-class ParamOffload:
+class ParamOffload(TierBlocks):
     """The installed parameter offload of one model (see the module docstring).
 
     ``tier``: the parameter tier. ``blocks``: ``[(module_name, [params])]`` by block index; entry ``e`` of
@@ -190,24 +176,12 @@ class ParamOffload:
         self._shapes = {p: p.shape for _, ps in self.blocks for p in ps}
         self._strides = {p: contiguous_strides(p.shape) for p in self._shapes}
         entry_bytes = [[p.numel() * p.element_size() for p in ps] for _, ps in self.blocks]
-        if tier_factory is None:
-            zdev = _zoe.cpu_device() if self._device.type == "cpu" else _zoe.cuda_device(self._device.index)
-            # On CUDA the tier's compute-stream work is torch's current stream (_stream): a fetch makes
-            # torch's stream wait for the block's copy, a release records when torch is done with it.
-            self.tier = _zoe.ParamTier(zdev, entry_bytes, self._names, home, nvme_paths, budget_bytes, prefetch)
-            self._zoe_device = zdev
-            self._stream = TorchStream(zdev, self._device)
-        else:
-            self.tier = tier_factory(entry_bytes, self._names, home, nvme_paths, budget_bytes, prefetch)
-            self._zoe_device = None
-            self._stream = None
-        self._block_bytes = [int(self.tier.block_bytes(b)) for b in range(len(self.blocks))]
+        self._make_tier(self._device, entry_bytes, self._names, home, nvme_paths, budget_bytes, prefetch,
+                        tier_factory)
         self._offsets = [[int(self.tier.entry_offset(b, e)) for e in range(len(ps))]
                          for b, (_, ps) in enumerate(self.blocks)]
 
         self._active: dict[int, Active] = {}
-        self._live: dict[int, list] = {}  # block address -> [block, leases on it]
-        self._write_backs = 0  # gathered() write-backs of every block's weights (edits(), saved tensors)
         self._acc_pending = [0] * len(self.blocks)  # gradient accumulations under way, by block
         self._order: list[int] | None = []  # forward order of blocks, until handed to the tier
         self._order_seen: set[int] = set()
@@ -225,7 +199,7 @@ class ParamOffload:
         for b, (_, ps) in enumerate(self.blocks):
             for e, p in enumerate(ps):
                 host = p.detach().to("cpu").contiguous()
-                self.tier.write(b, e, host.data_ptr(), entry_bytes[b][e])
+                self.tier.write(b, e, host)
         for b, (_, ps) in enumerate(self.blocks):
             for e, p in enumerate(ps):
                 if p.requires_grad:
@@ -243,48 +217,6 @@ class ParamOffload:
             self._handles.append(m.register_forward_hook(self._post_forward, always_call=True))
 
     # -- block memory ------------------------------------------------------------------------------------
-
-    def _fetch(self, block: int, backward: bool) -> torch.UntypedStorage:
-        """A storage over the block's memory in the pool, holding one fetch until it dies."""
-        if self.tier is None:
-            raise RuntimeError("zoe parameter offload was removed: its blocks cannot be fetched")
-        try:
-            self._follow_stream()
-            address = int(self.tier.fetch(block, backward))
-        except Exception as e:
-            raise RuntimeError(f"zoe parameter offload: fetching block {block} ('{self._names[block]}', "
-                               f"{self._block_bytes[block]} bytes) failed: {e}") from e
-        lease = _Lease(self, block, address)
-        n = self._block_bytes[block]
-        if self._device.type == "cpu":
-            memory = (ctypes.c_byte * n).from_address(address)
-            memory.lease = lease
-            return torch.frombuffer(memory, dtype=torch.uint8).untyped_storage()
-        memory = _CudaMemory(address, n, "|u1")
-        memory.lease = lease
-        return torch.as_tensor(memory, device=self._device).untyped_storage()
-
-    def _follow_stream(self) -> None:
-        if self._stream is not None:
-            self._stream.follow()
-
-    def _live_add(self, address: int, block: int) -> None:
-        live = self._live.get(address)
-        if live is None:
-            self._live[address] = [block, 1]
-        else:
-            live[1] += 1
-
-    def _release(self, block: int, address: int) -> None:
-        live = self._live.get(address)
-        if live is not None:
-            live[1] -= 1
-            if live[1] == 0:
-                del self._live[address]
-        if self.tier is not None:
-            # The tier gives this memory to another block only after torch's stream has passed this point.
-            self._follow_stream()
-            self.tier.release(block)
 
     def _acquire(self, block: int, backward: bool) -> None:
         """Makes the block's parameters full views of it (fetching it unless the hooks hold it already)."""
@@ -382,7 +314,7 @@ class ParamOffload:
                 self._explain(error)
                 self._order, self._order_seen = [], set()
             elif self._order:
-                self.tier.set_order(list(self._order))
+                self._set_order(self._order)
                 self._order = None
                 self._order_seen = set()
 
@@ -449,7 +381,7 @@ class ParamOffload:
     def _read(self, block: int, entry: int, device: torch.device) -> torch.Tensor:
         p = self.blocks[block][1][entry]
         host = torch.empty(self._shapes[p], dtype=p.dtype, pin_memory=device.type == "cuda")
-        self.tier.read(block, entry, host.data_ptr(), host.numel() * host.element_size())
+        self.tier.read(block, entry, host)
         return host if device.type == "cpu" else host.to(device, non_blocking=False)
 
     @contextlib.contextmanager
@@ -474,7 +406,7 @@ class ParamOffload:
                 for b, (_, ps) in enumerate(self.blocks):
                     for e, p in enumerate(ps):
                         host = p.detach().to("cpu").contiguous()
-                        self.tier.write(b, e, host.data_ptr(), host.numel() * host.element_size())
+                        self.tier.write(b, e, host)
             else:
                 edited = next((p for p in self._placeholders if p._version != self._known_versions[p]), None)
         finally:
@@ -493,11 +425,6 @@ class ParamOffload:
         without the hooks). An in-place edit made to them is dropped, and refused with an error when the block
         ends."""
         return self.gathered(write_back=False)
-
-    def edits(self) -> int:
-        """How many times ``gathered()`` has written the weights back to the tier: an optimizer that keeps
-        master weights of its own takes them again when this changes."""
-        return self._write_backs
 
     def check_edits(self) -> None:
         """Refuses (once) an in-place edit of an offloaded parameter made outside ``gathered()``: between uses
@@ -539,20 +466,6 @@ class ParamOffload:
     def weights(self, p: torch.Tensor) -> torch.Tensor:
         """An offloaded parameter's weights as the tier holds them, in a CPU tensor of its full shape."""
         return self._read(*self.param_location(p), torch.device("cpu"))
-
-    def param_location(self, p: torch.Tensor) -> tuple[int, int]:
-        """(block, entry) of an offloaded parameter."""
-        mark = getattr(p, "_zoe_param_offload", None)
-        if mark is None or mark[0] is not self:
-            raise KeyError("zoe parameter offload: not one of this offload's parameters")
-        return mark[1], mark[2]
-
-    def stats(self) -> dict:
-        """The tier's counters, and the host waits of its device as in OffloadOptimizer.stats()."""
-        s = dict(self.tier.stats())
-        if self._zoe_device is not None:
-            s.update(host_wait_stats(self._zoe_device))
-        return s
 
     def remove(self) -> None:
         """Gives every parameter its full weights back on its device (read from the tier), removes the hooks

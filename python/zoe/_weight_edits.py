@@ -25,9 +25,9 @@ class WeightEdits:
         dtype of ``p`` (a DTensor's own counter, of its local shard's address), or for an offloaded parameter
         its tier's count of ``gathered()`` write-backs. zoe's own writes go through addresses and change none.
         Run twice an iteration, so kept to one tuple per tensor."""
-        if self._flat.dtensor is not None:
-            return [(s.param._version, s.param._local_tensor.data_ptr(), s.param.dtype) for s in self._flat.slots]
-        return [(s.param._version, s.param.data_ptr(), s.param.dtype) if s.tier is None else s.tier[0].edits()
+        local = self._flat.dtensor is not None
+        return [s.tier[0].edits() if s.tier is not None else
+                (s.param._version, (s.param._local_tensor if local else s.param).data_ptr(), s.param.dtype)
                 for s in self._flat.slots]
 
     def _note_weights(self) -> None:

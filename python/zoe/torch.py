@@ -240,11 +240,11 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
         self._device, self._zoe_device = self._devices()
         self._stream = _stream.TorchStream(self._zoe_device, self._device)
         slots_by_dtype = self._collect_slots()
-        if any(s.tier is not None for s in flat.slots):
-            if flat.dtensor is not None or flat.world > 1:
-                raise _zoe.UnsupportedError(
-                    "zoe.torch.OffloadOptimizer: offloaded parameters (offload_parameters) with several ranks or "
-                    "FSDP2 are not supported yet: the engine cannot gather weights into a parameter tier")
+        if flat.world > 1 and any(s.tier is not None for s in flat.slots):
+            raise _zoe.UnsupportedError(
+                "zoe.torch.OffloadOptimizer: offloaded parameters (offload_parameters) with zoe's own data-parallel "
+                "partition are not supported: the engine cannot gather weights into a parameter tier. Shard the "
+                "model with FSDP2's fully_shard, whose shards zoe offloads per rank")
         if flat.dtensor is not None:
             flat.buckets = flat.dtensor.make_buckets(slots_by_dtype, self._device)
             self._make_engine()
@@ -401,6 +401,8 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
                 # schedule, the gradients down on a stand-in's own threads) must be done before the caller
                 # reads the weights, zero_grad() or the next backward. On CUDA torch's stream waits instead.
                 self._zoe_device.synchronize()
+            for offload in self._offloads:
+                offload.after_step()
             engine_s = time.perf_counter() - te
         finally:
             self._end_iteration()  # a refused step ends the iteration too: the next one counts anew

@@ -112,8 +112,9 @@ class FakeTier:
     def synchronize(self):
         pass
 
-    def write(self, b, e, address, nbytes, byte_offset=0):
+    def write(self, b, e, data, byte_offset=0):
         self._check(b)
+        address, nbytes = data.data_ptr(), data.numel() * data.element_size()
         assert byte_offset + nbytes <= self.entry_bytes[b][e]
         at = self.home_tensors[b].data_ptr() + self.offsets[b][e] + byte_offset
         ctypes.memmove(at, address, nbytes)
@@ -124,8 +125,9 @@ class FakeTier:
             else:
                 self._evict(b)
 
-    def read(self, b, e, address, nbytes, byte_offset=0):
+    def read(self, b, e, out, byte_offset=0):
         self._check(b)
+        address, nbytes = out.data_ptr(), out.numel() * out.element_size()
         assert byte_offset + nbytes <= self.entry_bytes[b][e]
         ctypes.memmove(address, self.home_tensors[b].data_ptr() + self.offsets[b][e] + byte_offset, nbytes)
         self.counters["read_bytes"] += nbytes

@@ -1,0 +1,336 @@
+"""Parameter offload for FSDP2 models (``fully_shard``): each rank's local shards live in its own parameter tier
+(pinned RAM, or NVMe files under ``nvme_path/rank<r>``), one tier block per FSDP parameter group, and reach
+the device only while FSDP all-gathers them.
+
+How. FSDP2 asks a sharded parameter's local tensor for its all-gather input through the tensor-subclass
+extension ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, every time it all-gathers: forward, backward,
+prefetch, explicit ``unshard()``, activation-checkpoint recompute. Here the local tensor is a ``TierShard``, a
+tensor with metadata and no bytes; its pre-all-gather fetches the group's block from the tier (the tier reads
+ahead along the recorded order, reversed in backward) and hands FSDP a view of the block, which FSDP copies
+into its all-gather buffer — the view's storage holds the fetch (``_Lease``), so the block is released as
+soon as FSDP has copied it. FSDP's all-gather output is the unsharded parameter, as without the extension.
+
+The optimizer. zoe's OffloadOptimizer steps the DTensor parameters as local shards (_dtensor.py); a shard in
+a tier is stepped as an offloaded parameter is: the engine reads its gradient from the flat buffer FSDP
+reduce-scatters into and writes the updated 16-bit shard into its tier entry. Sync schedule only, as for every
+DTensor model.
+
+What torch does not promise. The extension is public, but making the local tensor one is not: this assigns
+the DTensor's ``_local_tensor`` and ``FSDPParam._sharded_param_data`` (FSDP pads uneven shards through
+``new_zeros``/``narrow``/``copy_`` on the latter, which ``TierShard`` answers without bytes) and calls
+``FSDPParam._init_extensions``. So the torch versions are pinned (``TESTED_TORCH``) and
+tests/python/test_fsdp_offload.py is the conformance test.
+
+Checkpoints. Inside ``gathered()`` (or the read-only ``materialize()``) the shards are FSDP's plain tensors
+again, so torch.distributed.checkpoint saves and loads them as it does any FSDP2 model's: the checkpoint is a
+plain FSDP2 one, loadable on another world size and without zoe.
+
+Not yet: CPUOffloadPolicy together with this offload, an integer ``reshard_after_forward`` (FSDP2 has no
+extension path for it), checkpoints streamed group by group (``gathered()`` holds the rank's whole shard), and
+initialisation from a meta-device model."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _zoe
+from ._offload_blocks import contiguous_strides, storage_view
+from ._tier_blocks import TierBlocks
+
+__all__ = ["ShardOffload", "TierShard", "TESTED_TORCH"]
+
+# (major, minor) of the torch releases whose FSDP2 internals this module was tested against, lowest and highest.
+TESTED_TORCH = ((2, 15), (2, 15))
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_aten = torch.ops.aten
+
+
+def _in_backward() -> bool:
+    return getattr(torch._C, "_current_graph_task_id", lambda: -1)() != -1
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+class TierShard(torch.Tensor):
+    """A local shard whose bytes are in a parameter tier: shape, dtype and device, no storage. FSDP2 fetches
+    it through ``fsdp_pre_all_gather``; any other op that would read or write its bytes is refused."""
+
+    @staticmethod
+    def __new__(cls, home: "ShardOffload", block: int, entry: int, size, dtype, device):
+        size = torch.Size(size)
+        t = torch.Tensor._make_wrapper_subclass(cls, size, strides=contiguous_strides(size), dtype=dtype,
+                                                device=device, requires_grad=False)
+        t._home, t._block, t._entry = home, block, entry
+        return t
+
+    def _like(self, size) -> "TierShard":
+        return TierShard(self._home, self._block, self._entry, size, self.dtype, self.device)
+
+    def __repr__(self) -> str:
+        return f"TierShard(block={self._block}, entry={self._entry}, size={tuple(self.shape)}, dtype={self.dtype})"
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return (self._home.all_gather_input(self, mp_policy.param_dtype),), None
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        (data,) = all_gather_outputs
+        if out is not None:
+            return None  # FSDP gathered into the same output tensors again, which `out` already views
+        return (data if data.dtype == param_dtype else data.to(param_dtype)), ()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        me = args[0]
+        if func in (_aten.detach.default, _aten.alias.default):
+            return me._like(me.shape)
+        if func in (_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default):
+            size = list(args[1])
+            if -1 in size:
+                known = -torch.Size(size).numel()  # the product of the others (one -1 among them)
+                size[size.index(-1)] = me.numel() // known if known else 0
+            if torch.Size(size).numel() == me.numel():
+                return me._like(size)
+        if func is _aten.slice.Tensor:
+            dim, start, end, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1:])[:4]
+            if dim == 0 and not start and step == 1:
+                return me._like((min(me.shape[0], end if end is not None else me.shape[0]),) + me.shape[1:])
+        if func is _aten.new_zeros.default:
+            # FSDP pads an uneven shard to the padded size: the padding is zeros the fetch adds.
+            return me._like(args[1])
+        if func is _aten.copy_.default and isinstance(args[1], TierShard) and \
+                (args[1]._home, args[1]._block, args[1]._entry) == (me._home, me._block, me._entry):
+            return me  # the padding's copy of the shard into itself
+        name = me._home.param_name(me)
+        raise RuntimeError(
+            f"zoe parameter offload: {func} on the local shard of '{name}', whose bytes are in zoe's parameter tier "
+            "(offload_parameters on an FSDP2 model): it would read or change the shard silently outside the tier. "
+            "Read it with offload.weights(p); update it through zoe's OffloadOptimizer; or offload.remove() first")
+
+
+def _groups(model: nn.Module) -> tuple[list[tuple[str, object]], dict[int, str]]:
+    """(module name, FSDPParamGroup) of every fully_shard module of the model with parameters, in module order;
+    and each FSDPParam's parameter name by id (FSDP sets its own only at its lazy initialisation)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        raise _zoe.UnsupportedError(
+            "offload_parameters: the model's parameters are DTensors but the model itself is not wrapped with "
+            "fully_shard; zoe offloads FSDP2 shards per FSDP parameter group: apply fully_shard to the blocks and "
+            "then to the root module. Nothing was changed.")
+    groups = []
+    owned = set()
+    for name, m in model.named_modules():
+        if isinstance(m, FSDPModule):
+            group = m._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                groups.append((name or "<root>", group))
+                owned.update(id(fp.sharded_param) for fp in group.fsdp_params)
+    stray = [n for n, p in model.named_parameters() if id(p) not in owned]
+    if stray:
+        raise _zoe.UnsupportedError(
+            f"offload_parameters: parameter {stray[0]!r} ({len(stray) - 1} more) is not managed by fully_shard "
+            "(a tensor-parallel or hand-made DTensor): zoe offloads FSDP2's shards only. Nothing was changed.")
+    by_param = {id(p): n for n, p in model.named_parameters()}
+    names = {id(fp): by_param.get(id(fp.sharded_param), "?") for _, g in groups for fp in g.fsdp_params}
+    return groups, names
+
+
+def _check(groups, names: dict[int, str]) -> None:
+    lo, hi = TESTED_TORCH
+    if not lo <= _torch_version() <= hi:
+        raise _zoe.UnsupportedError(
+            f"offload_parameters: torch {torch.__version__} is outside the range zoe's FSDP2 parameter offload was "
+            f"tested with ({lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}); it relies on FSDP2 internals that change between "
+            "releases. Use a tested torch. Nothing was changed.")
+    for name, group in groups:
+        for fp in group.fsdp_params:
+            what = None
+            if fp.offload_to_cpu:
+                what = ("is CPU-offloaded by FSDP2 (CPUOffloadPolicy): zoe's tier already keeps the shards off the "
+                        "device — drop the offload_policy")
+            elif fp.post_forward_mesh_info not in (None, fp.mesh_info):
+                what = ("reshards to a smaller mesh after forward (an integer reshard_after_forward), which FSDP2 "
+                        "does not do for shards fetched through its all-gather extension — pass True or False")
+            elif hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
+                what = "has an all-gather extension already (offloaded, or another subclass such as float8)"
+            if what:
+                raise _zoe.UnsupportedError(
+                    f"offload_parameters: parameter {names[id(fp)]!r} of fully_shard module '{name}' {what}. "
+                    "Nothing was changed.")
+
+
+class ShardOffload(TierBlocks):
+    """Each rank's FSDP2 local shards in its parameter tier (see the module docstring). ``blocks``:
+    ``[(module name, [FSDPParam])]`` by block; each offloaded DTensor parameter carries ``p._zoe_param_offload =
+    (self, block, entry)``. A shard with no element on this rank stays FSDP's."""
+
+    def __init__(self, model: nn.Module, home: str, nvme_paths: list[str], prefetch: int, budget_bytes: int,
+                 tier_factory=None):
+        groups, self._fqn = _groups(model)
+        _check(groups, self._fqn)
+        self.blocks = []
+        for name, group in groups:
+            entries = [fp for fp in group.fsdp_params
+                       if fp._sharded_local_tensor.numel() and fp._sharded_local_tensor.dtype in _DTYPES]
+            if entries:
+                self.blocks.append((name, entries))
+        if not self.blocks:
+            raise ValueError("offload_parameters: this rank holds no float16/bfloat16/float32 shard element")
+        device = self.blocks[0][1][0]._sharded_local_tensor.device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        rank = dist.get_rank()
+        paths = [os.path.join(p, f"rank{rank}") for p in nvme_paths]
+        for p in paths:
+            os.makedirs(p, exist_ok=True)
+        entry_bytes = [[fp._sharded_local_tensor.numel() * fp._sharded_local_tensor.element_size() for fp in fps]
+                       for _, fps in self.blocks]
+        self._make_tier(device, entry_bytes, [n for n, _ in self.blocks], home, paths, budget_bytes, prefetch,
+                        tier_factory)
+        self._offsets = [[int(self.tier.entry_offset(b, e)) for e in range(len(fps))]
+                         for b, (_, fps) in enumerate(self.blocks)]
+        self._shapes = {}
+        self._gathering: dict[int, list] = {}  # block -> [its fetched storage, entries not yet handed to FSDP]
+        self._order: list[int] | None = []  # blocks in the first forward's order, until handed to the tier
+        self._plain = False  # inside gathered(): the shards are plain tensors of FSDP's
+        for b, (_, fps) in enumerate(self.blocks):
+            for e, fp in enumerate(fps):
+                self.tier.write(b, e, fp._sharded_local_tensor.detach().to("cpu").contiguous())
+        for b, (_, fps) in enumerate(self.blocks):
+            for e, fp in enumerate(fps):
+                self._install(fp, TierShard(self, b, e, fp._sharded_local_tensor.shape,
+                                            fp._sharded_local_tensor.dtype, device))
+                p = fp.sharded_param
+                p._zoe_param_offload = (self, b, e)
+                self._shapes[p] = p.shape
+        self._model = model
+        self._handle = model.register_forward_hook(self._end_of_forward, always_call=True)
+
+    @staticmethod
+    def _install(fp, local: torch.Tensor) -> None:
+        """Makes ``local`` (unpadded) the FSDPParam's shard, padded as FSDP keeps it."""
+        padded = local.new_zeros(fp.padded_sharded_param_size)
+        if local.numel():
+            padded.narrow(0, 0, local.shape[0]).copy_(local)
+        fp._sharded_param_data = padded.view(-1)
+        fp.sharded_param._local_tensor = padded.narrow(0, 0, local.shape[0])
+        fp._init_extensions()
+
+    # -- FSDP's all-gather -------------------------------------------------------------------------------
+
+    def all_gather_input(self, shard: TierShard, param_dtype) -> torch.Tensor:
+        """The shard's bytes for FSDP's all-gather, padded to FSDP's padded size and cast to its param_dtype.
+        The group's block is fetched once per all-gather: its first shard fetches, the others share it."""
+        b, e = shard._block, shard._entry
+        gathering = self._gathering.get(b)
+        if gathering is None or e not in gathering[1]:
+            gathering = self._gathering[b] = [self._fetch(b, _in_backward()), set(range(len(self.blocks[b][1])))]
+            if self._order is not None and b not in self._order and not _in_backward():
+                self._order.append(b)
+        storage, left = gathering
+        left.discard(e)
+        if not left:
+            del self._gathering[b]  # FSDP holds the views until its copy into the all-gather buffer
+        fp = self.blocks[b][1][e]
+        view = storage_view(storage, self._offsets[b][e], shard.dtype, shard.shape, contiguous_strides(shard.shape))
+        dtype = param_dtype or shard.dtype
+        if view.shape == fp.padded_sharded_param_size and dtype == shard.dtype:
+            return view
+        out = torch.zeros(fp.padded_sharded_param_size, dtype=dtype, device=view.device)
+        out.narrow(0, 0, view.shape[0]).copy_(view)
+        return out
+
+    def _end_of_forward(self, module, args, output) -> None:
+        if self._order is None or _in_backward() or self.tier is None:
+            return
+        if output is None:  # the forward raised (always_call): record the order next time
+            self._order = []
+        elif self._order:
+            self._set_order(self._order)
+            self._order = None
+
+    # -- reading and removing ----------------------------------------------------------------------------
+
+    def param_name(self, shard: TierShard) -> str:
+        return self._fqn[id(self.blocks[shard._block][1][shard._entry])]
+
+    def check_edits(self) -> None:
+        """Nothing to refuse here: an in-place edit of a shard in the tier fails at the op (TierShard)."""
+
+    def weights(self, p: torch.Tensor) -> torch.Tensor:
+        """An offloaded parameter's local shard as the tier holds it, in a CPU tensor."""
+        b, e = self.param_location(p)
+        local = p._local_tensor
+        out = torch.empty(local.shape, dtype=local.dtype)
+        self.tier.read(b, e, out)
+        return out
+
+    @contextlib.contextmanager
+    def gathered(self, write_back: bool = True):
+        """Gives every offloaded shard back to FSDP as a plain tensor on its device, read from the tier, for the
+        block's duration: what reads or writes the model's weights — ``get_state_dict`` and ``dcp.save``,
+        ``dcp.load`` and ``set_state_dict``, ``model.load_state_dict``, ``nn.init`` — runs inside it. On exit
+        (unless ``write_back`` is False, or the block raised) each shard is written back to the tier, and the
+        tier takes the shards again. The whole rank's shard is in memory meanwhile. zoe's optimizer takes what
+        the block changed into its master weights at its next step, element by element: loading its own
+        checkpoint inside or after the block keeps the loaded masters."""
+        if self.tier is None:
+            raise RuntimeError("zoe parameter offload was removed")
+        if self._live or self._gathering or self._plain:
+            raise RuntimeError("zoe parameter offload: gathered() during an all-gather, or inside gathered()")
+        shards = {}
+        for b, (_, fps) in enumerate(self.blocks):
+            for e, fp in enumerate(fps):
+                shards[fp] = fp._sharded_local_tensor
+                self._install(fp, self.weights(fp.sharded_param).to(self._device))
+        self._plain = True
+        done = False
+        try:
+            yield self
+            done = True
+        finally:
+            if done and write_back:
+                self._write_backs += 1  # first: a write that fails part-way has still changed some shards
+            try:
+                for b, (_, fps) in enumerate(self.blocks):
+                    for e, fp in enumerate(fps):
+                        if done and write_back:
+                            self.tier.write(b, e, fp._sharded_local_tensor.detach().to("cpu").contiguous())
+            finally:
+                for fp, shard in shards.items():
+                    self._install(fp, shard)
+                self._plain = False
+
+    def materialize(self):
+        """``gathered(write_back=False)``: the shards to read (``get_state_dict`` and ``dcp.save``)."""
+        return self.gathered(write_back=False)
+
+    def remove(self) -> None:
+        """Gives every shard back to FSDP as a tensor on its device (read from the tier) and frees the tier."""
+        if self.tier is None:
+            return
+        if getattr(self.tier, "users", 0):
+            raise RuntimeError("zoe parameter offload: remove() while an OffloadOptimizer still writes into the "
+                               "parameter tier: delete the optimizer first")
+        if self._live or self._gathering or self._plain:
+            raise RuntimeError("zoe parameter offload: remove() during an all-gather, or inside gathered()")
+        for b, (_, fps) in enumerate(self.blocks):
+            for fp in fps:
+                p = fp.sharded_param
+                self._install(fp, self.weights(p).to(self._device))
+                del p._zoe_param_offload
+        self._handle.remove()
+        tier, self.tier = self.tier, None
+        if hasattr(tier, "close"):
+            tier.close()
+
+    def __repr__(self) -> str:
+        return f"ShardOffload({len(self.blocks)} blocks, {sum(self._block_bytes)} bytes on rank {dist.get_rank()})"
