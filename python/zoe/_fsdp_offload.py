@@ -26,12 +26,13 @@ again, so torch.distributed.checkpoint saves and loads them as it does any FSDP2
 plain FSDP2 one, loadable on another world size and without zoe.
 
 Not yet: CPUOffloadPolicy together with this offload, an integer ``reshard_after_forward`` (FSDP2 has no
-extension path for it), checkpoints streamed group by group (``gathered()`` holds the rank's whole shard), and
-initialisation from a meta-device model."""
+extension path for it), and checkpoints streamed group by group (``gathered()`` holds the rank's whole
+shard). A model created on the meta device is initialised group by group (``init``), never whole."""
 from __future__ import annotations
 
 import contextlib
 import os
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -173,18 +174,27 @@ class ShardOffload(TierBlocks):
     (self, block, entry)``. A shard with no element on this rank stays FSDP's."""
 
     def __init__(self, model: nn.Module, home: str, nvme_paths: list[str], prefetch: int, budget_bytes: int,
-                 tier_factory=None):
+                 tier_factory=None, init: Callable[[nn.Module], None] | None = None):
         groups, self._fqn = _groups(model)
         _check(groups, self._fqn)
         self.blocks = []
+        modules = []  # each block's modules, for init
         for name, group in groups:
             entries = [fp for fp in group.fsdp_params
                        if fp._sharded_local_tensor.numel() and fp._sharded_local_tensor.dtype in _DTYPES]
             if entries:
                 self.blocks.append((name, entries))
+                modules.append(group.modules)
         if not self.blocks:
             raise ValueError("offload_parameters: this rank holds no float16/bfloat16/float32 shard element")
-        device = self.blocks[0][1][0]._sharded_local_tensor.device
+        on_meta = any(fp._sharded_local_tensor.is_meta for _, fps in self.blocks for fp in fps)
+        if on_meta != (init is not None):
+            raise ValueError("offload_parameters: " + (
+                "the model's shards are on the meta device: pass init, a function that initialises one module's "
+                "own parameters and buffers (e.g. lambda m: m.reset_parameters() if hasattr(m, "
+                "'reset_parameters') else None, or a Hugging Face model's _init_weights)" if on_meta else
+                "init is for models created on the meta device, whose shards it initialises group by group"))
+        device = self.blocks[0][1][0].device
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         rank = dist.get_rank()
@@ -201,18 +211,59 @@ class ShardOffload(TierBlocks):
         self._gathering: dict[int, list] = {}  # block -> [its fetched storage, entries not yet handed to FSDP]
         self._order: list[int] | None = []  # blocks in the first forward's order, until handed to the tier
         self._plain = False  # inside gathered(): the shards are plain tensors of FSDP's
-        for b, (_, fps) in enumerate(self.blocks):
-            for e, fp in enumerate(fps):
-                self.tier.write(b, e, fp._sharded_local_tensor.detach().to("cpu").contiguous())
-        for b, (_, fps) in enumerate(self.blocks):
-            for e, fp in enumerate(fps):
-                self._install(fp, TierShard(self, b, e, fp._sharded_local_tensor.shape,
-                                            fp._sharded_local_tensor.dtype, device))
-                p = fp.sharded_param
-                p._zoe_param_offload = (self, b, e)
-                self._shapes[p] = p.shape
+        self._take_shards(modules, init)
         self._model = model
         self._handle = model.register_forward_hook(self._end_of_forward, always_call=True)
+
+    def _take_shards(self, modules: list, init: Callable[[nn.Module], None] | None) -> None:
+        """Writes the shards into the tier group by group and gives FSDP TierShards in their place. With
+        ``init`` (shards on the meta device) each group's shards are made, initialised and written in turn: a
+        rank's whole shard is never in memory. Undone if any group fails: FSDP keeps the shards it had."""
+        taken = {}
+        try:
+            for b, (_, fps) in enumerate(self.blocks):
+                for fp in fps:
+                    taken[fp] = (fp.sharded_param, fp._sharded_local_tensor)
+                if init is not None:
+                    self._initialise(fps, modules[b], init)
+                for e, fp in enumerate(fps):
+                    local = fp._sharded_local_tensor
+                    self.tier.write(b, e, local.detach().to("cpu").contiguous())
+                    self._install(fp, TierShard(self, b, e, local.shape, local.dtype, self._device))
+        except BaseException:
+            for fp, (param, local) in taken.items():
+                if fp.sharded_param is not param:  # made from the meta device
+                    fp._setattr_on_modules(param)
+                    fp.sharded_param = param
+                self._install(fp, local)
+            raise
+        for b, (_, fps) in enumerate(self.blocks):
+            for e, fp in enumerate(fps):
+                fp.sharded_param._zoe_param_offload = (self, b, e)
+                self._shapes[fp.sharded_param] = fp.sharded_param.shape
+
+    def _initialise(self, fps: list, modules, init: Callable[[nn.Module], None]) -> None:
+        """One group's shards made on its device and ``init`` run on its modules (down to the next fully_shard
+        module), with their meta buffers made too."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for fp in fps:
+            # A new parameter, as FSDP makes one when a meta model is moved (to_empty): the DTensor's own
+            # device is meta too.
+            meta = fp._sharded_local_tensor
+            local = torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
+            fp._setattr_on_modules(nn.Parameter(fp.to_sharded_dtensor(local),
+                                                requires_grad=fp.sharded_param.requires_grad))
+            fp.reset_sharded_param()
+        stack = list(modules)
+        with torch.no_grad():
+            while stack:
+                m = stack.pop()
+                for name, buf in m.named_buffers(recurse=False):
+                    if buf is not None and buf.is_meta:
+                        m._buffers[name] = torch.empty_like(buf, device=self._device)
+                init(m)
+                stack.extend(c for c in m.children() if not isinstance(c, FSDPModule))
 
     @staticmethod
     def _install(fp, local: torch.Tensor) -> None:

@@ -107,8 +107,8 @@ def _in_backward() -> bool:
 
 def offload_parameters(model: nn.Module, device: str = "cpu", nvme_path: str | Sequence[str] | None = None,
                        prefetch: int = 2, budget_bytes: int | None = None, tier_factory: Callable | None = None,
-                       block_modules: tuple[type, ...] | Callable[[str, nn.Module], bool] | None = None
-                       ) -> "ParamOffload":
+                       block_modules: tuple[type, ...] | Callable[[str, nn.Module], bool] | None = None,
+                       init: Callable[[nn.Module], None] | None = None) -> "ParamOffload":
     """Moves ``model``'s float16/bfloat16/float32 parameters into a parameter tier and installs the hooks
     that fetch them around each module's use. Returns the ``ParamOffload``; ``remove()`` undoes it.
 
@@ -125,7 +125,9 @@ def offload_parameters(model: nn.Module, device: str = "cpu", nvme_path: str | S
 
     A model wrapped with FSDP2's ``fully_shard`` (its blocks and its root) gets a ``ShardOffload``
     (_fsdp_offload.py): each rank's local shards in its own tier, one block per FSDP parameter group, NVMe
-    files under ``<nvme_path>/rank<r>``."""
+    files under ``<nvme_path>/rank<r>``. An FSDP2 model created on the meta device is initialised group by
+    group: ``init(module)`` initialises one module's own parameters and buffers, and is called for each module
+    of each group while the group's shards are made, before they are written to the tier."""
     if device not in ("cpu", "nvme"):
         raise ValueError(f"offload_parameters: device must be 'cpu' or 'nvme', not {device!r}")
     if device == "nvme":
@@ -143,7 +145,10 @@ def offload_parameters(model: nn.Module, device: str = "cpu", nvme_path: str | S
             raise ValueError("offload_parameters: block_modules is for models that are not sharded; on an FSDP2 "
                              "model each fully_shard parameter group is one block")
         from ._fsdp_offload import ShardOffload
-        return ShardOffload(model, home, paths, prefetch, budget_bytes or 0, tier_factory)
+        return ShardOffload(model, home, paths, prefetch, budget_bytes or 0, tier_factory, init)
+    if init is not None:
+        raise ValueError("offload_parameters: init is for FSDP2 models created on the meta device; this model's "
+                         "parameters are not sharded")
     return ParamOffload(model, home, paths, prefetch, budget_bytes or 0,
                         tier_factory, block_selector(block_modules))
 

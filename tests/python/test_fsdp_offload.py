@@ -25,12 +25,15 @@ HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
 TORCH_TOL = 1e-5
 PREFETCH = 2
 
-# (name, home, reshard_after_forward, activation checkpointing, explicit prefetch)
-CONFIGS = [
-    ("ram_reshard", "cpu", True, False, False),
-    ("nvme_keep", "nvme", False, False, False),
-    ("ram_checkpointed_prefetched", "cpu", True, True, True),
-]
+# name -> (home, how the model is made: _llama's keywords). Together: both homes, both reshard_after_forward
+# values, activation checkpointing, explicit prefetch, 16-bit weights in the tier, FSDP2's mixed precision.
+CONFIGS = {
+    "ram_reshard": ("cpu", dict(reshard=True)),
+    "nvme_keep": ("nvme", dict(reshard=False)),
+    "ram_checkpointed_prefetched": ("cpu", dict(reshard=True, checkpointing=True, prefetch=True)),
+    "nvme_bf16": ("nvme", dict(reshard=True, dtype=torch.bfloat16)),
+    "ram_bf16_compute": ("cpu", dict(reshard=True, compute=torch.bfloat16)),
+}
 
 
 def _mesh():
@@ -39,14 +42,21 @@ def _mesh():
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
-def _llama(reshard=True, checkpointing=False, prefetch=False, wrap_root=True, **kw):
+def _llama(reshard=True, checkpointing=False, prefetch=False, wrap_root=True, dtype=torch.float32, compute=None,
+           **kw):
+    """The tiny Llama, fully_shard per decoder layer and at the root. dtype: its weights'; compute: FSDP2's
+    MixedPrecisionPolicy param_dtype (None: none)."""
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=67, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg).to(dtype)
+    if compute is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     layers = list(model.model.layers)
@@ -107,8 +117,7 @@ def _error(fn) -> str:
 def _parity(rank, out, tmp):
     from zoe.torch import OffloadOptimizer, offload_parameters
 
-    for name, home, reshard, ckpt, prefetch in CONFIGS:
-        kw = dict(reshard=reshard, checkpointing=ckpt, prefetch=prefetch)
+    for name, (home, kw) in CONFIGS.items():
         resident = _llama(**kw)
         _train(resident, OffloadOptimizer(resident.parameters(), **HYPER), rank)
         model = _llama(**kw)
@@ -237,7 +246,7 @@ def _worst(ranks, key):
 
 # ---- the tests ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("config", [c[0] for c in CONFIGS])
+@pytest.mark.parametrize("config", list(CONFIGS))
 def test_offloaded_shards_equal_resident_shards_bitwise(ranks, config):
     diff = _worst(ranks, f"{config}_vs_resident")
     print(f"{config}: {STEPS} steps of {MICRO} micro-batches with clipping, offloaded against resident shards: "
@@ -273,7 +282,7 @@ def test_prefetch_hits_from_the_second_step_on(ranks):
         assert fn - f1 > 0 and hn - h1 == fn - f1
 
 
-@pytest.mark.parametrize("config", [c[0] for c in CONFIGS])
+@pytest.mark.parametrize("config", list(CONFIGS))
 def test_pool_stays_within_its_bound(ranks, config):
     """The tier's pool, the device memory the fetched shards take (pinned bounce on a GPU), holds at most
     (prefetch + 2) x the largest group's shard: the group FSDP is copying, the one before it, and `prefetch`
@@ -327,6 +336,96 @@ def test_the_checkpoint_loads_into_plain_fsdp2_on_another_world_size(ranks, worl
     diff = max((loaded[n] - saved[n]).abs().max().item() for n in saved)
     print(f"plain FSDP2 on {world} ranks: {len(saved)} parameters loaded, max difference {diff}")
     assert diff == 0.0
+
+
+# The meta-device model: WIDE x WIDE fp32 layers, one fully_shard group each; each rank's shard is LAYERS
+# groups of WIDE * WIDE / 2 elements, 16x the tier pool's default budget ((prefetch + 2) x the largest group).
+WIDE, LAYERS = 1024, 64
+
+
+def _peak_growth(fn) -> int:
+    """Bytes the process's peak resident set grew over its resident set before ``fn`` (Linux: clear_refs 5
+    resets the peak)."""
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    fn()
+    return status("VmHWM") - before
+
+
+def _meta_main(rank, init_file, out_dir):
+    """A model created on the meta device, initialised into the NVMe tier group by group; then a forward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from zoe.torch import OffloadOptimizer, offload_parameters
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    out = {}
+    try:
+        mesh = init_device_mesh("cpu", (WORLD,))
+        with torch.device("meta"):
+            model = torch.nn.Sequential(*[torch.nn.Linear(WIDE, WIDE) for _ in range(LAYERS)])
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        out["err_meta_without_init"] = _error(lambda: offload_parameters(model, "nvme", nvme_path=out_dir))
+
+        def init(m):
+            if isinstance(m, torch.nn.Linear):
+                m.reset_parameters()
+
+        made = {}
+        out["init_growth"] = _peak_growth(lambda: made.setdefault(
+            "off", offload_parameters(model, "nvme", nvme_path=out_dir, init=init)))
+        off = made["off"]
+        out["shard_bytes"] = sum(off._block_bytes)
+        out["budget"] = off.stats()["budget_bytes"]
+        weights = torch.cat([off.weights(layer.weight).reshape(-1) for layer in model])
+        out["weight_abs_max"], out["weight_std"] = weights.abs().max().item(), weights.std().item()
+        x = torch.randn(4, WIDE, generator=torch.Generator().manual_seed(rank))
+        with torch.no_grad():
+            # The first forward makes the tier's pool and I/O buffers and FSDP's, which stay.
+            out["first_forward_growth"] = _peak_growth(lambda: model(x))
+            out["forward_growth"] = _peak_growth(lambda: model(x))
+        opt = OffloadOptimizer(model.parameters(), lr=1e-3)
+        before = off.weights(model[0].weight)
+        model(x).square().mean().backward()
+        opt.step()
+        out["stepped"] = not torch.equal(before, off.weights(model[0].weight))
+    finally:
+        torch.save(out, os.path.join(out_dir, f"meta{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def test_a_meta_model_is_initialised_group_by_group_into_the_tier(tmp_path, monkeypatch):
+    # glibc raises its mmap threshold as large blocks are freed, and then keeps freed memory resident: a fixed
+    # threshold makes the resident set follow what is allocated.
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    mp.spawn(_meta_main, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    bound = 1 / WIDE ** 0.5  # nn.Linear.reset_parameters: uniform within +-1/sqrt(fan_in)
+    for rank in range(WORLD):
+        r = torch.load(tmp_path / f"meta{rank}.pt")
+        mib = 2 ** 20
+        print(f"rank {rank}: shard {r['shard_bytes'] / mib:.0f} MiB ({r['shard_bytes'] / r['budget']:.0f}x the "
+              f"pool budget of {r['budget'] / mib:.0f} MiB); peak RSS growth: initialising "
+              f"{r['init_growth'] / mib:.1f} MiB, the first forward {r['first_forward_growth'] / mib:.1f} MiB, "
+              f"the next {r['forward_growth'] / mib:.1f} MiB; weights |max| "
+              f"{r['weight_abs_max']:.4f} (bound {bound:.4f}), std {r['weight_std']:.4f}")
+        assert "meta device: pass init" in r["err_meta_without_init"]
+        assert r["shard_bytes"] >= 16 * r["budget"]
+        # Never a whole rank's shard in memory: a quarter of it leaves room for the pool and a group or two, half
+        # of it also for the buffers the first forward makes.
+        assert r["init_growth"] < r["shard_bytes"] / 4 and r["forward_growth"] < r["shard_bytes"] / 4
+        assert r["first_forward_growth"] < r["shard_bytes"] / 2
+        assert r["weight_abs_max"] <= bound
+        assert abs(r["weight_std"] - bound / 3 ** 0.5) < 0.05 * bound / 3 ** 0.5  # uniform's std, 5%
+        assert r["stepped"]
 
 
 def test_remove_gives_the_shards_back(ranks):
