@@ -25,7 +25,10 @@ Checkpoints. Inside ``gathered()`` (or the read-only ``materialize()``) the shar
 again, so torch.distributed.checkpoint saves and loads them as it does any FSDP2 model's: the checkpoint is a
 plain FSDP2 one, loadable on another world size and without zoe.
 
-Not yet: CPUOffloadPolicy together with this offload, an integer ``reshard_after_forward`` (FSDP2 has no
+With FSDP2's ``CPUOffloadPolicy`` the reduce-scattered gradients go to the host as each group's backward
+ends (their way off the GPU); the shards' "CPU offload" is the tier's.
+
+Not yet: an integer ``reshard_after_forward`` (FSDP2 has no
 extension path for it), and checkpoints streamed group by group (``gathered()`` holds the rank's whole
 shard). A model created on the meta device is initialised group by group (``init``), never whole."""
 from __future__ import annotations
@@ -103,6 +106,12 @@ class TierShard(torch.Tensor):
             dim, start, end, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1:])[:4]
             if dim == 0 and not start and step == 1:
                 return me._like((min(me.shape[0], end if end is not None else me.shape[0]),) + me.shape[1:])
+        if func is _aten._to_copy.default and set(kwargs or {}) <= {"device", "non_blocking"}:
+            # CPUOffloadPolicy moves the shard to the device before asking for its all-gather input: the fetch
+            # puts it there.
+            return TierShard(me._home, me._block, me._entry, me.shape, me.dtype, kwargs.get("device", me.device))
+        if func is _aten.is_pinned.default:
+            return True  # FSDP's pin_memory: the tier's home and pool are pinned where pinning exists
         if func is _aten.new_zeros.default:
             # FSDP pads an uneven shard to the padded size: the padding is zeros the fetch adds.
             return me._like(args[1])
@@ -154,10 +163,7 @@ def _check(groups, names: dict[int, str]) -> None:
     for name, group in groups:
         for fp in group.fsdp_params:
             what = None
-            if fp.offload_to_cpu:
-                what = ("is CPU-offloaded by FSDP2 (CPUOffloadPolicy): zoe's tier already keeps the shards off the "
-                        "device — drop the offload_policy")
-            elif fp.post_forward_mesh_info not in (None, fp.mesh_info):
+            if fp.post_forward_mesh_info not in (None, fp.mesh_info):
                 what = ("reshards to a smaller mesh after forward (an integer reshard_after_forward), which FSDP2 "
                         "does not do for shards fetched through its all-gather extension — pass True or False")
             elif hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):

@@ -217,8 +217,9 @@ Status Parser::zero(const Json& section) {
       note(p + ".stage", "zoe holds the optimizer state of whatever parameters this rank gives it; ZeRO "
                          "partitioning (stages 1, 2) comes from giving each rank its shard");
     } else if (stage == 3) {
-      note(p + ".stage", "stage 3: zoe does not partition parameters across ranks; each rank holds every "
-                         "parameter, in its device's memory or, with offload_param, in its own parameter tier");
+      note(p + ".stage", "stage 3: the 16-bit weights are partitioned by torch FSDP2 (fully_shard), not by zoe; zoe "
+                         "steps each rank's shards, and with offload_param keeps them in each rank's own parameter "
+                         "tier (zoe.torch.offload_parameters on the fully_shard model)");
     }
   }
   if (const auto it = section.find("sub_group_size"); it != section.end()) {

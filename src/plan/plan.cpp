@@ -309,11 +309,8 @@ std::string zoe_gap(const Placement& p) {
   std::string gap;
   auto add = [&gap](const std::string& s) { gap += (gap.empty() ? "" : "; ") + s; };
   if (p.optimizer == Offload::none) add("the optimizer state stays on the GPU, where zoe is not needed");
-  if (p.param != Offload::none) {
-    add("zoe offloads parameters (zoe.torch.offload_parameters) on one rank, with gradients kept whole on the "
-        "GPU, not yet partitioned across ranks");
-  }
-  if (p.stage == 3) add("zoe does not partition the 16-bit weights (stage 3) yet");
+  // Stage 3 runs with FSDP2 (fully_shard) partitioning the 16-bit weights: zoe steps each rank's shards, and
+  // offload_parameters on the fully_shard model keeps them in each rank's parameter tier.
   return gap;
 }
 
@@ -338,9 +335,10 @@ Usage usage(const Model& m, const Cluster& c, const Placement& p, const Training
     gpu.weights16 = p.stage == 3 ? 2 * part : 2 * psi;
     gpu.grads16 = p.stage >= 2 ? 2 * part : 2 * psi;
   } else {
-    Bytes& home = p.param == Offload::cpu ? rank_host : rank_nvme;
-    home.weights16 = 2 * part;
-    home.grads16 = 2 * part;
+    (p.param == Offload::cpu ? rank_host : rank_nvme).weights16 = 2 * part;
+    // The gradient shards reach the host as FSDP2 reduce-scatters them (CPUOffloadPolicy), and stay there
+    // until zoe's step reads them: host RAM whichever home the weights have.
+    rank_host.grads16 = 2 * part;
   }
   if (fetched) gpu.buffers = window;
   Bytes& state = p.optimizer == Offload::none ? gpu : p.optimizer == Offload::cpu ? rank_host : rank_nvme;

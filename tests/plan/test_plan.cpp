@@ -81,6 +81,8 @@ TEST(Plan, OffloadedStateLivesOnTheHostOrTheNvmePaths) {
   EXPECT_EQ(param_cpu.per_host.buffers, 0u);  // the partitions on the host are the staging
   const Usage param_nvme = usage(m, c, {3, Offload::nvme, Offload::nvme}, t);
   EXPECT_EQ(param_nvme.per_nvme_path.weights16, n * 2 * P / 2);
+  EXPECT_EQ(param_nvme.per_nvme_path.grads16, 0u);  // FSDP2 puts the gradient shards in host RAM
+  EXPECT_EQ(param_nvme.per_host.grads16, n * 2 * P);
   EXPECT_EQ(param_nvme.per_host.buffers, n * (t.buffer_count * t.tile * 12 + 4 * 2 * 100'000'000u));
 }
 
@@ -238,14 +240,17 @@ TEST(Plan, EmittedConfigsRoundTripThroughTheReader) {
   EXPECT_TRUE(nvme->notes.empty()) << nvme->notes[0];
   EXPECT_EQ(nvme->options.tier, Tier::nvme);
   EXPECT_EQ(nvme->options.nvme.paths, c.nvme_paths);
-  // The parameter tier is read; what zoe cannot run yet (stage 3's partitioning), the reader says so.
+  // The parameter tier is read; the reader says that stage 3's partitioning is FSDP2's.
   Result<LoadedConfig> infinity = parse_config(deepspeed_config({3, Offload::nvme, Offload::nvme}, c, t), "plan");
   ASSERT_TRUE(infinity.ok()) << infinity.status().to_string();
   EXPECT_TRUE(infinity->offload_param);
   EXPECT_EQ(infinity->param_tier.home, ParamHome::nvme);
   ASSERT_EQ(infinity->notes.size(), 1u);
   EXPECT_NE(infinity->notes[0].find("zero_optimization.stage"), std::string::npos) << infinity->notes[0];
-  EXPECT_FALSE(zoe_gap({3, Offload::nvme, Offload::nvme}).empty());
+  EXPECT_NE(infinity->notes[0].find("FSDP2"), std::string::npos) << infinity->notes[0];
+  EXPECT_TRUE(zoe_gap({3, Offload::nvme, Offload::nvme}).empty());
+  EXPECT_TRUE(zoe_gap({3, Offload::cpu, Offload::none}).empty());
+  EXPECT_FALSE(zoe_gap({3, Offload::none, Offload::none}).empty());  // zoe is not needed there
   EXPECT_TRUE(zoe_gap({2, Offload::nvme, Offload::none}).empty());
   EXPECT_TRUE(zoe_gap({2, Offload::cpu, Offload::none}).empty());
 }

@@ -35,18 +35,26 @@ def test_the_zero_papers_7_5b_on_64_gpus(stage, gb):
 
 
 def test_a_trillion_parameters_fit_on_one_node_with_nvme(tmp_path):
-    p = plan_json("--params", "1T", "--gpus", "16", "--gpu-mem", "32G", "--host-ram", "1.5T", "--nvme", str(tmp_path),
+    p = plan_json("--params", "1T", "--gpus", "16", "--gpu-mem", "32G", "--host-ram", "2.5T", "--nvme", str(tmp_path),
                   "--nvme-capacity", "30T")
     assert p["fits"]
     assert (p["stage"], p["offload_optimizer"], p["offload_param"]) == (3, "nvme", "nvme")
-    nvme = p["per_nvme_bytes"]
-    # 16 bytes per parameter on the one path: 16-bit weights and gradients, fp32 master, two fp32 moments.
-    assert (nvme["weights16"], nvme["grads16"], nvme["master32"], nvme["moments"]) == (2e12, 2e12, 4e12, 8e12)
+    nvme, host = p["per_nvme_bytes"], p["per_host_bytes"]
+    # 14 bytes per parameter on the one path: 16-bit weights, fp32 master, two fp32 moments; the 16-bit
+    # gradient shards are in host RAM, where FSDP2 (CPUOffloadPolicy) puts them.
+    assert (nvme["weights16"], nvme["grads16"], nvme["master32"], nvme["moments"]) == (2e12, 0, 4e12, 8e12)
+    assert host["grads16"] == 2e12
     assert p["step_s_estimate"] > 0
-    assert not p["zoe_runs_it"] and "parameters" in p["zoe_gap"]
+    # Stage 3 with parameters on NVMe is FSDP2's partitioning with zoe's tiers: zoe runs it.
+    assert p["zoe_runs_it"] and p["zoe_gap"] == ""
+    assert any("FSDP2" in note for note in p["config_notes"])
     assert p["config"]["zero_optimization"]["offload_param"]["nvme_path"] == str(tmp_path)
+    # With 1.5 TB of host RAM the gradient shards do not fit.
+    tight = plan_json("--params", "1T", "--gpus", "16", "--gpu-mem", "32G", "--host-ram", "1.5T", "--nvme",
+                      str(tmp_path), "--nvme-capacity", "30T")
+    assert not tight["fits"] and "host" in tight["why_not"].lower()
     # Without room on the path (its real free space), the same plan says what is missing.
-    small = plan_json("--params", "1T", "--gpus", "16", "--gpu-mem", "32G", "--host-ram", "1.5T", "--nvme",
+    small = plan_json("--params", "1T", "--gpus", "16", "--gpu-mem", "32G", "--host-ram", "2.5T", "--nvme",
                       str(tmp_path), "--nvme-capacity", "1T")
     assert not small["fits"] and small["cheapest"] is None
     assert "NVMe: " + str(tmp_path) + " needs" in small["why_not"]
