@@ -217,6 +217,7 @@ class ShardOffload(TierBlocks):
         self._gathering: dict[int, list] = {}  # block -> [its fetched storage, entries not yet handed to FSDP]
         self._order: list[int] | None = []  # blocks in the first forward's order, until handed to the tier
         self._plain = False  # inside gathered(): the shards are plain tensors of FSDP's
+        self._copy_streams: dict[int, object] = {}  # block -> the CUDA stream its last fetch was copied on
         self._take_shards(modules, init)
         self._model = model
         self._handle = model.register_forward_hook(self._end_of_forward, always_call=True)
@@ -282,6 +283,22 @@ class ShardOffload(TierBlocks):
         fp._init_extensions()
 
     # -- FSDP's all-gather -------------------------------------------------------------------------------
+
+    def _fetch(self, block: int, backward: bool) -> torch.UntypedStorage:
+        storage = super()._fetch(block, backward)
+        if self._device.type == "cuda":
+            # FSDP copies the view into its all-gather buffer on its copy-in stream, current now; the release
+            # (when the view dies, perhaps with another stream current) is ordered after that copy.
+            self._copy_streams[block] = torch.cuda.current_stream(self._device)
+        return storage
+
+    def _release(self, block: int, address: int) -> None:
+        stream = self._copy_streams.get(block)
+        if stream is None:
+            super()._release(block, address)
+            return
+        with torch.cuda.stream(stream):
+            super()._release(block, address)
 
     def all_gather_input(self, shard: TierShard, param_dtype) -> torch.Tensor:
         """The shard's bytes for FSDP's all-gather, padded to FSDP's padded size and cast to its param_dtype.
