@@ -6,6 +6,7 @@ A tiny Llama from a local config (vocabulary 67: its embedding and head shard un
 fully_shard per decoder layer and one at the root. One spawn runs every case on both ranks (``_rank_main``);
 the tests read what each rank recorded. This file is also the conformance test of the FSDP2 internals that
 zoe/_fsdp_offload.py relies on (its TESTED_TORCH)."""
+import json
 import os
 import sys
 
@@ -152,6 +153,7 @@ def _parity(rank, out, tmp):
 
 
 def _bad_input(rank, out, tmp):
+    import zoe
     from zoe import _fsdp_offload
     from zoe.torch import offload_parameters
 
@@ -162,6 +164,16 @@ def _bad_input(rank, out, tmp):
         out["err_torch_range"] = _error(lambda: offload_parameters(_llama()))
     finally:
         _fsdp_offload.TESTED_TORCH = tested
+    # A DeepSpeed config's stage 3 offload_param, as zoe reads it, is this call's arguments.
+    config = os.path.join(tmp, f"ds{rank}.json")
+    with open(config, "w") as f:
+        json.dump({"zero_optimization": {"stage": 3, "offload_param": {
+            "device": "nvme", "nvme_path": os.path.join(tmp, "ds"), "buffer_count": 5}}}, f)
+    section = zoe.load_config(config)["offload_param"]
+    from_config = offload_parameters(_llama(), **section)
+    out["ds_config"] = (type(from_config).__name__, section["prefetch"], len(from_config.tier.files()))
+    from_config.remove()
+
     model = _llama()
     off = offload_parameters(model)
     p = model.model.layers[0].mlp.up_proj.weight
@@ -449,6 +461,11 @@ def test_bad_input_is_refused(ranks, case, message):
     for r in ranks:
         print(f"{case}: {r[case]}")
         assert message in r[case]
+
+
+def test_a_deepspeed_stage_3_offload_param_section_configures_it(ranks):
+    for r in ranks:
+        assert r["ds_config"] == ("ShardOffload", 3, 1)  # prefetch = buffer_count - 2; one file per rank
 
 
 def test_bad_writes_keep_the_entry(ranks):
