@@ -498,3 +498,24 @@ def test_an_integer_reshard_after_forward_is_refused(tmp_path):
         message = torch.load(tmp_path / f"int{rank}.pt")
         print(f"rank {rank}: {message}")
         assert "integer reshard_after_forward" in message
+
+
+def test_the_benchmark_runs_every_contender(tmp_path):
+    """python -m zoe.bench_fsdp, tiny: every contender reports, the tier's fetch counters add up (its figures
+    are measured, not asserted: docs/performance.md)."""
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-m", "zoe.bench_fsdp", "--layers", "2", "--hidden", "64", "--steps", "2",
+                          "--warmup", "1", "--path", str(tmp_path), "--json"], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    print("\n".join(run.stdout.splitlines()))
+    assert [r["contender"] for r in rows] == ["resident", "cpu_offload_policy", "tier_cpu", "tier_cpu", "tier_nvme",
+                                              "tier_nvme"]
+    for r in rows[2:]:
+        assert r["fetches_per_step"] == 2 * 2  # two groups (the root holds none), forward and backward
+        assert 0 <= r["fetch_wait_fraction"] < 1 and r["pool_peak_bytes"] <= r["budget_bytes"]
+    assert all(r["hit_fraction"] == 1.0 for r in rows[2:] if r["prefetch"] == 2)
+    bad = subprocess.run([sys.executable, "-m", "zoe.bench_fsdp", "--warmup", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--warmup 0" in bad.stderr
