@@ -81,6 +81,12 @@ class TierShard(torch.Tensor):
     def __repr__(self) -> str:
         return f"TierShard(block={self._block}, entry={self._entry}, size={tuple(self.shape)}, dtype={self.dtype})"
 
+    def __reduce_ex__(self, protocol):
+        raise RuntimeError(
+            f"zoe parameter offload: the local shard of '{self._home.param_name(self)}' is in zoe's parameter tier "
+            "and cannot be pickled (torch.save of model.state_dict()): save inside `with offload.materialize():`, "
+            "where the shards are plain tensors, or through torch.distributed.checkpoint there")
+
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         return (self._home.all_gather_input(self, mp_policy.param_dtype),), None
 
@@ -92,7 +98,7 @@ class TierShard(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        me = args[0]
+        me, kwargs = args[0], kwargs or {}
         if func in (_aten.detach.default, _aten.alias.default):
             return me._like(me.shape)
         if func in (_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default):
@@ -106,7 +112,7 @@ class TierShard(torch.Tensor):
             dim, start, end, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1:])[:4]
             if dim == 0 and not start and step == 1:
                 return me._like((min(me.shape[0], end if end is not None else me.shape[0]),) + me.shape[1:])
-        if func is _aten._to_copy.default and set(kwargs or {}) <= {"device", "non_blocking"}:
+        if func is _aten._to_copy.default and set(kwargs) <= {"device", "non_blocking"}:
             # CPUOffloadPolicy moves the shard to the device before asking for its all-gather input: the fetch
             # puts it there.
             return TierShard(me._home, me._block, me._entry, me.shape, me.dtype, kwargs.get("device", me.device))

@@ -6,6 +6,7 @@ A tiny Llama from a local config (vocabulary 67: its embedding and head shard un
 fully_shard per decoder layer and one at the root. One spawn runs every case on both ranks (``_rank_main``);
 the tests read what each rank recorded. This file is also the conformance test of the FSDP2 internals that
 zoe/_fsdp_offload.py relies on (its TESTED_TORCH)."""
+import io
 import json
 import os
 import sys
@@ -179,6 +180,7 @@ def _bad_input(rank, out, tmp):
     p = model.model.layers[0].mlp.up_proj.weight
     out["err_materialise"] = _error(lambda: p.to_local().clone())
     out["err_in_place"] = _error(lambda: p.data.add_(1))
+    out["err_pickle"] = _error(lambda: torch.save(model.state_dict(), io.BytesIO()))
     out["err_twice"] = _error(lambda: offload_parameters(model))
     # The tier's bindings take the array itself: a DTensor, a non-contiguous view and a buffer longer than
     # the entry are refused, and the entry keeps its bytes.
@@ -451,6 +453,7 @@ def test_remove_gives_the_shards_back(ranks):
     ("err_torch_range", "outside the range"),
     ("err_materialise", "parameter tier"),
     ("err_in_place", "parameter tier"),
+    ("err_pickle", "offload.materialize()"),
     ("err_twice", "all-gather extension already"),
     ("err_write_dtensor", "no memory of its own"),
     ("err_read_strided", "TypeError"),
