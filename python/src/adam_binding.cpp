@@ -66,8 +66,11 @@ void bind_cpu_adam(nb::module_& m) {
              new (self) PyCpuAdam{take(CpuAdam::create(o))};
            },
            nb::arg("isa") = "auto", nb::arg("threads") = 0, nb::arg("tile") = std::size_t{1} << 16)
-      .def("step", &PyCpuAdam::step, nb::arg("params"), nb::arg("exp_avgs"), nb::arg("exp_avg_sqs"),
-           nb::arg("grads"), nb::arg("outs") = std::vector<std::optional<CpuArray>>{}, nb::kw_only(),
+      // noconvert on what is written: nanobind would otherwise step a contiguous float32 copy of a strided or
+      // float64 array and drop it, leaving the caller's array as it was.
+      .def("step", &PyCpuAdam::step, nb::arg("params").noconvert(), nb::arg("exp_avgs").noconvert(),
+           nb::arg("exp_avg_sqs").noconvert(), nb::arg("grads"),
+           nb::arg("outs").noconvert() = std::vector<std::optional<CpuArray>>{}, nb::kw_only(),
            nb::arg("step"), nb::arg("lr") = 1e-3f, nb::arg("beta1") = 0.9f, nb::arg("beta2") = 0.999f,
            nb::arg("eps") = 1e-8f, nb::arg("weight_decay") = 0.0f, nb::arg("adamw") = true,
            nb::arg("bias_correction") = true, nb::arg("grad_scale") = 1.0f, nb::arg("check_finite") = false,

@@ -291,7 +291,9 @@ void bind_engine_state(nb::class_<PyEngine>& engine) {
                                  e.state_array(i, exp_avg_sq, "exp_avg_sq")};
                e.call([&](OffloadOptimizer& o) { return o.read_state(i, ptrs[0], ptrs[1], ptrs[2]); });
              },
-             nb::arg("param"), nb::arg("master").none(), nb::arg("exp_avg").none(), nb::arg("exp_avg_sq").none(),
+             // noconvert: a converted copy of a strided or float64 array would be filled and dropped.
+             nb::arg("param"), nb::arg("master").none().noconvert(), nb::arg("exp_avg").none().noconvert(),
+             nb::arg("exp_avg_sq").none().noconvert(),
              "Copies a parameter's fp32 master weights and moments into the given arrays (call wait() first).")
       .def("write_state",
            [](PyEngine& e, std::size_t i, std::optional<F32Array> master, std::optional<F32Array> exp_avg,

@@ -78,3 +78,37 @@ def test_explicit_isa_wins_over_zoe_isa_and_both_are_checked(monkeypatch):
     monkeypatch.setenv("ZOE_ISA", "sse9")
     with pytest.raises(zoe.ZoeError, match="ZOE_ISA=sse9"):
         zoe.CpuAdam(isa="scalar")
+
+
+def test_arrays_it_writes_are_taken_as_they_are():
+    """A strided or float64 array would reach the kernel as a converted copy, stepped and dropped, the
+    caller's array unchanged: refused. A strided gradient is only read, and is taken by value."""
+    adam = zoe.CpuAdam()
+    z = lambda: torch.zeros(4, 4)  # noqa: E731
+    g = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    for params, exp_avgs in (([z().t()], [z()]), ([z().double()], [z()]), ([z()], [z().t()])):
+        with pytest.raises(TypeError):
+            adam.step(params, exp_avgs, [z()], [g], step=1)
+    with pytest.raises(TypeError):
+        adam.step([z()], [z()], [z()], [g], [z().to(torch.bfloat16).t()], step=1)
+    strided, contiguous = z(), z()
+    adam.step([strided], [z()], [z()], [g.t()], step=1, lr=0.1)
+    adam.step([contiguous], [z()], [z()], [g.t().contiguous()], step=1, lr=0.1)
+    assert torch.equal(strided, contiguous) and not torch.equal(strided, z())
+
+
+def test_engine_state_arrays_it_fills_are_taken_as_they_are():
+    from zoe.torch import OffloadOptimizer
+
+    p = torch.nn.Parameter(torch.zeros(16))
+    opt = OffloadOptimizer([p], lr=0.1)
+    p.grad = torch.ones(16)
+    opt.step()
+    engine = opt._flat.engine
+    engine.wait()
+    for out in (torch.zeros(32)[::2], torch.zeros(16, dtype=torch.float64)):
+        with pytest.raises(TypeError):
+            engine.read_state(0, out, None, None)
+    master = torch.zeros(16)
+    engine.read_state(0, master, None, None)
+    assert torch.equal(master, p.detach())

@@ -197,6 +197,10 @@ def _bad_input(rank, out, tmp):
     out["err_write_long"] = _error(lambda: off.tier.write(*off.param_location(p), torch.zeros(local.numel() + 1)))
     out["err_read_long"] = _error(lambda: off.tier.read(*off.param_location(p), torch.zeros(local.numel() + 1)))
     out["kept_after_bad_writes"] = torch.equal(before, off.weights(p))
+    # CpuAdam given the DTensor itself (its bytes are nowhere in this process).
+    norm = model.model.norm.weight
+    state = [torch.zeros(norm.shape) for _ in range(3)]  # its global size, as DLPack gives it
+    out["err_adam_dtensor"] = _error(lambda: zoe.CpuAdam().step([norm], [state[0]], [state[1]], [state[2]], step=1))
 
 
 def _dcp(rank, out, tmp):
@@ -456,6 +460,7 @@ def test_remove_gives_the_shards_back(ranks):
     ("err_pickle", "offload.materialize()"),
     ("err_twice", "all-gather extension already"),
     ("err_write_dtensor", "no memory of its own"),
+    ("err_adam_dtensor", "no memory of its own"),
     ("err_read_strided", "TypeError"),
     ("err_write_long", "bytes"),
     ("err_read_long", "bytes"),
