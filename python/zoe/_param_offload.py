@@ -108,9 +108,10 @@ def _in_backward() -> bool:
 def offload_parameters(model: nn.Module, device: str = "cpu", nvme_path: str | Sequence[str] | None = None,
                        prefetch: int = 2, budget_bytes: int | None = None, tier_factory: Callable | None = None,
                        block_modules: tuple[type, ...] | Callable[[str, nn.Module], bool] | None = None,
-                       init: Callable[[nn.Module], None] | None = None) -> "ParamOffload":
+                       init: Callable[[nn.Module], None] | None = None) -> "ParamOffload | ShardOffload":
     """Moves ``model``'s float16/bfloat16/float32 parameters into a parameter tier and installs the hooks
-    that fetch them around each module's use. Returns the ``ParamOffload``; ``remove()`` undoes it.
+    that fetch them around each module's use. Returns the ``ParamOffload`` (for an FSDP2 model a
+    ``ShardOffload``); ``remove()`` undoes it.
 
     ``device``: where the weights live, ``"cpu"`` (pinned RAM) or ``"nvme"`` (files at ``nvme_path``, one
     path or several). ``prefetch``: how many blocks ahead of the one in use the tier loads.
