@@ -42,20 +42,15 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _zoe
-from ._offload_blocks import contiguous_strides, storage_view
-from ._tier_blocks import TierBlocks
+from ._offload_blocks import DTYPES, contiguous_strides, storage_view
+from ._tier_blocks import TierBlocks, in_backward
 
 __all__ = ["ShardOffload", "TierShard", "TESTED_TORCH"]
 
 # (major, minor) of the torch releases whose FSDP2 internals this module was tested against, lowest and highest.
 TESTED_TORCH = ((2, 15), (2, 15))
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _aten = torch.ops.aten
-
-
-def _in_backward() -> bool:
-    return getattr(torch._C, "_current_graph_task_id", lambda: -1)() != -1
 
 
 def _torch_version() -> tuple[int, int]:
@@ -193,7 +188,7 @@ class ShardOffload(TierBlocks):
         modules = []  # each block's modules, for init
         for name, group in groups:
             entries = [fp for fp in group.fsdp_params
-                       if fp._sharded_local_tensor.numel() and fp._sharded_local_tensor.dtype in _DTYPES]
+                       if fp._sharded_local_tensor.numel() and fp._sharded_local_tensor.dtype in DTYPES]
             if entries:
                 self.blocks.append((name, entries))
                 modules.append(group.modules)
@@ -312,8 +307,8 @@ class ShardOffload(TierBlocks):
         b, e = shard._block, shard._entry
         gathering = self._gathering.get(b)
         if gathering is None or e not in gathering[1]:
-            gathering = self._gathering[b] = [self._fetch(b, _in_backward()), set(range(len(self.blocks[b][1])))]
-            if self._order is not None and b not in self._order and not _in_backward():
+            gathering = self._gathering[b] = [self._fetch(b, in_backward()), set(range(len(self.blocks[b][1])))]
+            if self._order is not None and b not in self._order and not in_backward():
                 self._order.append(b)
         storage, left = gathering
         left.discard(e)
@@ -329,7 +324,7 @@ class ShardOffload(TierBlocks):
         return out
 
     def _end_of_forward(self, module, args, output) -> None:
-        if self._order is None or _in_backward() or self.tier is None:
+        if self._order is None or in_backward() or self.tier is None:
             return
         if output is None:  # the forward raised (always_call): record the order next time
             self._order = []
@@ -397,20 +392,16 @@ class ShardOffload(TierBlocks):
         """Gives every shard back to FSDP as a tensor on its device (read from the tier) and frees the tier."""
         if self.tier is None:
             return
-        if getattr(self.tier, "users", 0):
-            raise RuntimeError("zoe parameter offload: remove() while an OffloadOptimizer still writes into the "
-                               "parameter tier: delete the optimizer first")
+        self._refuse_while_written()
         if self._live or self._gathering or self._plain:
             raise RuntimeError("zoe parameter offload: remove() during an all-gather, or inside gathered()")
-        for b, (_, fps) in enumerate(self.blocks):
+        for _, fps in self.blocks:
             for fp in fps:
                 p = fp.sharded_param
                 self._install(fp, self.weights(p).to(self._device))
                 del p._zoe_param_offload
         self._handle.remove()
-        tier, self.tier = self.tier, None
-        if hasattr(tier, "close"):
-            tier.close()
+        self._close_tier()
 
     def __repr__(self) -> str:
         return f"ShardOffload({len(self.blocks)} blocks, {sum(self._block_bytes)} bytes on rank {dist.get_rank()})"

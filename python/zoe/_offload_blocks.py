@@ -9,7 +9,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what a parameter tier holds
 
 
 def block_selector(block_modules) -> Callable[[str, nn.Module], bool]:
@@ -88,7 +88,7 @@ def plan(model: nn.Module, select: Callable[[str, nn.Module], bool]):
             host, host_name = m, name
         used = uses.setdefault(host, {})
         for p in m.parameters(recurse=False):
-            if p.dtype not in _DTYPES or p.numel() == 0:
+            if p.dtype not in DTYPES or p.numel() == 0:
                 continue
             used[p] = None
             if p not in owner:

@@ -68,7 +68,7 @@ import torch
 from torch import nn
 
 from . import _checks, _zoe
-from ._tier_blocks import TierBlocks
+from ._tier_blocks import TierBlocks, in_backward
 from ._dtensor import is_dtensor
 from ._offload_blocks import Active, Frame, SavedView, block_selector, contiguous_strides, plan, storage_view
 
@@ -98,11 +98,6 @@ def set_grad(p: torch.Tensor, grad: torch.Tensor | None) -> None:
 # The saved-tensor hooks in force (None: none). Inside a checkpointed region they are checkpointing's, which
 # this module must not displace.
 _top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-
-
-def _in_backward() -> bool:
-    return _current_graph_task_id() != -1
 
 
 def offload_parameters(model: nn.Module, device: str = "cpu", nvme_path: str | Sequence[str] | None = None,
@@ -292,7 +287,7 @@ class ParamOffload(TierBlocks):
 
     def _pre_forward(self, module: nn.Module, args) -> None:
         frames = self._frames()
-        backward = _in_backward()
+        backward = in_backward()
         if module is self._model and not backward:
             self._recover(frames)
             self.check_edits()
@@ -314,7 +309,7 @@ class ParamOffload(TierBlocks):
         if not frames or frames[-1].module is not module:
             return  # an earlier pre-hook raised before this module's ran
         self._unwind(frames.pop())
-        if module is self._model and not frames and self._order is not None and not _in_backward():
+        if module is self._model and not frames and self._order is not None and not in_backward():
             error = sys.exc_info()[1] if output is None else None
             if error is not None:  # run for a forward that raised (always_call): record the order next time
                 self._explain(error)
@@ -477,9 +472,7 @@ class ParamOffload(TierBlocks):
         """Gives every parameter its full weights back on its device (read from the tier), removes the hooks
         and frees the tier."""
         self._check_idle("remove()")
-        if getattr(self.tier, "users", 0):
-            raise RuntimeError("zoe parameter offload: remove() while an OffloadOptimizer still writes into the "
-                               "parameter tier: delete the optimizer first")
+        self._refuse_while_written()
         busy = [b for b in range(len(self.blocks)) if self.tier.in_use(b)]
         if busy:
             raise RuntimeError(f"zoe parameter offload: remove() while blocks {busy} are in use (a graph not "
@@ -493,9 +486,7 @@ class ParamOffload(TierBlocks):
                 p.data = self._read(b, e, self._device)
                 del p._zoe_param_offload
         self._placeholders.clear()
-        tier, self.tier = self.tier, None
-        if hasattr(tier, "close"):
-            tier.close()
+        self._close_tier()
 
     def __repr__(self) -> str:
         total = sum(self._block_bytes)

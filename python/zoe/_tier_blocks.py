@@ -12,6 +12,13 @@ from . import _zoe
 from ._data_parallel import _CudaMemory
 from ._stream import TorchStream, host_wait_stats
 
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def in_backward() -> bool:
+    """Autograd's engine is running a backward on this thread (hooks called from it fetch in reverse order)."""
+    return _current_graph_task_id() != -1
+
 
 class _Lease:
     """One ``tier.fetch`` of a block, carried by the object through which torch reads the block's memory
@@ -111,6 +118,17 @@ class TierBlocks:
         if mark is None or mark[0] is not self:
             raise KeyError("zoe parameter offload: not one of this offload's parameters")
         return mark[1], mark[2]
+
+    def _refuse_while_written(self) -> None:
+        """remove() before it changes anything: not while an optimizer still writes into the tier."""
+        if getattr(self.tier, "users", 0):
+            raise RuntimeError("zoe parameter offload: remove() while an OffloadOptimizer still writes into the "
+                               "parameter tier: delete the optimizer first")
+
+    def _close_tier(self) -> None:
+        tier, self.tier = self.tier, None
+        if hasattr(tier, "close"):
+            tier.close()
 
     def edits(self) -> int:
         """How many times the weights were written back to the tier by the trainer (``gathered()``): an

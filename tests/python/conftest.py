@@ -50,6 +50,20 @@ def master_bound(step: int, a: torch.Tensor, b: torch.Tensor, lr: float) -> torc
     return step * (MASTER_ULPS_PER_STEP * ulp + lr * UPDATE_REL_ERR)
 
 
+def spawn_ranks(main, folder, world: int) -> list[dict]:
+    """Runs ``main(rank, init_file, folder)`` on ``world`` processes (each saves what it recorded to
+    ``folder/rank<r>.pt``, which the multi-rank suites' tests then read); returns those records by rank."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(main, args=(str(folder / "init"), str(folder)), nprocs=world, join=True)
+    return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def worst(ranks: list[dict], key: str):
+    """The largest of what every rank recorded under ``key``."""
+    return max(r[key] for r in ranks)
+
+
 @pytest.fixture(autouse=True)
 def _two_threads():
     # The machines that run this have 2 cores; results must not depend on the count anyway.

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conftest import batches, make_mlp  # noqa: E402
+from conftest import batches, make_mlp, spawn_ranks, worst  # noqa: E402
 
 WORLD = 2
 STEPS = 10
@@ -496,13 +496,7 @@ def _rank_main(rank, init_file, out_dir):
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fsdp2")
-    mp.spawn(_rank_main, args=(str(tmp / "init"), str(tmp)), nprocs=WORLD, join=True)
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-
-
-def _worst(ranks, key):
-    return max(r[key] for r in ranks)
+    return spawn_ranks(_rank_main, tmp_path_factory.mktemp("fsdp2"), WORLD)
 
 
 # ---- FSDP2 ----------------------------------------------------------------------------------------------
@@ -511,21 +505,21 @@ def _worst(ranks, key):
 @pytest.mark.parametrize("clip", ["noclip", "torch", "zoe", "max_grad_norm"])
 def test_fsdp2_equals_fsdp2_with_torch_adamw(ranks, offload, clip):
     key = f"fsdp2{'_offload' if offload else ''}_{clip}"
-    diff = _worst(ranks, key)
+    diff = worst(ranks, key)
     print(f"{key}: max weight difference against FSDP2 + torch.optim.AdamW after {STEPS} steps {diff:.2e}")
     assert diff <= TORCH_TOL
     if clip != "noclip":
         # The clipped runs must have clipped: far from the unclipped one.
-        assert _worst(ranks, key + "_clip_effect") > CLIP_EFFECT
+        assert worst(ranks, key + "_clip_effect") > CLIP_EFFECT
     if clip == "zoe":
-        rel = _worst(ranks, key + "_norm_rel")
+        rel = worst(ranks, key + "_norm_rel")
         print(f"{key}: opt.clip_grad_norm_ against FSDP2's clip_grad_norm_, worst relative difference {rel:.2e}")
         assert rel <= NORM_REL_TOL
     assert all(r[f"fsdp2{'_offload' if offload else ''}_in_place"] for r in ranks)
 
 
 def test_fsdp2_a_gradient_none_on_every_rank_leaves_its_shards_as_torch_does(ranks):
-    diff = _worst(ranks, "fsdp2_none_grads")
+    diff = worst(ranks, "fsdp2_none_grads")
     print(f"fsdp2, layer 0's gradient None for 3 of 6 steps: max weight difference against torch.optim.AdamW {diff:.2e}")
     assert diff <= TORCH_TOL
     assert all(r["fsdp2_none_grads_held"] for r in ranks)
@@ -534,20 +528,20 @@ def test_fsdp2_a_gradient_none_on_every_rank_leaves_its_shards_as_torch_does(ran
 @pytest.mark.parametrize("offload", [False, True], ids=["shards_on_device", "cpu_offload_policy"])
 @pytest.mark.parametrize("edit", ["load_state_dict", "init", "copy_"])
 def test_fsdp2_an_edit_of_the_sharded_weights_is_taken_not_reverted(ranks, offload, edit):
-    diff = _worst(ranks, f"fsdp2{'_offload' if offload else ''}_edit_{edit}")
+    diff = worst(ranks, f"fsdp2{'_offload' if offload else ''}_edit_{edit}")
     print(f"fsdp2 bf16, {edit} after 2 steps, one step at lr 1e-6: max distance from the edited weights {diff:.2e}")
     assert diff < 1e-2
 
 
 def test_fsdp2_tiny_llama_uneven_shards(ranks):
-    diff = _worst(ranks, "llama")
+    diff = worst(ranks, "llama")
     print(f"tiny Llama, FSDP2 per decoder layer, torch clipping: max weight difference {diff:.2e}")
     assert diff <= TORCH_TOL
 
 
 @pytest.mark.parametrize("shape", ["(2, 1)", "(1, 2)"])
 def test_hsdp_norm_sums_over_the_shard_dimension_only(ranks, shape):
-    diff, rel = _worst(ranks, f"hsdp{shape}"), _worst(ranks, f"hsdp{shape}_norm_rel")
+    diff, rel = worst(ranks, f"hsdp{shape}"), worst(ranks, f"hsdp{shape}_norm_rel")
     print(f"HSDP mesh {shape}: max weight difference {diff:.2e}, norm relative difference {rel:.2e}")
     assert diff <= TORCH_TOL and rel <= NORM_REL_TOL
 
@@ -555,7 +549,7 @@ def test_hsdp_norm_sums_over_the_shard_dimension_only(ranks, shape):
 @pytest.mark.parametrize("offload", [False, True], ids=["shards_on_device", "cpu_offload_policy"])
 def test_fsdp2_state_dict_per_rank_resumes_exactly(ranks, offload):
     key = f"state_dict{'_offload' if offload else ''}"
-    diff = _worst(ranks, key)
+    diff = worst(ranks, key)
     print(f"{key}: 5 steps, save, load into a new model and optimizer, 5 steps against 10 steps: {diff:.2e}")
     assert diff == 0.0
     assert all(r[key + "_steps"] == STEPS for r in ranks)
@@ -566,7 +560,7 @@ def test_fsdp2_state_dict_per_rank_resumes_exactly(ranks, offload):
 @pytest.mark.parametrize("offload", [False, True], ids=["shards_on_device", "cpu_offload_policy"])
 def test_fsdp2_torch_distributed_checkpoint_resumes_exactly(ranks, offload):
     key = f"dcp{'_offload' if offload else ''}"
-    diff = _worst(ranks, key)
+    diff = worst(ranks, key)
     print(f"{key}: 5 steps, get_state_dict + dcp.save, dcp.load + set_state_dict into a new model and optimizer, "
           f"5 steps, against 10 steps: max weight difference {diff:.2e}")
     assert diff == 0.0
@@ -647,14 +641,14 @@ def test_fsdp2_fp16_overflow_on_one_rank_is_skipped_by_both(ranks):
 
 @pytest.mark.parametrize("reduce_grads", [False, True])
 def test_ddp_equals_ddp_with_torch_adamw(ranks, reduce_grads):
-    diff = _worst(ranks, f"ddp_reduce_grads_{reduce_grads}")
+    diff = worst(ranks, f"ddp_reduce_grads_{reduce_grads}")
     print(f"DDP, reduce_grads={reduce_grads}, torch clipping: max weight difference against DDP + torch.optim.AdamW "
           f"{diff:.2e}")
     assert diff <= TORCH_TOL
     told = [w for r in ranks for w in r[f"ddp_reduce_grads_{reduce_grads}_warnings"] if "reduce_grads=False" in w]
     # With True, zoe would average DDP's averages again: right, but told once per rank how to skip it.
     assert len(told) == (WORLD if reduce_grads else 0)
-    largest = _worst(ranks, f"ddp_reduce_grads_{reduce_grads}_largest_all_reduce")
+    largest = worst(ranks, f"ddp_reduce_grads_{reduce_grads}_largest_all_reduce")
     numel = sum(p.numel() for p in make_mlp().parameters())
     # False: no gradient goes through zoe's all-reduce, only a few statistics.
     assert largest >= numel if reduce_grads else largest <= 4

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
+from conftest import spawn_ranks, worst  # noqa: E402
 
 WORLD = 2
 STEPS = 10
@@ -255,27 +256,21 @@ def _rank_main(rank, init_file, out_dir):
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fsdp_offload")
-    mp.spawn(_rank_main, args=(str(tmp / "init"), str(tmp)), nprocs=WORLD, join=True)
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-
-
-def _worst(ranks, key):
-    return max(r[key] for r in ranks)
+    return spawn_ranks(_rank_main, tmp_path_factory.mktemp("fsdp_offload"), WORLD)
 
 
 # ---- the tests ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_offloaded_shards_equal_resident_shards_bitwise(ranks, config):
-    diff = _worst(ranks, f"{config}_vs_resident")
+    diff = worst(ranks, f"{config}_vs_resident")
     print(f"{config}: {STEPS} steps of {MICRO} micro-batches with clipping, offloaded against resident shards: "
           f"max difference {diff}")
     assert diff == 0.0
 
 
 def test_offloaded_shards_follow_torch_adamw_on_plain_fsdp2(ranks):
-    diff = _worst(ranks, "ram_reshard_vs_torch")
+    diff = worst(ranks, "ram_reshard_vs_torch")
     print(f"zoe + offloaded FSDP2 against torch AdamW + plain FSDP2: max difference {diff:.2e}")
     assert diff <= TORCH_TOL
 
@@ -321,7 +316,7 @@ def test_nvme_files_per_rank(ranks):
 
 
 def test_dcp_checkpoint_resumes_bitwise(ranks):
-    diff = _worst(ranks, "dcp_resumed")
+    diff = worst(ranks, "dcp_resumed")
     print(f"saved at step 5, resumed, steps 6-{STEPS}: max difference from the uninterrupted run {diff}")
     assert diff == 0.0
 
