@@ -306,12 +306,9 @@ std::string placement_name(const Placement& p) {
 }
 
 std::string zoe_gap(const Placement& p) {
-  std::string gap;
-  auto add = [&gap](const std::string& s) { gap += (gap.empty() ? "" : "; ") + s; };
-  if (p.optimizer == Offload::none) add("the optimizer state stays on the GPU, where zoe is not needed");
-  // Stage 3 runs with FSDP2 (fully_shard) partitioning the 16-bit weights: zoe steps each rank's shards, and
-  // offload_parameters on the fully_shard model keeps them in each rank's parameter tier.
-  return gap;
+  // Every stage and parameter home runs: stage 3 with FSDP2 (fully_shard) partitioning the 16-bit weights, zoe
+  // stepping each rank's shards, and offload_parameters on that model keeping them in each rank's tier.
+  return p.optimizer == Offload::none ? "the optimizer state stays on the GPU, where zoe is not needed" : "";
 }
 
 std::uint64_t moment_bytes(std::uint64_t elements, DType d) {
