@@ -98,8 +98,9 @@ Status require_items(const std::vector<std::string>& items, std::string_view opt
 
 Result<std::unique_ptr<Device>> open_bench_device(const std::string& name) {
   if (name == "host") return make_host_device();
+  if (name == "cpu") return make_cpu_device();
   if (name == "cuda") return make_cuda_device(0);
-  return invalid_argument("--device " + name + " is not host or cuda");
+  return invalid_argument("--device " + name + " is not host, cpu or cuda");
 }
 
 std::string json_escape(std::string_view s) {

@@ -35,7 +35,8 @@ Status require_at_least(std::uint64_t value, std::uint64_t min, std::string_view
 // Refuses a comma list with no items ("--isa ''" would run nothing and exit 0).
 Status require_items(const std::vector<std::string>& items, std::string_view option, std::string_view choices);
 
-// --device for the benches: "host" (the stand-in) or "cuda" (the first GPU).
+// --device for the benches: "host" (the stand-in), "cpu" (the CPU itself: device memory is host memory, as
+// for a CPU-only PyTorch model) or "cuda" (the first GPU).
 Result<std::unique_ptr<Device>> open_bench_device(const std::string& name);
 
 // Exit status for a failed subcommand: 2 when the command line was at fault, 1 when the run failed.

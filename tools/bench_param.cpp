@@ -192,7 +192,7 @@ struct Texts {
 std::array<Option, 11> options_of(Texts& t) {
   return {{
       {"offload-param", &t.home, nullptr, "where the layers' 16-bit weights live: cpu (pinned RAM) or nvme"},
-      {"device", &t.device, nullptr, "host (the stand-in) or cuda"},
+      {"device", &t.device, nullptr, "host (the stand-in), cpu (the CPU itself: device memory is host memory) or cuda"},
       {"path", &t.path, nullptr, "nvme: folder(s) for the parameter file, comma-separated"},
       {"layers", &t.layers, nullptr, "layers (one block each)"},
       {"layer-bytes", &t.layer_bytes, nullptr, "bytes of 16-bit weights per layer (K, M, G suffixes)"},

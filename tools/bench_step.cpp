@@ -128,7 +128,7 @@ struct Texts {
 
 std::array<Option, 14> options_of(Texts& t) {
   return {{
-      {"device", &t.device, nullptr, "host (the stand-in) or cuda"},
+      {"device", &t.device, nullptr, "host (the stand-in), cpu (the CPU itself: device memory is host memory) or cuda"},
       {"schedule", &t.schedule, nullptr, "sync, overlap or delayed"},
       {"tier", &t.tier, nullptr, "where p, m, v live: ram or nvme"},
       {"path", &t.path, nullptr, "tier nvme: swap folder(s), comma-separated"},
@@ -246,7 +246,8 @@ Result<Calibration> calibrate(Device& device, OffloadOptimizer& opt, const Devic
   for (const ParamSpec& p : model.specs()) model_bytes += static_cast<double>(p.n * dtype_size(p.dtype));
   c.copy_ceiling_gbps = 2 * model_bytes / (raw->first + raw->second) / 1e9;
   c.d2h_ceiling_gbps = model_bytes / raw->first / 1e9, c.h2d_ceiling_gbps = model_bytes / raw->second / 1e9;
-  c.copies_measured = cfg.offload.schedule != Schedule::overlap && d2h_s > 0 && h2d_s > 0;
+  // Nothing copied (the CPU as the device: gradients and weights in place) leaves no copy rate to report.
+  c.copies_measured = cfg.offload.schedule != Schedule::overlap && d2h_s > 0 && h2d_s > 0 && d2h_bytes > 0 && h2d_bytes > 0;
   c.copy_gbps = c.copies_measured ? (d2h_bytes + h2d_bytes) / (d2h_s + h2d_s) / 1e9 : 0;
   c.d2h_gbps = c.copies_measured ? d2h_bytes / d2h_s / 1e9 : 0;
   c.h2d_gbps = c.copies_measured ? h2d_bytes / h2d_s / 1e9 : 0;

@@ -6,12 +6,14 @@
 //    half-written block;
 //  - `released` (compute, at the last release): when the block's room is given to another, the h2d stream
 //    waits for it before copying there (a "fence" on that range).
-// NVMe loads run on a worker thread into pinned bounce buffers and are then copied like RAM blocks.
+// NVMe loads run on a worker thread into pinned bounce buffers and are then copied like RAM blocks — or,
+// where the device's memory is host memory (the CPU as the device), straight into the block's room.
 #include "zoe/param_tier.h"
 
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <iterator>
 #include <limits>
@@ -78,6 +80,9 @@ struct ParamTier::Impl {
   // NVMe: two loader threads, so that one block's checksum and copy overlap the next one's read.
   std::vector<std::unique_ptr<WorkQueue>> loaders;
   std::size_t next_loader = 0;
+  // NVMe on a device whose memory is host memory: reads land in the pool, with no bounce and no copy (on
+  // the host that copy is the CPU's own memcpy, competing with the checksums and the trainer's threads).
+  bool read_into_pool = false;
   std::vector<Bounce> bounces;  // pinned; taken and given back under the mutex
 
   // Device events recorded on h2d that nobody else needs: an h2d wait on them is a no-op for ordering and
@@ -173,10 +178,16 @@ struct ParamTier::Impl {
   // *error set where given, when the copy could not be enqueued.
   bool start_load(std::size_t b, std::size_t offset, Status* error) {
     BlockState& s = blocks[b];
-    // The room's previous occupants must be done with before the copy lands there.
+    // The room's previous occupants must be done with before the copy lands there; a read into the pool
+    // waits for them on its loader thread.
+    std::vector<EventId> after;
     for (auto it = fences.begin(); it != fences.end();) {
       if (it->offset < offset + layout[b].bytes && offset < it->offset + it->bytes) {
-        (void)device.wait(Stream::h2d, it->released);
+        if (read_into_pool) {
+          after.push_back(it->released);
+        } else {
+          (void)device.wait(Stream::h2d, it->released);
+        }
         it = fences.erase(it);
       } else {
         ++it;
@@ -208,12 +219,43 @@ struct ParamTier::Impl {
       return true;
     }
     s.state = State::loading;
-    loaders[next_loader++ % loaders.size()]->enqueue([this, b, offset] { load_from_home(b, offset); });
+    loaders[next_loader++ % loaders.size()]->enqueue(
+        [this, b, offset, after = std::move(after)] { load_from_home(b, offset, after); });
     return true;
   }
 
-  // On a loader thread: the block read into a free bounce buffer, checked, and copied to its room.
-  void load_from_home(std::size_t b, std::size_t offset) {
+  // On a loader thread: block b read from the home into its room at `offset`, checked.
+  void load_from_home(std::size_t b, std::size_t offset, const std::vector<EventId>& after) {
+    Result<EventId> ready = read_into_pool ? read_in_place(b, offset, after) : read_through_bounce(b, offset);
+    std::lock_guard lock(mutex);
+    BlockState& st = blocks[b];
+    if (ready.ok()) {
+      st.ready = ready.value();
+      st.state = State::loaded;
+    } else {
+      st.load_error = ready.status();
+      give_range(offset, layout[b].bytes);
+      pool_used -= layout[b].bytes;
+      st.pool_offset = kNone;
+      st.state = State::absent;
+    }
+    changed.notify_all();
+  }
+
+  // Host memory as the device: the room itself is the destination, once the work that read its previous
+  // occupants (`after`, each consumed here) is done. Nothing is left for the device to do: no ready event.
+  Result<EventId> read_in_place(std::size_t b, std::size_t offset, const std::vector<EventId>& after) {
+    Status s;
+    for (EventId e : after) {
+      if (Status w = device.synchronize(e); !w.ok() && s.ok()) s = w;
+    }
+    if (s.ok()) s = home->read_block(b, pool + offset);
+    if (!s.ok()) return s;
+    return EventId{0};
+  }
+
+  // Into a free bounce buffer, then copied to the room on h2d: the event after that copy.
+  Result<EventId> read_through_bounce(std::size_t b, std::size_t offset) {
     Bounce* bounce = nullptr;
     {
       std::unique_lock lock(mutex);
@@ -235,19 +277,11 @@ struct ParamTier::Impl {
     std::lock_guard lock(mutex);
     if (copied.ok()) bounce->copied = copied.value();
     bounce->busy = false;
-    BlockState& st = blocks[b];
-    if (copied.ok()) {
-      st.ready = ready.value();
-      st.state = State::loaded;
-    } else {
+    if (!copied.ok()) {
       if (ready.ok()) drop_h2d_event(ready.value());
-      st.load_error = copied.status();
-      give_range(offset, layout[b].bytes);
-      pool_used -= layout[b].bytes;
-      st.pool_offset = kNone;
-      st.state = State::absent;
+      return copied.status();
     }
-    changed.notify_all();
+    return ready;
   }
 
   void prefetch_locked(std::size_t b) {
@@ -342,7 +376,9 @@ Result<ParamTier> ParamTier::create(Device& device, std::vector<ParamBlockSpec> 
     impl->order.push_back(b);
     impl->position[b] = b;
   }
-  if (options.home == ParamHome::nvme) {
+  impl->read_into_pool = options.home == ParamHome::nvme && device.host_memory() &&
+                         reinterpret_cast<std::uintptr_t>(impl->pool) % alignment == 0;
+  if (options.home == ParamHome::nvme && !impl->read_into_pool) {
     // Two bounce buffers per loader thread: a loader reads into one while the other's copy to the device
     // runs.
     for (int k = 0; k < 4; ++k) {
@@ -350,6 +386,8 @@ Result<ParamTier> ParamTier::create(Device& device, std::vector<ParamBlockSpec> 
       if (!host.ok()) return host.status();
       impl->bounces.push_back({host.value(), 0, false});
     }
+  }
+  if (options.home == ParamHome::nvme) {
     for (int k = 0; k < 2; ++k) impl->loaders.push_back(std::make_unique<WorkQueue>());
   }
   return ParamTier(std::move(impl));

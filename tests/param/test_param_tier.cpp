@@ -318,6 +318,34 @@ TEST_F(ParamTierNvme, AFetchTakesTheRoomOfABlockStillBeingPrefetched) {
   }
 }
 
+// A pool of one block: b's load into a's room must wait for the work still reading a there (a slow compute
+// stream). On the CPU as the device the read lands in the room itself, so the loader waits on the host.
+TEST_F(ParamTierNvme, ARoomIsLoadedOnlyOnceTheWorkReadingItsLastBlockIsDone) {
+  TempDir dir("zoe-param");
+  Fixture f({{"a", {1 << 20}}, {"b", {1 << 20}}});
+  ParamTierOptions o = nvme_home({dir.path()});
+  o.prefetch = 0;
+  o.budget_bytes = 1 << 20;
+  Result<ParamTier> tier = ParamTier::create(*f.device, f.specs, o);
+  ASSERT_TRUE(tier.ok()) << tier.status().to_string();
+  ASSERT_TRUE(f.write_all(tier.value()).ok());
+  Result<void*> a = tier->fetch(0);
+  ASSERT_TRUE(a.ok()) << a.status().to_string();
+  std::vector<unsigned char> seen(f.contents[0][0].size());
+  ASSERT_TRUE(f.device->simulate_compute(0.05, Stream::compute).ok());
+  ASSERT_TRUE(f.device->copy_to_host(seen.data(), a.value(), seen.size(), Stream::compute).ok());
+  Result<EventId> read = f.device->record(Stream::compute);
+  ASSERT_TRUE(read.ok());
+  ASSERT_TRUE(tier->release(0).ok());
+  Result<void*> b = tier->fetch(1);
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  ASSERT_EQ(b.value(), a.value());  // the one room
+  ASSERT_TRUE(f.device->synchronize(read.value()).ok());
+  EXPECT_TRUE(seen == f.contents[0][0]) << "the work reading block a saw block b's bytes";
+  f.expect_on_device(tier.value(), 1, b.value());
+  ASSERT_TRUE(tier->release(1).ok());
+}
+
 // Two loaders read two blocks at once, and the engine issues requests in the order they were queued. A
 // block's requests must go in together: interleaved, each block's small entries would wait behind the
 // other block's large one, and both blocks would complete together instead of one after the other. The

@@ -141,7 +141,7 @@ def test_probe_reports_a_killed_runs_swap_store_with_the_command_that_removes_it
     (["--offload-param", "cpu", "--layers", "1"], "--layers 1"),
     (["--offload-param", "cpu", "--prefetch", ""], "--prefetch is empty"),
     (["--offload-param", "cpu", "--compute-ratio", "0"], "--compute-ratio 0"),
-    (["--offload-param", "cpu", "--device", "tpu"], "--device tpu is not host or cuda"),
+    (["--offload-param", "cpu", "--device", "tpu"], "--device tpu is not host, cpu or cuda"),
 ])
 def test_bench_step_offload_param_refuses_bad_input(args, message):
     r = zoe("bench", "step", *args)
