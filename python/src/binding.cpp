@@ -28,8 +28,7 @@ std::string utf8_arg(const nb::str& value, const char* name) {
   return {};
 }
 
-DType dtype_of(const CpuArray& a, const char* what) {
-  const nb::dlpack::dtype d = a.dtype();
+DType dtype_of(nb::dlpack::dtype d, const char* what) {
   if (d == nb::dtype<float>()) return DType::f32;
   if (d.bits == 16 && d.lanes == 1 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float)) return DType::f16;
   if (d.bits == 16 && d.lanes == 1 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat)) return DType::bf16;

@@ -81,8 +81,12 @@ T int_arg(nb::handle value, const char* name) {
 
 using CpuArray = nb::ndarray<nb::device::cpu, nb::c_contig>;
 using F32Array = nb::ndarray<float, nb::device::cpu, nb::c_contig>;
+// Any framework's array on any device (a torch tensor on the GPU too), as it is: the weights and gradients
+// whose addresses the engine keeps, checked against the engine's device and the parameter (engine_binding.cpp).
+using AnyArray = nb::ndarray<>;
 
-DType dtype_of(const CpuArray& a, const char* what);
+DType dtype_of(nb::dlpack::dtype d, const char* what);
+inline DType dtype_of(const CpuArray& a, const char* what) { return dtype_of(a.dtype(), what); }
 // The address of an array's elements. A tensor subclass without storage of its own (a DTensor, an offloaded
 // FSDP2 shard) exports a null address through DLPack: refused here, where reading it would crash.
 template <class Array>
@@ -99,7 +103,16 @@ AdamHyper make_hyper(float lr, float beta1, float beta2, float eps, float weight
 nb::dict hyper_dict(const AdamHyper& h);
 
 struct PyDevice {
+  explicit PyDevice(std::unique_ptr<Device> d, int type = nb::device::cpu::value, int id = 0)
+      : device(std::move(d)), array_device_type(type), array_device_id(id) {}
+  // The stream use_compute_stream() follows (a torch.cuda.Stream, a HostStream), held while the device may
+  // enqueue on it; declared first, so that it goes after the device.
+  nb::object compute_stream;
   std::unique_ptr<Device> device;
+  // Where arrays of this device's memory are, as DLPack names it: the host for the CPU and the host
+  // stand-in, the GPU `array_device_id` for CUDA.
+  int array_device_type;
+  int array_device_id;
   void synchronize() {
     Status s;
     {

@@ -4,6 +4,34 @@
 #include "src/offload/host_device.h"
 
 namespace zoe::python {
+namespace {
+
+// The handle of the stream object `stream` for the device `d`: a torch.cuda.Stream of the device's GPU on
+// CUDA, a HostStream on the host stand-in and the CPU. Never an integer: an address from Python that is no
+// stream would be dereferenced at the next enqueue.
+std::uintptr_t stream_handle(const PyDevice& d, nb::handle stream) {
+  const std::string type = nb::type_name(stream.type()).c_str();
+  if (d.array_device_type == nb::device::cuda::value) {
+    int index = -1;
+    std::uintptr_t handle = 0;
+    if (!nb::hasattr(stream, "cuda_stream") || !nb::hasattr(stream, "device") ||
+        !nb::try_cast(stream.attr("device").attr("index"), index) || !nb::try_cast(stream.attr("cuda_stream"), handle)) {
+      check(invalid_argument("use_compute_stream: need a torch.cuda.Stream, not " + type));
+    }
+    if (index != d.array_device_id) {
+      check(invalid_argument("use_compute_stream: the stream is on cuda:" + std::to_string(index) +
+                             ", the device is " + d.device->name()));
+    }
+    return handle;
+  }
+  HostStream* host = nullptr;
+  if (!nb::try_cast(stream, host) || host == nullptr) {
+    check(invalid_argument("use_compute_stream: need a zoe._zoe.HostStream on " + d.device->name() + ", not " + type));
+  }
+  return host->handle();
+}
+
+}  // namespace
 
 void bind_device(nb::module_& m) {
   nb::class_<PyDevice>(m, "Device", "Where the model's weights and gradients live, as zoe's engine sees it.")
@@ -12,10 +40,16 @@ void bind_device(nb::module_& m) {
                    "True when the device's memory is host memory (the CPU): gradients never leave it.")
       .def("synchronize", &PyDevice::synchronize, "Waits for every copy the engine has enqueued.")
       .def("use_compute_stream",
-           [](PyDevice& d, std::optional<std::uintptr_t> handle) { check(d.device->use_compute_stream(handle)); },
-           nb::arg("handle").none(),
-           "Enqueue zoe's compute-stream work on a stream it does not own: on CUDA the cudaStream_t of torch's "
-           "current stream (torch.cuda.current_stream().cuda_stream); None returns to zoe's own.")
+           [](PyDevice& d, nb::object stream) {
+             std::optional<std::uintptr_t> handle;
+             if (!stream.is_none()) handle = stream_handle(d, stream);
+             check(d.device->use_compute_stream(handle));
+             d.compute_stream = std::move(stream);
+           },
+           nb::arg("stream").none(),
+           "Enqueue zoe's compute-stream work on a stream it does not own, held until replaced: on CUDA a "
+           "torch.cuda.Stream of the device's GPU (torch.cuda.current_stream()), on the host stand-in a "
+           "HostStream; None returns to zoe's own.")
       .def("host_waits",
            [](const PyDevice& d) {
              const HostWaits w = d.device->host_waits();
@@ -36,7 +70,7 @@ void bind_device(nb::module_& m) {
           HostDeviceOptions options;
           options.chaos_seed = chaos_seed;
           options.chaos_max_s = chaos_max_s;
-          return std::make_unique<PyDevice>(PyDevice{make_host_device(options)});
+          return std::make_unique<PyDevice>(make_host_device(options));
         },
         nb::arg("chaos_seed") = 0, nb::arg("chaos_max_s") = 5e-4,
         "The host stand-in: any host address is device memory; copies run on stream threads. chaos_seed other "
@@ -44,15 +78,17 @@ void bind_device(nb::module_& m) {
         "concurrent streams may take).");
   nb::class_<HostStream>(m, "HostStream",
                          "A stream of host work zoe does not own, which a host stand-in's compute stream can follow "
-                         "(Device.use_compute_stream(stream.handle())): stands for torch's current CUDA stream.")
+                         "(Device.use_compute_stream(stream)): stands for torch's current CUDA stream.")
       .def(nb::init<>())
-      .def("handle", &HostStream::handle)
       .def("drain", &HostStream::drain, nb::call_guard<nb::gil_scoped_release>(),
            "Returns once everything enqueued on it has run.");
-  m.def("cpu_device", [] { return std::make_unique<PyDevice>(PyDevice{make_cpu_device()}); },
+  m.def("cpu_device", [] { return std::make_unique<PyDevice>(make_cpu_device()); },
         "The CPU as the device: the engine reads gradients and writes weights in place (fp32 weights are the "
         "master), except with schedule 'delayed', which needs its own copy.");
-  m.def("cuda_device", [](int ordinal) { return std::make_unique<PyDevice>(PyDevice{take(make_cuda_device(ordinal))}); },
+  m.def("cuda_device",
+        [](int ordinal) {
+          return std::make_unique<PyDevice>(take(make_cuda_device(ordinal)), nb::device::cuda::value, ordinal);
+        },
         nb::arg("ordinal") = 0, "The CUDA GPU `ordinal`; raises UnsupportedError without CUDA.");
 }
 

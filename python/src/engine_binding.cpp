@@ -1,5 +1,6 @@
-// zoe._zoe's Engine: an OffloadOptimizer over parameters given by address on a Device, with collectives
-// implemented in Python and parameters whose weights live in a ParamTier; its calls release the GIL.
+// zoe._zoe's Engine: an OffloadOptimizer over parameters given as arrays (torch tensors, numpy arrays) on a
+// Device, with collectives implemented in Python and parameters whose weights live in a ParamTier; its calls
+// release the GIL.
 #include <algorithm>
 #include <span>
 #include <tuple>
@@ -10,10 +11,49 @@
 namespace zoe::python {
 namespace {
 
-// One parameter as (n, dtype name, device weights address, device gradients address, group, name, shape);
-// the name and shape are recorded in checkpoints (zoe export).
-using ParamTuple = std::tuple<std::size_t, std::string, std::uintptr_t, std::uintptr_t, int, std::string,
+// One parameter as (n, dtype name, weights, gradients, group, name, shape): weights and gradients are
+// arrays in the device's memory (weights None where a parameter tier holds them); the name and shape are
+// recorded in checkpoints (zoe export).
+using ParamTuple = std::tuple<std::size_t, std::string, nb::object, nb::object, int, std::string,
                               std::vector<std::int64_t>>;
+
+std::string array_device_name(int type, int id) {
+  if (type == nb::device::cpu::value) return "the host";
+  if (type == nb::device::cuda::value) return "cuda:" + std::to_string(id);
+  if (type == nb::device::cuda_host::value) return "pinned host memory";
+  return "DLPack device " + std::to_string(type) + ":" + std::to_string(id);
+}
+
+// `obj` as the memory the engine reads or writes for `what`, n elements of `dtype`: an array in the device's
+// memory, contiguous, of that dtype and size. Anything else — an address, a DTensor, a view with strides, a
+// tensor on another device, a short or a float64 one — is refused naming `what`, so that no address the
+// engine keeps can point outside what it came from. The array is returned: it holds the memory's owner.
+AnyArray param_array(nb::handle obj, const PyDevice& device, std::size_t n, DType dtype, const std::string& what) {
+  AnyArray a;
+  if (!nb::try_cast(obj, a, /*convert=*/false)) {
+    throw std::invalid_argument(what + ": need a tensor or array, not " + nb::type_name(obj.type()).c_str());
+  }
+  memory_of(a, what);
+  if (a.device_type() != device.array_device_type ||
+      (device.array_device_type != nb::device::cpu::value && a.device_id() != device.array_device_id)) {
+    throw std::invalid_argument(what + ": the array is on " + array_device_name(a.device_type(), a.device_id()) +
+                                ", the engine's device is " + device.device->name());
+  }
+  if (const DType d = dtype_of(a.dtype(), what.c_str()); d != dtype) {
+    throw std::invalid_argument(what + ": the array is " + std::string(dtype_name(d)) + ", the parameter is " +
+                                std::string(dtype_name(dtype)));
+  }
+  if (a.size() != n) {
+    throw std::invalid_argument(what + ": the array has " + std::to_string(a.size()) + " elements, the parameter " +
+                                std::to_string(n));
+  }
+  std::int64_t expected = 1;  // row-major strides, in elements; a dimension of one may have any
+  for (std::size_t k = a.ndim(); k-- > 0;) {
+    if (a.shape(k) != 1 && a.stride(k) != expected) throw std::invalid_argument(what + ": the array is not contiguous");
+    expected *= a.shape(k);
+  }
+  return a;
+}
 
 // Collectives implemented in Python (zoe/_data_parallel.py, over torch.distributed): an object with rank(),
 // world(), reduce_scatter(send, recv, count, dtype) and all_gather(send, recv, count, dtype) on addresses of
@@ -81,6 +121,10 @@ struct PyEngine {
   std::unique_ptr<PyCollectives> collectives;  // outlives the optimizer, which holds its address
   std::optional<OffloadOptimizer> opt;
   std::size_t param_count = 0;
+  std::vector<std::pair<std::size_t, DType>> param_shapes;  // (n, dtype) per parameter: set_grad_sources checks
+  // The arrays whose memory the optimizer reads and writes: held, so that it stays while the engine may use it.
+  std::vector<AnyArray> arrays;
+  std::vector<AnyArray> grad_sources;  // per parameter, the one set_grad_sources() gave last
 
   OffloadOptimizer& get() { return *opt; }
 
@@ -136,22 +180,35 @@ std::unique_ptr<PyEngine> make_engine(nb::object device_obj, std::vector<nb::dic
                                        get("weight_decay", defaults.weight_decay), get("adamw", defaults.adamw),
                                        get("bias_correction", defaults.bias_correction))});
   }
+  auto engine = std::make_unique<PyEngine>();
+  std::vector<char> is_tiered(params.size(), 0);
+  for (const auto& t : tiered) {
+    if (std::get<0>(t) >= params.size()) {
+      throw std::invalid_argument("tiered parameter " + std::to_string(std::get<0>(t)) + " does not exist");
+    }
+    is_tiered[std::get<0>(t)] = 1;
+  }
   std::vector<ParamSpec> ps;
   ps.reserve(params.size());
   for (const auto& [n, dtype, weights, grads, group, name, shape] : params) {
     ParamSpec p;
     p.n = n;
     p.dtype = parse_dtype_or_throw(dtype);
-    p.device_weights = reinterpret_cast<void*>(weights);
-    p.device_grads = reinterpret_cast<const void*>(grads);
+    const std::string what = "parameter " + std::to_string(ps.size()) + (name.empty() ? "" : " '" + name + "'");
+    if (!is_tiered[ps.size()] || !weights.is_none()) {
+      engine->arrays.push_back(param_array(weights, device, n, p.dtype, what + " weights"));
+      p.device_weights = engine->arrays.back().data();
+    }
+    engine->arrays.push_back(param_array(grads, device, n, p.dtype, what + " gradients"));
+    p.device_grads = engine->arrays.back().data();
     p.group = group;
     p.name = name;
     p.shape = shape;
+    engine->param_shapes.emplace_back(n, p.dtype);
     ps.push_back(p);
   }
-  auto engine = std::make_unique<PyEngine>();
+  engine->grad_sources.resize(ps.size());
   for (const auto& [param, tier_obj, block, entry] : tiered) {
-    if (param >= ps.size()) throw std::invalid_argument("tiered parameter " + std::to_string(param) + " does not exist");
     ps[param].tier = &nb::cast<PyParamTier&>(tier_obj).get();
     ps[param].tier_block = block;
     ps[param].tier_entry = entry;
@@ -212,8 +269,10 @@ void bind_engine_steps(nb::class_<PyEngine>& engine) {
              nb::arg("tiered") = std::vector<std::tuple<std::size_t, nb::object, std::size_t, std::size_t>>{},
              "collectives: None, or an object of rank(), world(), reduce_scatter, all_gather and all_reduce_host "
              "(zoe/_data_parallel.py): with world > 1 the engine partitions the parameters over its ranks. "
+             "params: (n, dtype, weights, grads, group, name, shape), weights and grads arrays (torch tensors, "
+             "numpy arrays) in the device's memory, contiguous, of n elements of dtype; the engine holds them. "
              "tiered: (parameter, ParamTier, block, entry) for each parameter whose weights live in a parameter "
-             "tier (its weights address is then ignored).")
+             "tier (its weights are then None).")
       .def("grad_ready",
            [](PyEngine& e, std::size_t i) { e.call([i](OffloadOptimizer& o) { return o.grad_ready(i); }); })
       .def("step", [](PyEngine& e) { e.call([](OffloadOptimizer& o) { return o.step(); }); })
@@ -329,17 +388,32 @@ void bind_engine_state(nb::class_<PyEngine>& engine) {
            "Tier ram with fp32 moments: a numpy view of parameter `param`'s exp_avg (1) or exp_avg_sq (2) in the "
            "engine's memory (it keeps the engine alive); None otherwise.")
       .def("set_grad_sources",
-           [](PyEngine& e, const std::vector<std::size_t>& params, const std::vector<std::uintptr_t>& addresses) {
-             if (params.size() != addresses.size()) throw nb::value_error("set_grad_sources: one address per parameter");
-             e.call([&](OffloadOptimizer& o) {
-               for (std::size_t k = 0; k < params.size(); ++k) {
-                 if (Status s = o.set_grad_source(params[k], reinterpret_cast<const void*>(addresses[k])); !s.ok()) return s;
+           [](PyEngine& e, const std::vector<std::size_t>& params, const std::vector<nb::object>& grads) {
+             if (params.size() != grads.size()) throw nb::value_error("set_grad_sources: one gradient per parameter");
+             const PyDevice& device = nb::cast<const PyDevice&>(e.device_owner);
+             std::vector<AnyArray> arrays;
+             for (std::size_t k = 0; k < params.size(); ++k) {
+               if (params[k] >= e.param_shapes.size()) {
+                 throw std::invalid_argument("set_grad_sources: parameter " + std::to_string(params[k]) +
+                                             " does not exist (" + std::to_string(e.param_shapes.size()) + " parameters)");
                }
-               return Status::success();
-             });
+               const auto [n, dtype] = e.param_shapes[params[k]];
+               arrays.push_back(param_array(grads[k], device, n, dtype,
+                                            "set_grad_sources: parameter " + std::to_string(params[k]) + " gradient"));
+             }
+             Status s;
+             std::size_t done = 0;  // those before a failure point at their new array: it is held from now on
+             {
+               nb::gil_scoped_release release;
+               for (; done < params.size() && s.ok(); ++done) s = e.get().set_grad_source(params[done], arrays[done].data());
+               if (!s.ok()) --done;
+             }
+             for (std::size_t k = 0; k < done; ++k) e.grad_sources[params[k]] = std::move(arrays[k]);
+             check(s);
            },
-           nb::arg("params"), nb::arg("addresses"),
-           "Where each parameter's gradient is from now on (a tensor's data_ptr(); it must outlive its use).")
+           nb::arg("params"), nb::arg("grads"),
+           "Where each parameter's gradient is from now on: an array on the engine's device of the parameter's "
+           "size and dtype, held by the engine until replaced.")
       .def("param_step_count", [](PyEngine& e, std::size_t i) { return e.get().param_step_count(i); }, nb::arg("param"),
            "Steps applied to this parameter (torch's state[p]['step']).")
       .def("set_param_step_count",

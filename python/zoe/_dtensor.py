@@ -153,8 +153,8 @@ class ShardedParams:
                         if s.numel and s.tier is None]
         return buckets
 
-    def weights_ptr(self, slot) -> int:
-        return slot.param._local_tensor.data_ptr()
+    def local_weights(self, slot) -> torch.Tensor:
+        return slot.param._local_tensor
 
     def check_storage(self) -> None:
         for s, ptr in self._shards:

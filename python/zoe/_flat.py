@@ -153,20 +153,18 @@ class FlatState:
         pieces = 0  # the engine's parameters, which read_state() names: this rank's pieces of the slots
         for b in self.buckets:
             lo, hi = self.rank * b.shard_numel, (self.rank + 1) * b.shard_numel
-            esize = b.grads.element_size()
             for s in b.slots:
                 shape = list(s.param._local_tensor.shape if self.dtensor is not None else s.shape)
                 if s.tier is not None:
                     offload, block, entry = s.tier
                     tiered.append((len(specs), offload.tier, block, entry))
-                    weights_ptr = 0
+                    weights = None
                 elif self.dtensor is not None:  # A DTensor's shard is FSDP2's own storage, stepped in place.
-                    weights_ptr = self.dtensor.weights_ptr(s)
+                    weights = self.dtensor.local_weights(s)
                 else:
-                    weights_ptr = b.weights.data_ptr() + s.offset * esize
-                grads_ptr = b.grad_buffer(s).data_ptr() + s.offset * esize
-                specs.append((s.numel, ZOE_DTYPES[b.dtype], weights_ptr, grads_ptr, s.group, names.get(s.index, ""),
-                              shape))
+                    weights = b.weights[s.offset:s.offset + s.numel]
+                grads = b.grad_buffer(s)[s.offset:s.offset + s.numel]
+                specs.append((s.numel, ZOE_DTYPES[b.dtype], weights, grads, s.group, names.get(s.index, ""), shape))
                 if s.windowed or max(lo, s.offset) < min(hi, s.offset + s.numel):
                     s.engine_ids.append(pieces)
                     pieces += 1

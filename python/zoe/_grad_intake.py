@@ -259,7 +259,7 @@ class GradIntake:
         replaces or writes ``p.grad``: a gradient of its own stays in ``p.grad`` and is copied (again once it
         changes). Only where zoe's design needs ``p.grad`` to be its buffer — micro-batches summed by the
         engine, offloaded parameters' windows, FSDP2 shards — does ``p.grad`` become the buffer's view.
-        ``moves``: where to collect the engine's new gradient addresses (None: tell it now)."""
+        ``moves``: where to collect where the engine reads gradients from now (None: tell it now)."""
         told = moves is None
         moves = [] if told else moves
         replaced = self._take_grad(s, moves)
@@ -280,7 +280,7 @@ class GradIntake:
             self._retired_grads.append(s.own_grad)
         s.own_grad = None
         if g is None:
-            moves.append((s, s.grad_ptr))
+            moves.append((s, s.grad_ptr, s.grad_view))
             s.grad_view.zero_()  # present on another rank (zoe's partitioning): a zero here
             return True
         if g.is_sparse or g.layout != torch.strided:
@@ -289,11 +289,11 @@ class GradIntake:
         own = not (s.windowed or self._engine_accumulates or self._flat.dtensor is not None)
         if own and self._grad_sources and g.is_contiguous() and g.dtype == s.bucket.dtype and \
                 g.device == self._device and g.numel() == s.numel:
-            moves.append((s, g.data_ptr()))  # no copy: the engine reads it where autograd put it
+            moves.append((s, g.data_ptr(), g))  # no copy: the engine reads it where autograd put it
         elif self._flat.dtensor is not None:
             self._flat.dtensor.copy_grad(s, g)  # a DTensor's data_ptr() is 0: its local tensor's tells
         else:
-            moves.append((s, s.grad_ptr))
+            moves.append((s, s.grad_ptr, s.grad_view))
             if g.data_ptr() != s.grad_view.data_ptr():
                 s.grad_view.copy_(g)
         if own:
@@ -303,12 +303,13 @@ class GradIntake:
         return True
 
     def _read_grads_from(self, moves: list) -> None:
-        """Points the engine at where it reads each slot's gradient, (slot, address): a tensor of the
-        trainer's (kept alive by ``own_grad`` until it is pointed elsewhere) or zoe's flat buffer (grad_ptr)."""
-        moved = [(s, at) for s, at in moves if s.grads_at != at]
+        """Points the engine at where it reads each slot's gradient, (slot, address, tensor): a tensor of the
+        trainer's (kept alive by ``own_grad``, and by the engine, until it is pointed elsewhere) or the slot's
+        view of zoe's flat buffer (at grad_ptr)."""
+        moved = [(s, at, t) for s, at, t in moves if s.grads_at != at]
         if not moved:
             return
-        self._flat.engine.set_grad_sources([i for s, _ in moved for i in s.engine_ids],
-                                      [at for s, at in moved for _ in s.engine_ids])
-        for s, at in moved:
+        self._flat.engine.set_grad_sources([i for s, _, _ in moved for i in s.engine_ids],
+                                           [t for s, _, t in moved for _ in s.engine_ids])
+        for s, at, _ in moved:
             s.grads_at = at

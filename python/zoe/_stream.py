@@ -14,16 +14,16 @@ import torch
 
 class TorchStream:
     """The stream torch orders its work on for one device, followed by a zoe device before each call that
-    enqueues work on its compute stream. ``current``: the handle of torch's current stream (None: torch's
-    CUDA stream on a CUDA device, none on the CPU); tests give a host stand-in's stream in its place."""
+    enqueues work on its compute stream. ``current``: torch's current stream (None: torch's CUDA stream on a
+    CUDA device, none on the CPU); tests give a host stand-in's HostStream in its place."""
 
-    def __init__(self, zoe_device, device: torch.device, current: Callable[[], int] | None = None):
+    def __init__(self, zoe_device, device: torch.device, current: Callable[[], object] | None = None):
         if current is None and device.type == "cuda":
-            def current() -> int:
-                return torch.cuda.current_stream(device).cuda_stream
+            def current() -> torch.cuda.Stream:
+                return torch.cuda.current_stream(device)
         self._zoe_device = zoe_device
         self._current = current
-        self._followed: int | None = None
+        self._followed = None  # the stream followed, as compared: torch's handle, or the HostStream itself
 
     @property
     def ordered(self) -> bool:
@@ -35,10 +35,12 @@ class TorchStream:
         torch.cuda.stream(s)``)."""
         if self._current is None:
             return
-        handle = self._current()
-        if handle != self._followed:
-            self._zoe_device.use_compute_stream(handle)
-            self._followed = handle
+        stream = self._current()
+        # torch makes a new Stream object for each current_stream(): its handle tells whether it changed.
+        key = stream.cuda_stream if isinstance(stream, torch.cuda.Stream) else stream
+        if key != self._followed:
+            self._zoe_device.use_compute_stream(stream)
+            self._followed = key
 
 
 def host_wait_stats(device) -> dict:

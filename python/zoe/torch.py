@@ -504,7 +504,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
                 b.grads.zero_()
         self._window_versions = self._versions_of_windows()
         # The engine reads zoe's buffers again before the trainer's gradient tensors are let go.
-        self._read_grads_from([(s, s.grad_ptr) for s in self._flat.slots if s.own_grad is not None])
+        self._read_grads_from([(s, s.grad_ptr, s.grad_view) for s in self._flat.slots if s.own_grad is not None])
         for s in self._flat.slots:
             s.own_grad = None
             if set_to_none and not s.windowed:

@@ -60,8 +60,79 @@ def test_engine_options_fields_name_themselves():
 def _engine(opts, groups=None):
     w = np.zeros(8, dtype=np.float32)
     g = np.ones(8, dtype=np.float32)
-    params = [(8, "f32", w.ctypes.data, g.ctypes.data, 0, "w", [8])]
+    params = [(8, "f32", w, g, 0, "w", [8])]
     return zoe.Engine(zoe.host_device(), groups or [dict(lr=1e-3)], params, opts), w, g
+
+
+def _engine_over(weights, grads, n=8, dtype="f32"):
+    return zoe.Engine(zoe.cpu_device(), [dict(lr=1e-3)], [(n, dtype, weights, grads, 0, "w", [n])],
+                      zoe.EngineOptions())
+
+
+@pytest.mark.parametrize("weights,grads,message", [
+    (12345, torch.zeros(8), r"parameter 0 'w' weights: need a tensor or array, not int"),
+    (torch.zeros(8), None, r"parameter 0 'w' gradients: need a tensor or array, not NoneType"),
+    (torch.zeros(7), torch.zeros(8), r"weights: the array has 7 elements, the parameter 8"),
+    (torch.zeros(8), torch.zeros(4, 4)[:, :2], r"gradients: the array is not contiguous"),
+    (torch.zeros(8), torch.zeros(2, 4).t(), r"gradients: the array is not contiguous"),
+    (torch.zeros(8, dtype=torch.float16), torch.zeros(8), r"weights: the array is f16, the parameter is f32"),
+    (torch.zeros(8, dtype=torch.float64), torch.zeros(8), r"weights: dtype must be float32, float16 or bfloat16"),
+])
+def test_engine_takes_arrays_checked_against_the_parameter(weights, grads, message):
+    # The engine keeps these addresses for its lifetime: anything but an array of the parameter's size and
+    # dtype, contiguous, in the device's memory would have it read or write outside what it came from.
+    with pytest.raises(ValueError, match=message):
+        _engine_over(weights, grads)
+
+
+def test_engine_holds_its_arrays_and_steps_them_in_place():
+    w, g = torch.zeros(8), torch.ones(8)
+    engine = _engine_over(w.view(2, 4), g)  # any shape of the parameter's elements, contiguous
+    del w, g  # the engine holds the tensors: their memory is not given to the next ones
+    fillers = [torch.full((8,), 7.0) for _ in range(64)]
+    engine.step()
+    engine.wait()
+    assert all(bool((f == 7).all()) for f in fillers), "the step wrote into memory the engine had let go"
+    master = np.zeros(8, dtype=np.float32)
+    engine.read_state(0, master, None, None)
+    assert np.allclose(master, -1e-3, rtol=1e-3), master  # Adam's first step moves each weight by lr
+
+
+def test_use_compute_stream_takes_a_stream_not_an_address():
+    device = zoe.host_device()
+    w, g = torch.zeros(8), torch.ones(8)
+    engine = zoe.Engine(device, [dict(lr=1e-3)], [(8, "f32", w, g, 0, "w", [8])], zoe.EngineOptions())
+    with pytest.raises(ValueError, match=r"use_compute_stream: need a zoe._zoe.HostStream on .*, not int"):
+        device.use_compute_stream(12345)  # an address that is no stream: the next enqueue would follow it
+    stream = zoe._zoe.HostStream()
+    device.use_compute_stream(stream)
+    del stream  # held by the device while it may enqueue there
+    engine.step()
+    engine.wait()
+    device.synchronize()
+    device.use_compute_stream(None)
+    assert bool((w != 0).all())
+
+
+def test_set_grad_sources_takes_arrays_checked_against_the_parameter():
+    w, g = torch.zeros(8), torch.zeros(8)
+    engine = _engine_over(w, g)
+    for bad, message in [(g.data_ptr(), "need a tensor or array, not int"),
+                         (torch.zeros(9), "has 9 elements, the parameter 8"),
+                         (torch.zeros(16)[::2], "not contiguous"),
+                         (torch.zeros(8, dtype=torch.bfloat16), "the array is bf16, the parameter is f32")]:
+        with pytest.raises(ValueError, match=rf"set_grad_sources: parameter 0 gradient: .*{message}"):
+            engine.set_grad_sources([0], [bad])
+    with pytest.raises(ValueError, match=r"set_grad_sources: parameter 5 does not exist \(1 parameters\)"):
+        engine.set_grad_sources([5], [g])
+    source = torch.full((8,), 2.0)
+    engine.set_grad_sources([0], [source])
+    del source  # held by the engine until replaced
+    engine.step()
+    engine.wait()
+    master = np.zeros(8, dtype=np.float32)
+    engine.read_state(0, master, None, None)
+    assert np.allclose(master, -1e-3, rtol=1e-3), "the step read the new source (the old one held zeros)"
 
 
 @pytest.mark.parametrize("field", ["initial_scale", "static_loss_scale", "min_scale"])

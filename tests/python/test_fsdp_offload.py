@@ -202,6 +202,13 @@ def _bad_input(rank, out, tmp):
     norm = model.model.norm.weight
     state = [torch.zeros(norm.shape) for _ in range(3)]  # its global size, as DLPack gives it
     out["err_adam_dtensor"] = _error(lambda: zoe.CpuAdam().step([norm], [state[0]], [state[1]], [state[2]], step=1))
+    # The engine's weights and gradients, and its gradient sources, are arrays checked the same way.
+    n = norm.numel()
+    spec = [(n, "f32", norm, torch.zeros(n), 0, "norm", [n])]
+    out["err_engine_dtensor"] = _error(lambda: zoe.Engine(zoe.cpu_device(), [dict(lr=1e-3)], spec, zoe.EngineOptions()))
+    engine = zoe.Engine(zoe.cpu_device(), [dict(lr=1e-3)], [(n, "f32", torch.zeros(n), torch.zeros(n), 0, "norm", [n])],
+                        zoe.EngineOptions())
+    out["err_grad_source_dtensor"] = _error(lambda: engine.set_grad_sources([0], [norm]))
 
 
 def _dcp(rank, out, tmp):
@@ -456,6 +463,8 @@ def test_remove_gives_the_shards_back(ranks):
     ("err_twice", "all-gather extension already"),
     ("err_write_dtensor", "no memory of its own"),
     ("err_adam_dtensor", "no memory of its own"),
+    ("err_engine_dtensor", "parameter 0 'norm' weights: the tensor has no memory of its own"),
+    ("err_grad_source_dtensor", "set_grad_sources: parameter 0 gradient: the tensor has no memory of its own"),
     ("err_read_strided", "TypeError"),
     ("err_write_long", "bytes"),
     ("err_read_long", "bytes"),

@@ -158,7 +158,7 @@ def engine_from_config(cfg: dict):
     opts.tier, opts.nvme_paths = "ram", []  # the fuzz writes no swap files, wherever the config points
     w = np.linspace(-1, 1, 64, dtype=np.float32)
     g = np.full(64, 1e-3, dtype=np.float32)
-    params = [(w.size, "f32", w.ctypes.data, g.ctypes.data, 0, "w", [w.size])]
+    params = [(w.size, "f32", w, g, 0, "w", [w.size])]
     engine = zoe.Engine(zoe.host_device(), [dict(cfg["hyper"])], params, opts)
     engine.step()
     engine.wait()

@@ -407,6 +407,24 @@ def test_config_nvme_durability():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+def test_cuda_bindings_refuse_memory_and_streams_of_another_device():
+    device = zoe.cuda_device(0)
+    on_host, on_gpu = torch.zeros(8), torch.zeros(8, device="cuda")
+    with pytest.raises(ValueError, match=r"weights: the array is on the host, the engine's device is cuda:0"):
+        zoe.Engine(device, [dict(lr=1e-3)], [(8, "f32", on_host, on_gpu, 0, "w", [8])], zoe.EngineOptions())
+    engine = zoe.Engine(device, [dict(lr=1e-3)], [(8, "f32", on_gpu, torch.zeros(8, device="cuda"), 0, "w", [8])],
+                        zoe.EngineOptions())
+    with pytest.raises(ValueError, match=r"set_grad_sources: parameter 0 gradient: the array is on the host"):
+        engine.set_grad_sources([0], [on_host])
+    with pytest.raises(ValueError, match=r"use_compute_stream: need a torch.cuda.Stream, not int"):
+        device.use_compute_stream(torch.cuda.current_stream().cuda_stream)
+    device.use_compute_stream(torch.cuda.Stream())
+    engine.step()
+    engine.wait()
+    device.use_compute_stream(None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
 def test_cuda_parity():
     data = batches(20)
     ref, mine = make_mlp().cuda(), make_mlp().cuda()

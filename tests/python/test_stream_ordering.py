@@ -36,7 +36,7 @@ def _train(monkeypatch, schedule, kw, follow: bool):
     opt = OffloadOptimizer(model.parameters(), lr=1e-2, schedule=schedule, **kw)
     stream = zoe._zoe.HostStream()
     if follow:
-        opt._stream = _stream.TorchStream(device, opt._device, current=stream.handle)
+        opt._stream = _stream.TorchStream(device, opt._device, current=lambda: stream)
     micro = kw.get("gradient_accumulation_steps", 1)
     waits = lambda: device.host_waits()["trainer_calls"]  # noqa: E731
     in_hooks, in_step = [], []  # per micro-batch, per step
