@@ -111,16 +111,16 @@ TEST_P(ForeignStream, TrainsBitwiseAsTheFullyOrderedTrainerUnderChaos) {
 
 // The trainer's thread runs ahead: grad_ready returns while the stream still sleeps before the gradient it
 // names exists, and what zoe copies is what that stream writes afterwards (the result equals the ordered run).
-// Host waits per iteration on the trainer's thread, after the warm-up: sync 1 (the gradients; the weights
-// sent up are waited for only when the next step rewrites their staging, after that step's gradients are
-// down, when the copies are done), overlap and delayed at most 2.
+// Host waits per iteration on the trainer's thread, after the warm-up: at most 2 in every schedule. sync
+// waits once for the gradients, and once more only where the weights it sent up last step are still being
+// copied when this step rewrites their staging — which an idle machine never shows and a loaded one may
+// (a wait that finds the work done is not counted), so the bound is 2 and not a timing-dependent 1.
 TEST_P(ForeignStream, TrainerRunsAheadWithinItsWaitBudget) {
   const Outcome want = train(GetParam(), false, 0);
   const Outcome got = train(GetParam(), true, 0, 0.2);
   EXPECT_EQ(got.state, want.state);
   EXPECT_EQ(got.weights, want.weights);
-  const double budget = GetParam() == Schedule::sync ? 1.0 : 2.0;
-  for (int t = kWarmup + 1; t < kIterations; ++t) EXPECT_LE(got.trainer_waits[t], budget) << "iteration " << t;
+  for (int t = kWarmup + 1; t < kIterations; ++t) EXPECT_LE(got.trainer_waits[t], 2.0) << "iteration " << t;
 }
 
 INSTANTIATE_TEST_SUITE_P(Schedules, ForeignStream,
