@@ -81,19 +81,19 @@ def _llama(reshard=True, checkpointing=False, prefetch=False, wrap_root=True, dt
     return model
 
 
-def _ids(rank, step, micro):
+def _ids(rank, step, micro, device="cpu"):
     g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
-    return torch.randint(0, 67, (2, 16), generator=g)
+    return torch.randint(0, 67, (2, 16), generator=g).to(device)
 
 
-def _train(model, opt, rank, offload=None, steps=STEPS, first=0):
+def _train(model, opt, rank, offload=None, steps=STEPS, first=0, device="cpu"):
     """MICRO micro-batches per step (gradient sync on the last only), clipping by torch's clip_grad_norm_.
     Returns the tier's fetch counters after each step (None without an offload)."""
     counters = []
     for step in range(first, first + steps):
         for m in range(MICRO):
             model.set_requires_gradient_sync(m == MICRO - 1)
-            ids = _ids(rank, step, m)
+            ids = _ids(rank, step, m, device)
             (model(input_ids=ids, labels=ids).loss / MICRO).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
