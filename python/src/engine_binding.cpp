@@ -120,7 +120,6 @@ struct PyEngine {
   }
   std::unique_ptr<PyCollectives> collectives;  // outlives the optimizer, which holds its address
   std::optional<OffloadOptimizer> opt;
-  std::size_t param_count = 0;
   std::vector<std::pair<std::size_t, DType>> param_shapes;  // (n, dtype) per parameter: set_grad_sources checks
   // The arrays whose memory the optimizer reads and writes: held, so that it stays while the engine may use it.
   std::vector<AnyArray> arrays;
@@ -220,7 +219,6 @@ std::unique_ptr<PyEngine> make_engine(nb::object device_obj, std::vector<nb::dic
   }
   const OffloadOptions o = to_options(options);
   engine->device_owner = device_obj;
-  engine->param_count = ps.size();
   if (!collectives.is_none()) engine->collectives = std::make_unique<PyCollectives>(collectives, *device.device);
   Result<OffloadOptimizer> made = Status(StatusCode::internal, "not created");
   {
@@ -337,7 +335,7 @@ void bind_engine_settings(nb::class_<PyEngine>& engine) {
            nb::arg("scale"), nb::arg("clean_steps"), nb::arg("hysteresis_left"))
       .def_prop_ro("step_count", [](PyEngine& e) { return e.get().step_count(); })
       .def_prop_ro("last_step_skipped", [](PyEngine& e) { return e.get().last_step_skipped(); })
-      .def_prop_ro("param_count", [](PyEngine& e) { return e.param_count; })
+      .def_prop_ro("param_count", [](PyEngine& e) { return e.param_shapes.size(); })
       .def("stats", [](PyEngine& e) { return stats_dict(e.get().stats()); });
 }
 
