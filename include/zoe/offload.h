@@ -15,6 +15,7 @@
 #include "zoe/adam.h"
 #include "zoe/device.h"
 #include "zoe/dtype.h"
+#include "zoe/io_fault.h"
 #include "zoe/status.h"
 
 namespace zoe {
@@ -85,6 +86,7 @@ struct NvmeOptions {
   // A state that fits in buffer_count tiles stays in those buffers between steps (SwapOptions::keep_resident
   // in zoe/swap.h): a step reads nothing and its writes finish during the next forward and backward.
   bool keep_resident = true;           // zoe config: zoe.nvme_keep_resident
+  IoFaultHook fault_hook;              // tests only: the swap store's I/O sites (zoe/io_fault.h)
 };
 
 // How a partitioned optimizer (create() with a Collectives of world > 1) meets the trainer's buffers.

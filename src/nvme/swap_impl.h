@@ -183,9 +183,9 @@ struct SwapStore::Impl {
 };
 
 // One Adam step over the segments (SwapStore::step; with `gate`, SwapStore::speculate: each tile waits for
-// gate(begin, end) before it is computed, and is written beside its valid copy).
+// gate(begin, end) before it is computed, and is written beside its valid copy; tiles in `rank`'s order).
 Status step_tiles(SwapStore::Impl& im, std::span<const SwapSegment> segments, const StepOptions& options,
-                  const SwapStore::TileGate* gate);
+                  const SwapStore::TileGate* gate, const SwapStore::TileRank* rank = nullptr);
 
 // Whether every gradient element is finite (f32, f16, bf16 bit patterns).
 bool all_finite(const void* grad, DType dtype, std::size_t n);

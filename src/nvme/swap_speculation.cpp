@@ -14,12 +14,13 @@ Status SwapStore::Impl::refuse_while_speculating(const char* call) const {
                                                   "discard_speculation() first");
 }
 
-Status SwapStore::speculate(std::span<const SwapSegment> segments, const StepOptions& options, const TileGate& gate) {
+Status SwapStore::speculate(std::span<const SwapSegment> segments, const StepOptions& options, const TileGate& gate,
+                           const TileRank& rank) {
   Impl& im = *impl_;
   if (!gate) return invalid_argument("speculate: the gate is empty");
   if (Status s = im.refuse_while_speculating("speculate()"); !s.ok()) return s;
   im.speculated.assign(im.ntiles, TileEntry{});
-  return step_tiles(im, segments, options, &gate);
+  return step_tiles(im, segments, options, &gate, rank ? &rank : nullptr);
 }
 
 Status SwapStore::commit_speculation() {

@@ -211,6 +211,24 @@ Status plan_step(const SwapStore::Impl& im, std::span<const SwapSegment> segment
   return Status::success();
 }
 
+// The plan's tasks (and their first segments) stably sorted by the rank of their tiles.
+void order_by_rank(const SwapStore::Impl& im, StepPlan& plan, const SwapStore::TileRank& rank) {
+  std::vector<std::size_t> ranks(plan.tasks.size()), order(plan.tasks.size());
+  for (std::size_t k = 0; k < plan.tasks.size(); ++k) {
+    const std::size_t t = plan.tasks[k].tile;
+    ranks[k] = rank(im.tile_begin(t), im.tile_begin(t) + im.tile_count(t));
+    order[k] = k;
+  }
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return ranks[a] < ranks[b]; });
+  StepPlan sorted;
+  sorted.skipped = plan.skipped;
+  for (std::size_t k : order) {
+    sorted.tasks.push_back(plan.tasks[k]);
+    sorted.first_segment.push_back(plan.first_segment[k]);
+  }
+  plan = std::move(sorted);
+}
+
 // The step's compute stage: Adam over the segments' parts in one tile (after the gate, when speculating).
 class TileStepper {
  public:
@@ -307,7 +325,7 @@ class TileStepper {
 }  // namespace
 
 Status step_tiles(SwapStore::Impl& im, std::span<const SwapSegment> segments, const StepOptions& options,
-                  const SwapStore::TileGate* gate) {
+                  const SwapStore::TileGate* gate, const SwapStore::TileRank* rank) {
   if (options.step < 1) return invalid_argument("step = " + std::to_string(options.step) + ": steps count from 1");
   if (Status s = im.refuse_while_speculating(gate != nullptr ? "speculate()" : "step()"); !s.ok()) return s;
   if (Status s = check_segments(segments, im.n, im.scale_count > 0); !s.ok()) return s;
@@ -317,9 +335,10 @@ Status step_tiles(SwapStore::Impl& im, std::span<const SwapSegment> segments, co
   StepPlan plan;
   if (Status s = plan_step(im, segments, options.step, plan); !s.ok()) return s;
   if (gate != nullptr) {
-    // Backward reports the last parameters first.
+    // Backward reports the last parameters first; a rank says better where it is known.
     std::reverse(plan.tasks.begin(), plan.tasks.end());
     std::reverse(plan.first_segment.begin(), plan.first_segment.end());
+    if (rank != nullptr) order_by_rank(im, plan, *rank);
     for (TileTask& t : plan.tasks) t.speculative = true;
   }
   TileStepper stepper(im, segments, plan, options, gate);

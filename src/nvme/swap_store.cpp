@@ -65,6 +65,7 @@ SwapOptions SwapOptions::from(const NvmeOptions& nvme) {
   o.alignment = nvme.alignment;
   o.durability = nvme.durability == Durability::step ? SwapDurability::next_call : SwapDurability::on_flush;
   o.keep_resident = nvme.keep_resident;
+  o.fault_hook = nvme.fault_hook;
   return o;
 }
 

@@ -87,13 +87,15 @@ class StateTier {
   // parameter with a gradient of staging set 0, each tile once ready(i) has said, for each parameter i in it,
   // whether its gradient is down (true: step it; false: it has none this iteration) — or failed, which stops
   // the call. Parameters marked in `left_out` are not stepped and not asked about (their tiles, where no
-  // other parameter shares them, are not read). The new state and weights are kept beside the old until
+  // other parameter shares them, are not read). `arrival` gives each parameter's place in the order the
+  // last iteration reported gradients (empty: not known): tiles are stepped in the order their gradients are
+  // then expected in, else last parameters first. The new state and weights are kept beside the old until
   // commit_speculation(); discard_speculation() drops them and puts back the 16-bit weights the call wrote
   // into the staging.
   using ParamReady = std::function<Result<bool>(std::size_t param)>;
   virtual bool speculates() const { return false; }
   virtual Status speculate(float, const std::vector<ParamGroup>&, const std::vector<char>& /*left_out*/,
-                           const ParamReady&) {
+                           const std::vector<std::size_t>& /*arrival*/, const ParamReady&) {
     return Status(StatusCode::unsupported, "this tier does not speculate");
   }
   virtual Status commit_speculation() { return Status::success(); }

@@ -8,7 +8,8 @@
 // that sets others before step() (a learning-rate schedule stepped late) has them undone and redone too.
 // Tier nvme cannot keep an undo copy (its state is not in RAM): from the iteration's first report one
 // speculative call of the tier steps the whole store on the worker, each tile once the gradients of its
-// parameters are down (param_ready), its new state written beside the old (SwapStore::speculate). step()
+// parameters are down (param_ready), tiles in the order the last iteration reported their parameters, its
+// new state written beside the old (SwapStore::speculate). step()
 // then commits it, or discards it and steps as sync from the state the store still holds.
 #include <algorithm>
 #include <atomic>
@@ -75,7 +76,10 @@ class OverlapSchedule final : public StepSchedule {
       speculating_ = true;
       if (in_store_) start_store_speculation();
     }
-    if (in_store_) return report_to_store(i);
+    if (in_store_) {
+      reports_.push_back(i);
+      return report_to_store(i);
+    }
     Status s = m_.tier->in_ram()
                    ? m_.enqueue_d2h(i, 0, [this](std::size_t k, EventId copied) { return step_piece_when_down(k, copied); })
                    : m_.enqueue_d2h(i, 0);
@@ -167,6 +171,10 @@ class OverlapSchedule final : public StepSchedule {
   // Parameters without a gradient in the last iteration (frozen ones, typically): the next speculation
   // leaves them out, so that tiles only they cover are not read and rewritten unchanged.
   std::vector<char> no_grad_before_;
+  // The parameters in the order this iteration reported them, and each one's place in the last iteration's
+  // order: the next speculation steps tiles in the order their gradients are then expected in (a model laid
+  // out bucket by bucket, one per dtype or param group, reports across the buckets).
+  std::vector<std::size_t> reports_, arrival_;
   Status worker_status_;  // the first failure inside the worker
   std::unique_ptr<WorkQueue> worker_ = std::make_unique<WorkQueue>();  // per-piece steps during backward
 };
@@ -216,6 +224,11 @@ Status OverlapSchedule::undo_speculation() {
 
 void OverlapSchedule::end_iteration() {
   for (std::size_t i = 0; in_store_ && i < m_.params.size(); ++i) no_grad_before_[i] = !reported_[i] || m_.is_absent(i, 0);
+  if (!reports_.empty()) {
+    arrival_.assign(m_.params.size(), m_.params.size());  // not reported: left out of the next speculation
+    for (std::size_t k = 0; k < reports_.size(); ++k) arrival_[reports_[k]] = k;
+    reports_.clear();
+  }
   {
     const std::lock_guard lock(down_mutex_);
     std::fill(down_.begin(), down_.end(), std::nullopt);
@@ -323,13 +336,13 @@ void OverlapSchedule::restore_undo(const Piece& k) {
 void OverlapSchedule::start_store_speculation() {
   store_speculation_ = true;
   const float speculative_scale = static_cast<float>(1.0 / m_.visible_scale);
-  worker_->enqueue([this, speculative_scale] {
+  worker_->enqueue([this, speculative_scale, arrival = arrival_] {
     // The speculation writes the weights into the staging the device may still be reading.
     if (Status s = m_.staging_writable(); !s.ok()) {
       worker_status_ = s;
       return;
     }
-    worker_status_ = m_.tier->speculate(speculative_scale, speculated_with_, no_grad_before_,
+    worker_status_ = m_.tier->speculate(speculative_scale, speculated_with_, no_grad_before_, arrival,
                                         [this](std::size_t i) { return param_ready(i); });
   });
 }

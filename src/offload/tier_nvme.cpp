@@ -128,7 +128,7 @@ class NvmeTier final : public StateTier {
 
   // Every parameter's segment up front, its gradient (and whether it has one) taken at the gate.
   Status speculate(float grad_scale, const std::vector<ParamGroup>& hyper, const std::vector<char>& left_out,
-                   const ParamReady& ready) override {
+                   const std::vector<std::size_t>& arrival, const ParamReady& ready) override {
     const std::size_t P = m_.params.size();
     stepped_.assign(P, 0);
     std::vector<char> asked(P, 0);
@@ -156,10 +156,21 @@ class NvmeTier final : public StateTier {
       }
       return Status::success();
     };
+    // A tile is ready once the last of its parameters is: its rank is that parameter's place in the order.
+    SwapStore::TileRank rank;
+    if (arrival.size() == P) {
+      rank = [&](std::size_t begin, std::size_t end) {
+        std::size_t last = 0;
+        for (std::size_t i = store_param(begin); i < P && at_[i] < end; ++i) {
+          if (m_.params[i].n > 0 && (left_out.empty() || !left_out[i])) last = std::max(last, arrival[i]);
+        }
+        return last;
+      };
+    }
     StepOptions o;
     o.step = m_.step_count.load() + 1;
     o.grad_scale = grad_scale;
-    const Status s = store_.speculate(segments, o, gate);
+    const Status s = store_.speculate(segments, o, gate, rank);
     add_stats(store_.last_stats());
     return s;
   }

@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tests/aio/aio_test_util.h"
@@ -112,6 +113,35 @@ TEST_P(SwapSpeculation, CommittedEqualsAStepAndDiscardedChangesNothing) {
   for (const TileRun& r : store.tile_runs()) EXPECT_EQ(r.step, 2);
   ASSERT_TRUE(testing::step(store, model, 3).ok());
   model.reference_step(3);
+  model.expect_matches(store);
+}
+
+// A rank orders the tiles (the optimizer ranks each by when its gradients came last iteration): ascending,
+// ties in descending order; the committed result is a step's whatever the order.
+TEST_P(SwapSpeculation, TilesGoInTheOrderOfTheirRank) {
+  TempDir dir;
+  SwapModel model(kN, testing::default_specs(kN));
+  Result<SwapStore> made = store_at_step_one(options_for(dir.path(), GetParam().durability, GetParam().resident), model);
+  ASSERT_TRUE(made.ok()) << made.status().to_string();
+  SwapStore& store = made.value();
+  std::vector<std::pair<std::size_t, std::size_t>> ranked;  // (begin, end) as the rank was asked
+  const SwapStore::TileRank rank = [&](std::size_t begin, std::size_t end) {
+    ranked.emplace_back(begin, end);
+    const std::size_t t = begin / kTile;
+    return t < 3 ? std::size_t{0} : t;
+  };
+  Gate gate;
+  model.make_grads(2);
+  std::vector<SwapSegment> segs = model.segments();
+  StepOptions o;
+  o.step = 2;
+  ASSERT_TRUE(store.speculate(segs, o, gate.fn(), rank).ok());
+  const std::vector<std::size_t> want = {2 * kTile, 1 * kTile, 0, 3 * kTile, 4 * kTile, 5 * kTile, 6 * kTile, 7 * kTile};
+  EXPECT_EQ(gate.asked, want);
+  ASSERT_EQ(ranked.size(), kTiles);
+  for (const auto& [begin, end] : ranked) EXPECT_EQ(end, std::min(begin + kTile, kN)) << "tile at " << begin;
+  model.reference_step(2);
+  ASSERT_TRUE(store.commit_speculation().ok());
   model.expect_matches(store);
 }
 

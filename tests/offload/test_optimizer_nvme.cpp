@@ -4,11 +4,16 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "src/offload/host_device.h"
@@ -224,6 +229,80 @@ TEST_F(NvmeTier, AParameterWithoutGradientsCostsOverlapNoIo) {
   EXPECT_LE(read(overlap), read(sync) + (read(sync) / 5) * 2);
   EXPECT_GT(overlap.after_first.nvme_read_bytes, sync.after_first.nvme_read_bytes)
       << "the first speculation knows nothing yet: it reads parameter 1's tiles";
+}
+
+// A model laid out in two buckets (as Python lays one per dtype or param group) whose backward reports across
+// both: the first speculation knows no order and reads the last tiles first; from the second on the tiles are
+// read in the order their gradients came last iteration, so none waits behind a tile reported late. Six
+// parameters of one tile each; reads (one request per tile) seen through the store's I/O hook.
+TEST_F(NvmeTier, OverlapSpeculatesTilesInTheOrderGradientsCameLastIteration) {
+  std::unique_ptr<Device> device = make_host_device();
+  test::DeviceParams model(*device, DType::bf16, {1024, 1024, 1024, 1024, 1024, 1024}, 42);
+  OffloadOptions o = nvme({});
+  o.schedule = Schedule::overlap;
+  o.tile = 1024;  // 6 tiles through 3 buffers: streamed, every tile read each step
+  std::mutex mu;
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> reads;  // (request index, file offset)
+  o.nvme.fault_hook = [&](const IoSite& site) {
+    if (site.op == IoOp::read) {
+      const std::lock_guard lock(mu);
+      reads.emplace_back(site.index, site.offset);
+    }
+    return IoFault{};
+  };
+  Result<OffloadOptimizer> made = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs, o);
+  ASSERT_TRUE(made.ok()) << made.status().to_string();
+  OffloadOptimizer& opt = made.value();
+  const std::vector<std::size_t> backward = {2, 5, 1, 4, 0, 3};  // buckets {0, 1, 2} and {3, 4, 5}, interleaved
+  for (int t = 1; t <= 4; ++t) {
+    SCOPED_TRACE("step " + std::to_string(t));
+    ASSERT_TRUE(device->synchronize().ok());
+    test::random_grads(1e-2)(model, t, 1.0f);
+    {
+      const std::lock_guard lock(mu);
+      reads.clear();
+    }
+    for (std::size_t i : backward) ASSERT_TRUE(opt.grad_ready(i).ok());
+    ASSERT_TRUE(opt.step().ok());
+    ASSERT_TRUE(opt.wait().ok());
+    // Tiles by their offsets (all in one half of the file: every tile moves to its other slot each step).
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> seen;
+    {
+      const std::lock_guard lock(mu);
+      seen = reads;
+    }
+    std::sort(seen.begin(), seen.end());
+    std::vector<std::uint64_t> offsets;
+    for (const auto& r : seen) offsets.push_back(r.second);
+    std::vector<std::uint64_t> by_tile = offsets;
+    std::sort(by_tile.begin(), by_tile.end());
+    ASSERT_EQ(by_tile.size(), 6u);
+    std::vector<std::size_t> order;
+    for (std::uint64_t off : offsets) order.push_back(static_cast<std::size_t>(std::find(by_tile.begin(), by_tile.end(), off) - by_tile.begin()));
+    const std::vector<std::size_t> descending = {5, 4, 3, 2, 1, 0};
+    EXPECT_EQ(order, t == 1 ? descending : backward);
+  }
+  EXPECT_EQ(opt.stats().redone, 0);
+}
+
+// A write that fails inside the speculation (the disk, not the gradients) stops it: step() drops what it
+// wrote and steps as sync from the state the store kept, which then writes again — sync's bits.
+TEST_F(NvmeTier, AFailedWriteDuringTheSpeculationIsRedoneWithSyncsBits) {
+  OffloadOptions o = nvme({});
+  o.tile = 1024;  // streamed: the speculation writes its tiles itself
+  const test::RunResult reference = test::train(Schedule::sync, DType::bf16, o, 5, test::random_grads(1e-2));
+  std::atomic<int> failed{0};
+  std::atomic<bool> armed{false};
+  o.nvme.fault_hook = [&](const IoSite& site) {
+    if (site.op == IoOp::write && armed.load() && failed.fetch_add(1) == 0) return IoFault{EIO, -1};
+    return IoFault{};
+  };
+  test::Trainer trainer(Schedule::overlap, DType::bf16, o, 0);
+  trainer.run(1, 5, test::random_grads(1e-2), [&](test::DeviceParams&, OffloadOptimizer&) { armed = true; });
+  const test::RunResult overlap = trainer.result();
+  EXPECT_GE(failed.load(), 1) << "the fault was never hit";
+  test::expect_bitwise_equal(reference, overlap);
+  EXPECT_EQ(overlap.stats.redone, 1);
 }
 
 // What makes a speculation wrong after backward — a learning rate set late, a parameter named absent after it

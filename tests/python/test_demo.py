@@ -183,3 +183,16 @@ def test_empty_inputs_are_refused_before_any_work(tmp_path, module, args, messag
     assert r.returncode == 2, r.stdout + r.stderr
     assert message in r.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_bench_nvme_overlap_reports_both_layouts_and_leaves_nothing(tmp_path):
+    # Figures are not asserted (they are timings); that the bench runs both layouts through the store and
+    # cleans up after itself is.
+    from zoe.bench import bench_nvme_overlap
+
+    rows = bench_nvme_overlap(str(tmp_path), 1)
+    assert [r["layout"] for r in rows] == ["one group", "two groups"]
+    for r in rows:
+        assert r["steps"] == 1 and r["model_params"] > 20_000_000
+        assert 0 < r["step_after_backward_ms"] <= r["iteration_ms"]
+    assert os.listdir(tmp_path) == []
