@@ -48,7 +48,7 @@ from ._tier_blocks import TierBlocks, in_backward
 __all__ = ["ShardOffload", "TierShard", "TESTED_TORCH"]
 
 # (major, minor) of the torch releases whose FSDP2 internals this module was tested against, lowest and highest.
-TESTED_TORCH = ((2, 15), (2, 15))
+TESTED_TORCH = ((2, 11), (2, 15))
 
 _aten = torch.ops.aten
 
@@ -273,10 +273,19 @@ class ShardOffload(TierBlocks):
                 init(m)
                 stack.extend(c for c in m.children() if not isinstance(c, FSDPModule))
 
+    def _where_fsdp_keeps(self, fp, shard: torch.Tensor) -> torch.Tensor:
+        """A shard read from the tier (a CPU tensor) where FSDP keeps its shards: on the device, or with
+        CPUOffloadPolicy on the CPU, pinned if its pin_memory says so."""
+        if not fp.offload_to_cpu:
+            return shard.to(self._device)
+        return shard.pin_memory() if fp.pin_memory else shard
+
     @staticmethod
     def _install(fp, local: torch.Tensor) -> None:
-        """Makes ``local`` (unpadded) the FSDPParam's shard, padded as FSDP keeps it."""
+        """Makes ``local`` (unpadded) the FSDPParam's shard, padded as FSDP keeps it (pinned if it is)."""
         padded = local.new_zeros(fp.padded_sharded_param_size)
+        if not isinstance(local, TierShard) and local.is_pinned():
+            padded = padded.pin_memory()
         if local.numel():
             padded.narrow(0, 0, local.shape[0]).copy_(local)
         fp._sharded_param_data = padded.view(-1)
@@ -288,8 +297,9 @@ class ShardOffload(TierBlocks):
     def _fetch(self, block: int, backward: bool) -> torch.UntypedStorage:
         storage = super()._fetch(block, backward)
         if self._device.type == "cuda":
-            # FSDP copies the view into its all-gather buffer on its copy-in stream, current now; the release
-            # (when the view dies, perhaps with another stream current) is ordered after that copy.
+            # FSDP copies the view into its all-gather buffer on the stream current now (its copy-in stream;
+            # with one rank, the current one); the release (when the view dies, perhaps with another stream
+            # current) is ordered after that copy.
             self._copy_streams[block] = torch.cuda.current_stream(self._device)
         return storage
 
@@ -365,7 +375,7 @@ class ShardOffload(TierBlocks):
         for b, (_, fps) in enumerate(self.blocks):
             for e, fp in enumerate(fps):
                 shards[fp] = fp._sharded_local_tensor
-                self._install(fp, self.weights(fp.sharded_param).to(self._device))
+                self._install(fp, self._where_fsdp_keeps(fp, self.weights(fp.sharded_param)))
         self._plain = True
         done = False
         try:
@@ -398,7 +408,7 @@ class ShardOffload(TierBlocks):
         for _, fps in self.blocks:
             for fp in fps:
                 p = fp.sharded_param
-                self._install(fp, self.weights(p).to(self._device))
+                self._install(fp, self._where_fsdp_keeps(fp, self.weights(p)))
                 del p._zoe_param_offload
         self._handle.remove()
         self._close_tier()

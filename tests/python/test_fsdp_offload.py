@@ -105,8 +105,9 @@ def _train(model, opt, rank, offload=None, steps=STEPS, first=0, device="cpu"):
 
 
 def _shards(model, offload=None):
+    """Each parameter's local shard, on the CPU (the tier's weights are; a resident shard may be on a GPU)."""
     return [offload.weights(p) if offload is not None and hasattr(p, "_zoe_param_offload")
-            else p.to_local().detach().clone() for p in model.parameters()]
+            else p.to_local().detach().cpu().clone() for p in model.parameters()]
 
 
 def _diff(a, b) -> float:

@@ -1,10 +1,12 @@
-"""FSDP2 parameter offload on one rank, on the CPU (gloo) and on a GPU (nccl). With one rank FSDP2 still
-all-gathers, so everything between the tier and FSDP runs: the fetch at each all-gather, the view of the
-pool handed to FSDP and its release — on CUDA a pool in device memory, filled by copies on the tier's stream
-and released in order on FSDP's copy-in stream, which the two-rank suite (test_fsdp_offload.py, gloo on the
-CPU) cannot reach. Offloaded shards (cpu and nvme homes, CPUOffloadPolicy) equal resident ones bitwise after
-STEPS steps, and from the second step on every fetch finds its group loaded. The CUDA cases skip without a
-GPU; scripts/gpu-python runs them where there is one."""
+"""FSDP2 parameter offload on one rank, on the CPU (gloo) and on a GPU (nccl). With one rank FSDP2 does not
+all-gather but still asks zoe's extension for each shard and copies it, so everything between the tier and
+FSDP runs: the fetch at each unshard, the view of the pool handed to FSDP and its release — on CUDA a pool in
+device memory, filled by copies on the tier's stream and released in order after FSDP's copy (on the current
+stream; with two GPUs or more FSDP copies on its copy-in stream, which the two-rank suite, test_fsdp_offload.py
+with gloo on the CPU, cannot reach on CUDA). Offloaded shards (cpu and nvme homes, CPUOffloadPolicy) equal
+resident ones bitwise after STEPS steps, and from the second step on every fetch finds its group loaded. The
+CUDA cases skip without a GPU; scripts/gpu-python runs them where there is one."""
+import collections
 import functools
 import os
 import sys
@@ -26,16 +28,46 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
                                                                  reason="no CUDA GPU on this machine"))]
 
 
+_Output = collections.namedtuple("_Output", "loss")
+
+
+class _PlainLM(torch.nn.Module):
+    """Where transformers is not installed (a GPU machine without a package registry may lack it): a causal LM
+    of the Llama's sizes in plain torch, used as the suite uses it (``model.model.layers``, ``.loss``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(67, 32)
+        self.model = torch.nn.Module()
+        nn = torch.nn
+        self.model.layers = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 32)) for _ in range(3))
+        self.head = torch.nn.Linear(32, 67, bias=False)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        for layer in self.model.layers:
+            x = x + layer(x)
+        logits = self.head(x)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 67), labels[:, 1:].reshape(-1))
+        return _Output(loss)  # a named tuple: FSDP2 finds the tensors it hooks backward on in it
+
+
 def _llama(device, reshard=True, offload_policy=False):
-    """The two-rank suite's tiny Llama (uneven vocabulary, fully_shard per layer and at the root) on `device`."""
+    """The two-rank suite's tiny Llama (fully_shard per layer and at the root) on `device`, or _PlainLM."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=67, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(device)
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        print("transformers is not installed: a plain-torch model instead of the tiny Llama")
+        model = _PlainLM().to(device)
+    else:
+        cfg = LlamaConfig(vocab_size=67, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+        model = LlamaForCausalLM(cfg).to(device)
     kw = dict(offload_policy=CPUOffloadPolicy(pin_memory=device == "cuda")) if offload_policy else {}
     mesh = init_device_mesh(device, (1,))
     for layer in model.model.layers:
@@ -65,6 +97,9 @@ def _rank_main(rank, init_file, out_dir, device):
             out[f"{name}_vs_resident"] = _diff(_shards(resident), _shards(model, off))
             del opt
             off.remove()
+            # Given back where FSDP keeps them: on the device, or with CPUOffloadPolicy pinned on the CPU.
+            for key, m in ((f"{name}_placement", model), (f"{name}_resident_placement", resident)):
+                out[key] = [(str(p.to_local().device), p.to_local().is_pinned()) for p in m.parameters()]
     finally:
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -90,3 +125,11 @@ def test_one_rank_prefetch_hits_from_the_second_step_on(one_rank, config):
     (f1, h1), (fn, hn) = r[f"{config}_counters"][0][:2], r[f"{config}_counters"][-1][:2]
     print(f"{device} {config}: fetches {fn - f1} and hits {hn - h1} over steps 2..{STEPS}")
     assert fn - f1 > 0 and hn - h1 == fn - f1
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_one_rank_remove_gives_the_shards_back_where_fsdp_keeps_them(one_rank, config):
+    device, r = one_rank
+    placement = sorted(set(r[f"{config}_placement"]))
+    print(f"{device} {config}: shards after remove() on {placement}")
+    assert r[f"{config}_placement"] == r[f"{config}_resident_placement"]
