@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -170,7 +171,6 @@ def bench_nvme_overlap(path: str, steps: int) -> list[dict]:
     two (weights with decay; biases and norms without), which the adapter lays out one after the other while
     backward reports across them. The speculation goes through the tiles in the order the gradients came
     last iteration, so the two should match."""
-    import os
     import shutil
 
     from zoe.demo.data import ByteBatches
@@ -229,6 +229,8 @@ def main(argv=None) -> int:
         p.error(f"--reps {a.reps}: need at least 1 timed repetition")
     if a.adapter_steps < 1:
         p.error(f"--adapter-steps {a.adapter_steps}: need at least 1 step")
+    if a.nvme_path is not None and not (os.path.isdir(a.nvme_path) and os.access(a.nvme_path, os.W_OK | os.X_OK)):
+        p.error(f"--nvme-path {a.nvme_path}: not a folder this process can write")
     rows = bench_step(int(a.n), a.tensors, a.reps)
     accumulate = bench_accumulate(int(a.n), a.tensors, a.reps)
     adapter = bench_adapter(a.adapter_steps)

@@ -177,6 +177,7 @@ def test_demo_with_low_bit_moments_reports_their_state_bytes(tmp_path):
     ("zoe.bench", ["--n", "0"], "--n 0: need at least one parameter per tensor"),
     ("zoe.bench", ["--reps", "0"], "--reps 0"),
     ("zoe.bench", ["--tensors", "0"], "--tensors 0"),
+    ("zoe.bench", ["--nvme-path", "/nonexistent/zoe"], "--nvme-path /nonexistent/zoe: not a folder"),
 ])
 def test_empty_inputs_are_refused_before_any_work(tmp_path, module, args, message):
     r = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path)
