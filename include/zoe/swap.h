@@ -154,18 +154,18 @@ class SwapStore {
   Status step(std::span<const SwapSegment> segments, const StepOptions& options);
 
   // A speculative step (the optimizer's overlap schedule steps tiles while backward still produces the
-  // gradients of others): as step(), but before computing each tile it calls gate(begin, end) with the
-  // tile's elements, which returns once every segment touching them has its gradient in place — it may set
-  // a segment's `grad` (and `grad_dtype`) now, or to null to leave that segment out (its elements keep their
+  // gradients of others): as step(), but before computing each tile it calls gate(begin, end) with the tile's
+  // elements, which returns once every segment touching them has its gradient in place — it may set a
+  // segment's `grad` (and `grad_dtype`) now, or to null to leave that segment out (its elements keep their
   // values) — or fails to stop the call. Tiles go in ascending rank(begin, end) — the order their gradients
-  // are expected in — and, among equal ranks or without `rank`, in descending order (a backward pass
-  // reports the last layers first); reads run ahead of the gate in that order. Each tile's new state is written to its other slot,
-  // never over the valid copy, and the table keeps naming the old one: commit_speculation() makes the new
-  // state the store's (durable as `durability` says), discard_speculation() drops it and the store is as it
-  // was — a crash before the commit reopens at the last committed step. One of them must follow, whether
-  // this call succeeded or not; every other call is refused until then. options.check_finite is not
-  // applied: the caller checks gradients as they arrive. Not thread-safe with the store's other calls, but
-  // the gate may block on another thread's work.
+  // are expected in — and, among equal ranks or without `rank`, in descending order (a backward pass reports
+  // the last layers first); reads run ahead of the gate in that order. Each tile's new state is written to
+  // its other slot, never over the valid copy, and the table keeps naming the old one: commit_speculation()
+  // makes the new state the store's (durable as `durability` says), discard_speculation() drops it and the
+  // store is as it was — a crash before the commit reopens at the last committed step. One of them must
+  // follow, whether this call succeeded or not; every other call is refused until then. options.check_finite
+  // is not applied: the caller checks gradients as they arrive. Not thread-safe with the store's other calls,
+  // but the gate may block on another thread's work.
   using TileGate = std::function<Status(std::size_t begin, std::size_t end)>;
   using TileRank = std::function<std::size_t(std::size_t begin, std::size_t end)>;
   Status speculate(std::span<const SwapSegment> segments, const StepOptions& options, const TileGate& gate,

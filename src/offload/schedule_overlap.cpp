@@ -9,8 +9,8 @@
 // Tier nvme cannot keep an undo copy (its state is not in RAM): from the iteration's first report one
 // speculative call of the tier steps the whole store on the worker, each tile once the gradients of its
 // parameters are down (param_ready), tiles in the order the last iteration reported their parameters, its
-// new state written beside the old (SwapStore::speculate). step()
-// then commits it, or discards it and steps as sync from the state the store still holds.
+// new state written beside the old (SwapStore::speculate). step() then commits it, or discards it and steps
+// as sync from the state the store still holds.
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>

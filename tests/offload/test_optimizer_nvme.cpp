@@ -278,7 +278,9 @@ TEST_F(NvmeTier, OverlapSpeculatesTilesInTheOrderGradientsCameLastIteration) {
     std::sort(by_tile.begin(), by_tile.end());
     ASSERT_EQ(by_tile.size(), 6u);
     std::vector<std::size_t> order;
-    for (std::uint64_t off : offsets) order.push_back(static_cast<std::size_t>(std::find(by_tile.begin(), by_tile.end(), off) - by_tile.begin()));
+    for (std::uint64_t off : offsets) {
+      order.push_back(static_cast<std::size_t>(std::find(by_tile.begin(), by_tile.end(), off) - by_tile.begin()));
+    }
     const std::vector<std::size_t> descending = {5, 4, 3, 2, 1, 0};
     EXPECT_EQ(order, t == 1 ? descending : backward);
   }
