@@ -58,12 +58,12 @@ struct Gate {
   }
 };
 
-Status speculate(SwapStore& store, SwapModel& model, std::int64_t t, Gate& gate) {
+Status speculate(SwapStore& store, SwapModel& model, std::int64_t t, Gate& gate, const SwapStore::TileRank& rank = {}) {
   model.make_grads(t);
   std::vector<SwapSegment> segs = model.segments();
   StepOptions o;
   o.step = t;
-  return store.speculate(segs, o, gate.fn());
+  return store.speculate(segs, o, gate.fn(), rank);
 }
 
 // A store of the default segments at step 1, with the reference stepped alike.
@@ -131,11 +131,7 @@ TEST_P(SwapSpeculation, TilesGoInTheOrderOfTheirRank) {
     return t < 3 ? std::size_t{0} : t;
   };
   Gate gate;
-  model.make_grads(2);
-  std::vector<SwapSegment> segs = model.segments();
-  StepOptions o;
-  o.step = 2;
-  ASSERT_TRUE(store.speculate(segs, o, gate.fn(), rank).ok());
+  ASSERT_TRUE(speculate(store, model, 2, gate, rank).ok());
   const std::vector<std::size_t> want = {2 * kTile, 1 * kTile, 0, 3 * kTile, 4 * kTile, 5 * kTile, 6 * kTile, 7 * kTile};
   EXPECT_EQ(gate.asked, want);
   ASSERT_EQ(ranked.size(), kTiles);
