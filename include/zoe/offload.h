@@ -235,7 +235,7 @@ class OffloadOptimizer {
   // counts it in the norm or the NaN/Inf check. Names every such parameter of this iteration, replacing an
   // earlier call's list (an empty list: every parameter has a gradient); a step that succeeds clears it.
   // Partitioned: the pieces of this rank, as read_state() numbers them. Call before step(), after any
-  // grad_ready() of theirs (grads_changed() first if they were reported: overlap may have stepped them).
+  // grad_ready() of theirs: what the overlap schedule stepped of one reported already is put back.
   Status set_grads_absent(const std::vector<std::size_t>& params);
   // Parameter `param`'s gradient is at `grads` from now on (p.n elements of its dtype on the device), in place
   // of ParamSpec::device_grads: a framework that allocates each iteration's gradients (torch after

@@ -166,6 +166,7 @@ Status OffloadOptimizer::set_grads_absent(const std::vector<std::size_t>& which)
     }
     absent[i] = 1;
   }
+  m.schedule->wait_for_speculative_steps();
   const int set = m.schedule->current_set();
   if (which.empty()) {
     m.absent[set].clear();

@@ -123,6 +123,9 @@ class StepSchedule {
   virtual void retake() = 0;
   // Undoes what was stepped speculatively this iteration (overlap); step() steps it again.
   virtual Status discard_speculative_steps() { return Status::success(); }
+  // Waits for the speculative steps started so far (overlap, tier ram): they read which parameters are
+  // absent, and set_grads_absent() is about to change that.
+  virtual void wait_for_speculative_steps() {}
 };
 
 struct OffloadOptimizer::Impl {

@@ -116,6 +116,12 @@ class OverlapSchedule final : public StepSchedule {
   // Tier nvme: what reads or writes the store (save, load, read_state) must not run beside its speculation.
   Status wait() override { return in_store_ ? stop_store_speculation() : Status::success(); }
 
+  // Tier ram: a piece's step reads whether its parameter is absent, and then whether to keep an undo copy and
+  // mark the piece stepped; the answer must not change in between. The store's speculation reads it not.
+  void wait_for_speculative_steps() override {
+    if (!in_store_) worker_->drain();
+  }
+
  private:
   Status step_piece_when_down(std::size_t k, EventId copied);
   // Waits for the speculative steps and puts back the state and weights they changed; no piece is then
@@ -269,13 +275,16 @@ Status OverlapSchedule::step() {
   if (Status s = m_.staging_writable(); !s.ok()) return s;
   std::vector<std::size_t> redo;
   for (std::size_t k = 0; k < m_.pieces.size(); ++k) {
-    if (stepped_[k] && wrong) {
+    // A parameter reported, stepped, then named absent (set_grads_absent) is put back and not stepped again.
+    const bool absent = m_.is_absent(m_.pieces[k].param, 0);
+    const bool undo = stepped_[k] && (wrong || absent);
+    if (undo) {
       restore_undo(m_.pieces[k]);
-      if (skip) {
+      if (skip || absent) {
         if (Status s = m_.enqueue_h2d(m_.pieces[k]); !s.ok()) return s;  // the device gets its old weights back
       }
     }
-    if (!skip && (!stepped_[k] || wrong)) redo.push_back(k);
+    if (!skip && !absent && (!stepped_[k] || undo)) redo.push_back(k);
   }
   if (!redo.empty()) {
     ++m_.stats_.redone;
