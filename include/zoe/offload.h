@@ -249,7 +249,9 @@ class OffloadOptimizer {
   // step that failed on I/O says which state is valid and may be called again once the fault is cleared;
   // it then completes what is missing and gives the result of an uninterrupted run.
   Status step();
-  // Waits for all work in flight (the delayed schedule's background step included).
+  // Waits for all work in flight (the delayed schedule's background step included). Between backward and
+  // step(), the overlap schedule's steps taken during backward are undone (step() takes them again): what
+  // reads or writes the state then (save, read_state, write_state) sees it as before this iteration's step.
   Status wait();
 
   // The trainer changed gradients after they were final (it clipped or unscaled them, or edited them in
@@ -290,7 +292,7 @@ class OffloadOptimizer {
   const StepStats& stats() const;  // exact after wait(); the delayed schedule updates it in the background
   // Elements of each parameter read_state() and write_state() take (partitioned: of each piece).
   std::vector<std::size_t> state_sizes() const;
-  // The fp32 master weights / moments of a parameter (after wait()).
+  // The fp32 master weights / moments of a parameter, of a whole step (it waits first, as wait()).
   Status read_state(std::size_t param, float* master, float* exp_avg, float* exp_avg_sq) const;
   // Replaces them (state taken over from another optimizer, or another partitioning); the device weights
   // become the master rounded to their dtype, as after a step. A null array leaves that one as it is.

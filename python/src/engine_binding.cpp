@@ -351,7 +351,7 @@ void bind_engine_state(nb::class_<PyEngine>& engine) {
              // noconvert: a converted copy of a strided or float64 array would be filled and dropped.
              nb::arg("param"), nb::arg("master").none().noconvert(), nb::arg("exp_avg").none().noconvert(),
              nb::arg("exp_avg_sq").none().noconvert(),
-             "Copies a parameter's fp32 master weights and moments into the given arrays (call wait() first).")
+             "Copies a parameter's fp32 master weights and moments into the given arrays, of a whole step (it waits first).")
       .def("write_state",
            [](PyEngine& e, std::size_t i, std::optional<F32Array> master, std::optional<F32Array> exp_avg,
               std::optional<F32Array> exp_avg_sq) {

@@ -241,6 +241,7 @@ Status OffloadOptimizer::grads_changed() {
                             "max_grad_norm or set_max_grad_norm). Nothing changed");
   }
   impl_->grads_reduced = false;
+  impl_->schedule->wait_for_speculative_steps();
   impl_->drop_accumulation(impl_->schedule->current_set());
   impl_->schedule->retake();
   return Status::success();
@@ -337,6 +338,8 @@ Status OffloadOptimizer::read_state(std::size_t param, float* master, float* exp
   const std::lock_guard serial(impl_->calls);
   Impl& m = *impl_;
   if (param >= m.params.size()) return invalid_argument("read_state: parameter " + std::to_string(param) + " does not exist");
+  // A speculation or a background step in flight writes what is read: the state of a whole step is read.
+  if (Status s = m.schedule->wait(); !s.ok()) return s;
   return m.tier->read(m.offsets[param], m.params[param].n, master, exp_avg, exp_avg_sq);
 }
 

@@ -124,7 +124,7 @@ class StepSchedule {
   // Undoes what was stepped speculatively this iteration (overlap); step() steps it again.
   virtual Status discard_speculative_steps() { return Status::success(); }
   // Waits for the speculative steps started so far (overlap, tier ram): they read which parameters are
-  // absent, and set_grads_absent() is about to change that.
+  // absent and which gradients were summed, and set_grads_absent() or grads_changed() is about to change it.
   virtual void wait_for_speculative_steps() {}
 };
 

@@ -109,15 +109,18 @@ class OverlapSchedule final : public StepSchedule {
   Status discard_speculative_steps() override {
     if (in_store_) return stop_store_speculation();
     if (!speculation_can_fail_) return Status::success();
-    if (Status s = undo_speculation(); !s.ok()) return s;
-    return m_.finish_h2d();
+    return undo_speculation();
   }
 
-  // Tier nvme: what reads or writes the store (save, load, read_state) must not run beside its speculation.
-  Status wait() override { return in_store_ ? stop_store_speculation() : Status::success(); }
+  // What reads or writes the state (save, load, read_state, write_state, the step counts) must not run beside
+  // the speculation, and sees the state before this iteration's step: on tier nvme the store's speculation
+  // is stopped and dropped, on tier ram the speculative steps are undone. step() then steps them again.
+  Status wait() override { return in_store_ ? stop_store_speculation() : discard_speculative_steps(); }
 
-  // Tier ram: a piece's step reads whether its parameter is absent, and then whether to keep an undo copy and
-  // mark the piece stepped; the answer must not change in between. The store's speculation reads it not.
+  // Tier ram: a piece's step reads whether its parameter is absent (then whether to keep an undo copy and
+  // mark the piece stepped) and where its gradient is (the micro-batches' sum or the copy): what
+  // set_grads_absent() and grads_changed() change must not change under it. The store's speculation reads
+  // neither.
   void wait_for_speculative_steps() override {
     if (!in_store_) worker_->drain();
   }
@@ -150,6 +153,12 @@ class OverlapSchedule final : public StepSchedule {
   void stop_gate();
   Status stop_store_speculation();  // stops it, waits for it and discards what it stepped
   void end_iteration();
+  // Waits until the copies up of the speculatively stepped pieces have read the staging, before an undo
+  // writes over it (the old weights then go up after them).
+  Status stepped_pieces_sent() {
+    Result<EventId> sent = m_.device.record(Stream::h2d);
+    return sent.ok() ? m_.device.synchronize(sent.value()) : sent.status();
+  }
   // Where piece k's state and weights are kept while its speculative step may be undone.
   AdamUndo undo_area(const Piece& k);
   void restore_undo(const Piece& k);
@@ -218,12 +227,20 @@ Status OverlapSchedule::undo_speculation() {
   worker_->drain();
   overflow_seen_ = false;
   Status failed = std::exchange(worker_status_, Status::success());
+  bool sent = false;
   for (std::size_t k = 0; k < m_.pieces.size(); ++k) {
     if (!stepped_[k]) continue;
+    if (!std::exchange(sent, true)) {
+      if (Status s = stepped_pieces_sent(); !s.ok()) return s;
+    }
     restore_undo(m_.pieces[k]);
     stepped_[k] = 0;
     // The device has the speculative weights: it gets the old ones back, in case the step is then skipped.
     if (Status s = m_.enqueue_h2d(m_.pieces[k]); !s.ok() && failed.ok()) failed = s;
+  }
+  // The next write of the staging (the step taken again) waits for those copies (staging_writable).
+  if (sent) {
+    if (Status s = m_.finish_h2d(); !s.ok() && failed.ok()) failed = s;
   }
   return failed;
 }
@@ -274,10 +291,14 @@ Status OverlapSchedule::step() {
   const bool wrong = skip || d.grad_scale != speculative_scale || !same_hyper(speculated_with_, m_.groups);
   if (Status s = m_.staging_writable(); !s.ok()) return s;
   std::vector<std::size_t> redo;
+  bool sent = false;
   for (std::size_t k = 0; k < m_.pieces.size(); ++k) {
     // A parameter reported, stepped, then named absent (set_grads_absent) is put back and not stepped again.
     const bool absent = m_.is_absent(m_.pieces[k].param, 0);
     const bool undo = stepped_[k] && (wrong || absent);
+    if (undo && !std::exchange(sent, true)) {
+      if (Status s = stepped_pieces_sent(); !s.ok()) return s;
+    }
     if (undo) {
       restore_undo(m_.pieces[k]);
       if (skip || absent) {
