@@ -1,5 +1,6 @@
 """zoe.torch.OffloadOptimizer against torch.optim.AdamW/Adam: parity, param groups, LR schedulers, schedules,
 clipping, fp16 loss scaling, state_dict round trips and the errors for misuse."""
+import copy
 import io
 
 import pytest
@@ -160,6 +161,31 @@ def test_state_dict_round_trip_continues_identically(tmp_path):
     assert opt2.step_count == 13
     train(resumed, opt2, data[13:])
     assert max_diff(straight, resumed) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_dict_between_backward_and_step_is_the_last_steps(dtype):
+    """The overlap schedule steps during backward: a state_dict() taken before step() holds the state of the
+    last step (what it stepped is undone, and step() takes it again), and the run still ends as sync's."""
+    data = batches(8)
+    runs = []
+    for schedule in ("sync", "overlap"):
+        model = make_mlp(dtype=dtype)
+        opt = OffloadOptimizer(model.parameters(), **HYPER, schedule=schedule)
+        for t, (x, y) in enumerate(data):
+            opt.zero_grad()
+            before = copy.deepcopy(opt.state_dict()["state"])
+            torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y).backward()
+            during = opt.state_dict()["state"]
+            assert during.keys() == before.keys()
+            for i in before:
+                for k in ("step", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(before[i][k], during[i][k]), f"{schedule}, step {t}: {k} of {i}"
+            opt.step()
+        runs.append((model, opt))
+    (sync, _), (overlap, opt) = runs
+    assert max_diff(sync, overlap) == 0.0
+    assert opt.stats()["redone"] == len(data) - 1  # the first step runs as sync
 
 
 def test_state_dict_restores_weights_and_hyper():
