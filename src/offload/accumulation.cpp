@@ -58,7 +58,7 @@ Result<EventId> OffloadOptimizer::Impl::copy_down(std::size_t i, int set) {
   if (!produced.ok()) return produced.status();
   if (Status s = device.wait(Stream::d2h, produced.value()); !s.ok()) return s;
   if (Status s = device.copy_to_host(grad_of(i, set), p.device_grads, bytes, Stream::d2h); !s.ok()) return s;
-  stats_.d2h_bytes += bytes;
+  count_bytes(stats_.d2h_bytes, bytes);
   return device.record(Stream::d2h);
 }
 
@@ -109,7 +109,7 @@ Status OffloadOptimizer::Impl::add_micro_batch(std::size_t i, int set, bool last
   // The rounded sum back into the device's buffer; the compute stream (the trainer reading it, the next
   // backward) waits for it.
   if (Status s = device.copy_to_device(const_cast<void*>(p.device_grads), grad, bytes, Stream::h2d); !s.ok()) return s;
-  stats_.h2d_bytes += bytes;
+  count_bytes(stats_.h2d_bytes, bytes);
   Result<EventId> done = device.record(Stream::h2d);
   if (!done.ok()) return done.status();
   return device.wait(Stream::compute, done.value());

@@ -157,6 +157,10 @@ struct OffloadOptimizer::Impl {
   std::atomic<bool> last_skipped{false};
   std::int64_t step_calls = 0;
   StepStats stats_;
+  // The copies' byte counts: the trainer's thread and the schedules' workers add to them at once.
+  static void count_bytes(std::uint64_t& stat, std::size_t bytes) {
+    std::atomic_ref(stat).fetch_add(bytes, std::memory_order_relaxed);
+  }
 
   // ZeRO partitioning (partition.cpp): this optimizer's `params` are this rank's pieces of the trainer's
   // parameters. Each dtype's parameters are flattened into one vector padded to world x shard elements; the

@@ -148,7 +148,7 @@ Status OffloadOptimizer::Impl::enqueue_d2h(std::size_t i, int set, const PieceDo
       if (Status s = on_piece(k, copied.value()); !s.ok()) return s;
     }
   }
-  if (!in_place && !summed) stats_.d2h_bytes += staging_bytes(p);
+  if (!in_place && !summed) count_bytes(stats_.d2h_bytes, staging_bytes(p));
   return Status::success();
 }
 
@@ -198,7 +198,7 @@ Status OffloadOptimizer::Impl::enqueue_h2d(std::size_t i) {
   if (p.n == 0 || in_place) return Status::success();  // in place: the step wrote the device's weights
   const void* src = p.dtype == DType::f32 ? static_cast<const void*>(master_of(i)) : weights_of(i);
   if (p.tier != nullptr) return p.tier->write(p.tier_block, p.tier_entry, src, 0, staging_bytes(p));
-  stats_.h2d_bytes += staging_bytes(p);
+  count_bytes(stats_.h2d_bytes, staging_bytes(p));
   return device.copy_to_device(p.device_weights, src, staging_bytes(p), Stream::h2d);
 }
 
@@ -209,7 +209,7 @@ Status OffloadOptimizer::Impl::enqueue_h2d(const Piece& k) {
   const void* src = p.dtype == DType::f32 ? static_cast<const void*>(master_of(k.param) + k.begin)
                                           : static_cast<const unsigned char*>(weights_of(k.param)) + at;
   if (p.tier != nullptr) return Status::success();  // written whole once the step is decided
-  stats_.h2d_bytes += bytes;
+  count_bytes(stats_.h2d_bytes, bytes);
   return device.copy_to_device(static_cast<unsigned char*>(p.device_weights) + at, src, bytes, Stream::h2d);
 }
 
