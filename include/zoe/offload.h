@@ -280,13 +280,15 @@ class OffloadOptimizer {
   // Hyper-parameters may change between steps (learning-rate schedules).
   AdamHyper& group_hyper(std::size_t group);
   float loss_scale() const;
-  // The loss scaler's state (what save() records), and its replacement (state taken over from another
-  // front-end's checkpoint): refused, changing nothing, unless loss scaling is on, the scale finite and > 0 and the counts >= 0.
+  // The loss scaler's state (what save() records; the delayed schedule's background step updates it: read it
+  // after wait()), and its replacement (state taken over from another front-end's checkpoint): refused,
+  // changing nothing, unless loss scaling is on, the scale finite and > 0 and the counts >= 0.
   LossScaleState loss_scale_state() const;
   Status set_loss_scale_state(const LossScaleState& state);
   std::int64_t step_count() const;  // steps applied (skipped fp16 overflows not counted)
   // Steps applied to parameter `param` (read_state()'s numbering), as torch's state[p]["step"]: the steps
-  // in which it had a gradient (set_grads_absent). Adam's bias correction of that parameter uses it.
+  // in which it had a gradient (set_grads_absent). Adam's bias correction of that parameter uses it. Beside
+  // the delayed schedule's background step: the count before it or after it (exact after wait()).
   std::int64_t param_step_count(std::size_t param) const;
   bool last_step_skipped() const;
   const StepStats& stats() const;  // exact after wait(); the delayed schedule updates it in the background

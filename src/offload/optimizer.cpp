@@ -4,6 +4,7 @@
 // forward/backward (schedule_sync.cpp, schedule_overlap.cpp, schedule_delayed.cpp), over what they share
 // (optimizer_step.cpp). Partitioning is partition.cpp; save/load optimizer_io.cpp.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -323,7 +324,9 @@ float* OffloadOptimizer::moments_of(std::size_t param, int which) {
 
 std::int64_t OffloadOptimizer::param_step_count(std::size_t param) const {
   const std::lock_guard serial(impl_->calls);
-  return param < impl_->param_steps.size() ? impl_->param_steps[param] : -1;
+  if (param >= impl_->param_steps.size()) return -1;
+  // The delayed schedule's background step may be counting it (record_outcome).
+  return std::atomic_ref(impl_->param_steps[param]).load(std::memory_order_relaxed);
 }
 bool OffloadOptimizer::last_step_skipped() const { return impl_->last_skipped.load(); }
 const StepStats& OffloadOptimizer::stats() const { return impl_->stats_; }

@@ -11,6 +11,7 @@
 // the global norm summed in piece order), and the kernels are element-wise, so overlap and delayed
 // give the bits sync would give for the same gradients.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -355,7 +356,8 @@ void OffloadOptimizer::Impl::record_outcome(const Decision& d, int set) {
     ++stats_.skipped;
   } else {
     for (std::size_t i = 0; i < params.size(); ++i) {
-      if (!is_absent(i, set)) ++param_steps[i];
+      // param_step_count() may read it beside the delayed schedule's background step.
+      if (!is_absent(i, set)) std::atomic_ref(param_steps[i]).fetch_add(1, std::memory_order_relaxed);
     }
     ++step_count;
     ++stats_.steps;
