@@ -296,10 +296,10 @@ Status OverlapSchedule::step() {
     // A parameter reported, stepped, then named absent (set_grads_absent) is put back and not stepped again.
     const bool absent = m_.is_absent(m_.pieces[k].param, 0);
     const bool undo = stepped_[k] && (wrong || absent);
-    if (undo && !std::exchange(sent, true)) {
-      if (Status s = stepped_pieces_sent(); !s.ok()) return s;
-    }
     if (undo) {
+      if (!std::exchange(sent, true)) {
+        if (Status s = stepped_pieces_sent(); !s.ok()) return s;
+      }
       restore_undo(m_.pieces[k]);
       if (skip || absent) {
         if (Status s = m_.enqueue_h2d(m_.pieces[k]); !s.ok()) return s;  // the device gets its old weights back

@@ -61,6 +61,54 @@ class Threads : public ::testing::TestWithParam<Tier> {
     return trainer.result();
   }
 
+  // Steps with `schedule` (overlap: every gradient reported first) while a second thread saves 8 times;
+  // each checkpoint must hold the state of sync's run after the step count it records.
+  void save_beside_steps(Schedule schedule) {
+    constexpr int kSteps = 6;
+    std::vector<test::RunResult> after(kSteps + 1);  // after[k]: the state after k steps
+    for (int k = 0; k <= kSteps; ++k) after[k] = stepped(k, 1);
+
+    test::Trainer trainer(schedule, DType::bf16, options(), 0, kSizes);
+    ASSERT_TRUE(trainer.created());
+    test::random_grads(1e-2)(trainer.model(), 1, 1.0f);
+    std::vector<std::string> saved;
+    std::thread saver([&] {
+      for (int i = 0; i < 8; ++i) {
+        const std::string path = (dir_ / ("ckpt" + std::to_string(i) + ".zoe")).string();
+        const Status s = trainer.opt().save(path);
+        EXPECT_TRUE(s.ok()) << s.to_string();
+        if (s.ok()) saved.push_back(path);
+      }
+    });
+    for (int i = 0; i < kSteps; ++i) {
+      if (schedule == Schedule::overlap) {
+        ASSERT_TRUE(trainer.device_synchronize().ok());
+        for (std::size_t b = kSizes.size(); b-- > 0;) ASSERT_TRUE(trainer.opt().grad_ready(b).ok());
+      }
+      const Status s = trainer.opt().step();
+      ASSERT_TRUE(s.ok()) << s.to_string();
+    }
+    saver.join();
+    ASSERT_EQ(saved.size(), 8u);
+    test::expect_bitwise_equal(after[kSteps], trainer.result());
+
+    OffloadOptions ram;  // the checkpoints load into tier ram, a store of their own
+    for (const std::string& path : saved) {
+      SCOPED_TRACE(path);
+      test::Trainer reader(Schedule::sync, DType::bf16, ram, 0, kSizes);
+      ASSERT_TRUE(reader.created());
+      const Status s = reader.opt().load(path);
+      ASSERT_TRUE(s.ok()) << s.to_string();
+      const test::RunResult got = reader.result();
+      ASSERT_GE(got.steps, 0);
+      ASSERT_LE(got.steps, kSteps);
+      const test::RunResult& want = after[static_cast<std::size_t>(got.steps)];
+      ASSERT_EQ(got.state.size(), want.state.size());
+      EXPECT_EQ(std::memcmp(got.state.data(), want.state.data(), got.state.size() * 4), 0)
+          << "a checkpoint labelled step " << got.steps << " holds another state";
+    }
+  }
+
   fs::path dir_;
 };
 
@@ -76,93 +124,12 @@ TEST_P(Threads, StepsFromTwoThreadsEqualTheSameStepsFromOne) {
 
 // A background checkpoint: save() on a second thread while the first steps. Every file it wrote loads, and
 // holds exactly the state one thread's run had after the step count it records.
-TEST_P(Threads, SaveBesideStepHoldsOneWholeStep) {
-  constexpr int kSteps = 6;
-  std::vector<test::RunResult> after(kSteps + 1);  // after[k]: the state after k steps
-  for (int k = 0; k <= kSteps; ++k) after[k] = stepped(k, 1);
-
-  test::Trainer trainer(Schedule::sync, DType::bf16, options(), 0, kSizes);
-  ASSERT_TRUE(trainer.created());
-  test::random_grads(1e-2)(trainer.model(), 1, 1.0f);
-  std::vector<std::string> saved;
-  std::thread saver([&] {
-    for (int i = 0; i < 8; ++i) {
-      const std::string path = (dir_ / ("ckpt" + std::to_string(i) + ".zoe")).string();
-      const Status s = trainer.opt().save(path);
-      EXPECT_TRUE(s.ok()) << s.to_string();
-      if (s.ok()) saved.push_back(path);
-    }
-  });
-  for (int i = 0; i < kSteps; ++i) {
-    const Status s = trainer.opt().step();
-    ASSERT_TRUE(s.ok()) << s.to_string();
-  }
-  saver.join();
-  ASSERT_EQ(saved.size(), 8u);
-
-  OffloadOptions ram;  // the checkpoints load into tier ram, a store of their own
-  for (const std::string& path : saved) {
-    SCOPED_TRACE(path);
-    test::Trainer reader(Schedule::sync, DType::bf16, ram, 0, kSizes);
-    ASSERT_TRUE(reader.created());
-    const Status s = reader.opt().load(path);
-    ASSERT_TRUE(s.ok()) << s.to_string();
-    const test::RunResult got = reader.result();
-    ASSERT_GE(got.steps, 0);
-    ASSERT_LE(got.steps, kSteps);
-    const test::RunResult& want = after[static_cast<std::size_t>(got.steps)];
-    ASSERT_EQ(got.state.size(), want.state.size());
-    EXPECT_EQ(std::memcmp(got.state.data(), want.state.data(), got.state.size() * 4), 0)
-        << "a checkpoint labelled step " << got.steps << " holds another state";
-  }
-}
+TEST_P(Threads, SaveBesideStepHoldsOneWholeStep) { save_beside_steps(Schedule::sync); }
 
 // The same, with the overlap schedule stepping during backward: a save() between the reports and step()
 // takes the state before that iteration's step (the speculative steps undone, step() takes them again), never
 // one half-stepped; and the run still ends as sync's.
-TEST_P(Threads, SaveDuringOverlapsBackwardHoldsOneWholeStep) {
-  constexpr int kSteps = 6;
-  std::vector<test::RunResult> after(kSteps + 1);
-  for (int k = 0; k <= kSteps; ++k) after[k] = stepped(k, 1);
-
-  test::Trainer trainer(Schedule::overlap, DType::bf16, options(), 0, kSizes);
-  ASSERT_TRUE(trainer.created());
-  test::random_grads(1e-2)(trainer.model(), 1, 1.0f);
-  std::vector<std::string> saved;
-  std::thread saver([&] {
-    for (int i = 0; i < 8; ++i) {
-      const std::string path = (dir_ / ("ckpt" + std::to_string(i) + ".zoe")).string();
-      const Status s = trainer.opt().save(path);
-      EXPECT_TRUE(s.ok()) << s.to_string();
-      if (s.ok()) saved.push_back(path);
-    }
-  });
-  for (int i = 0; i < kSteps; ++i) {
-    ASSERT_TRUE(trainer.device_synchronize().ok());
-    for (std::size_t b = kSizes.size(); b-- > 0;) ASSERT_TRUE(trainer.opt().grad_ready(b).ok());
-    const Status s = trainer.opt().step();
-    ASSERT_TRUE(s.ok()) << s.to_string();
-  }
-  saver.join();
-  ASSERT_EQ(saved.size(), 8u);
-  test::expect_bitwise_equal(after[kSteps], trainer.result());
-
-  OffloadOptions ram;
-  for (const std::string& path : saved) {
-    SCOPED_TRACE(path);
-    test::Trainer reader(Schedule::sync, DType::bf16, ram, 0, kSizes);
-    ASSERT_TRUE(reader.created());
-    const Status s = reader.opt().load(path);
-    ASSERT_TRUE(s.ok()) << s.to_string();
-    const test::RunResult got = reader.result();
-    ASSERT_GE(got.steps, 0);
-    ASSERT_LE(got.steps, kSteps);
-    const test::RunResult& want = after[static_cast<std::size_t>(got.steps)];
-    ASSERT_EQ(got.state.size(), want.state.size());
-    EXPECT_EQ(std::memcmp(got.state.data(), want.state.data(), got.state.size() * 4), 0)
-        << "a checkpoint labelled step " << got.steps << " holds another state";
-  }
-}
+TEST_P(Threads, SaveDuringOverlapsBackwardHoldsOneWholeStep) { save_beside_steps(Schedule::overlap); }
 
 #ifdef ZOE_HAVE_AIO
 const auto kTiers = ::testing::Values(Tier::ram, Tier::nvme);
