@@ -43,22 +43,12 @@ int hook_error(const IoFaultHook& hook, IoOp op, const std::string& path, std::u
   return hook(site).error;
 }
 
-int open_with_hook(const std::string& path, int flags, const IoFaultHook& hook) {
-  if (const int err = hook_error(hook, IoOp::open, path, 0, (flags & O_DIRECT) != 0)) {
-    errno = err;
-    return -1;
-  }
-  int fd;
-  do {
-    fd = ::open(path.c_str(), flags, 0600);
-  } while (fd < 0 && errno == EINTR);
-  return fd;
-}
-
 }  // namespace
 
-Result<OpenedFile> open_swap_file(const std::string& path, bool create, const IoFaultHook& hook) {
-  auto open_error = [&](int err, const char* what) -> Status {
+Result<OpenedFile> open_swap_file(const Folder& folder, const std::string& name, bool create, const IoFaultHook& hook) {
+  const std::string path = folder.path_of(name);
+  auto open_error = [&](const Status& s) -> Status {
+    const int err = s.sys_errno();
     if (err == EEXIST) {
       return Status(StatusCode::invalid_argument,
                     "swap file " + path + " already exists: open the store, or remove it first", err);
@@ -69,23 +59,23 @@ Result<OpenedFile> open_swap_file(const std::string& path, bool create, const Io
                         " for writing: the filesystem is mounted read-only; choose another nvme_path",
                     err);
     }
-    return sys_error(what, path, err);
+    return s;
   };
-  if (create) {
-    // Created apart from the O_DIRECT open: a filesystem that refuses O_DIRECT may do so only after it
-    // created the file, and a retry with O_EXCL would then find it there.
-    FileHandle made(open_with_hook(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, hook));
-    if (!made.valid()) return open_error(errno, "cannot create swap file");
+  if (const int err = hook_error(hook, IoOp::open, path, 0, false)) {
+    return open_error(sys_error(create ? "cannot create swap file" : "cannot open swap file", path, err));
   }
-  const int base = O_RDWR | O_CLOEXEC;
-  bool direct = true;
-  int fd = open_with_hook(path, base | O_DIRECT, hook);
-  if (fd < 0 && errno == EINVAL) {
-    direct = false;  // no direct I/O on this filesystem (ramfs, some overlay and FUSE mounts)
-    fd = open_with_hook(path, base, hook);
+  Result<UniqueFd> fd = create ? folder.create(name, O_RDWR, 0600) : folder.open_file(name, O_RDWR);
+  if (!fd.ok()) return open_error(fd.status());
+  // O_DIRECT on the descriptor already open: the kernel checks it as open(2) would, and a filesystem that
+  // refuses it (ramfs, some overlay and FUSE mounts) answers EINVAL: buffered I/O there. (The hook is asked
+  // a second time, as an open with O_DIRECT, so that tests can refuse just that.)
+  int err = hook_error(hook, IoOp::open, path, 0, true);
+  if (err == 0) {
+    const int flags = ::fcntl(fd->get(), F_GETFL);
+    err = flags >= 0 && ::fcntl(fd->get(), F_SETFL, flags | O_DIRECT) == 0 ? 0 : errno;
   }
-  if (fd < 0) return open_error(errno, "cannot open swap file");
-  return OpenedFile{FileHandle(fd), direct};
+  if (err != 0 && err != EINVAL) return open_error(sys_error("cannot set O_DIRECT on swap file", path, err));
+  return OpenedFile{std::move(fd).value(), err == 0};
 }
 
 Status allocate_file(int fd, const std::string& path, std::uint64_t bytes, const IoFaultHook& hook) {
@@ -141,6 +131,14 @@ Status check_swap_dir(const std::string& path) {
     return sys_error("swap path is not writable by this user:", path, errno);
   }
   return Status::success();
+}
+
+Result<Folder> open_swap_dir(const std::string& path, const std::string& what) {
+  if (Status s = check_swap_dir(path); !s.ok()) return s;
+  Result<Folder> folder = Folder::open(path);
+  if (!folder.ok()) return folder.status();
+  if (Status s = folder->check_private(what); !s.ok()) return s;
+  return folder;
 }
 
 std::string fs_type_name(std::uint64_t magic) {

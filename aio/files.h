@@ -26,9 +26,11 @@ struct OpenedFile {
   bool direct = false;  // O_DIRECT in effect
 };
 
-// Opens `path` read-write, with O_DIRECT unless the filesystem refuses it (EINVAL), then buffered.
-// create: the file must not exist yet (O_EXCL) and is made with mode 0600.
-Result<OpenedFile> open_swap_file(const std::string& path, bool create, const IoFaultHook& hook);
+// Opens `name` in `folder` read-write, with O_DIRECT unless the filesystem refuses it (EINVAL), then
+// buffered. create: the file must not exist yet (O_EXCL; a symlink there counts) and is made with mode 0600;
+// else it must be a regular file (no symlink followed). Opened once: O_DIRECT is set on that descriptor, so
+// the name is never reopened (someone swapping it in between would redirect the writes).
+Result<OpenedFile> open_swap_file(const Folder& folder, const std::string& name, bool create, const IoFaultHook& hook);
 
 // Reserves `bytes` for the file now (fallocate), so that running out of space shows here, not mid-step.
 Status allocate_file(int fd, const std::string& path, std::uint64_t bytes, const IoFaultHook& hook);
@@ -38,6 +40,9 @@ Status sync_file(int fd, const std::string& path, const IoFaultHook& hook);
 
 // The swap path exists, is a directory, and is writable (a read-only mount is reported as such).
 Status check_swap_dir(const std::string& path);
+// check_swap_dir, then the folder opened once, and refused where another user could swap names in it
+// (Folder::check_private). `what` names it in messages ("swap path", "parameter path").
+Result<Folder> open_swap_dir(const std::string& path, const std::string& what);
 
 
 struct FsInfo {

@@ -279,11 +279,12 @@ struct CpuAdam::Impl {
     for (std::size_t i = 0; i < tensors.size(); ++i) starts[i + 1] = starts[i] + tensors[i].n;
     const std::size_t total = starts.back();
     if (total == 0) return;
-    const std::size_t tiles = (total + tile - 1) / tile;
+    // Written so that no sum can wrap: a tile of up to SIZE_MAX elements (an option) is one tile, not zero.
+    const std::size_t tiles = total / tile + (total % tile != 0 ? 1 : 0);
     auto body = [&](const tbb::blocked_range<std::size_t>& r) {
       for (std::size_t k = r.begin(); k != r.end(); ++k) {
         std::size_t begin = k * tile;
-        const std::size_t end = std::min(total, begin + tile);
+        const std::size_t end = begin + std::min(tile, total - begin);
         std::size_t i = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
         while (begin < end) {
           const std::size_t count = std::min(end, starts[i + 1]) - begin;

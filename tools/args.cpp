@@ -1,8 +1,16 @@
 #include "tools/args.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+
+#include "base/unique_fd.h"
 
 namespace zoe::cli {
 
@@ -74,6 +82,101 @@ Result<std::uint64_t> parse_count(std::string_view text, std::string_view what) 
   return value * multiplier;
 }
 
+Result<std::uint64_t> parse_count_in(std::string_view text, std::string_view option, std::uint64_t min,
+                                     std::uint64_t max, std::string_view counts) {
+  Result<std::uint64_t> v = parse_count(text, option);
+  if (!v.ok()) {
+    return invalid_argument(v.status().message() + "; give " + count_text(min) + " to " + count_text(max) + " (" +
+                            std::string(counts) + ")");
+  }
+  if (*v < min || *v > max) {
+    return invalid_argument(std::string(option) + " " + std::string(text) + " is out of range: give " +
+                            count_text(min) + " to " + count_text(max) + " (" + std::string(counts) + ")");
+  }
+  return v;
+}
+
+Result<double> parse_number_in(std::string_view text, std::string_view option, double min, double max,
+                               std::string_view what) {
+  double v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  char range[96];
+  std::snprintf(range, sizeof range, "give %g to %g", min, max);
+  if (text.empty() || ec == std::errc::invalid_argument || end != text.data() + text.size()) {
+    return invalid_argument(std::string(option) + " '" + std::string(text) + "' is not a number; " + range + " (" +
+                            std::string(what) + ")");
+  }
+  // from_chars reports 1e400 as out of range; nan and inf parse but are no time, ratio or rate.
+  if (ec == std::errc::result_out_of_range || !std::isfinite(v) || v < min || v > max) {
+    return invalid_argument(std::string(option) + " " + std::string(text) + " is out of range: " + range + " (" +
+                            std::string(what) + ")");
+  }
+  return v;
+}
+
+std::string count_text(std::uint64_t value) {
+  // Below 4096 the digits read better than a suffix: "1024 threads", not "1K threads".
+  static constexpr struct { char suffix; int shift; } kSuffixes[] = {{'T', 40}, {'G', 30}, {'M', 20}, {'K', 10}};
+  for (const auto& s : kSuffixes) {
+    const std::uint64_t unit = std::uint64_t{1} << s.shift;
+    if (value >= 4096 && value >= unit && value % unit == 0) return std::to_string(value / unit) + s.suffix;
+  }
+  return std::to_string(value);
+}
+
+std::uint64_t physical_ram() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) : 0;
+}
+
+Status require_memory(std::uint64_t bytes, std::string_view option, std::string_view text) {
+  const std::uint64_t ram = physical_ram();
+  if (ram == 0 || bytes <= ram) return Status::success();
+  char figure[64];
+  std::snprintf(figure, sizeof figure, "%.1f GiB, and this machine has %.1f GiB of RAM",
+                static_cast<double>(bytes) / (1ull << 30), static_cast<double>(ram) / (1ull << 30));
+  return invalid_argument(std::string(option) + " " + std::string(text) + " needs buffers of " + figure +
+                          ": give a smaller " + std::string(option));
+}
+
+Result<std::string> read_small_file(const std::string& path, std::string_view option, std::uint64_t max_bytes) {
+  // O_NONBLOCK: opening a FIFO would otherwise wait for a writer before fstat could refuse it.
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+  if (!fd.valid()) {
+    return Status(StatusCode::invalid_argument,
+                  std::string(option) + ": cannot read " + path + ": " + std::strerror(errno), errno);
+  }
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) {
+    return Status(StatusCode::invalid_argument, std::string(option) + ": cannot stat " + path, errno);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    const char* kind = S_ISDIR(st.st_mode) ? "a folder" : S_ISFIFO(st.st_mode) ? "a FIFO" : S_ISCHR(st.st_mode) ? "a character device"
+                       : S_ISBLK(st.st_mode) ? "a block device" : S_ISSOCK(st.st_mode) ? "a socket" : "not a file";
+    return invalid_argument(std::string(option) + ": " + path + " is " + kind + ", not a regular file");
+  }
+  if (static_cast<std::uint64_t>(st.st_size) > max_bytes) {
+    return invalid_argument(std::string(option) + ": " + path + " has " + std::to_string(st.st_size) +
+                            " bytes, more than the " + count_text(max_bytes) + " a config file may have");
+  }
+  // Read up to one byte past the limit: a file that grew since fstat is refused too, never read without end.
+  std::string text(static_cast<std::size_t>(max_bytes) + 1, '\0');
+  std::size_t got = 0;
+  while (got < text.size()) {
+    const ssize_t r = ::read(fd.get(), text.data() + got, text.size() - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return Status(StatusCode::io_error, std::string(option) + ": reading " + path + " failed", errno);
+    if (r == 0) break;
+    got += static_cast<std::size_t>(r);
+  }
+  if (got > max_bytes) {
+    return invalid_argument(std::string(option) + ": " + path + " grew past the " + count_text(max_bytes) +
+                            " a config file may have while it was read");
+  }
+  text.resize(got);
+  return text;
+}
+
 std::vector<std::string> split_list(std::string_view text) {
   std::vector<std::string> items;
   while (!text.empty()) {
@@ -83,12 +186,6 @@ std::vector<std::string> split_list(std::string_view text) {
     text.remove_prefix(comma + 1);
   }
   return items;
-}
-
-Status require_at_least(std::uint64_t value, std::uint64_t min, std::string_view option, std::string_view counts) {
-  if (value >= min) return Status::success();
-  return invalid_argument(std::string(option) + " " + std::to_string(value) + ": need at least " +
-                          std::to_string(min) + " (" + std::string(counts) + ")");
 }
 
 Status require_items(const std::vector<std::string>& items, std::string_view option, std::string_view choices) {

@@ -1,5 +1,5 @@
 // Small command-line helpers shared by the zoe subcommands: --name value / --name=value options, counts with
-// K/M/G suffixes, comma lists, and one-line JSON objects.
+// K/M/G/T suffixes and their ranges, decimal numbers, small files read whole, comma lists, one-line JSON objects.
 #pragma once
 
 #include <cstdint>
@@ -25,13 +25,38 @@ struct Option {
 Status parse_options(std::span<char* const> args, std::span<const Option> options);
 std::string options_help(std::span<const Option> options);
 
-// "64M" -> 67108864: suffixes K, M, G, T are powers of 1024; plain digits are taken as they are.
+// "64M" -> 67108864: suffixes K, M, G, T are powers of 1024; plain digits are taken as they are. A value that
+// does not fit 64 bits, a sign, a space, hex or anything else after the digits is refused.
 Result<std::uint64_t> parse_count(std::string_view text, std::string_view what);
+// The same with the option's documented range [min, max] (docs/cli.md): outside it the message names the
+// option, the range and what it counts. Ranges keep every size the commands compute from the count (times a
+// dtype width, times a repetition) well inside 64 bits; a minimum of 1 refuses a benchmark of 0 parameters or
+// 0 repetitions, which would measure nothing and print every rate as 0/0.
+Result<std::uint64_t> parse_count_in(std::string_view text, std::string_view option, std::uint64_t min,
+                                     std::uint64_t max, std::string_view counts);
+// A decimal number (a time, a ratio, a rate): all of the text, finite, in [min, max]; "nan", "inf" and
+// "1e400" are refused by name.
+Result<double> parse_number_in(std::string_view text, std::string_view option, double min, double max,
+                               std::string_view what);
+// The ranges the benchmarks share (docs/cli.md): parameters (and elements per tile) up to 2^40, times any
+// dtype width and repetition count, stay far inside 64 bits.
+constexpr std::uint64_t kMaxBenchParams = std::uint64_t{1} << 40;  // 1T
+constexpr std::uint64_t kMaxThreads = 1024;
+constexpr std::uint64_t kMaxReps = std::uint64_t{1} << 20;  // 1M
+
+// A count as the options take it, for messages: 1099511627776 -> "1T", 4096 -> "4K", 1024 -> "1024".
+std::string count_text(std::uint64_t value);
+// This machine's RAM in bytes (0 when unknown).
+std::uint64_t physical_ram();
+// Refuses a benchmark whose buffers would not fit this machine's RAM before it allocates them: a size that
+// passes its range can still ask for terabytes, and touching memory the kernel overcommitted ends in the
+// OOM killer, not in an error.
+Status require_memory(std::uint64_t bytes, std::string_view option, std::string_view text);
+// A small file named on the command line (a model config): refused by name unless it is a regular file of
+// at most `max_bytes` (a device, a FIFO or a folder is never read, and nothing waits on a FIFO's writer).
+Result<std::string> read_small_file(const std::string& path, std::string_view option, std::uint64_t max_bytes);
 std::vector<std::string> split_list(std::string_view text);
 
-// Refuses a count below `min` with a message naming the option and what it counts: a benchmark of 0
-// parameters or 0 repetitions measures nothing, and every rate it printed would be 0/0.
-Status require_at_least(std::uint64_t value, std::uint64_t min, std::string_view option, std::string_view counts);
 // Refuses a comma list with no items ("--isa ''" would run nothing and exit 0).
 Status require_items(const std::vector<std::string>& items, std::string_view option, std::string_view choices);
 

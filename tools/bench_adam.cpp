@@ -130,19 +130,22 @@ struct Texts {
 
 std::array<Option, 11> options_of(Texts& t) {
   return {{
-      {"n", &t.n, nullptr, "parameters per step (K, M, G suffixes are powers of 1024)"},
-      {"tensors", &t.tensors, nullptr, "split the parameters into this many separately allocated tensors"},
+      {"n", &t.n, nullptr, "parameters per step, 1 to 1T (K, M, G, T suffixes are powers of 1024)"},
+      {"tensors", &t.tensors, nullptr, "split the parameters into this many separately allocated tensors, 1 to 1M (at most --n)"},
       {"isa", &t.isa, nullptr, "comma list of auto, scalar, avx2, avx512"},
       {"grad", &t.grad, nullptr, "comma list of gradient dtypes: f32, f16, bf16"},
       {"out", &t.out, nullptr, "comma list of weight-copy dtypes: none, f16, bf16"},
       {"state", &t.state, nullptr, "comma list of moment dtypes: fp32, bf16, int8"},
-      {"threads", &t.threads, nullptr, "worker threads (0: all CPUs; ZOE_THREADS caps)"},
-      {"reps", &t.reps, nullptr, "timed repetitions (default: about 0.5 s of steps, 10 to 200)"},
-      {"tile", &t.tile, nullptr, "elements per unit of parallel work"},
+      {"threads", &t.threads, nullptr, "worker threads, 0 to 1024 (0: all CPUs; ZOE_THREADS caps)"},
+      {"reps", &t.reps, nullptr, "timed repetitions, 1 to 1M (default: about 0.5 s of steps, 10 to 200)"},
+      {"tile", &t.tile, nullptr, "elements per unit of parallel work, 1 to 1T"},
       {"json", nullptr, &t.json, "one JSON object per line on stdout, nothing else"},
       {"help", nullptr, &t.help, "this help"},
   }};
 }
+
+// --tensors: each is a handful of allocations; a million is already far past what a model holds.
+constexpr std::uint64_t kMaxTensors = std::uint64_t{1} << 20;
 
 struct Settings {
   std::uint64_t n = 0;
@@ -156,16 +159,19 @@ struct Settings {
 
 // The counts after parse_options, checked: nothing here may be zero.
 Status read_counts(const Texts& text, Settings& cfg) {
-  Result<std::uint64_t> n = parse_count(text.n, "--n");
-  Result<std::uint64_t> tensors = parse_count(text.tensors, "--tensors");
-  Result<std::uint64_t> threads = parse_count(text.threads, "--threads");
-  Result<std::uint64_t> tile = parse_count(text.tile, "--tile");
+  // The ranges of docs/cli.md; the buffers must fit this machine's RAM, checked before anything is allocated.
+  Result<std::uint64_t> n = parse_count_in(text.n, "--n", 1, kMaxBenchParams, "parameters per step");
+  Result<std::uint64_t> tensors = parse_count_in(text.tensors, "--tensors", 1, kMaxTensors, "tensors, at most --n");
+  Result<std::uint64_t> threads = parse_count_in(text.threads, "--threads", 0, kMaxThreads, "worker threads; 0: all CPUs");
+  Result<std::uint64_t> tile = parse_count_in(text.tile, "--tile", 1, kMaxBenchParams, "elements per unit of work");
   for (const Status& s : {n.status(), tensors.status(), threads.status(), tile.status()}) {
     if (!s.ok()) return s;
   }
   cfg.n = n.value();
-  if (Status s = require_at_least(cfg.n, 1, "--n", "parameters per step; 0 has no throughput"); !s.ok()) return s;
   cfg.tensors = tensors.value();
+  // Per parameter at most 4 (p) + 2 x 4 (m, v) + 4 (gradient) + 2 (weight copy) bytes and int8's scales;
+  // with --tensors > 1 the one-array workload is made beside the split one.
+  if (Status s = require_memory(cfg.n * 19 * (cfg.tensors > 1 ? 2 : 1), "--n", text.n); !s.ok()) return s;
   cfg.threads = static_cast<int>(threads.value());
   cfg.tile = tile.value();
   if (cfg.tensors == 0 || cfg.tensors > cfg.n) {
@@ -173,9 +179,8 @@ Status read_counts(const Texts& text, Settings& cfg) {
   }
   cfg.reps = default_reps(cfg.n);
   if (!text.reps.empty()) {
-    Result<std::uint64_t> reps = parse_count(text.reps, "--reps");
+    Result<std::uint64_t> reps = parse_count_in(text.reps, "--reps", 1, kMaxReps, "timed repetitions");
     if (!reps.ok()) return reps.status();
-    if (Status s = require_at_least(reps.value(), 1, "--reps", "timed repetitions"); !s.ok()) return s;
     cfg.reps = static_cast<int>(reps.value());
   }
   return Status::success();

@@ -159,14 +159,14 @@ struct Texts {
 std::array<Option, 16> options_of(Texts& t) {
   return {{
       {"path", &t.path, nullptr, "swap folder (a comma list stripes over several); required"},
-      {"n", &t.n, nullptr, "parameters (K, M, G suffixes are powers of 1024)"},
-      {"tile", &t.tile, nullptr, "bytes of p, m and v per tile (12 per parameter, 8 with --state bf16, 6 with int8; rounded down to whole 4 KiB blocks, int8: 2048 parameters)"},
+      {"n", &t.n, nullptr, "parameters, 1 to 1T (K, M, G, T suffixes are powers of 1024)"},
+      {"tile", &t.tile, nullptr, "bytes of p, m and v per tile, up to 64G (12 per parameter, 8 with --state bf16, 6 with int8; rounded down to whole 4 KiB blocks, int8: 2048 parameters)"},
       {"state", &t.state, nullptr, "the moments in the swap files: fp32, bf16 or int8"},
-      {"buffers", &t.buffers, nullptr, "tiles in RAM at once (DeepSpeed buffer_count)"},
-      {"queue-depth", &t.queue_depth, nullptr, "I/O requests in flight (DeepSpeed aio.queue_depth)"},
-      {"block-size", &t.block, nullptr, "bytes per I/O request (DeepSpeed aio.block_size)"},
-      {"reps", &t.reps, nullptr, "timed repetitions of raw pass + step"},
-      {"chunk", &t.chunk, nullptr, "parameters per step() call, gradients reused (default: n, one call)"},
+      {"buffers", &t.buffers, nullptr, "tiles in RAM at once, 2 to 1024 (DeepSpeed buffer_count)"},
+      {"queue-depth", &t.queue_depth, nullptr, "I/O requests in flight, 1 to 1024 (DeepSpeed aio.queue_depth)"},
+      {"block-size", &t.block, nullptr, "bytes per I/O request, 4K to 1G (DeepSpeed aio.block_size)"},
+      {"reps", &t.reps, nullptr, "timed repetitions of raw pass + step, 1 to 1M"},
+      {"chunk", &t.chunk, nullptr, "parameters per step() call, 1 to 1T, gradients reused (default: n, one call)"},
       {"grad", &t.grad, nullptr, "gradient dtype: f32, f16, bf16"},
       {"out", &t.out, nullptr, "weight-copy dtype: none, f16, bf16"},
       {"keep", nullptr, &t.keep, "leave the swap files in place"},
@@ -204,19 +204,20 @@ Status read_durability(const Texts& text, Config& cfg) {
 }
 
 Status read_counts(const Texts& text, Config& cfg) {
-  Result<std::uint64_t> n = parse_count(text.n, "--n"), tile = parse_count(text.tile, "--tile"),
-                        buffers = parse_count(text.buffers, "--buffers"), qd = parse_count(text.queue_depth, "--queue-depth"),
-                        block = parse_count(text.block, "--block-size"), reps = parse_count(text.reps, "--reps");
+  // The ranges of docs/cli.md. Zero parameters, repetitions, buffers or queue slots leave nothing to time or
+  // no way to move a byte; the maxima keep buffers x tile and n x 12 bytes inside 64 bits.
+  Result<std::uint64_t> n = parse_count_in(text.n, "--n", 1, kMaxBenchParams, "parameters"),
+                        tile = parse_count_in(text.tile, "--tile", 1, 64ull << 30, "bytes of p, m and v per tile"),
+                        buffers = parse_count_in(text.buffers, "--buffers", 2, 1024, "tiles in RAM; one in Adam while another is in I/O"),
+                        qd = parse_count_in(text.queue_depth, "--queue-depth", 1, 1024, "I/O requests in flight"),
+                        block = parse_count_in(text.block, "--block-size", 4096, 1ull << 30, "bytes per request, whole 4 KiB blocks"),
+                        reps = parse_count_in(text.reps, "--reps", 1, kMaxReps, "timed repetitions");
   for (const Status& s : {n.status(), tile.status(), buffers.status(), qd.status(), block.status(), reps.status()}) {
     if (!s.ok()) return s;
   }
-  // Zero parameters, repetitions, buffers or queue slots leave nothing to time or no way to move a byte.
-  for (const Status& s : {require_at_least(n.value(), 1, "--n", "parameters; 0 has no step to time"),
-                          require_at_least(reps.value(), 1, "--reps", "timed repetitions"),
-                          require_at_least(buffers.value(), 2, "--buffers", "one tile in Adam while another is in I/O"),
-                          require_at_least(qd.value(), 1, "--queue-depth", "I/O requests in flight"),
-                          require_at_least(block.value(), 4096, "--block-size", "bytes per request, whole 4 KiB blocks")}) {
-    if (!s.ok()) return s;
+  if (Status s = require_memory(buffers.value() * tile.value(), "--tile", text.tile + " x --buffers " + text.buffers);
+      !s.ok()) {
+    return s;
   }
   cfg.n = n.value();
   Result<DType> state = parse_state_dtype(text.state);
@@ -241,9 +242,8 @@ Status read_counts(const Texts& text, Config& cfg) {
 Status read_step(const Texts& text, Config& cfg) {
   cfg.chunk = cfg.n;
   if (!text.chunk.empty()) {
-    Result<std::uint64_t> c = parse_count(text.chunk, "--chunk");
+    Result<std::uint64_t> c = parse_count_in(text.chunk, "--chunk", 1, kMaxBenchParams, "parameters per step() call");
     if (!c.ok()) return c.status();
-    if (Status st = require_at_least(c.value(), 1, "--chunk", "parameters per step() call"); !st.ok()) return st;
     cfg.chunk = std::min(cfg.n, std::max<std::uint64_t>(c.value() / cfg.tile, 1) * cfg.tile);  // whole tiles per call
   }
   const auto g = parse_dtype(text.grad);
@@ -254,7 +254,8 @@ Status read_step(const Texts& text, Config& cfg) {
     return invalid_argument("--out " + text.out + " is not none, f16 or bf16");
   }
   cfg.out = text.out == "f16" ? DType::f16 : DType::bf16;
-  return Status::success();
+  // The gradients and weight copies of one call are held in RAM (4 + 2 bytes per parameter at most).
+  return require_memory(cfg.chunk * 6, text.chunk.empty() ? "--n" : "--chunk", text.chunk.empty() ? text.n : text.chunk);
 }
 
 void report_nvme(Report& report, const Texts& text, const Config& cfg, const Measured& m) {

@@ -194,12 +194,12 @@ std::array<Option, 11> options_of(Texts& t) {
       {"offload-param", &t.home, nullptr, "where the layers' 16-bit weights live: cpu (pinned RAM) or nvme"},
       {"device", &t.device, nullptr, "host (the stand-in), cpu (the CPU itself: device memory is host memory) or cuda"},
       {"path", &t.path, nullptr, "nvme: folder(s) for the parameter file, comma-separated"},
-      {"layers", &t.layers, nullptr, "layers (one block each)"},
-      {"layer-bytes", &t.layer_bytes, nullptr, "bytes of 16-bit weights per layer (K, M, G suffixes)"},
-      {"prefetch", &t.prefetch, nullptr, "blocks fetched ahead; a comma list runs each"},
+      {"layers", &t.layers, nullptr, "layers (one block each), 2 to 64K"},
+      {"layer-bytes", &t.layer_bytes, nullptr, "bytes of 16-bit weights per layer, 64K to 64G (K, M, G suffixes)"},
+      {"prefetch", &t.prefetch, nullptr, "blocks fetched ahead, each 0 to 1024; a comma list runs each"},
       {"compute-ratio", &t.ratio, nullptr, "each layer's compute (forward, and again backward) as a multiple of "
-                                           "its fetch time, measured at start"},
-      {"iters", &t.iters, nullptr, "timed iterations per prefetch depth"},
+                                           "its fetch time, measured at start; 0.001 to 1000"},
+      {"iters", &t.iters, nullptr, "timed iterations per prefetch depth, 1 to 1M"},
       {"host-waits", nullptr, &t.host_waits, "the host waits for each layer's compute before the next fetch (no run-ahead)"},
       {"json", nullptr, &t.json, "JSON lines on stdout, nothing else"},
       {"help", nullptr, &t.help, "this help"},
@@ -218,28 +218,28 @@ Result<Settings> settings(const Texts& text) {
   Settings cfg;
   Result<ParamHome> home = parse_param_home(text.home);
   if (!home.ok()) return home.status();
-  Result<std::uint64_t> layers = parse_count(text.layers, "--layers");
-  Result<std::uint64_t> layer_bytes = parse_count(text.layer_bytes, "--layer-bytes");
-  Result<std::uint64_t> iters = parse_count(text.iters, "--iters");
+  // The ranges of docs/cli.md: layers x bytes stays inside 64 bits, and a cpu home must fit this machine's RAM.
+  Result<std::uint64_t> layers = parse_count_in(text.layers, "--layers", 2, 64 << 10, "layers; prefetch needs a next one");
+  Result<std::uint64_t> layer_bytes = parse_count_in(text.layer_bytes, "--layer-bytes", 64 << 10, 64ull << 30, "bytes per layer");
+  Result<std::uint64_t> iters = parse_count_in(text.iters, "--iters", 1, kMaxReps, "timed iterations");
   for (const Status& s : {layers.status(), layer_bytes.status(), iters.status()}) {
     if (!s.ok()) return s;
   }
-  for (const Status& s : {require_at_least(layers.value(), 2, "--layers", "layers; prefetch needs a next one"),
-                          require_at_least(layer_bytes.value(), 64 * 1024, "--layer-bytes", "bytes per layer"),
-                          require_at_least(iters.value(), 1, "--iters", "timed iterations")}) {
-    if (!s.ok()) return s;
+  if (home.value() == ParamHome::ram) {
+    if (Status s = require_memory(layers.value() * layer_bytes.value(), "--layer-bytes", text.layer_bytes + " x --layers " + text.layers);
+        !s.ok()) {
+      return s;
+    }
   }
   for (const std::string& d : split_list(text.prefetch)) {
-    Result<std::uint64_t> k = parse_count(d, "--prefetch");
+    Result<std::uint64_t> k = parse_count_in(d, "--prefetch", 0, 1024, "blocks fetched ahead");
     if (!k.ok()) return k.status();
     cfg.depths.push_back(static_cast<int>(k.value()));
   }
   if (Status s = require_items(split_list(text.prefetch), "--prefetch", "depths such as 0,1,2,4"); !s.ok()) return s;
-  char* end = nullptr;
-  cfg.ratio = std::strtod(text.ratio.c_str(), &end);
-  if (end == text.ratio.c_str() || *end != '\0' || !(cfg.ratio > 0)) {
-    return invalid_argument("--compute-ratio " + text.ratio + " is not a positive number");
-  }
+  Result<double> ratio = parse_number_in(text.ratio, "--compute-ratio", 0.001, 1000, "compute per layer / its fetch time");
+  if (!ratio.ok()) return ratio.status();
+  cfg.ratio = *ratio;
   cfg.base.home = home.value();
   cfg.base.nvme_paths = split_list(text.path);
   if (cfg.base.home == ParamHome::nvme && cfg.base.nvme_paths.empty()) {

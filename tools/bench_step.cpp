@@ -134,11 +134,11 @@ std::array<Option, 14> options_of(Texts& t) {
       {"path", &t.path, nullptr, "tier nvme: swap folder(s), comma-separated"},
       {"durability", &t.durability, nullptr, "tier nvme: step (durable in the background) or checkpoint (at save)"},
       {"state", &t.state, nullptr, "Adam moments: fp32, bf16 or int8"},
-      {"n", &t.n, nullptr, "parameters (K, M, G suffixes are powers of 1024)"},
-      {"buckets", &t.buckets, nullptr, "gradient buckets reported during backward"},
-      {"compute-ms", &t.compute, nullptr, "device forward+backward time (default: 1.5x the CPU step measured at start)"},
-      {"iters", &t.iters, nullptr, "timed iterations"},
-      {"tile", &t.tile, nullptr, "elements per piece: the unit each gradient comes down and is stepped in (overlap) "
+      {"n", &t.n, nullptr, "parameters, 1 to 1T (K, M, G, T suffixes are powers of 1024)"},
+      {"buckets", &t.buckets, nullptr, "gradient buckets reported during backward, 1 to 1M (at most --n)"},
+      {"compute-ms", &t.compute, nullptr, "device forward+backward time, 0 to 1e6 (default: 1.5x the CPU step measured at start)"},
+      {"iters", &t.iters, nullptr, "timed iterations, 1 to 1M"},
+      {"tile", &t.tile, nullptr, "elements per piece, 1 to 1T: the unit each gradient comes down and is stepped in (overlap) "
                                  "(default 4M with --device cuda and tier ram, as the Python adapter's; else 1M)"},
       {"offload-param", nullptr, nullptr, "cpu|nvme: the layers' weights in a parameter tier instead (see --offload-param cpu --help)"},
       {"json", nullptr, &t.json, "one JSON object on stdout, nothing else"},
@@ -154,22 +154,21 @@ struct Settings {
 
 // The counts after parse_options, checked: nothing here may be zero, and every bucket needs a parameter.
 Status read_counts(const Texts& text, Settings& cfg) {
-  Result<std::uint64_t> n = parse_count(text.n, "--n");
-  Result<std::uint64_t> buckets = parse_count(text.buckets, "--buckets");
-  Result<std::uint64_t> iters = parse_count(text.iters, "--iters");
+  // The ranges of docs/cli.md; the state must fit this machine's RAM, checked before anything is allocated.
+  Result<std::uint64_t> n = parse_count_in(text.n, "--n", 1, kMaxBenchParams, "parameters");
+  Result<std::uint64_t> buckets = parse_count_in(text.buckets, "--buckets", 1, 1 << 20, "gradient buckets, at most --n");
+  Result<std::uint64_t> iters = parse_count_in(text.iters, "--iters", 1, kMaxReps, "timed iterations");
   // On CUDA a piece is a copy with its gradient statistics behind it on the copy stream: 1M-element pieces
   // brought gradients down at 0.67 of plain copies' speed on an H100, 4M ones at 0.87 (docs/performance.md).
   const bool cuda_ram = text.device == "cuda" && text.tier == "ram";
-  Result<std::uint64_t> tile = parse_count(!text.tile.empty() ? text.tile : cuda_ram ? "4M" : "1M", "--tile");
+  Result<std::uint64_t> tile = parse_count_in(!text.tile.empty() ? text.tile : cuda_ram ? "4M" : "1M", "--tile", 1,
+                                              kMaxBenchParams, "elements per piece");
   for (const Status& s : {n.status(), buckets.status(), iters.status(), tile.status()}) {
     if (!s.ok()) return s;
   }
-  if (Status s = require_at_least(tile.value(), 1, "--tile", "elements per piece"); !s.ok()) return s;
-  for (const Status& s : {require_at_least(n.value(), 1, "--n", "parameters; 0 has no step to time"),
-                          require_at_least(buckets.value(), 1, "--buckets", "gradient buckets, each of 1 parameter or more"),
-                          require_at_least(iters.value(), 1, "--iters", "timed iterations")}) {
-    if (!s.ok()) return s;
-  }
+  // Tier ram: p, m, v (12 bytes), the staging and the device's weights and gradients (2 each, twice);
+  // tier nvme keeps only the latter in RAM.
+  if (Status s = require_memory(n.value() * (text.tier == "nvme" ? 8 : 20), "--n", text.n); !s.ok()) return s;
   if (buckets.value() > n.value()) {
     return invalid_argument("--buckets " + text.buckets + " is more than --n " + text.n +
                             ": every bucket needs at least one parameter");
@@ -201,12 +200,9 @@ Result<Settings> settings(const Texts& text) {
   if (o.tier == Tier::nvme && o.nvme.paths.empty()) return invalid_argument("--tier nvme needs --path DIR[,DIR...]");
   o.delayed_warmup_steps = kCpuProbes;
   if (!text.compute.empty()) {
-    char* end = nullptr;
-    const double ms = std::strtod(text.compute.c_str(), &end);
-    if (end == text.compute.c_str() || *end != '\0' || !(ms >= 0)) {
-      return invalid_argument("--compute-ms " + text.compute + " is not a time in milliseconds");
-    }
-    cfg.compute_s = ms / 1e3;
+    Result<double> ms = parse_number_in(text.compute, "--compute-ms", 0, 1e6, "milliseconds of device compute");
+    if (!ms.ok()) return ms.status();
+    cfg.compute_s = *ms / 1e3;
   }
   return cfg;
 }

@@ -10,9 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -36,6 +34,10 @@ using namespace zoe::plan;  // NOLINT: the planner's vocabulary
 constexpr double kAssumedPcieGbps = 25;   // PCIe 4.0 x16, what a pinned copy reaches in practice
 constexpr double kAssumedNvmeGbps = 2;    // a single PCIe 3/4 NVMe drive, reading and writing (no libaio build)
 constexpr std::uint64_t kAssumedGpuMem = 80ull << 30;
+// --gpu-mem, --host-ram, --nvme-capacity at most 1024T (2^50 bytes): sums of them stay inside 64 bits.
+constexpr std::uint64_t kMaxBytes = std::uint64_t{1} << 50;
+// --model: a Hugging Face config.json is a few KiB; 16M is far past any, and keeps /dev/zero from filling memory.
+constexpr std::uint64_t kMaxConfigBytes = 16 << 20;
 
 struct Figure {
   double value = 0;
@@ -73,11 +75,6 @@ std::uint64_t free_bytes(const std::string& path) {
   struct statvfs st {};
   if (::statvfs(path.c_str(), &st) != 0) return 0;
   return static_cast<std::uint64_t>(st.f_bavail) * st.f_frsize;
-}
-
-std::uint64_t physical_ram() {
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
-  return pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) : 0;
 }
 
 std::string human(std::uint64_t bytes) { return bytes == 0 ? "-" : format_bytes(bytes); }
@@ -192,25 +189,25 @@ struct Texts {
 
 std::array<Option, 21> options_of(Texts& t) {
   return {{
-      {"params", &t.params, nullptr, "parameter count (350M, 7.5B, 1T)"},
+      {"params", &t.params, nullptr, "parameter count, 1 to 100T (350M, 7.5B, 1T)"},
       {"model", &t.model, nullptr, "a Hugging Face-style config.json instead of --params"},
-      {"gpus", &t.gpus, nullptr, "GPUs per node"},
-      {"nodes", &t.nodes, nullptr, "nodes"},
-      {"gpu-mem", &t.gpu_mem, nullptr, "memory per GPU (default 80G, assumed)"},
-      {"host-ram", &t.host_ram, nullptr, "RAM per node (default: this machine's)"},
-      {"nvme-capacity", &t.nvme_capacity, nullptr, "bytes each --nvme path may hold (default: its free space)"},
+      {"gpus", &t.gpus, nullptr, "GPUs per node, 1 to 1024"},
+      {"nodes", &t.nodes, nullptr, "nodes, 1 to 64K"},
+      {"gpu-mem", &t.gpu_mem, nullptr, "memory per GPU, 1 to 1024T (default 80G, assumed)"},
+      {"host-ram", &t.host_ram, nullptr, "RAM per node, 1 to 1024T (default: this machine's)"},
+      {"nvme-capacity", &t.nvme_capacity, nullptr, "bytes each --nvme path may hold, 0 to 1024T (default: its free space)"},
       {"stage", &t.stage, nullptr, "ZeRO stage 1, 2 or 3 (with --offload-*: the placement to size)"},
       {"offload-optimizer", &t.offload_opt, nullptr, "none, cpu or nvme"},
       {"offload-param", &t.offload_param, nullptr, "none, cpu or nvme (needs stage 3)"},
       {"state-dtype", &t.state_dtype, nullptr, "the moments: fp32, bf16 or int8 (the master stays fp32)"},
-      {"prefetch", &t.prefetch, nullptr, "modules fetched ahead (stage 3, parameter offload)"},
-      {"grad-accum", &t.grad_accum, nullptr, "micro-batches per step (> 1: zoe's fp32 sums on the host)"},
-      {"micro-batch", &t.micro_batch, nullptr, "sequences per GPU per micro-batch (activation estimate)"},
-      {"seq-len", &t.seq_len, nullptr, "tokens per sequence (activation estimate)"},
+      {"prefetch", &t.prefetch, nullptr, "modules fetched ahead, 0 to 32 (stage 3, parameter offload)"},
+      {"grad-accum", &t.grad_accum, nullptr, "micro-batches per step, 1 to 64K (> 1: zoe's fp32 sums on the host)"},
+      {"micro-batch", &t.micro_batch, nullptr, "sequences per GPU per micro-batch, 1 to 64K (activation estimate)"},
+      {"seq-len", &t.seq_len, nullptr, "tokens per sequence, 1 to 16M (activation estimate)"},
       {"activation-checkpointing", nullptr, &t.checkpointing, "full activation checkpointing (activation estimate)"},
-      {"adam-rate", &t.adam_rate, nullptr, "CPU Adam parameters/s per node (default: measured here)"},
-      {"nvme-gbps", &t.nvme_gbps, nullptr, "NVMe GB/s per path, each direction (default: measured on the --nvme paths)"},
-      {"pcie-gbps", &t.pcie_gbps, nullptr, "host-GPU GB/s per GPU (default 25, assumed)"},
+      {"adam-rate", &t.adam_rate, nullptr, "CPU Adam parameters/s per node, 1 to 100T (default: measured here)"},
+      {"nvme-gbps", &t.nvme_gbps, nullptr, "NVMe GB/s per path, each direction, 0.001 to 1e5 (default: measured on the --nvme paths)"},
+      {"pcie-gbps", &t.pcie_gbps, nullptr, "host-GPU GB/s per GPU, 0.001 to 1e5 (default 25, assumed)"},
       {"json", nullptr, &t.json, "one JSON object on stdout"},
       {"help", nullptr, &t.help, "this text"},
   }};
@@ -247,23 +244,22 @@ Status read_model(const Texts& t, Model& model) {
     Result<std::uint64_t> n = parse_param_count(t.params);
     if (!n.ok()) return n.status();
     if (*n == 0) return invalid_argument("--params: 0 parameters need no plan");
+    if (*n > kMaxParams) return invalid_argument("--params " + t.params + " is out of range: give 1 to 100T");
     model = model_from_params(*n);
     return Status::success();
   }
-  std::ifstream f(t.model);
-  if (!f) return invalid_argument("--model: cannot read " + t.model);
-  std::stringstream text;
-  text << f.rdbuf();
-  Result<Model> m = model_from_config(text.str(), t.model);
+  Result<std::string> text = read_small_file(t.model, "--model", kMaxConfigBytes);
+  if (!text.ok()) return text.status();
+  Result<Model> m = model_from_config(*text, t.model);
   if (!m.ok()) return m.status();
   model = *m;
   return Status::success();
 }
 
-Status count(const std::string& text, const char* option, std::uint64_t min, std::uint64_t* out) {
-  Result<std::uint64_t> v = parse_count(text, option);
+Status count(const std::string& text, const char* option, std::uint64_t min, std::uint64_t max, const char* counts,
+             std::uint64_t* out) {
+  Result<std::uint64_t> v = parse_count_in(text, option, min, max, counts);
   if (!v.ok()) return v.status();
-  if (Status s = require_at_least(*v, min, option, "of them"); !s.ok()) return s;
   *out = *v;
   return Status::success();
 }
@@ -276,7 +272,7 @@ Status size(const std::string& text, const char* option, std::uint64_t fallback,
   if (text.empty()) return Status::success();
   Result<std::uint64_t> b = parse_bytes(text, option);
   if (!b.ok()) return b.status();
-  if (*b == 0) return invalid_argument(std::string(option) + ": 0 bytes");
+  if (*b == 0 || *b > kMaxBytes) return invalid_argument(std::string(option) + " " + text + " is out of range: give 1 to 1024T");
   *out = *b;
   *how = "given";
   return Status::success();
@@ -285,16 +281,16 @@ Status size(const std::string& text, const char* option, std::uint64_t fallback,
 Status read_training(const Texts& t, Inputs& in) {
   Cluster& c = in.cluster;
   Training& tr = in.training;
-  for (Status s : {count(t.gpus, "--gpus", 1, &c.gpus_per_node), count(t.nodes, "--nodes", 1, &c.nodes),
-                   count(t.prefetch, "--prefetch", 0, &tr.prefetch),
-                   count(t.grad_accum, "--grad-accum", 1, &tr.grad_accumulation)}) {
+  for (Status s : {count(t.gpus, "--gpus", 1, 1024, "GPUs per node", &c.gpus_per_node), count(t.nodes, "--nodes", 1, 64 << 10, "nodes", &c.nodes),
+                   count(t.prefetch, "--prefetch", 0, 32, "modules fetched ahead", &tr.prefetch),
+                   count(t.grad_accum, "--grad-accum", 1, 64 << 10, "micro-batches per step", &tr.grad_accumulation)}) {
     if (!s.ok()) return s;
   }
   if (!t.micro_batch.empty()) {
-    if (Status s = count(t.micro_batch, "--micro-batch", 1, &tr.micro_batch); !s.ok()) return s;
+    if (Status s = count(t.micro_batch, "--micro-batch", 1, 64 << 10, "sequences per micro-batch", &tr.micro_batch); !s.ok()) return s;
   }
   if (!t.seq_len.empty()) {
-    if (Status s = count(t.seq_len, "--seq-len", 1, &tr.seq_len); !s.ok()) return s;
+    if (Status s = count(t.seq_len, "--seq-len", 1, 16 << 20, "tokens per sequence", &tr.seq_len); !s.ok()) return s;
   }
   tr.activation_checkpointing = t.checkpointing;
   Result<DType> sd = plan::parse_state_dtype(t.state_dtype);
@@ -314,6 +310,7 @@ Status read_memory(const Texts& t, Inputs& in) {
   if (!t.nvme_capacity.empty()) {
     Result<std::uint64_t> b = parse_bytes(t.nvme_capacity, "--nvme-capacity");
     if (!b.ok()) return b.status();
+    if (*b > kMaxBytes) return invalid_argument("--nvme-capacity " + t.nvme_capacity + " is out of range: give 0 to 1024T");
     capacity = *b;
   }
   for (const std::string& p : c.nvme_paths) {
@@ -353,10 +350,9 @@ Status read_placement(const Texts& t, Request& r) {
 }
 
 Status gbps(const std::string& text, const char* option, Figure* out) {
-  char* end = nullptr;
-  const double v = std::strtod(text.c_str(), &end);
-  if (text.empty() || *end != '\0' || !(v > 0)) return invalid_argument(std::string(option) + ": '" + text + "' is not a rate in GB/s");
-  *out = {v, "given"};
+  Result<double> v = parse_number_in(text, option, 0.001, 1e5, "a rate in GB/s");
+  if (!v.ok()) return v.status();
+  *out = {*v, "given"};
   return Status::success();
 }
 
@@ -364,7 +360,9 @@ Status gbps(const std::string& text, const char* option, Figure* out) {
 Status read_rates(const Texts& t, Request& r) {
   if (!t.adam_rate.empty()) {
     Result<std::uint64_t> rate = parse_param_count(t.adam_rate);
-    if (!rate.ok() || *rate == 0) return invalid_argument("--adam-rate: '" + t.adam_rate + "' is not a rate (e.g. 2B)");
+    if (!rate.ok() || *rate == 0 || *rate > kMaxParams) {
+      return invalid_argument("--adam-rate: '" + t.adam_rate + "' is not a rate from 1 to 100T parameters/s (e.g. 2B)");
+    }
     r.adam = {static_cast<double>(*rate), "given"};
   }
   if (!t.pcie_gbps.empty()) {

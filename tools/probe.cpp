@@ -73,14 +73,16 @@ Probe probe_one(const std::string& path, std::size_t bytes) {
     p.fs_type = info->type;
     p.free_bytes = info->free_bytes;
   }
-  if (Status s = aio::check_swap_dir(path); !s.ok()) {
-    p.verdict = "unusable: " + s.message();
+  Result<Folder> folder = aio::open_swap_dir(path, "swap path");
+  if (!folder.ok()) {
+    p.verdict = "unusable: " + folder.status().message();
     return p;
   }
   p.stores = aio::find_swap_stores(path);
-  const std::string file = path + "/.zoe-probe-" + std::to_string(::getpid());
-  ::unlink(file.c_str());
-  Result<aio::OpenedFile> opened = aio::open_swap_file(file, true, {});
+  // A name nobody can guess, created exclusively and never reopened: the measurement's writes go nowhere else.
+  const std::string name = ".zoe-probe-" + random_hex();
+  const std::string file = folder->path_of(name);
+  Result<aio::OpenedFile> opened = aio::open_swap_file(*folder, name, true, {});
   if (!opened.ok()) {
     p.verdict = "unusable: " + opened.status().message();
     return p;
@@ -92,7 +94,7 @@ Probe probe_one(const std::string& path, std::size_t bytes) {
   Status s = aio::allocate_file(opened->fd.get(), file, bytes, {});
   if (s.ok()) s = measure(file, opened->fd.get(), bytes, p.write_gbps, p.read_gbps);
   opened->fd.reset();
-  ::unlink(file.c_str());
+  (void)folder->remove(name);
   if (!s.ok()) {
     p.verdict = "unusable: " + s.message();
     return p;
@@ -210,7 +212,7 @@ int probe(std::span<char* const> args) {
     }
   }
   const Option options[] = {
-      {"bytes", &bytes_text, nullptr, "bytes written and read back per path for the bandwidth figures"},
+      {"bytes", &bytes_text, nullptr, "bytes written and read back per path for the bandwidth figures, 1 to 16G"},
       {"json", nullptr, &json, "one JSON object per path on stdout, nothing else"},
       {"help", nullptr, &help, "this help"},
   };
@@ -222,10 +224,10 @@ int probe(std::span<char* const> args) {
                "running are listed with the command that removes them; they make a warning, not an unusable path.\n");
     return help ? 0 : 2;
   }
-  Result<std::uint64_t> bytes = parse_count(bytes_text, "--bytes");
-  if (!bytes.ok() || bytes.value() == 0) {
-    return fail_message(kCommand, invalid_argument("--bytes " + bytes_text + " is not a positive count"));
-  }
+  // At most 16G (docs/cli.md): a bandwidth figure needs no more, and the rounding up to whole MiB below
+  // cannot wrap (2^64 - 1 became 0 bytes, "measured" as ok).
+  Result<std::uint64_t> bytes = parse_count_in(bytes_text, "--bytes", 1, 16ull << 30, "bytes written and read back per path");
+  if (!bytes.ok()) return fail_message(kCommand, bytes.status());
   const std::size_t rounded = (bytes.value() + (1 << 20) - 1) / (1 << 20) * (1 << 20);
   Report report(kCommand, json);
   int status = 0;

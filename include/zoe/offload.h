@@ -265,6 +265,14 @@ class OffloadOptimizer {
   // that changed the weights the speculative steps started from (the model's weights are the truth between
   // steps): discard, read_state(), write_state() the new master, step(). Other schedules: nothing to undo.
   Status discard_speculative_steps();
+  // The trainer gives this iteration up before step() (an exception ended its backward, or it discards the
+  // gradients): what it reported and summed, the gradients taken and the parameters named absent are
+  // dropped, and what was stepped or sent during it is put back — overlap's speculative steps undone (tier
+  // nvme: its speculation dropped), and the weights of the delayed schedule's previous step that went up
+  // during it replaced by those its forward used (that step itself stays, and goes up in the next backward).
+  // State and device weights are then as before the iteration, which the trainer runs again from its first
+  // micro-batch; the result is an uninterrupted run's.
+  Status abandon_iteration();
   // The global L2 norm of this iteration's gradients, unscaled (over every rank when partitioned; NaN if any
   // is NaN/Inf), as step() will compute it: the gradients are taken now (copied down, their statistics
   // summed), and step() does not take them again unless grads_changed() is called.

@@ -280,6 +280,10 @@ void bind_engine_steps(nb::class_<PyEngine>& engine) {
       .def("discard_speculative_steps",
            [](PyEngine& e) { e.call([](OffloadOptimizer& o) { return o.discard_speculative_steps(); }); },
            "Undoes the overlap schedule's steps taken during this backward; step() takes them again.")
+      .def("abandon_iteration",
+           [](PyEngine& e) { e.call([](OffloadOptimizer& o) { return o.abandon_iteration(); }); },
+           "Drops this iteration's reports and puts back what was stepped or sent during it: state and device "
+           "weights as before it, for the iteration to run again.")
       .def("grad_norm",
            [](PyEngine& e) {
              double norm = 0;

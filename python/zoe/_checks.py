@@ -55,3 +55,16 @@ def path(where: str, name: str, value) -> str:
     if isinstance(value, bytes):
         raise InvalidArgumentError(f"{where}: {name} = {value!r} is invalid: give the path as str")
     return text(where, name, value)
+
+
+def shape_numel(where: str, shape) -> int:
+    """The elements a shape read from a state_dict holds: non-negative ints, multiplied as Python ints.
+    torch.Size's numel() wraps in 64 bits ([2**40, 2**40] holds "0" elements there), so a crafted layout
+    could match any element count; here it is refused by name."""
+    try:
+        dims = list(shape)
+    except TypeError:
+        raise ValueError(f"{where}: its shape {shape!r} is not a list of dimensions") from None
+    if any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 0 for d in dims):
+        raise ValueError(f"{where}: its shape {shape!r} has a dimension that is not a non-negative integer")
+    return math.prod(int(d) for d in dims)

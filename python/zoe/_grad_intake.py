@@ -6,11 +6,18 @@ and the detection of gradients a trainer changed after zoe took them.
 Its fields, set by ``_init_grad_intake``: ``_accumulating``, ``_accumulation_steps``, ``_reporting_pass``,
 ``_engine_accumulates``, ``_reported``, ``_taken_versions``, ``_window_versions``, ``_windowed_slots``,
 ``_hyper_pushed``, ``_warned_changed``, ``_check_changes``, ``_grad_sources``, ``_retired_grads``,
-``_absent_sent``. It reads the flat buffers and engine through ``self._flat`` (_flat.py) and uses the
-optimizer's ``_device``, ``_stream``, ``_zoe_device``, ``_options``, ``_refuse_unscaled_fp16()``,
-``_sync_hyper()`` and ``_capture_edits()`` (_weight_edits.py)."""
+``_absent_sent``, ``_open_backwards``, ``_outstanding``. It reads the flat buffers and engine through
+``self._flat`` (_flat.py) and uses the optimizer's ``_device``, ``_stream``, ``_zoe_device``, ``_options``,
+``_calls``, ``_scaled``, ``_clip_once``, ``_max_grad_norm``, ``_refuse_unscaled_fp16()``, ``_sync_hyper()``
+and ``_capture_edits()`` (_weight_edits.py).
+
+An iteration ends with its step, or is given up (``_abandon_iteration``): after an exception in backward (a
+hook raised, a KeyboardInterrupt), in step() before the engine stepped, or at zero_grad() after gradients
+were reported, the engine drops what the iteration reported and puts back what it stepped or sent, so the
+iteration can run again."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from typing import Callable
@@ -49,6 +56,11 @@ class GradIntake:
         self._grad_sources = False
         self._retired_grads: list = []  # gradient tensors the engine read this iteration, replaced since
         self._absent_sent = False  # the engine holds a non-empty list of parameters without a gradient
+        # Backward passes that reported to zoe (autograd's graph task ids) whose end autograd has not signalled:
+        # one left once backward has returned ended in an exception, which autograd signals by running none of
+        # the callbacks queued in it.
+        self._open_backwards: set[int] = set()
+        self._outstanding = False  # the engine holds something of this iteration: reports, taken gradients
 
     def _make_hook(self, slot: Slot) -> Callable:
         # A weak reference: the parameter holds the hook, and must not keep the optimizer (and its engine's
@@ -59,6 +71,7 @@ class GradIntake:
             opt = ref()
             if opt is None:
                 return
+            opt._note_backward()
             if slot.windowed:
                 opt._on_windowed_grad(slot)  # it cannot wait on the device, inside accumulating() too
             elif not opt._accumulating:
@@ -73,6 +86,11 @@ class GradIntake:
         self._adopt_grad(slot)
         slot.accumulated += 1
         passes = self._reporting_pass
+        if slot.accumulated > (passes or 1) and self._open_backwards - {torch._C._current_graph_task_id()}:
+            raise RuntimeError(
+                f"zoe.torch.OffloadOptimizer: backward pass {slot.accumulated} since the last step, after one that "
+                "ended in an exception without a call to the optimizer since. Call opt.zero_grad() and run the "
+                "iteration again: zoe then drops what the interrupted pass reported and puts the weights back")
         if self._engine_accumulates and slot.accumulated > passes:
             raise RuntimeError(
                 f"zoe.torch.OffloadOptimizer: backward pass {slot.accumulated} since the last step, but "
@@ -90,6 +108,79 @@ class GradIntake:
             self._taken_versions = self._grad_versions()
         if self._engine_accumulates or slot.accumulated == passes:
             self._report(slot, last=slot.accumulated == passes)
+
+    def _note_backward(self) -> None:
+        """In a hook: the backward pass running reports to zoe. The callback queued at its first report runs
+        when it ends whole; one that raises runs none, and leaves its id in ``_open_backwards``."""
+        self._outstanding = True
+        task = torch._C._current_graph_task_id()
+        if task in self._open_backwards:
+            return
+        self._open_backwards.add(task)
+        ref = weakref.ref(self)
+
+        def ended():
+            opt = ref()
+            if opt is not None:
+                opt._open_backwards.discard(task)
+        torch.autograd.Variable._execution_engine.queue_callback(ended)
+
+    def _after_interrupted_backward(self) -> None:
+        """At the trainer's next call (zero_grad, step, scale_loss/backward, clip_grad_norm_, load_state_dict):
+        a backward pass that ended in an exception gives its iteration up. Not at state_dict() or read_state(),
+        which another thread may call while backward runs; they read the state before the iteration anyway."""
+        if self._open_backwards:
+            self._abandon_iteration()
+
+    @contextlib.contextmanager
+    def _abandoned_on_error(self):
+        """An exception out of the block (a backward, a closure) gives the iteration up before it propagates."""
+        try:
+            yield
+        except BaseException:
+            self._abandon_iteration()
+            raise
+
+    def _abandon_iteration(self) -> None:
+        """The iteration is given up before its step: the engine drops what it reported and summed and puts
+        back what it stepped or sent (abandon_iteration: state and the model's weights as before the
+        iteration), and the next backward pass is the iteration's first again. Nothing is learnt from it."""
+        with self._calls:
+            self._open_backwards.clear()
+            if not self._outstanding:
+                return
+            self._stream.follow()
+            self._flat.engine.abandon_iteration()
+            if not self._stream.ordered:
+                self._zoe_device.synchronize()  # the weights it put back, before the trainer reads them
+            self._absent_sent = False
+            self._forget_iteration()
+
+    def _end_iteration(self, learn: bool = True) -> None:
+        """After step(), applied or refused: the next iteration counts its backward passes anew. ``learn``:
+        the passes of this one tell overlap and delayed which pass reports (undeclared accumulation)."""
+        passes = max((s.accumulated for s in self._flat.slots), default=0)
+        if learn and self._accumulation_steps is None:
+            self._reporting_pass = passes or None
+        self._open_backwards.clear()
+        self._scaled = False  # kept by an abandoned iteration: the one run again scales by the same scale
+        self._forget_iteration()
+
+    def _forget_iteration(self) -> None:
+        self._retired_grads.clear()
+        for s in self._flat.slots:
+            s.accumulated = 0
+            s.taken = False
+        self._reported = False
+        self._outstanding = False
+        self._taken_versions = None
+        self._hyper_pushed = False
+        if self._flat.dtensor is not None:
+            self._flat.dtensor.end_iteration()
+        if self._clip_once is not None:
+            self._clip_once = None
+            if self._flat.dtensor is None:
+                self._flat.engine.set_max_grad_norm(self._max_grad_norm)
 
     def _on_windowed_grad(self, slot: Slot) -> None:
         """After autograd accumulated the gradient of an offloaded parameter into its window: it goes down
@@ -189,6 +280,7 @@ class GradIntake:
         already that the trainer replaced by another tensor (``p.grad = ...``, or None) is a changed gradient.
         Parameters whose gradient is None are named to the engine, which leaves them as they are (torch's
         rule: not stepped, their moments and step count unchanged)."""
+        self._outstanding = True  # the engine is told where the gradients are, and which are absent
         absent = [s for s in self._flat.slots if self._grad_absent(s)]
         if self._flat.dp is not None:  # every rank, every step: a rank cannot tell whether another has a None
             absent = self._flat.dp.absent_everywhere(self._flat.slots, absent)

@@ -22,7 +22,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import _dtensor, _scratch, _zoe
+from . import _checks, _dtensor, _files, _scratch, _zoe
 from ._flat import FlatState
 
 try:
@@ -277,14 +277,16 @@ def consolidate(state_dicts) -> dict:
     state, masters = {}, {}
     for e, index in index_of.items():
         shape = layout[index][0]
-        if joined["params"][e][2] != int(torch.Size(shape).numel()):
+        numel = _checks.shape_numel(f"parameter {index} of the state_dicts' layout", shape)
+        if joined["params"][e][2] != numel:
             raise ValueError(f"parameter {index}: zoe's checkpoints hold {joined['params'][e][2]} elements, the "
-                             f"layout {int(torch.Size(shape).numel())}")
+                             f"layout's shape {list(shape)} {numel}")
         m, v = (torch.from_numpy(joined[key][e]).view(shape) for key in ("exp_avg", "exp_avg_sq"))
         state[index] = {"step": torch.tensor(float(joined["step"])), "exp_avg": m, "exp_avg_sq": v}
         masters[index] = torch.from_numpy(joined["master"][e]).view(shape)
     for index, (shape, _, trainable, *rest) in enumerate(layout):
-        if trainable and int(torch.Size(shape).numel()) > 0 and index not in state:
+        if trainable and _checks.shape_numel(f"parameter {index} of the state_dicts' layout", shape) > 0 \
+                and index not in state:
             raise ValueError(f"parameter {index}: no rank's partition holds it")
     groups = [dict(g) for g in sds[0]["param_groups"]]
     # An fp16 model's run scaled its loss (zoe's default for fp16); the scaler of any other is at rest.
@@ -380,6 +382,7 @@ def export_fp32(source, out_dir, names=None, moments: bool = False) -> list[str]
             if t is not None:
                 tensors[name] = t.detach().to("cpu", torch.float32).contiguous()
         path = os.path.join(out_dir, filename)
-        save_file(tensors, path, metadata={"format": "pt", "written_by": "zoe"})
+        with _files.atomic_path(path) as own:  # never written through a link another user planted
+            save_file(tensors, own, metadata={"format": "pt", "written_by": "zoe"})
         files.append(path)
     return files

@@ -65,12 +65,24 @@ def remove_abandoned() -> list[str]:
 
 @contextlib.contextmanager
 def scratch_file(name: str = "optimizer.zoe"):
-    """A path in a new folder of this call's own (``<host>.<pid>.<random>``), removed with it on exit."""
+    """A path in a new folder of this call's own (``<host>.<pid>.<random>``, mode 0700), removed with it on
+    exit. The path goes through the folder's open descriptor (``/proc/self/fd/N/<name>``): a folder above it
+    renamed or replaced by a link meanwhile (a temporary folder other users can write) redirects nothing."""
     remove_abandoned()
     base = _own_base()
     folder = tempfile.mkdtemp(prefix=f"{_host()}.{os.getpid()}.", dir=base) if base else \
         tempfile.mkdtemp(prefix="zoe-state-")
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        yield os.path.join(folder, name)
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise OSError(f"zoe's scratch folder {folder} was replaced by someone else's (owner uid {st.st_uid}, mode "
+                          f"{stat.S_IMODE(st.st_mode):04o}): set TMPDIR to a folder no other user can write")
+        yield f"/proc/self/fd/{fd}/{name}"
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        for entry in os.listdir(fd):
+            with contextlib.suppress(OSError):
+                os.unlink(entry, dir_fd=fd)
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)

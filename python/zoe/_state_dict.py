@@ -152,7 +152,9 @@ class StateDictMethods:
         - what ``torch.distributed.checkpoint`` loaded from a ``get_state_dict`` checkpoint (torch's format,
           keyed by parameter name; DTensors resharded to this run's mesh).
 
-        A state that does not fit raises before anything changes."""
+        A state that does not fit raises before anything changes. A backward pass that ended in an exception
+        gives its iteration up first (``zero_grad()``'s doc)."""
+        self._after_interrupted_backward()
         self._load_state_dict(state_dict)
         self._weights_loaded()
 
@@ -186,10 +188,13 @@ class StateDictMethods:
                 f"{meta['world_size']} ranks' state_dicts (zoe.torch.consolidate_state_dicts) to load it on "
                 "another number of ranks")
         self._check_layout(meta)
-        # The param groups only: the state is the engine's (torch would copy each tensor to its parameter).
-        super().load_state_dict(_groups_and_extras(state_dict))
+        self._check_groups(state_dict)
         with _interop.blob_file(meta, state_dict.get("state")) as path:
             self._flat.engine.load(path)  # across ranks collective: the loaded shards are all-gathered
+        # The param groups only, once the engine took its checkpoint (it refuses a damaged or crafted one,
+        # a shape that does not hold its element count among them, before changing anything): the state is
+        # the engine's (torch would copy each tensor to its parameter).
+        super().load_state_dict(_groups_and_extras(state_dict))
         self._flat.hyper_unknown(len(self.param_groups))
 
     def _check_layout(self, meta: dict) -> None:
@@ -206,6 +211,18 @@ class StateDictMethods:
             why = f"parameter {i} is {meta['layout'][i]} there and {layout[i]} here (shape, dtype, requires_grad)"
         raise ValueError(f"this state_dict is for a different model: {why}")
 
+    def _check_groups(self, state_dict: dict) -> None:
+        """What torch's load_state_dict refuses, checked before the engine's load so that a refusal there
+        comes before anything changed too."""
+        saved = state_dict.get("param_groups")
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(self.param_groups):
+            raise ValueError(f"this state_dict has {len(saved) if isinstance(saved, (list, tuple)) else 'no'} param "
+                             f"groups, this optimizer {len(self.param_groups)}")
+        for k, (a, b) in enumerate(zip(saved, self.param_groups)):
+            if not isinstance(a, dict) or len(a.get("params", ())) != len(b["params"]):
+                raise ValueError(f"param group {k} of this state_dict does not hold as many parameters as this "
+                                 "optimizer's")
+
     def _load_rank_file(self, state_dict: dict, world: int, rank: int) -> None:
         """A ``save_to`` state_dict: this rank's own file from the folder (each rank reads its own, whichever
         rank's state_dict the trainer loaded)."""
@@ -221,8 +238,9 @@ class StateDictMethods:
                 f"rank {rank}'s optimizer state {path} is missing: the checkpoint was saved with "
                 "OffloadOptimizer.save_to (zoe.hf's callback or hooks) and each rank's file must stay beside it; if "
                 "the folder moved, call opt.load_from(new_folder) before loading")
-        super().load_state_dict(_groups_and_extras(state_dict))
+        self._check_groups(state_dict)
         self._flat.engine.load(path)  # across ranks collective: the loaded shards are all-gathered
+        super().load_state_dict(_groups_and_extras(state_dict))  # after the engine's load, as above
         self._flat.hyper_unknown(len(self.param_groups))
 
     def _load_torch_state_dict(self, state_dict: dict) -> None:

@@ -370,14 +370,16 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
         """Applies one Adam step to every parameter; returns the closure's loss when given one."""
         if _adaptations.called_to_initialise_state():
             return None  # zoe's state exists already; a step with zero gradients would decay the moments
+        self._after_interrupted_backward()  # then p.grad is stepped as it is, as torch does
         loss = None
         if closure is not None:
-            with torch.enable_grad():
+            with torch.enable_grad(), self._abandoned_on_error():
                 loss = closure()
         if self._flat.dp is not None and self._timing["steps"] == 0:
             _adaptations.refuse_trainer_without_callback(self, self._flat.world)
         t0 = time.perf_counter()
         comm = engine_s = 0.0
+        stepping = False  # an exception before the engine's step leaves the iteration as it was: given up
         try:
             self._refuse_unscaled_fp16()
             self._take_edited_weights()
@@ -395,6 +397,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
                 comm += time.perf_counter() - tc
             self._stream.follow()
             te = time.perf_counter()
+            stepping = True
             self._flat.engine.step()
             if not self._stream.ordered:
                 # torch computes on the host at once: the device's copies (the weights up; with the delayed
@@ -404,8 +407,12 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
             for offload in self._offloads:
                 offload.after_step()
             engine_s = time.perf_counter() - te
+        except BaseException:
+            if not stepping:
+                self._abandon_iteration()
+            raise
         finally:
-            self._end_iteration()  # a refused step ends the iteration too: the next one counts anew
+            self._end_iteration(learn=stepping)  # a refused step ends the iteration too: the next one counts anew
         total = time.perf_counter() - t0
         tm = self._timing
         tm["engine_s"] += engine_s
@@ -425,25 +432,6 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
             "not scaled by it, and the step would divide the gradients by it. Nothing was stepped. Call "
             "opt.backward(loss) (or opt.scale_loss(loss).backward(), or multiply the loss by opt.loss_scale) — or, to "
             "use torch's GradScaler or no scaling, create the optimizer with loss_scale=False")
-
-    def _end_iteration(self) -> None:
-        self._scaled = False
-        self._retired_grads.clear()
-        passes = max((s.accumulated for s in self._flat.slots), default=0)
-        if self._accumulation_steps is None:
-            self._reporting_pass = passes or None
-        for s in self._flat.slots:
-            s.accumulated = 0
-            s.taken = False
-        self._reported = False
-        self._taken_versions = None
-        self._hyper_pushed = False
-        if self._flat.dtensor is not None:
-            self._flat.dtensor.end_iteration()
-        if self._clip_once is not None:
-            self._clip_once = None
-            if self._flat.dtensor is None:
-                self._flat.engine.set_max_grad_norm(self._max_grad_norm)
 
     @torch.no_grad()
     @_serial.serialised
@@ -467,6 +455,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
             return _adaptations.torch_clip_grad_norm_([s.param for s in self._flat.slots], max_norm,
                                                       norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
         limit = min(max_norm, self._max_grad_norm) if self._max_grad_norm > 0 else max_norm
+        self._after_interrupted_backward()
         self._check_windows()
         self._note_changed_grads()
         self._adopt_grads()
@@ -496,7 +485,10 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
         place (one fill per dtype; backward accumulates straight into them, no copy): every parameter then has
         a gradient, zero where backward gave none, and is stepped — as with torch. Offloaded parameters'
         gradients (``offload_parameters`` on a GPU) are zeroed either way: they leave the device as backward
-        reports them, and one that was not reported is not stepped."""
+        reports them, and one that was not reported is not stepped. Gradients reported to zoe since the last
+        step (a backward that ended in an exception, or one whose step is not to come) are dropped with what
+        zoe stepped or sent from them: weights and state are as before the iteration, which may run again."""
+        self._abandon_iteration()
         for b in self._flat.buckets:
             if b.window is not None:
                 b.window.zero_()
@@ -523,12 +515,16 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
         return float(self._flat.engine.loss_scale)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        self._after_interrupted_backward()
         self._scaled = True
         return loss * self.loss_scale if self._flat.loss_scaling else loss
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """``loss.backward()`` with the loss scale applied."""
-        self.scale_loss(loss).backward(**kwargs)
+        """``loss.backward()`` with the loss scale applied. An exception out of it (a hook's, a KeyboardInterrupt)
+        gives the iteration up at once: the weights and state are as before it, and it may run again."""
+        scaled = self.scale_loss(loss)
+        with self._abandoned_on_error():
+            scaled.backward(**kwargs)
 
     @property
     def last_step_skipped(self) -> bool:

@@ -57,7 +57,8 @@ using TileCompute = std::function<Status(const TileTask&, const TileArrays&, std
 struct SwapStore::Impl {
   struct PathFile {
     std::string dir;            // the swap path as given
-    std::string data_path;      // dir/<name>.zoe-swap
+    std::string data_name;      // <name>.zoe-swap, in folders[k]
+    std::string data_path;      // dir/<name>.zoe-swap, for messages
     aio::FileHandle fd;
     bool direct = false;
     int engine_file = -1;
@@ -82,6 +83,8 @@ struct SwapStore::Impl {
   std::size_t slot_bytes = 0;  // p, m, v (and scales) of a tile, rounded up to the alignment
   std::vector<PathFile> files;
   std::vector<std::string> paths;
+  // Each path opened once (aio::open_swap_dir): every file of the store is reached through these.
+  std::vector<Folder> folders;
   std::unique_ptr<aio::IoEngine> engine;
   std::vector<AlignedBuffer> buffers;
   std::vector<TileEntry> table;
@@ -129,6 +132,8 @@ struct SwapStore::Impl {
   }
   std::size_t tile_begin(std::size_t t) const { return t * tile; }
   std::size_t tile_count(std::size_t t) const { return std::min(tile, n - t * tile); }
+  std::string table_name() const;  // in folders[0]
+  std::string manifest_name() const;  // in every folder
   std::string table_path() const;
   std::string manifest_path(std::size_t k) const;
   std::string tile_name(std::size_t t) const;  // "tile 7 (elements [7340032, 8388608)) on /p/x.zoe-swap"

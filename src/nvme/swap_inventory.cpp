@@ -95,15 +95,27 @@ std::optional<ProcessIdentity> parse_owner(const nlohmann::json& manifest) {
 
 namespace {
 
-// One path's owner lock, `<dir>/<base>.lock`. A lock file removed (by an owner that was done with the
-// files) between our open and our flock is not the owner's lock any more: the file at the path is checked
-// to be the one locked, else it starts again.
-Result<FileHandle> lock_one(const std::string& dir, const std::string& base, const std::string& what) {
-  const std::string path = owner_lock_path(dir, base);
+// One folder's owner lock, `<base>.lock`. A lock file removed (by an owner that was done with the files)
+// between our open and our flock is not the owner's lock any more: the file at the name is checked to be the
+// one locked, else it starts again. Created exclusively or opened as a regular file, never through a link.
+Result<FileHandle> open_lock(const Folder& folder, const std::string& name) {
+  for (int attempt = 0;; ++attempt) {
+    Result<UniqueFd> made = folder.create(name, O_RDWR, 0600);
+    if (made.ok() || made.status().sys_errno() != EEXIST) return made;
+    Result<UniqueFd> found = folder.open_file(name, O_RDWR);
+    if (found.ok() || found.status().sys_errno() != ENOENT || attempt == 50) return found;  // removed meanwhile: again
+  }
+}
+
+Result<FileHandle> lock_one(const Folder& folder, const std::string& base, const std::string& what) {
+  const std::string name = owner_lock_name(base);
+  const std::string path = folder.path_of(name);
   // A probe tests the lock for a moment (a shared lock); a few retries step around it.
   for (int attempt = 0;; ++attempt) {
-    FileHandle fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
-    if (!fd.valid()) return sys_error("cannot open the owner lock of " + what + ":", path, errno);
+    Result<FileHandle> opened = open_lock(folder, name);
+    if (!opened.ok()) return Status(opened.status().code(), "the owner lock of " + what + ": " + opened.status().message(),
+                                    opened.status().sys_errno());
+    FileHandle fd = std::move(opened).value();
     if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
       if (errno != EWOULDBLOCK) return fd;  // no flock on this filesystem: the owner record is all there is
       if (attempt < 50) {
@@ -114,7 +126,7 @@ Result<FileHandle> lock_one(const std::string& dir, const std::string& base, con
       const ProcessIdentity self = this_process();
       const bool here = holder && holder->pid == self.pid && holder->scope == self.scope;
       return Status(StatusCode::io_error,
-                    what + " in " + dir + " is in use by " +
+                    what + " in " + folder.path() + " is in use by " +
                         (holder ? describe(*holder) : std::string("another process (no record in " + path + ")")) +
                         (here ? " — this process: another optimizer (or store) holds it" : "") +
                         ". One store serves one optimizer: give this one another nvme_path, or end the one that "
@@ -122,8 +134,8 @@ Result<FileHandle> lock_one(const std::string& dir, const std::string& base, con
                     EBUSY);
     }
     struct stat held {}, named {};
-    if (::fstat(fd.get(), &held) != 0 || ::lstat(path.c_str(), &named) != 0 || held.st_ino != named.st_ino ||
-        held.st_dev != named.st_dev) {
+    if (::fstat(fd.get(), &held) != 0 || ::fstatat(folder.fd(), name.c_str(), &named, AT_SYMLINK_NOFOLLOW) != 0 ||
+        held.st_ino != named.st_ino || held.st_dev != named.st_dev) {
       continue;  // removed while we waited for it
     }
     const std::string record = nlohmann::json{{"owner", owner_record()}}.dump() + "\n";
@@ -134,31 +146,33 @@ Result<FileHandle> lock_one(const std::string& dir, const std::string& base, con
 
 }  // namespace
 
-Result<std::vector<FileHandle>> take_ownership(const std::vector<std::string>& paths, const std::string& base,
+Result<std::vector<FileHandle>> take_ownership(const std::vector<Folder>& folders, const std::string& base,
                                                const std::string& what) {
   std::vector<FileHandle> locks;
-  for (const std::string& dir : paths) {
-    Result<FileHandle> fd = lock_one(dir, base, what);
+  for (const Folder& folder : folders) {
+    Result<FileHandle> fd = lock_one(folder, base, what);
     if (!fd.ok()) return fd.status();  // the locks taken so far are released here
     locks.push_back(std::move(fd).value());
   }
   return locks;
 }
 
-std::string owner_lock_path(const std::string& dir, const std::string& base) { return dir + "/" + base + ".lock"; }
+std::string owner_lock_name(const std::string& base) { return base + ".lock"; }
+
+std::string owner_lock_path(const std::string& dir, const std::string& base) { return dir + "/" + owner_lock_name(base); }
 
 std::vector<std::string> manifest_temps(const std::string& dir, const std::string& name) {
   const std::string prefix = name + ".zoe-swap.json.tmp";
   std::vector<std::string> found;
   std::error_code ec;
   for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    if (it->path().filename().string().starts_with(prefix)) found.push_back(it->path().string());
+    if (it->path().filename().string().starts_with(prefix)) found.push_back(it->path().filename().string());
   }
   return found;
 }
 
-void remove_stale_temps(const std::string& dir, const std::string& name) {
-  for (const std::string& temp : manifest_temps(dir, name)) ::unlink(temp.c_str());
+void remove_stale_temps(const Folder& folder, const std::string& name) {
+  for (const std::string& temp : manifest_temps(folder.path(), name)) (void)folder.remove(temp);
 }
 
 bool owner_lock_held(const std::string& lock_path) {

@@ -35,23 +35,25 @@ std::optional<ProcessIdentity> parse_owner(const nlohmann::json& manifest);
 // Best effort: a filesystem without flock leaves the owner record as the only sign.
 void mark_in_use(int table_fd);
 
-// The owner locks of the files `<base>*` under `paths`: `<base>.lock` in each (in order), taken exclusively,
+// The owner locks of the files `<base>*` in `folders`: `<base>.lock` in each (in order), taken exclusively,
 // with this process's record written into them; held while the handles stay open. Refused (io_error, EBUSY)
 // while another owner — of this process or another — holds any of them, naming `what` (e.g. "swap store
 // rank0"), the folder, the holder and what to do. A filesystem without flock gets no lock (the owner record
 // and the table's lock remain).
-Result<std::vector<FileHandle>> take_ownership(const std::vector<std::string>& paths, const std::string& base,
+Result<std::vector<FileHandle>> take_ownership(const std::vector<Folder>& folders, const std::string& base,
                                                const std::string& what);
 
-// `<dir>/<base>.lock`: where take_ownership() keeps the lock of the files `<base>*` in `dir`.
+// `<base>.lock`, and that in `dir`: where take_ownership() keeps the lock of the files `<base>*` in a folder.
+std::string owner_lock_name(const std::string& base);
 std::string owner_lock_path(const std::string& dir, const std::string& base);
 
-// The manifest temporaries of store `name` in `dir` (`<name>.zoe-swap.json.tmp-<pid>-<n>`, replace_file's).
+// The names of the manifest temporaries of store `name` in `dir` (`<name>.zoe-swap.json.tmp-<pid>-<random>`,
+// replace_file's).
 std::vector<std::string> manifest_temps(const std::string& dir, const std::string& name);
 
-// Removes what a crashed writer left of store `name` in `dir`: manifest temporaries (`.json.tmp*`).
+// Removes what a crashed writer left of store `name` in `folder`: manifest temporaries (`.json.tmp*`).
 // Only its owner calls it, so none of them belongs to a live writer.
-void remove_stale_temps(const std::string& dir, const std::string& name);
+void remove_stale_temps(const Folder& folder, const std::string& name);
 
 // Whether a live SwapStore holds the owner lock `lock_path`, and the record it wrote there.
 bool owner_lock_held(const std::string& lock_path);

@@ -69,9 +69,10 @@ SwapOptions SwapOptions::from(const NvmeOptions& nvme) {
   return o;
 }
 
-std::string SwapStore::Impl::table_path() const { return files[0].dir + "/" + name + ".zoe-swap.table"; }
-
-std::string SwapStore::Impl::manifest_path(std::size_t k) const { return files[k].dir + "/" + name + ".zoe-swap.json"; }
+std::string SwapStore::Impl::table_name() const { return name + ".zoe-swap.table"; }
+std::string SwapStore::Impl::manifest_name() const { return name + ".zoe-swap.json"; }
+std::string SwapStore::Impl::table_path() const { return folders[0].path_of(table_name()); }
+std::string SwapStore::Impl::manifest_path(std::size_t k) const { return folders[k].path_of(manifest_name()); }
 
 std::string SwapStore::Impl::unwritten(std::size_t t) const {
   if (!reopened) return tile_name(t) + " was never written: call initialize() first";
@@ -201,13 +202,16 @@ Result<std::unique_ptr<SwapStore::Impl>> make_impl(const SwapOptions& options, c
   const std::size_t P = options.paths.size();
   for (std::size_t k = 0; k < P; ++k) {
     const std::string& dir = options.paths[k];
-    if (Status s = aio::check_swap_dir(dir); !s.ok()) return s;
+    Result<Folder> folder = aio::open_swap_dir(dir, "swap path");
+    if (!folder.ok()) return folder.status();
     if (!seen.insert(canonical(dir)).second) {
       return invalid_argument("swap path " + dir + " is listed twice: each path gets its own share of the tiles");
     }
     SwapStore::Impl::PathFile f;
     f.dir = dir;
-    f.data_path = dir + "/" + data_file_name(name);
+    f.data_name = data_file_name(name);
+    f.data_path = folder->path_of(f.data_name);
+    impl->folders.push_back(std::move(folder).value());
     f.tiles_here = impl->ntiles > k ? (impl->ntiles - k + P - 1) / P : 0;
     impl->files.push_back(std::move(f));
   }
@@ -218,10 +222,10 @@ Result<std::unique_ptr<SwapStore::Impl>> make_impl(const SwapOptions& options, c
 // written, and clears what a crashed owner left behind.
 Status own(SwapStore::Impl& impl) {
   Result<std::vector<aio::FileHandle>> locks =
-      aio::take_ownership(impl.paths, impl.name + ".zoe-swap", "swap store " + impl.name);
+      aio::take_ownership(impl.folders, impl.name + ".zoe-swap", "swap store " + impl.name);
   if (!locks.ok()) return locks.status();
   impl.owner_locks = std::move(locks).value();
-  for (const std::string& dir : impl.paths) aio::remove_stale_temps(dir, impl.name);
+  for (const Folder& folder : impl.folders) aio::remove_stale_temps(folder, impl.name);
   return Status::success();
 }
 
@@ -230,9 +234,9 @@ Status own(SwapStore::Impl& impl) {
 struct UnusedLocks {
   SwapStore::Impl& impl;
   ~UnusedLocks() {
-    for (std::size_t k = 0; k < impl.owner_locks.size() && k < impl.paths.size(); ++k) {
-      if (::access(impl.manifest_path(k).c_str(), F_OK) != 0) {
-        ::unlink(aio::owner_lock_path(impl.paths[k], impl.name + ".zoe-swap").c_str());
+    for (std::size_t k = 0; k < impl.owner_locks.size() && k < impl.folders.size(); ++k) {
+      if (!impl.folders[k].exists(impl.manifest_name())) {
+        (void)impl.folders[k].remove(aio::owner_lock_name(impl.name + ".zoe-swap"));
       }
     }
   }
@@ -312,7 +316,7 @@ Result<SwapStore> SwapStore::create(const SwapOptions& options, const std::strin
   if (Status s = own(impl); !s.ok()) return s;
   UnusedLocks unused{impl};
   for (std::size_t k = 0; k < impl.files.size(); ++k) {
-    if (::access(impl.manifest_path(k).c_str(), F_OK) == 0) {
+    if (impl.folders[k].exists(impl.manifest_name())) {
       return invalid_argument("a swap store named " + name + " already exists in " + impl.files[k].dir +
                               ": open it, or remove it first");
     }
@@ -332,16 +336,19 @@ Result<SwapStore> SwapStore::create(const SwapOptions& options, const std::strin
     }
   }
   auto cleanup = [&impl] {
-    for (auto& f : impl.files) {
-      if (f.fd.valid()) {
-        f.fd.reset();
-        ::unlink(f.data_path.c_str());
+    for (std::size_t k = 0; k < impl.files.size(); ++k) {
+      if (impl.files[k].fd.valid()) {
+        impl.files[k].fd.reset();
+        (void)impl.folders[k].remove(impl.files[k].data_name);
       }
     }
   };
-  for (auto& f : impl.files) {
-    ::unlink(f.data_path.c_str());  // no manifest: whatever is there is an unfinished creation
-    Result<aio::OpenedFile> opened = aio::open_swap_file(f.data_path, true, options.fault_hook);
+  for (std::size_t k = 0; k < impl.files.size(); ++k) {
+    auto& f = impl.files[k];
+    // No manifest: whatever is there is an unfinished creation (removed, never followed: a link goes, not
+    // what it points to).
+    (void)impl.folders[k].remove(f.data_name);
+    Result<aio::OpenedFile> opened = aio::open_swap_file(impl.folders[k], f.data_name, true, options.fault_hook);
     if (!opened.ok()) {
       cleanup();
       return opened.status();
@@ -363,13 +370,13 @@ Result<SwapStore> SwapStore::create(const SwapOptions& options, const std::strin
   Status s = impl.create_table();
   // The manifests go last: a store is recognised only once everything it describes exists.
   for (std::size_t k = 0; s.ok() && k < impl.files.size(); ++k) {
-    s = replace_file(impl.manifest_path(k), manifest_json(impl, k).dump(2) + "\n");
+    s = replace_file(impl.folders[k], impl.manifest_name(), manifest_json(impl, k).dump(2) + "\n");
   }
   if (s.ok()) s = impl.setup_runtime();
   if (!s.ok()) {
     cleanup();
-    ::unlink(impl.table_path().c_str());
-    for (std::size_t k = 0; k < impl.files.size(); ++k) ::unlink(impl.manifest_path(k).c_str());
+    (void)impl.folders[0].remove(impl.table_name());
+    for (const Folder& folder : impl.folders) (void)folder.remove(impl.manifest_name());
     return s;
   }
   return SwapStore(std::move(made).value());
@@ -384,7 +391,7 @@ Result<SwapStore> SwapStore::open(const SwapOptions& options, const std::string&
   const std::size_t P = impl.files.size();
   for (std::size_t k = 0; k < P; ++k) {
     const std::string path = impl.manifest_path(k);
-    Result<std::string> text = read_whole_file(path);
+    Result<std::string> text = impl.folders[k].read(impl.manifest_name());
     if (!text.ok()) {
       return Status(StatusCode::invalid_argument, "no swap store named " + name + " in " + impl.files[k].dir + " (" +
                                                       path + " is missing): create it, or fix nvme_path", ENOENT);
@@ -420,8 +427,9 @@ Result<SwapStore> SwapStore::open(const SwapOptions& options, const std::string&
                      nlohmann::json(asked_paths).dump());
     }
   }
-  for (auto& f : impl.files) {
-    Result<aio::OpenedFile> opened = aio::open_swap_file(f.data_path, false, options.fault_hook);
+  for (std::size_t k = 0; k < P; ++k) {
+    auto& f = impl.files[k];
+    Result<aio::OpenedFile> opened = aio::open_swap_file(impl.folders[k], f.data_name, false, options.fault_hook);
     if (!opened.ok()) return opened.status();
     f.fd = std::move(opened->fd);
     f.direct = opened->direct;
@@ -433,7 +441,9 @@ Result<SwapStore> SwapStore::open(const SwapOptions& options, const std::string&
   impl.reopened = true;
   // The owner record names this run now (zoe probe reports it). Best effort: the layout it rewrites is the
   // one just checked, and the store's lock already says it is in use.
-  for (std::size_t k = 0; k < P; ++k) (void)replace_file(impl.manifest_path(k), manifest_json(impl, k).dump(2) + "\n");
+  for (std::size_t k = 0; k < P; ++k) {
+    (void)replace_file(impl.folders[k], impl.manifest_name(), manifest_json(impl, k).dump(2) + "\n");
+  }
   return SwapStore(std::move(made).value());
 }
 
@@ -447,21 +457,26 @@ Result<SwapStore> SwapStore::open_or_create(const SwapOptions& options, const st
 
 Status SwapStore::remove(const SwapOptions& options, const std::string& name) {
   if (name.empty() || name.find('/') != std::string::npos) return invalid_argument("store name '" + name + "' is invalid");
+  // Removing follows no link and opens nothing for writing, so a folder others can write is no danger here
+  // (and its stores can still be cleaned up).
+  std::vector<Folder> folders;
   for (const std::string& dir : options.paths) {
     if (Status s = aio::check_swap_dir(dir); !s.ok()) return s;
+    Result<Folder> folder = Folder::open(dir);
+    if (!folder.ok()) return folder.status();
+    folders.push_back(std::move(folder).value());
   }
   // Never a store another SwapStore holds: its owner would go on with deleted files.
-  Result<std::vector<aio::FileHandle>> owned = aio::take_ownership(options.paths, name + ".zoe-swap", "swap store " + name);
+  Result<std::vector<aio::FileHandle>> owned = aio::take_ownership(folders, name + ".zoe-swap", "swap store " + name);
   if (!owned.ok()) return owned.status();
-  for (const std::string& dir : options.paths) {
+  for (const Folder& folder : folders) {
     // Manifest first: a store half removed is then no longer recognised as a store. The lock file last,
     // while it is held: an opener waiting for it sees it removed and starts again.
     for (const char* suffix : {".zoe-swap.json", ".zoe-swap.table", ".zoe-swap"}) {
-      const std::string path = dir + "/" + name + suffix;
-      if (::unlink(path.c_str()) != 0 && errno != ENOENT) return sys_error("cannot remove", path, errno);
+      if (Status s = folder.remove(name + suffix); !s.ok()) return s;
     }
-    aio::remove_stale_temps(dir, name);
-    ::unlink(aio::owner_lock_path(dir, name + ".zoe-swap").c_str());
+    aio::remove_stale_temps(folder, name);
+    (void)folder.remove(aio::owner_lock_name(name + ".zoe-swap"));
   }
   return Status::success();
 }

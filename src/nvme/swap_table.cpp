@@ -84,9 +84,10 @@ Status SwapStore::Impl::persist_table() {
 
 Status SwapStore::Impl::create_table() {
   const std::string path = table_path();
-  ::unlink(path.c_str());
-  table_fd = aio::FileHandle(::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
-  if (!table_fd.valid()) return sys_error("cannot create tile table", path, errno);
+  (void)folders[0].remove(table_name());  // an unfinished creation's (a link there goes, not its target)
+  Result<UniqueFd> made = folders[0].create(table_name(), O_RDWR, 0600);
+  if (!made.ok()) return Status(made.status().code(), "tile table: " + made.status().message(), made.status().sys_errno());
+  table_fd = std::move(made).value();
   aio::mark_in_use(table_fd.get());
   if (::ftruncate(table_fd.get(), static_cast<off_t>(2 * table_region_bytes())) != 0) {
     return sys_error("cannot size tile table", path, errno);
@@ -95,16 +96,18 @@ Status SwapStore::Impl::create_table() {
   if (Status s = persist_table(); !s.ok()) return s;
   // The file's size and its name must be durable too (later updates sync only its data).
   if (::fsync(table_fd.get()) != 0) return sys_error("fsync of", path, errno);
-  return sync_dir(files[0].dir);
+  return folders[0].sync();
 }
 
 Status SwapStore::Impl::load_table() {
   const std::string path = table_path();
-  table_fd = aio::FileHandle(::open(path.c_str(), O_RDWR | O_CLOEXEC));
-  if (!table_fd.valid()) {
-    return Status(StatusCode::corrupt, "the store's tile table " + path + " cannot be opened (" + std::strerror(errno) +
-                                           "): without it no tile can be trusted; restore from a checkpoint", errno);
+  Result<UniqueFd> opened = folders[0].open_file(table_name(), O_RDWR);
+  if (!opened.ok()) {
+    return Status(StatusCode::corrupt, "the store's tile table cannot be opened (" + opened.status().message() +
+                                           "): without it no tile can be trusted; restore from a checkpoint",
+                  opened.status().sys_errno());
   }
+  table_fd = std::move(opened).value();
   aio::mark_in_use(table_fd.get());
   const std::size_t region = table_region_bytes();
   std::string why = "it is shorter than " + std::to_string(2 * region) + " bytes";

@@ -19,7 +19,6 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -83,14 +82,12 @@ Status pread_all(int fd, void* dst, std::size_t bytes, std::uint64_t offset, con
   return Status::success();
 }
 
-std::atomic<unsigned> temp_sequence{0};
-
-// Temporary names: <path>.tmp-<host>-<scope>-<pid>-<n>. The scope (base/process_identity.h) says where the pid
-// can be checked; the host is for people. Parsed from the right, so a host or checkpoint name may hold '-'.
-std::string temp_prefix(const std::string& path) {
+// Temporary names: <path>.tmp-<host>-<scope>-<pid>-<random>, the random part AtomicFile's. The scope
+// (base/process_identity.h) says where the pid can be checked; the host is for people. Parsed from the
+// right, so a host or checkpoint name may hold '-'.
+std::string temp_tag() {
   const ProcessIdentity self = this_process();
-  return path + ".tmp-" + file_name_host(self.host) + "-" + (self.scope.empty() ? "noscope" : self.scope) + "-" +
-         std::to_string(self.pid) + "-";
+  return file_name_host(self.host) + "-" + (self.scope.empty() ? "noscope" : self.scope) + "-" + std::to_string(self.pid);
 }
 
 std::optional<ProcessIdentity> parse_temp_name(const std::string& name) {
@@ -101,7 +98,7 @@ std::optional<ProcessIdentity> parse_temp_name(const std::string& name) {
     return !s.empty();
   };
   std::string_view rest = name;
-  std::string_view field[3];  // n, pid, scope
+  std::string_view field[3];  // random, pid, scope
   for (std::string_view& f : field) {
     const std::size_t dash = rest.rfind('-');
     if (dash == std::string_view::npos) return std::nullopt;
@@ -109,7 +106,7 @@ std::optional<ProcessIdentity> parse_temp_name(const std::string& name) {
     rest = rest.substr(0, dash);
   }
   const std::size_t tmp = rest.rfind(".tmp-");
-  if (tmp == std::string_view::npos || !all(field[0], false) || !all(field[1], false) || field[1].size() > 10 ||
+  if (tmp == std::string_view::npos || !all(field[0], true) || !all(field[1], false) || field[1].size() > 10 ||
       field[2].size() != 16 || !all(field[2], true)) {
     return std::nullopt;
   }
@@ -119,29 +116,31 @@ std::optional<ProcessIdentity> parse_temp_name(const std::string& name) {
 // A file is removed only when its name says this scope wrote it and that writer is gone, and only while no
 // one holds its lock (every writer holds one on its temporary file). The second look at the pid, once the
 // lock is held, covers a pid reused by a writer that made the same name since the first look: a file exists
-// only after its writer does.
-void remove_if_abandoned(const std::string& file, const ProcessIdentity& writer) {
-  UniqueFd fd(::open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
-  if (!fd.valid() || ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0 || liveness(writer) != Liveness::gone) return;
+// only after its writer does. Opened and removed through the folder's descriptor, no link followed.
+void remove_if_abandoned(const Folder& folder, const std::string& name, const ProcessIdentity& writer) {
+  Result<UniqueFd> fd = folder.open_file(name, O_RDONLY);
+  if (!fd.ok() || ::flock(fd->get(), LOCK_EX | LOCK_NB) != 0 || liveness(writer) != Liveness::gone) return;
   struct stat held {}, named {};
   char magic[sizeof kMagic] = {};
-  const ssize_t got = ::pread(fd.get(), magic, sizeof magic, 0);
+  const ssize_t got = ::pread(fd->get(), magic, sizeof magic, 0);
   const bool ours = got == 0 || (got == static_cast<ssize_t>(sizeof magic) && std::memcmp(magic, kMagic, sizeof magic) == 0);
-  if (ours && ::fstat(fd.get(), &held) == 0 && S_ISREG(held.st_mode) && ::lstat(file.c_str(), &named) == 0 &&
+  if (ours && ::fstat(fd->get(), &held) == 0 && ::fstatat(folder.fd(), name.c_str(), &named, AT_SYMLINK_NOFOLLOW) == 0 &&
       held.st_ino == named.st_ino && held.st_dev == named.st_dev) {
-    ::unlink(file.c_str());
+    (void)folder.remove(name);
   }
 }
 
-// What killed writers (kill -9, OOM) left in `dir`, for every checkpoint name there: a rank that is not
+// What killed writers (kill -9, OOM) left in the folder, for every checkpoint name there: a rank that is not
 // run again leaves nothing either. Writers of other scopes (hosts, containers, boots) are never judged.
 // Best effort: a failure here never fails a save.
 void remove_abandoned_temps(const std::string& dir) {
+  Result<Folder> folder = Folder::open(dir);
+  if (!folder.ok()) return;
   std::error_code ec;
   for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     const std::optional<ProcessIdentity> writer = parse_temp_name(name);
-    if (writer && liveness(*writer) == Liveness::gone) remove_if_abandoned(it->path().string(), *writer);
+    if (writer && liveness(*writer) == Liveness::gone) remove_if_abandoned(*folder, name, *writer);
   }
 }
 
@@ -156,32 +155,24 @@ Result<CheckpointWriter> CheckpointWriter::create(const std::string& path) {
     return invalid_argument("checkpoint path '" + path + "' is invalid: need a file name");
   }
   remove_abandoned_temps(parent_dir(path));
-  // A name of our own per writer (scope, pid and a sequence number), created exclusively: two writers never
-  // share a temporary file, and a stale one left by a crashed process with the same pid is stepped over.
-  const std::string prefix = temp_prefix(path);
-  for (int attempt = 0; attempt < 64; ++attempt) {
-    std::string temp = prefix + std::to_string(temp_sequence.fetch_add(1));
-    Result<AtomicFile> file = AtomicFile::create(path, temp);
-    if (!file.ok()) {
-      if (file.status().sys_errno() == EEXIST) continue;
-      return io_error("cannot create " + temp + " to write checkpoint " + path +
-                          ": check that directory " + parent_dir(path) + " exists and is writable",
-                      file.status().sys_errno());
-    }
-    // Held until commit or discard: while it is, no cleaner removes the file, whatever its pid says.
-    // A filesystem without locks (some FUSE mounts) still has the pid check.
-    (void)::flock(file->fd(), LOCK_EX | LOCK_NB);
-    CheckpointWriter w(std::move(file).value());
-    std::string header(kMagic, sizeof kMagic);
-    put_u32(header, kCheckpointMajor);
-    put_u32(header, kCheckpointMinor);
-    header.resize(kHeaderBytes, '\0');
-    if (Status s = w.write_all(header.data(), header.size()); !s.ok()) return s;
-    return w;
+  // A temporary of our own (AtomicFile: exclusive, unguessable, never reopened by name); the writer's
+  // identity in its name lets a later save clean up after a crash.
+  Result<AtomicFile> file = AtomicFile::create(path, AtomicFile::Options{0666, temp_tag()});
+  if (!file.ok()) {
+    return io_error("cannot create a temporary beside checkpoint " + path + " (" + file.status().message() +
+                        "): check that directory " + parent_dir(path) + " exists and is writable",
+                    file.status().sys_errno());
   }
-  return io_error("cannot create a temporary file " + prefix + "N for checkpoint " + path +
-                      ": 64 names are taken (stale files from crashed writers? remove them)",
-                  EEXIST);
+  // Held until commit or discard: while it is, no cleaner removes the file, whatever its pid says.
+  // A filesystem without locks (some FUSE mounts) still has the pid check.
+  (void)::flock(file->fd(), LOCK_EX | LOCK_NB);
+  CheckpointWriter w(std::move(file).value());
+  std::string header(kMagic, sizeof kMagic);
+  put_u32(header, kCheckpointMajor);
+  put_u32(header, kCheckpointMinor);
+  header.resize(kHeaderBytes, '\0');
+  if (Status s = w.write_all(header.data(), header.size()); !s.ok()) return s;
+  return w;
 }
 
 Status CheckpointWriter::fail(Status s) {
@@ -287,7 +278,9 @@ Result<CheckpointReader> CheckpointReader::open(const std::string& path) {
 
 Status CheckpointReader::load(const std::string& path) {
   path_ = path;
-  fd_.reset(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  // O_NONBLOCK: a FIFO given as a checkpoint is refused below, not waited on for a writer (it changes
+  // nothing for the regular file read after the check).
+  fd_.reset(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
   if (!fd_.valid()) return io_error("cannot open checkpoint " + path, errno);
   struct stat st {};
   if (::fstat(fd_.get(), &st) != 0) return io_error("cannot stat checkpoint " + path, errno);

@@ -52,7 +52,7 @@ class CheckpointWriter {
   Status commit(const std::string& manifest_json);
 
   const std::string& path() const { return file_->path(); }
-  const std::string& temp_path() const { return file_->temp_path(); }
+  std::string temp_path() const { return file_->temp_path(); }
 
  private:
   struct Entry {

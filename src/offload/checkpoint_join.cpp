@@ -2,6 +2,7 @@
 // which pieces of which parameters its state arrays hold (the partition's record, or every parameter whole at
 // world 1), and joining copies each piece to its place.
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <string>
@@ -43,7 +44,13 @@ Result<RankFile> describe(const std::string& path, const CheckpointReader& reade
   } else {
     f.pieces = mf.pieces;
   }
-  for (const CheckpointPiece& k : f.pieces) f.elements += k.n;
+  // Each count is at most 2^60 (OptimizerManifest::parse), their sum is checked: n + 2^62 elements wrapped
+  // the byte count of the arrays to that of n, which their checksums then vouched for.
+  for (const CheckpointPiece& k : f.pieces) {
+    if (__builtin_add_overflow(f.elements, k.n, &f.elements) || f.elements > kMaxCheckpointElements) {
+      return Status(StatusCode::corrupt, "checkpoint " + path + ": its state arrays would hold more than 2^60 elements");
+    }
+  }
   return f;
 }
 
@@ -62,6 +69,7 @@ struct PartitionedCheckpoint::Impl {
       c->files_.push_back(std::move(f).value());
     }
     if (Status s = c->check_one_run(); !s.ok()) return s;
+    if (Status s = c->check_coverage(); !s.ok()) return s;
     if (Status s = c->name_params(); !s.ok()) return s;
     return c;
   }
@@ -101,6 +109,26 @@ struct PartitionedCheckpoint::Impl {
       }
     }
     return data;
+  }
+
+  // Every parameter's elements held once over the ranks' pieces, before join() allocates a parameter's
+  // size: a partitioned file may name a parameter far larger than the pieces its arrays hold.
+  Status check_coverage() const {
+    const std::vector<ManifestParam>& params = files_[0].params();
+    std::vector<std::uint64_t> held(params.size(), 0);
+    for (const RankFile& f : files_) {
+      for (const CheckpointPiece& p : f.pieces) {
+        if (__builtin_add_overflow(held[p.param], p.n, &held[p.param])) held[p.param] = UINT64_MAX;  // never n
+      }
+    }
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      if (held[i] != params[i].n) {
+        return Status(StatusCode::corrupt, "parameter " + (params[i].name.empty() ? std::to_string(i) : params[i].name) +
+                                               ": the checkpoints hold " + std::to_string(held[i]) + " of its " +
+                                               std::to_string(params[i].n) + " elements");
+      }
+    }
+    return Status::success();
   }
 
   // One run's ranks, each once, over the same parameters at the same step.

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "src/offload/optimizer_impl.h"
+#include "src/offload/optimizer_manifest.h"
 #include "zoe/param_tier.h"
 
 namespace zoe {
@@ -55,6 +56,8 @@ Status check_inputs(const std::vector<ParamGroup>& groups, const std::vector<Par
     if (p.tier != nullptr) {
       if (Status s = check_tier_entry(p, where); !s.ok()) return s;
     }
+    // Recorded in checkpoints: one that does not describe n elements would make them unreadable.
+    if (std::string why = shape_mismatch(p.shape, p.n); !why.empty()) return invalid_argument(where + ": " + why);
   }
   if (!(options.max_grad_norm >= 0) || !std::isfinite(options.max_grad_norm)) {
     return invalid_argument("max_grad_norm = " + std::to_string(options.max_grad_norm) + " is invalid: need >= 0");
@@ -252,6 +255,21 @@ Status OffloadOptimizer::discard_speculative_steps() {
   const std::lock_guard serial(impl_->calls);
   if (Status s = impl_->staging_writable(); !s.ok()) return s;
   return impl_->schedule->discard_speculative_steps();
+}
+
+Status OffloadOptimizer::abandon_iteration() {
+  const std::lock_guard serial(impl_->calls);
+  Impl& m = *impl_;
+  const int set = m.schedule->current_set();
+  // The queued micro-batch adds first: they write the staging and the sums. What they added is dropped.
+  (void)m.drain_adds();
+  Status s = m.staging_writable();
+  if (s.ok()) s = m.schedule->abandon();
+  m.grads_reduced = false;
+  m.reset_accumulation(set);
+  std::fill(m.grad_down.begin(), m.grad_down.end(), 0);
+  m.absent[set].clear();
+  return s;
 }
 
 Result<double> OffloadOptimizer::grad_norm() {

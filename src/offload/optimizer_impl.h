@@ -126,6 +126,9 @@ class StepSchedule {
   // Waits for the speculative steps started so far (overlap, tier ram): they read which parameters are
   // absent and which gradients were summed, and set_grads_absent() or grads_changed() is about to change it.
   virtual void wait_for_speculative_steps() {}
+  // OffloadOptimizer::abandon_iteration(): forgets this iteration's reports and puts back what was stepped or
+  // sent during it, without learning from it (the reports' order, the parameters without a gradient).
+  virtual Status abandon() = 0;
 };
 
 struct OffloadOptimizer::Impl {

@@ -96,6 +96,11 @@ Status read_params(const Json& list, const char* what, const std::string& path, 
   for (std::size_t i = 0; i < list.size(); ++i) {
     ManifestParam p;
     if (!read_param(list[i], p)) return corrupt(path, std::string(what) + " " + std::to_string(i) + " is malformed");
+    const std::string where = std::string(what) + " " + std::to_string(i) + (p.name.empty() ? "" : " ('" + p.name + "')");
+    if (p.n > kMaxCheckpointElements) {
+      return corrupt(path, where + " has " + std::to_string(p.n) + " elements, more than a checkpoint holds (2^60)");
+    }
+    if (std::string why = shape_mismatch(p.shape, p.n); !why.empty()) return corrupt(path, where + ": " + why);
     out.push_back(std::move(p));
   }
   return Status::success();
@@ -160,6 +165,24 @@ Status read_pieces(const Json& part, const std::string& path, OptimizerManifest&
 }
 
 }  // namespace
+
+std::string shape_mismatch(const std::vector<std::int64_t>& shape, std::uint64_t n) {
+  if (shape.empty()) return "";
+  std::string text = "[";
+  std::uint64_t product = 1;
+  bool overflow = false;
+  for (std::int64_t d : shape) {
+    text += (text.size() > 1 ? ", " : "") + std::to_string(d);
+    if (d < 0) return "its shape has a negative dimension " + std::to_string(d);
+    overflow = overflow || __builtin_mul_overflow(product, static_cast<std::uint64_t>(d), &product);
+  }
+  text += "]";
+  if (overflow) return "its shape " + text + " holds more than 2^64 elements, and it has " + std::to_string(n);
+  if (product != n) {
+    return "its shape " + text + " holds " + std::to_string(product) + " elements, and it has " + std::to_string(n);
+  }
+  return "";
+}
 
 ManifestParam manifest_param(const ParamSpec& p, bool record_name) {
   return {p.n, std::string(dtype_name(p.dtype)), p.group, record_name ? p.name : std::string(), p.shape};

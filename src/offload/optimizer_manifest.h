@@ -26,6 +26,17 @@ struct ManifestParam {
 
 ManifestParam manifest_param(const ParamSpec& p, bool record_name);
 
+// At most this many elements per parameter, and in a rank's state arrays together: their fp32 bytes, times
+// the three arrays, stay inside 64 bits, and a count past it (n + 2^62 in a crafted file) is refused before
+// any size is computed from it.
+constexpr std::uint64_t kMaxCheckpointElements = std::uint64_t{1} << 60;
+
+// Why a recorded shape does not describe n elements, or "" when it does (or none is recorded). The product
+// is taken without overflow: [2^40, 2^40] over n elements is a mismatch, not a wrapped 0. Checked when a
+// parameter is described (OffloadOptimizer::create) and when a checkpoint is read, so that no export writes
+// a safetensors header its readers refuse.
+std::string shape_mismatch(const std::vector<std::int64_t>& shape, std::uint64_t n);
+
 struct OptimizerManifest {
   static constexpr const char* kFormat = "zoe-offload-optimizer";
   static constexpr int kVersion = 1;

@@ -7,8 +7,14 @@
 // what is left. A send that a parameter tier refuses (a failed write) does not interrupt the backward: it is
 // made again by the next step(), from the staging that still holds those weights, before anything else — so
 // before any forward reads them; if it fails again, that step() fails having started nothing.
+// An iteration the trainer abandons (abandon_iteration(): an exception in its backward) keeps the previous
+// step, but not its weights that went up during it: the forward of the iteration run again must read the
+// weights the abandoned one read, as an uninterrupted run's does. So the background step first copies the
+// weights it is about to replace (previous_, as many bytes as the weights the device holds), and the
+// abandon sends them back to the parameters whose new weights had gone up.
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -16,6 +22,7 @@
 #include "base/warning.h"
 #include "src/offload/optimizer_impl.h"
 #include "base/work_queue.h"
+#include "zoe/param_tier.h"
 
 namespace zoe {
 namespace {
@@ -24,7 +31,10 @@ class DelayedSchedule final : public StepSchedule {
  public:
   explicit DelayedSchedule(Impl& m)
       : m_(m), reported_(m.params.size(), 0), h2d_sent_(m.params.size(), 0), grad_done_(m.params.size(), 0) {}
-  ~DelayedSchedule() override { background_.reset(); }  // joins the step before the members it uses go
+  ~DelayedSchedule() override {
+    background_.reset();  // joins the step before the members it uses go
+    m_.device.free_host(previous_);
+  }
 
   Status grad_ready(std::size_t i) override {
     if (warming_up()) return m_.take_reported_grad(i, 0);  // the sync warm-up takes the others at step()
@@ -74,6 +84,8 @@ class DelayedSchedule final : public StepSchedule {
     return m_.device.synchronize(sent.value());
   }
 
+  Status abandon() override;
+
  private:
   bool warming_up() const { return m_.step_calls < m_.options.delayed_warmup_steps; }
   // Every parameter not yet reported is reported now; after retake(), every gradient comes down again.
@@ -85,6 +97,9 @@ class DelayedSchedule final : public StepSchedule {
   // Joins the background step and sends what is left of its weights; returns the event the host waits
   // for before the weight staging is written again.
   Result<EventId> flush();
+  // In the background step, before it writes the weight staging and the fp32 masters: the weights the
+  // device holds now (the sources of enqueue_h2d), into previous_ at each parameter's grad_offsets.
+  Status keep_previous_weights();
 
   Impl& m_;
   int grad_set_ = 0;
@@ -104,6 +119,7 @@ class DelayedSchedule final : public StepSchedule {
   std::vector<std::size_t> report_order_;
   std::vector<std::size_t> unsent_;  // sends that failed, with the first failure: made again by flush()
   Status unsent_cause_;
+  void* previous_ = nullptr;  // pinned: copied to the device as the staging is
   std::unique_ptr<WorkQueue> background_ = std::make_unique<WorkQueue>();
 };
 
@@ -225,7 +241,8 @@ Status DelayedSchedule::step() {
       const Impl::Decision d = m_.decide(set, scale_used, max_norm);
       if (d.refused) s = m_.non_finite_error(set);
       if (s.ok() && !d.overflow) {
-        s = m_.step_all(d.grad_scale, set, hyper);
+        s = keep_previous_weights();
+        if (s.ok()) s = m_.step_all(d.grad_scale, set, hyper);
         if (s.ok()) pending_h2d_ = true;
       }
       if (s.ok()) m_.record_outcome(d, set);
@@ -234,6 +251,53 @@ Status DelayedSchedule::step() {
     if (!s.ok()) worker_status_ = s;
   });
   return Status::success();
+}
+
+Status DelayedSchedule::keep_previous_weights() {
+  if (previous_ == nullptr) {
+    Result<void*> r = m_.device.allocate_host(std::max<std::size_t>(m_.grad_offsets.back(), 1));
+    if (!r.ok()) return r.status();
+    previous_ = r.value();
+  }
+  // Piece by piece on the engine's threads: as large as the weights, a small part of the step's traffic.
+  m_.adam.parallel_for(m_.pieces.size(), [this](std::size_t k) {
+    const Piece& piece = m_.pieces[k];
+    const ParamSpec& p = m_.params[piece.param];
+    const std::size_t elem = dtype_size(p.dtype);
+    const void* from = p.dtype == DType::f32 ? static_cast<const void*>(m_.master_of(piece.param))
+                                             : m_.weights_of(piece.param);
+    std::memcpy(static_cast<unsigned char*>(previous_) + m_.grad_offsets[piece.param] + piece.begin * elem,
+                static_cast<const unsigned char*>(from) + piece.begin * elem, piece.n * elem);
+  });
+  return Status::success();
+}
+
+Status DelayedSchedule::abandon() {
+  retake_ = taken_ = false;
+  std::fill(reported_.begin(), reported_.end(), 0);
+  background_->drain();  // its own sends to parameters reported already are made first, then put back
+  std::lock_guard lock(h2d_mutex_);
+  std::fill(grad_done_.begin(), grad_done_.end(), 0);
+  report_order_.clear();
+  bool resent = false;
+  for (std::size_t i = 0; i < m_.params.size(); ++i) {
+    // h2d_sent_ marks parameters whose new weights went up (pending_h2d_) or had nothing to send: those are
+    // sent again in the iteration run again, as its reports come.
+    if (!std::exchange(h2d_sent_[i], 0) || !pending_h2d_ || previous_ == nullptr || m_.params[i].n == 0) continue;
+    if (!std::exchange(resent, true)) {
+      // After the compute enqueued so far: the abandoned backward may still read the weights.
+      Result<EventId> computed = m_.device.record(Stream::compute);
+      if (!computed.ok()) return computed.status();
+      if (Status s = m_.device.wait(Stream::h2d, computed.value()); !s.ok()) return s;
+    }
+    const ParamSpec& p = m_.params[i];
+    const void* from = static_cast<const unsigned char*>(previous_) + m_.grad_offsets[i];
+    const std::size_t bytes = p.n * dtype_size(p.dtype);
+    Status s = p.tier != nullptr ? p.tier->write(p.tier_block, p.tier_entry, from, 0, bytes)
+                                 : m_.device.copy_to_device(p.device_weights, from, bytes, Stream::h2d);
+    if (!s.ok()) return s;
+  }
+  return resent ? m_.finish_h2d() : Status::success();
 }
 
 }  // namespace

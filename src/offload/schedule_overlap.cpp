@@ -117,6 +117,15 @@ class OverlapSchedule final : public StepSchedule {
   // is stopped and dropped, on tier ram the speculative steps are undone. step() then steps them again.
   Status wait() override { return in_store_ ? stop_store_speculation() : discard_speculative_steps(); }
 
+  // Nothing of the iteration is kept: no speculative step, no report, and nothing learnt from its partial
+  // order of reports (the next speculation uses the last whole iteration's).
+  Status abandon() override {
+    Status s = in_store_ ? stop_store_speculation() : speculation_can_fail_ ? undo_speculation() : Status::success();
+    worker_->drain();
+    forget_iteration();
+    return s;
+  }
+
   // Tier ram: a piece's step reads whether its parameter is absent (then whether to keep an undo copy and
   // mark the piece stepped) and where its gradient is (the micro-batches' sum or the copy): what
   // set_grads_absent() and grads_changed() change must not change under it. The store's speculation reads
@@ -152,7 +161,8 @@ class OverlapSchedule final : public StepSchedule {
   Status step_in_store();
   void stop_gate();
   Status stop_store_speculation();  // stops it, waits for it and discards what it stepped
-  void end_iteration();
+  void end_iteration();     // learns the order of the reports and who had none, then forgets the iteration
+  void forget_iteration();
   // Waits until the copies up of the speculatively stepped pieces have read the staging, before an undo
   // writes over it (the old weights then go up after them).
   Status stepped_pieces_sent() {
@@ -250,8 +260,12 @@ void OverlapSchedule::end_iteration() {
   if (!reports_.empty()) {
     arrival_.assign(m_.params.size(), m_.params.size());  // not reported: left out of the next speculation
     for (std::size_t k = 0; k < reports_.size(); ++k) arrival_[reports_[k]] = k;
-    reports_.clear();
   }
+  forget_iteration();
+}
+
+void OverlapSchedule::forget_iteration() {
+  reports_.clear();
   {
     const std::lock_guard lock(down_mutex_);
     std::fill(down_.begin(), down_.end(), std::nullopt);

@@ -57,6 +57,10 @@ class SyncSchedule final : public StepSchedule {
     return 0;
   }
   void retake() override { taken_ = false; }
+  Status abandon() override {
+    taken_ = false;
+    return Status::success();
+  }
 
  private:
   Impl& m_;

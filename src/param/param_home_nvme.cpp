@@ -36,29 +36,29 @@ class NvmeParamHome final : public ParamHomeStore {
   ~NvmeParamHome() override {
     if (engine_) (void)engine_->wait_all();
     engine_.reset();
-    for (File& f : files_) {
-      f.fd.reset();
-      ::unlink(f.path.c_str());
+    for (std::size_t k = 0; k < files_.size(); ++k) {
+      files_[k].fd.reset();
+      (void)folders_[k].remove(file_name());
     }
     // Nothing outlives a run: the lock files go too, while still held (swap_inventory.h).
     for (std::size_t k = 0; k < owner_locks_.size(); ++k) {
-      ::unlink(aio::owner_lock_path(options_.nvme_paths[k], options_.name + ".zoe-params").c_str());
+      (void)folders_[k].remove(aio::owner_lock_name(file_name()));
     }
   }
 
   Status open() {
     if (options_.nvme_paths.empty()) return invalid_argument("parameter tier nvme: no nvme_path given");
     for (const std::string& dir : options_.nvme_paths) {
-      if (Status s = aio::check_swap_dir(dir); !s.ok()) return s;
+      Result<Folder> folder = aio::open_swap_dir(dir, "parameter path");
+      if (!folder.ok()) return folder.status();
+      folders_.push_back(std::move(folder).value());
     }
     // Another tier's live file of the same name is never replaced under it.
     Result<std::vector<aio::FileHandle>> owned =
-        aio::take_ownership(options_.nvme_paths, options_.name + ".zoe-params", "parameter store " + options_.name);
+        aio::take_ownership(folders_, file_name(), "parameter store " + options_.name);
     if (!owned.ok()) return owned.status();
     owner_locks_ = std::move(owned).value();
-    for (const std::string& dir : options_.nvme_paths) {
-      files_.push_back(File{dir + "/" + options_.name + ".zoe-params", {}, false, -1, 0});
-    }
+    for (const Folder& folder : folders_) files_.push_back(File{folder.path_of(file_name()), {}, false, -1, 0});
     // Each file holds two halves, one slot of every entry in each, entries in block order: the valid
     // copies lie back to back while the entries flip together (every step writes every entry), so a
     // forward reads its file sequentially.
@@ -79,9 +79,11 @@ class NvmeParamHome final : public ParamHomeStore {
       for (EntrySlots& es : entries_[b]) es.offset[1] = es.offset[0] + files_[b % files_.size()].bytes;
     }
     for (File& f : files_) f.bytes *= 2;
-    for (File& f : files_) {
-      ::unlink(f.path.c_str());  // a crashed run's scratch file: nothing in it outlives a run
-      Result<aio::OpenedFile> opened = aio::open_swap_file(f.path, true, options_.fault_hook);
+    for (std::size_t k = 0; k < files_.size(); ++k) {
+      File& f = files_[k];
+      // A crashed run's scratch file: nothing in it outlives a run (a link there goes, not its target).
+      (void)folders_[k].remove(file_name());
+      Result<aio::OpenedFile> opened = aio::open_swap_file(folders_[k], file_name(), true, options_.fault_hook);
       if (!opened.ok()) return opened.status();
       f.fd = std::move(opened->fd);
       f.direct = opened->direct;
@@ -222,8 +224,10 @@ class NvmeParamHome final : public ParamHomeStore {
   }
 
  private:
+  std::string file_name() const { return options_.name + ".zoe-params"; }
+
   struct File {
-    std::string path;
+    std::string path;  // for messages: the file is reached through its folder's descriptor
     aio::FileHandle fd;
     bool direct = false;
     int engine_file = -1;
@@ -315,6 +319,7 @@ class NvmeParamHome final : public ParamHomeStore {
   std::vector<ParamBlockLayout> blocks_;
   ParamTierOptions options_;
   std::size_t alignment_;
+  std::vector<Folder> folders_;  // each nvme path, opened once (aio::open_swap_dir)
   std::vector<aio::FileHandle> owner_locks_;
   std::vector<File> files_;
   std::vector<std::vector<EntrySlots>> entries_;

@@ -33,10 +33,11 @@ Result<std::uint64_t> parse_scaled(std::string_view text, std::string_view what,
     scale = scales.begin()[k];
     t.pop_back();
   }
+  // Digits and one decimal point only: strtod alone would also take "0x10" (hex), "1e3" and "inf".
+  const bool plain = !t.empty() && t.find_first_not_of("0123456789.") == std::string::npos &&
+                     std::count(t.begin(), t.end(), '.') <= 1 && t != ".";
   char* end = nullptr;
-  const double v = t.empty() || !(std::isdigit(static_cast<unsigned char>(t[0])) || t[0] == '.')
-                       ? -1
-                       : std::strtod(t.c_str(), &end);
+  const double v = plain ? std::strtod(t.c_str(), &end) : -1;
   if (v < 0 || end == nullptr || *end != '\0' || !std::isfinite(v) || v * scale >= 1.8e19) {
     return invalid_argument(std::string(what) + ": '" + std::string(text) + "' is not a size (use " +
                             std::string(example) + ")");
@@ -174,8 +175,19 @@ Status parse_model_json(std::string_view json_text, std::string_view source, Con
     too_deep = too_deep || depth > kMaxDepth;
     return true;
   };
-  cfg = ConfigJson::parse(json_text, depth_check, false);
-  if (cfg.is_discarded() || !cfg.is_object()) return invalid_argument(std::string(source) + ": not a JSON object");
+  try {
+    cfg = ConfigJson::parse(json_text, depth_check, true);
+  } catch (const ConfigJson::out_of_range& e) {
+    // A number beyond double's range (1e400) is valid JSON text that nlohmann cannot hold: say so, not "no
+    // object". Its message names the number ("number overflow parsing '1e400'").
+    const std::string what = e.what();
+    const std::size_t at = what.find("] ");
+    return invalid_argument(std::string(source) + ": a number is out of range (" +
+                            (at == std::string::npos ? what : what.substr(at + 2)) + ")");
+  } catch (const ConfigJson::parse_error&) {
+    return invalid_argument(std::string(source) + ": not a JSON object");
+  }
+  if (!cfg.is_object()) return invalid_argument(std::string(source) + ": not a JSON object");
   if (too_deep) {
     return invalid_argument(std::string(source) + ": nests arrays or objects more than " + std::to_string(kMaxDepth) +
                             " levels deep: not a model config");
@@ -245,7 +257,7 @@ Result<Model> count_model(const ModelShape& shape, std::string_view source) {
   const std::uint64_t h = shape.hidden, L = shape.layers, V = shape.vocab, H = shape.heads;
   const std::uint64_t kv = shape.kv_heads ? shape.kv_heads : H, hd = shape.head_dim ? shape.head_dim : h / H;
   const std::uint64_t I = shape.inter ? shape.inter : 4 * h, E = shape.experts ? shape.experts : 1;
-  // The count in double first: each product below is at most the total, so a total that fits in 2^62
+  // The count in double first: each product below is at most the total, so a total within kMaxParams
   // keeps the integer arithmetic exact, and a config whose sizes overflow it is refused, not wrapped.
   const auto count = [&](auto one) {
     using T = decltype(one);
@@ -258,11 +270,11 @@ Result<Model> count_model(const ModelShape& shape, std::string_view source) {
     mlp = mlp * tE + (E > 1 ? th * tE : 0);
     return T(L) * (attn + mlp + 2 * norm) + T(V) * th * (tied ? 1 : 2) + T(shape.positions) * th + norm;
   };
-  if (const double total = count(1.0); !(total < 0x1p62)) {
+  if (const double total = count(1.0); !(total <= static_cast<double>(kMaxParams))) {
     char figure[32];
     std::snprintf(figure, sizeof figure, "%.3g", total);
     return invalid_argument(std::string(source) + ": its sizes give " + figure +
-                            " parameters, more than zoe plan counts (2^62)");
+                            " parameters, more than zoe plan counts (100T)");
   }
   Model m;
   m.layers = L;
@@ -357,7 +369,8 @@ Usage usage(const Model& m, const Cluster& c, const Placement& p, const Training
     const double layer = s * b * h * (34 + 5 * a * s / h);
     const double all = t.activation_checkpointing ? static_cast<double>(m.layers) * 2 * s * b * h + layer
                                                   : static_cast<double>(m.layers) * layer;
-    gpu.activations = static_cast<std::uint64_t>(all);
+    // s and b come from the command line and a from a config: saturated, so that the conversion is defined.
+    gpu.activations = all < static_cast<double>(kMaxEstimateBytes) ? static_cast<std::uint64_t>(all) : kMaxEstimateBytes;
   }
   auto scale = [](const Bytes& x, std::uint64_t k, std::uint64_t divide) {
     return Bytes{ceil_div(x.weights16 * k, divide), ceil_div(x.grads16 * k, divide), ceil_div(x.master32 * k, divide),

@@ -29,6 +29,13 @@ Result<DType> parse_state_dtype(std::string_view text);
 // moment.
 constexpr std::uint64_t kInt8Block = kMomentBlock;
 
+// The largest model zoe plan sizes, a hundred times today's largest: with the command line's ranges
+// (docs/cli.md: up to 1024 GPUs per node, prefetch 32) every byte count below, a node's sum of 16 bytes per
+// parameter and fetch windows included, stays inside 64 bits. A larger --params or config is refused.
+constexpr std::uint64_t kMaxParams = 100'000'000'000'000;  // 100T
+// The activation estimate's figures are saturated here (far beyond any memory) before they become integers.
+constexpr std::uint64_t kMaxEstimateBytes = std::uint64_t{1} << 60;
+
 // The model as the arithmetic needs it.
 struct Model {
   std::uint64_t params = 0;

@@ -41,7 +41,7 @@ struct EngineFixture {
     engine = std::move(e).value();
     for (int i = 0; i < nfiles; ++i) {
       const std::string path = dir.path() + "/f" + std::to_string(i);
-      Result<aio::OpenedFile> f = aio::open_swap_file(path, true, {});
+      Result<aio::OpenedFile> f = aio::open_swap_file(Folder::open(dir.path()).value(), "f" + std::to_string(i), true, {});
       ASSERT_TRUE(f.ok()) << f.status().to_string();
       ASSERT_TRUE(aio::allocate_file(f->fd.get(), path, file_bytes, {}).ok());
       engine->add_file(f->fd.get(), path);
@@ -220,10 +220,11 @@ TEST(AioFiles, OpenFallsBackToBufferedWhenODirectIsRefused) {
   IoFaultHook refuse_direct = [](const IoSite& s) -> IoFault {
     return s.op == IoOp::open && s.direct ? IoFault{EINVAL, -1} : IoFault{};
   };
-  Result<aio::OpenedFile> f = aio::open_swap_file(dir.path() + "/x", true, refuse_direct);
+  const Folder folder = Folder::open(dir.path()).value();
+  Result<aio::OpenedFile> f = aio::open_swap_file(folder, "x", true, refuse_direct);
   ASSERT_TRUE(f.ok()) << f.status().to_string();
   EXPECT_FALSE(f->direct);
-  Result<aio::OpenedFile> g = aio::open_swap_file(dir.path() + "/y", true, {});
+  Result<aio::OpenedFile> g = aio::open_swap_file(folder, "y", true, {});
   ASSERT_TRUE(g.ok());
   EXPECT_EQ(g->direct, testing::direct_io_works(dir.path()));
 }
@@ -231,13 +232,30 @@ TEST(AioFiles, OpenFallsBackToBufferedWhenODirectIsRefused) {
 TEST(AioFiles, CreateRefusesAnExistingFileAndUses0600) {
   TempDir dir;
   const std::string p = dir.path() + "/x";
-  ASSERT_TRUE(aio::open_swap_file(p, true, {}).ok());
+  const Folder folder = Folder::open(dir.path()).value();
+  ASSERT_TRUE(aio::open_swap_file(folder, "x", true, {}).ok());
   struct stat st{};
   ASSERT_EQ(::stat(p.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
-  Result<aio::OpenedFile> again = aio::open_swap_file(p, true, {});
+  Result<aio::OpenedFile> again = aio::open_swap_file(folder, "x", true, {});
   ASSERT_FALSE(again.ok());
   EXPECT_NE(again.status().message().find("already exists"), std::string::npos);
+}
+
+// A link at a swap file's name is never followed, created or opened: the writes cannot be redirected.
+TEST(AioFiles, ALinkAtASwapFileNameIsNeverFollowed) {
+  TempDir dir;
+  const std::string victim = dir.path() + "/victim";
+  { std::FILE* f = std::fopen(victim.c_str(), "w"); ASSERT_NE(f, nullptr); std::fputs("intact", f); std::fclose(f); }
+  ASSERT_EQ(::symlink(victim.c_str(), (dir.path() + "/x").c_str()), 0);
+  const Folder folder = Folder::open(dir.path()).value();
+  EXPECT_FALSE(aio::open_swap_file(folder, "x", true, {}).ok());
+  Result<aio::OpenedFile> existing = aio::open_swap_file(folder, "x", false, {});
+  ASSERT_FALSE(existing.ok());
+  EXPECT_NE(existing.status().message().find("symbolic link"), std::string::npos) << existing.status().message();
+  struct stat st{};
+  ASSERT_EQ(::stat(victim.c_str(), &st), 0);
+  EXPECT_EQ(st.st_size, 6);
 }
 
 TEST(AioFiles, FsInfoNamesTheFilesystem) {

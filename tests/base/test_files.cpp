@@ -2,7 +2,9 @@
 // never a mix, and never a temporary behind; failures name the path.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -32,7 +34,7 @@ class Files : public ::testing::Test {
 
 TEST_F(Files, CommitReplacesTheFileAndLeavesNoTemporary) {
   ASSERT_TRUE(replace_file(path("f"), "old").ok());
-  Result<AtomicFile> file = AtomicFile::create(path("f"), path("f.tmp"));
+  Result<AtomicFile> file = AtomicFile::create(path("f"));
   ASSERT_TRUE(file.ok()) << file.status().to_string();
   ASSERT_TRUE(file->write("new ", 4).ok());
   ASSERT_TRUE(file->write("contents", 8).ok());
@@ -47,7 +49,7 @@ TEST_F(Files, CommitReplacesTheFileAndLeavesNoTemporary) {
 TEST_F(Files, AFileNotCommittedIsRemovedAndTheOldOneKept) {
   ASSERT_TRUE(replace_file(path("f"), "old").ok());
   {
-    Result<AtomicFile> file = AtomicFile::create(path("f"), path("f.tmp"));
+    Result<AtomicFile> file = AtomicFile::create(path("f"));
     ASSERT_TRUE(file.ok());
     ASSERT_TRUE(file->write("half", 4).ok());
   }
@@ -55,19 +57,71 @@ TEST_F(Files, AFileNotCommittedIsRemovedAndTheOldOneKept) {
   EXPECT_EQ(entries(), 1u);
 }
 
-TEST_F(Files, AnExclusiveTemporaryThatExistsIsEexistAndKept) {
-  ASSERT_TRUE(replace_file(path("f.tmp"), "someone else's").ok());
-  Result<AtomicFile> file = AtomicFile::create(path("f"), path("f.tmp"));
-  ASSERT_FALSE(file.ok());
-  EXPECT_EQ(file.status().sys_errno(), EEXIST);
-  EXPECT_NE(file.status().message().find(path("f.tmp")), std::string::npos) << file.status().message();
-  EXPECT_EQ(read_whole_file(path("f.tmp")).value(), "someone else's");
-  // Not exclusive: that name is this writer's own, truncated and reused.
-  Result<AtomicFile> reused = AtomicFile::create(path("f"), path("f.tmp"), AtomicFile::Options{0644, false});
-  ASSERT_TRUE(reused.ok());
-  ASSERT_TRUE(reused->write("x", 1).ok());
-  ASSERT_TRUE(reused->commit().ok());
-  EXPECT_EQ(read_whole_file(path("f")).value(), "x");
+// The temporary's name has an unguessable part: two writers never share one, and a link planted at any
+// name beside the file is never written through.
+TEST_F(Files, TemporariesHaveUnpredictableNamesAndTheirTag) {
+  Result<AtomicFile> a = AtomicFile::create(path("f"), AtomicFile::Options{0600, "tag"});
+  Result<AtomicFile> b = AtomicFile::create(path("f"), AtomicFile::Options{0600, "tag"});
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_NE(a->temp_path(), b->temp_path());
+  const std::string prefix = path("f.tmp-tag-");
+  ASSERT_EQ(a->temp_path().substr(0, prefix.size()), prefix);
+  const std::string random = a->temp_path().substr(prefix.size());
+  EXPECT_EQ(random.size(), 16u);
+  EXPECT_EQ(random.find_first_not_of("0123456789abcdef"), std::string::npos) << random;
+}
+
+TEST_F(Files, ARenamedAwayTemporaryIsNeverWrittenThroughALinkAndTheSaveFails) {
+  ASSERT_TRUE(replace_file(path("victim"), "intact").ok());
+  ASSERT_TRUE(replace_file(path("f"), "old").ok());
+  Result<AtomicFile> file = AtomicFile::create(path("f"));
+  ASSERT_TRUE(file.ok());
+  // What another user who can write the folder can do: move the temporary away, put a link in its place.
+  ASSERT_EQ(::rename(file->temp_path().c_str(), path("moved").c_str()), 0);
+  ASSERT_EQ(::symlink(path("victim").c_str(), file->temp_path().c_str()), 0);
+  ASSERT_TRUE(file->write("new", 3).ok());
+  const Status s = file->commit();
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("replaced"), std::string::npos) << s.message();
+  EXPECT_EQ(read_whole_file(path("victim")).value(), "intact");
+  EXPECT_FALSE(fs::exists(fs::symlink_status(path("f"))));  // the planted link is not left at the path
+}
+
+TEST_F(Files, AFolderCreatesExclusivelyAndFollowsNoLink) {
+  ASSERT_TRUE(replace_file(path("victim"), "intact").ok());
+  ASSERT_EQ(::symlink(path("victim").c_str(), path("link").c_str()), 0);
+  Result<Folder> folder = Folder::open(dir_);
+  ASSERT_TRUE(folder.ok());
+  Result<UniqueFd> made = folder->create("link", O_RDWR, 0600);
+  ASSERT_FALSE(made.ok());
+  EXPECT_EQ(made.status().sys_errno(), EEXIST);
+  Result<UniqueFd> opened = folder->open_file("link", O_RDWR);
+  ASSERT_FALSE(opened.ok());
+  EXPECT_NE(opened.status().message().find("symbolic link"), std::string::npos) << opened.status().message();
+  ASSERT_EQ(::mkfifo(path("fifo").c_str(), 0600), 0);
+  Result<UniqueFd> fifo = folder->open_file("fifo", O_RDWR);
+  ASSERT_FALSE(fifo.ok());
+  EXPECT_NE(fifo.status().message().find("not a regular file"), std::string::npos) << fifo.status().message();
+  ASSERT_TRUE(folder->remove("link").ok());
+  EXPECT_EQ(read_whole_file(path("victim")).value(), "intact");
+  EXPECT_TRUE(folder->remove("missing").ok());
+}
+
+TEST_F(Files, AFolderOthersCanWriteIsRefusedWithOwnerModeAndRemedy) {
+  Result<Folder> folder = Folder::open(dir_);
+  ASSERT_TRUE(folder.ok());
+  ASSERT_EQ(::chmod(dir_.c_str(), 0700), 0);
+  EXPECT_TRUE(folder->check_private("swap path").ok());
+  ASSERT_EQ(::chmod(dir_.c_str(), 0777), 0);
+  const Status open_to_all = folder->check_private("swap path");
+  ASSERT_FALSE(open_to_all.ok());
+  for (const char* part : {"swap path", "mode 0777", "owner", "chmod go-w"}) {
+    EXPECT_NE(open_to_all.message().find(part), std::string::npos) << part << ": " << open_to_all.message();
+  }
+  EXPECT_NE(open_to_all.message().find(dir_), std::string::npos);
+  ASSERT_EQ(::chmod(dir_.c_str(), 01777), 0);  // as /tmp: others may create, not rename or remove ours
+  EXPECT_TRUE(folder->check_private("swap path").ok());
+  ASSERT_EQ(::chmod(dir_.c_str(), 0700), 0);
 }
 
 TEST_F(Files, AWriteThatFailsNamesTheFileAndLeavesTheOldOne) {
@@ -81,7 +135,7 @@ TEST_F(Files, AWriteThatFailsNamesTheFileAndLeavesTheOldOne) {
   ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limit), 0);
   Status s;
   {
-    Result<AtomicFile> file = AtomicFile::create(path("f"), path("f.tmp"));
+    Result<AtomicFile> file = AtomicFile::create(path("f"));
     ASSERT_TRUE(file.ok());
     const std::string big(8192, 'z');
     s = file->write(big.data(), big.size());

@@ -145,7 +145,7 @@ TEST(Plan, ModelConfigKeysOfTheWrongTypeAreNamed) {
            std::pair{R"("attention_bias": "yes")", "m.json: 'attention_bias' must be true or false, not \"yes\""},
            std::pair{R"("hidden_size": 64.0)", "m.json: 'hidden_size' must be a positive integer, not 64.0"},
            std::pair{R"("vocab_size": 18446744073709551615)",
-                     "m.json: its sizes give 1.18e+21 parameters, more than zoe plan counts (2^62)"},
+                     "m.json: its sizes give 1.18e+21 parameters, more than zoe plan counts (100T)"},
        }) {
     Result<Model> m = model_from_config("{" + base + ", " + extra + "}", "m.json");
     ASSERT_FALSE(m.ok()) << extra;

@@ -433,7 +433,7 @@ def test_zoe_export_refuses_what_is_not_one_runs_ranks(two_rank_runs, tmp_path):
 
 @pytest.mark.skipif(not ZOE.exists(), reason="build/zoe is not built")
 def test_zoe_export_removes_what_killed_exports_left_and_nothing_of_a_live_one(tmp_path):
-    """An export killed mid-write leaves `model.safetensors.tmp-<scope>-<pid>` (a model's size): the next
+    """An export killed mid-write leaves `model.safetensors.tmp-<scope>-<pid>-<random>` (a model's size): the next
     export beside it removes it once that writer is gone from this scope, and never a live writer's."""
     import json
     import subprocess
@@ -449,9 +449,9 @@ def test_zoe_export_removes_what_killed_exports_left_and_nothing_of_a_live_one(t
     out.mkdir()
     gone = subprocess.Popen(["true"])
     gone.wait()
-    dead = out / f"model.safetensors.tmp-{scope}-{gone.pid}"
-    live = out / f"model.safetensors.tmp-{scope}-{os.getpid()}"
-    other = out / f"model.safetensors.tmp-{'0' * 16}-{gone.pid}"  # another host or container: not judged
+    dead = out / f"model.safetensors.tmp-{scope}-{gone.pid}-0123456789abcdef"
+    live = out / f"model.safetensors.tmp-{scope}-{os.getpid()}-0123456789abcdef"
+    other = out / f"model.safetensors.tmp-{'0' * 16}-{gone.pid}-0123456789abcdef"  # another host or container
     for f in (dead, live, other):
         f.write_bytes(b"x" * 100)
     r = _export(tmp_path / "state.zoe", "--out", out)

@@ -81,7 +81,7 @@ def test_a_model_config(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--params", "7Q"], "--params: unknown suffix 'Q' in '7Q'"),
-    (["--params", "7B", "--gpus", "0"], "--gpus 0: need at least 1"),
+    (["--params", "7B", "--gpus", "0"], "--gpus 0 is out of range: give 1 to 1024"),
     (["--params", "7B", "--gpu-mem", "80X"], "--gpu-mem: unknown suffix 'X'"),
     (["--params", "7B", "--stage", "4"], "--stage: '4' is not 1, 2 or 3"),
     (["--params", "7B", "--offload-param", "cpu", "--stage", "2"], "needs --stage 3"),
