@@ -229,7 +229,7 @@ Result<AtomicFile> AtomicFile::create(const std::string& path, Options options) 
 
 Result<AtomicFile> AtomicFile::create_in(const Folder& folder, const std::string& name, Options options) {
   if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos) {
-    return invalid_argument("'" + folder.path_of(name) + "' names no file");
+    return invalid_argument(folder.path_of(name) + " names no file (a file name is needed)");
   }
   Result<Folder> own = folder.dup();
   if (!own.ok()) return own.status();

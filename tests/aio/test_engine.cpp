@@ -41,7 +41,7 @@ struct EngineFixture {
     engine = std::move(e).value();
     for (int i = 0; i < nfiles; ++i) {
       const std::string path = dir.path() + "/f" + std::to_string(i);
-      Result<aio::OpenedFile> f = aio::open_swap_file(Folder::open(dir.path()).value(), "f" + std::to_string(i), true, {});
+      Result<aio::OpenedFile> f = aio::open_swap_file(Folder::open(dir.path()).value(), base_name(path), true, {});
       ASSERT_TRUE(f.ok()) << f.status().to_string();
       ASSERT_TRUE(aio::allocate_file(f->fd.get(), path, file_bytes, {}).ok());
       engine->add_file(f->fd.get(), path);
