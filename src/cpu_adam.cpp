@@ -251,7 +251,9 @@ simd::AdamConstants constants(const AdamHyper& h, const StepOptions& o) {
   c.eps = h.eps;
   c.decay = h.adamw ? static_cast<float>(1.0 - static_cast<double>(h.lr) * h.weight_decay) : 1.0f;
   c.l2 = h.adamw ? 0.0f : h.weight_decay;
-  c.grad_scale = o.grad_scale;
+  // maximize: -g, as torch negates the gradient before anything else. The kernels multiply each gradient by
+  // grad_scale before adding the L2 term, and negation is exact, so -(g * s) is torch's (-g) * s.
+  c.grad_scale = h.maximize ? -o.grad_scale : o.grad_scale;
   return c;
 }
 

@@ -26,6 +26,9 @@ struct AdamHyper {
   float weight_decay = 0.0f;
   bool adamw = true;            // decoupled weight decay (AdamW); false: L2 added to the gradient (Adam)
   bool bias_correction = true;
+  // torch's maximize: ascend, stepping with the negated gradient (negated before Adam's L2 term is added;
+  // AdamW's decoupled decay is unchanged). The kernels take it as a negated gradient scale: exact.
+  bool maximize = false;
 };
 
 // Where a step first copies what it is about to change: an undo copy, for a step that may have to be taken

@@ -206,8 +206,8 @@ class OffloadOptimizer {
  public:
   // The master weights start as the device weights converted to fp32 (read once through the device).
   // Tier nvme keeps p, m and v in a swap store named "zoe-optimizer" under options.nvme.paths (one left by
-  // an earlier run there is replaced: save() is how state outlives a run); its parameters must be f16 or
-  // bf16 on the device.
+  // an earlier run there is replaced: save() is how state outlives a run); an f32 parameter's master is
+  // there too, and each step copies it into a pinned copy that goes to the device.
   static Result<OffloadOptimizer> create(Device& device, std::vector<ParamGroup> groups,
                                          std::vector<ParamSpec> params, const OffloadOptions& options);
   // ZeRO partitioning over `partition`'s ranks (zoe/partition.h): every rank passes the same parameters and
@@ -299,6 +299,9 @@ class OffloadOptimizer {
   // the delayed schedule's background step: the count before it or after it (exact after wait()).
   std::int64_t param_step_count(std::size_t param) const;
   bool last_step_skipped() const;
+  // The step reads the gradients where the trainer's buffers hold them (host memory, no staging copy): a
+  // gradient changed after the norm was taken is what the step reads.
+  bool reads_grads_in_place() const;
   const StepStats& stats() const;  // exact after wait(); the delayed schedule updates it in the background
   // Elements of each parameter read_state() and write_state() take (partitioned: of each piece).
   std::vector<std::size_t> state_sizes() const;

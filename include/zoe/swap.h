@@ -78,7 +78,8 @@ struct SwapOptions {
 };
 
 // One run of the flattened range stepped with one set of hyper-parameters. Gradients in host memory;
-// `out`, when not null, receives the updated weights as f16/bf16 (the copy the device receives).
+// `out`, when not null, receives the updated weights as f16/bf16 (the copy the device receives) or, f32, the
+// updated master itself (an fp32 parameter's device weights).
 struct SwapSegment {
   std::size_t offset = 0;  // first element, in the store's range
   std::size_t n = 0;

@@ -12,7 +12,7 @@ struct PyCpuAdam {
   void step(std::vector<F32Array> params, std::vector<F32Array> exp_avgs, std::vector<F32Array> exp_avg_sqs,
             std::vector<CpuArray> grads, std::vector<std::optional<CpuArray>> outs, std::int64_t step, float lr,
             float beta1, float beta2, float eps, float weight_decay, bool adamw, bool bias_correction,
-            float grad_scale, bool check_finite) {
+            float grad_scale, bool check_finite, bool maximize) {
     const std::size_t count = params.size();
     if (exp_avgs.size() != count || exp_avg_sqs.size() != count || grads.size() != count ||
         (!outs.empty() && outs.size() != count)) {
@@ -43,7 +43,7 @@ struct PyCpuAdam {
     o.step = step;
     o.grad_scale = grad_scale;
     o.check_finite = check_finite;
-    const AdamHyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, adamw, bias_correction);
+    const AdamHyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, maximize);
     Status s;
     {
       nb::gil_scoped_release release;
@@ -74,6 +74,7 @@ void bind_cpu_adam(nb::module_& m) {
            nb::arg("step"), nb::arg("lr") = 1e-3f, nb::arg("beta1") = 0.9f, nb::arg("beta2") = 0.999f,
            nb::arg("eps") = 1e-8f, nb::arg("weight_decay") = 0.0f, nb::arg("adamw") = true,
            nb::arg("bias_correction") = true, nb::arg("grad_scale") = 1.0f, nb::arg("check_finite") = false,
+           nb::arg("maximize") = false,
            "Steps every tensor in place; `outs` (optional, one per tensor) receive the weights as fp16/bf16.")
       .def_prop_ro("isa", [](const PyCpuAdam& a) { return std::string(isa_name(a.adam.isa())); })
       .def_prop_ro("kernel", [](const PyCpuAdam& a) { return std::string(a.adam.kernel()); })

@@ -42,7 +42,7 @@ DType parse_dtype_or_throw(const std::string& name) {
 }
 
 AdamHyper make_hyper(float lr, float beta1, float beta2, float eps, float weight_decay, bool adamw,
-                     bool bias_correction) {
+                     bool bias_correction, bool maximize) {
   AdamHyper h;
   h.lr = lr;
   h.beta1 = beta1;
@@ -51,6 +51,7 @@ AdamHyper make_hyper(float lr, float beta1, float beta2, float eps, float weight
   h.weight_decay = weight_decay;
   h.adamw = adamw;
   h.bias_correction = bias_correction;
+  h.maximize = maximize;
   return h;
 }
 
@@ -63,6 +64,7 @@ nb::dict hyper_dict(const AdamHyper& h) {
   d["weight_decay"] = h.weight_decay;
   d["adamw"] = h.adamw;
   d["bias_correction"] = h.bias_correction;
+  d["maximize"] = h.maximize;
   return d;
 }
 

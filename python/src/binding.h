@@ -99,7 +99,7 @@ auto memory_of(const Array& a, const std::string& what) {
 }
 DType parse_dtype_or_throw(const std::string& name);
 AdamHyper make_hyper(float lr, float beta1, float beta2, float eps, float weight_decay, bool adamw,
-                     bool bias_correction);
+                     bool bias_correction, bool maximize = false);
 nb::dict hyper_dict(const AdamHyper& h);
 
 struct PyDevice {

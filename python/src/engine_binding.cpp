@@ -177,7 +177,8 @@ std::unique_ptr<PyEngine> make_engine(nb::object device_obj, std::vector<nb::dic
     gs.push_back(ParamGroup{make_hyper(get("lr", defaults.lr), get("beta1", defaults.beta1),
                                        get("beta2", defaults.beta2), get("eps", defaults.eps),
                                        get("weight_decay", defaults.weight_decay), get("adamw", defaults.adamw),
-                                       get("bias_correction", defaults.bias_correction))});
+                                       get("bias_correction", defaults.bias_correction),
+                                       get("maximize", defaults.maximize))});
   }
   auto engine = std::make_unique<PyEngine>();
   std::vector<char> is_tiered(params.size(), 0);
@@ -316,14 +317,14 @@ void bind_engine_settings(nb::class_<PyEngine>& engine) {
            nb::arg("path"))
       .def("set_hyper",
            [](PyEngine& e, std::size_t group, float lr, float beta1, float beta2, float eps, float weight_decay,
-              bool adamw) {
-             AdamHyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, adamw, true);
+              bool adamw, bool maximize) {
+             AdamHyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, adamw, true, maximize);
              check(CpuAdam::validate(h));
              AdamHyper& target = e.get().group_hyper(group);
              target = h;
            },
            nb::arg("group"), nb::arg("lr"), nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"),
-           nb::arg("weight_decay"), nb::arg("adamw"))
+           nb::arg("weight_decay"), nb::arg("adamw"), nb::arg("maximize") = false)
       .def("hyper", [](PyEngine& e, std::size_t group) { return hyper_dict(e.get().group_hyper(group)); })
       .def_prop_ro("loss_scale", [](PyEngine& e) { return e.get().loss_scale(); })
       .def_prop_ro("loss_scale_state",
@@ -339,6 +340,7 @@ void bind_engine_settings(nb::class_<PyEngine>& engine) {
            nb::arg("scale"), nb::arg("clean_steps"), nb::arg("hysteresis_left"))
       .def_prop_ro("step_count", [](PyEngine& e) { return e.get().step_count(); })
       .def_prop_ro("last_step_skipped", [](PyEngine& e) { return e.get().last_step_skipped(); })
+      .def_prop_ro("reads_grads_in_place", [](PyEngine& e) { return e.get().reads_grads_in_place(); })
       .def_prop_ro("param_count", [](PyEngine& e) { return e.param_shapes.size(); })
       .def("stats", [](PyEngine& e) { return stats_dict(e.get().stats()); });
 }

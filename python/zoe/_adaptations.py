@@ -29,8 +29,8 @@ ADAPTATIONS: list[Adaptation] = [
     Adaptation(
         "torch.nn.utils.clip_grad_norm_",
         "Trainers clip through it, over model.parameters(), after backward (Hugging Face's Trainer also to log "
-        "the norm with max_grad_norm=0). Done by torch it writes every p.grad: the overlap and delayed "
-        "schedules lose their overlap, declared micro-batches lose zoe's fp32 sum, and offloaded parameters' "
+        "the norm with max_grad_norm=0). Done by torch it writes every p.grad (by 1 when nothing is clipped), "
+        "an edit zoe cannot tell from a trainer's: the overlap and delayed schedules lose their overlap, declared micro-batches lose zoe's fp32 sum, and offloaded parameters' "
         "gradients are no longer in p.grad on a GPU. zoe answers it with the optimizer's clip_grad_norm_.",
         "mechanism: the function in torch.nn.utils is replaced (trainers look it up there at each call) by "
         "one that answers a call over exactly one optimizer's parameters and hands any other to torch's. "
@@ -170,8 +170,8 @@ _answering: list[weakref.WeakMethod] = []
 def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
     """``torch.nn.utils.clip_grad_norm_`` while an OffloadOptimizer exists: over exactly one optimizer's
     parameters — what trainers pass, ``model.parameters()`` — it is that optimizer's ``clip_grad_norm_``,
-    which computes the norm of the gradients zoe takes and clips inside the step, leaving ``p.grad`` as it
-    is. Any other call is torch's."""
+    which computes the norm of the gradients zoe takes and clips ``p.grad`` as torch does without it
+    counting as a trainer's edit. Any other call is torch's."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     for ref in list(_answering):
         answers = ref()

@@ -19,7 +19,7 @@ class Slot:
 
     __slots__ = ("param", "index", "group", "offset", "numel", "shape", "tier", "windowed", "bucket", "grad_view",
                  "grad_ptr", "grads_at", "own_grad", "own_version", "weight_view", "engine_ids", "accumulated",
-                 "taken")
+                 "taken", "flat_weights")
 
     def __init__(self, param, index, group, offset):
         self.param = param
@@ -44,7 +44,10 @@ class Slot:
         self.grads_at = 0
         self.own_grad = None
         self.own_version = 0
-        self.weight_view = None  # p.data as the optimizer laid it (a view of its bucket)
+        self.weight_view = None  # p.data as the optimizer laid it: the parameter's own storage, contiguous
+        # Under zoe's own partition (world > 1): its place in the bucket's flat weights, which the engine
+        # all-gathers into and which are then copied into weight_view (FlatState.weights_to_params).
+        self.flat_weights = None
         self.engine_ids: list[int] = []
         self.accumulated = 0  # backward passes that accumulated into this gradient since the last step
         self.taken = False  # the engine has read this iteration's gradient (reported, or for a norm)
@@ -69,8 +72,10 @@ class Bucket:
             total += 0 if s.windowed else s.numel
         self.shard_numel = -(-total // world) if total else 0
         padded = self.shard_numel * world
-        # Padded to W x shard_numel elements: the engine reduces and gathers in these buffers.
-        self.weights = torch.zeros(padded, dtype=dtype, device=device)
+        # Padded to W x shard_numel elements: the engine reduces and gathers in these buffers. The weights are
+        # flat only where zoe's own partition all-gathers them (world > 1); on one rank every parameter keeps
+        # a storage of its own (docs/architecture.md, "The Python package": why).
+        self.weights = torch.zeros(padded, dtype=dtype, device=device) if world > 1 else None
         self.grads = torch.zeros(padded, dtype=dtype, device=device)
         window = max((s.numel for s in slots if s.windowed), default=0)
         self.window = torch.zeros(window, dtype=dtype, device=device) if window else None
@@ -109,6 +114,27 @@ class FlatState:
         """(world size, rank) of the state this rank holds: zoe's partition, or FSDP2's shards."""
         return self.dtensor.ranks() if self.dtensor is not None else (self.world, self.rank)
 
+    def collect_slots(self, param_groups) -> dict:
+        """A slot for every parameter zoe holds, into ``slots``; returns them by dtype."""
+        slots_by_dtype: dict[torch.dtype, list[Slot]] = {}
+        index = 0
+        for gi, group in enumerate(param_groups):
+            for p in group["params"]:
+                if p.is_sparse or p.layout != torch.strided:
+                    raise ValueError(f"parameter {index} (shape {tuple(p.shape)}) is sparse: zoe steps dense tensors")
+                # Frozen parameters (requires_grad=False) are held too, as torch's optimizers hold them: they are
+                # stepped once they are unfrozen and have a gradient (a None gradient is never stepped).
+                if p.dtype in ZOE_DTYPES:
+                    bucket = slots_by_dtype.setdefault(p.dtype, [])
+                    slot = Slot(p, index, gi, sum(s.numel for s in bucket))
+                    bucket.append(slot)
+                    self.slots.append(slot)
+                elif p.requires_grad:
+                    raise TypeError(f"parameter {index} (shape {tuple(p.shape)}) is {p.dtype}; zoe handles "
+                                    "float32, float16 and bfloat16")
+                index += 1
+        return slots_by_dtype
+
     def slot_of(self, param) -> Slot | None:
         return next((s for s in self.slots if s.param is param), None)
 
@@ -130,6 +156,8 @@ class FlatState:
         for b in self.buckets:
             lo, hi = self.rank * b.shard_numel, (self.rank + 1) * b.shard_numel
             for s in b.slots:
+                if s.numel == 0:
+                    continue  # not in the engine (engine_specs)
                 if s.windowed:  # not partitioned (one rank), and not in the flat buffers
                     out.append((s, 0, s.numel))
                     continue
@@ -154,6 +182,8 @@ class FlatState:
         for b in self.buckets:
             lo, hi = self.rank * b.shard_numel, (self.rank + 1) * b.shard_numel
             for s in b.slots:
+                if s.numel == 0:
+                    continue  # nothing to step, and nothing of it in the engine (torch keeps empty moments)
                 shape = list(s.param._local_tensor.shape if self.dtensor is not None else s.shape)
                 if s.tier is not None:
                     offload, block, entry = s.tier
@@ -162,7 +192,7 @@ class FlatState:
                 elif self.dtensor is not None:  # A DTensor's shard is FSDP2's own storage, stepped in place.
                     weights = self.dtensor.local_weights(s)
                 else:
-                    weights = b.weights[s.offset:s.offset + s.numel]
+                    weights = s.flat_weights if s.flat_weights is not None else s.weight_view.reshape(-1)
                 grads = b.grad_buffer(s)[s.offset:s.offset + s.numel]
                 specs.append((s.numel, ZOE_DTYPES[b.dtype], weights, grads, s.group, names.get(s.index, ""), shape))
                 if s.windowed or max(lo, s.offset) < min(hi, s.offset + s.numel):
@@ -189,3 +219,15 @@ class FlatState:
         for b in self.buckets:
             shard = b.weights[self.rank * b.shard_numel:(self.rank + 1) * b.shard_numel].clone()
             self.dp.collectives.gather_tensor(b.weights, shard)
+        self.weights_to_params()
+
+    def weights_to_params(self) -> None:
+        """Under zoe's own partition: the flat weights the engine all-gathered into, copied into the
+        parameters' own storages, one batched copy per dtype. Written through ``p.data``'s alias, so torch's
+        version counter of ``p`` (which tells a trainer's edit, _weight_edits.py) does not move."""
+        for b in self.buckets:
+            if b.weights is None:
+                continue
+            slots = [s for s in b.slots if s.flat_weights is not None]
+            if slots:
+                torch._foreach_copy_([s.weight_view.view(-1) for s in slots], [s.flat_weights for s in slots])

@@ -21,6 +21,19 @@ the DTensor's ``_local_tensor`` and ``FSDPParam._sharded_param_data`` (FSDP pads
 ``FSDPParam._init_extensions``. So the torch versions are pinned (``TESTED_TORCH``) and
 tests/python/test_fsdp_offload.py is the conformance test.
 
+Reading outside training. Logging, evaluation and state_dict code read parameters between steps:
+``p.full_tensor()``, ``p.to_local()`` and its reads (``clone``, ``sum``, ``norm``, comparisons, ``numpy``),
+``model.state_dict()``'s values, ``torch.save`` of them. A view of a TierShard (``detach``, ``view``, indexing,
+``t()``...) is a TierShard over the same entry, its geometry worked out on a meta tensor. An op that only reads
+TierShards (no argument its schema marks written) runs on their values, read from the tier's home into tensors
+of their own (``ShardOffload.values``, as ``weights(p)`` reads): never fetched into the pool, so a read, in or
+outside forward and backward, takes no room there, counts no fetch or hit and is no part of the recorded order.
+What it returns is plain and aliases no tier memory (``full_tensor()``'s all-gather runs on the values); it is a
+snapshot, which later steps do not change. Pickling a TierShard pickles its values, so ``torch.save(
+model.state_dict())`` saves DTensors with plain local tensors. An op that would write a TierShard (in place,
+``out=``, through a view, ``p.data``, ``load_state_dict``) is refused, naming the parameter: outside
+``gathered()`` the change would be lost.
+
 Checkpoints. Inside ``gathered()`` (or the read-only ``materialize()``) the shards are FSDP's plain tensors
 again, so torch.distributed.checkpoint saves and loads them as it does any FSDP2 model's: the checkpoint is a
 plain FSDP2 one, loadable on another world size and without zoe.
@@ -40,6 +53,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from . import _zoe
 from ._offload_blocks import DTYPES, contiguous_strides, storage_view
@@ -58,29 +72,104 @@ def _torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+class _Holds:
+    """What the bytes under a TierShard are, shared by the TierShards that view one another: the tier entry's
+    (``entry``), or the zeros of the tensor FSDP pads a shard in until it copies the shard into it."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry: bool):
+        self.entry = entry
+
+
+def _geometry(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.storage_offset(), t.dtype
+
+
+def _end_bytes(t: torch.Tensor) -> int:
+    """Bytes from the start of the tensor's storage to the end of its last element."""
+    if not t.numel():
+        return t.storage_offset() * t.element_size()
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
+
+
+def _written(func, args, kwargs) -> "TierShard | None":
+    """A TierShard that the op would write (an argument its schema marks mutable: in place, ``out=``)."""
+    schema = func._schema
+    if not schema.is_mutable:
+        return None
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+            for leaf in tree_leaves(value):
+                if isinstance(leaf, TierShard):
+                    return leaf
+    return None
+
+
 class TierShard(torch.Tensor):
-    """A local shard whose bytes are in a parameter tier: shape, dtype and device, no storage. FSDP2 fetches
-    it through ``fsdp_pre_all_gather``; any other op that would read or write its bytes is refused."""
+    """A local shard whose bytes are in a parameter tier: shape, dtype, device and its place in the entry
+    (strides, offset), no storage. FSDP2 fetches it through ``fsdp_pre_all_gather``. Other ops (see the module
+    docstring): a view of it is a TierShard over the same entry; an op that only reads it runs on its values
+    read from the tier; an op that would write it is refused, naming the parameter."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # results stay plain tensors
 
     @staticmethod
-    def __new__(cls, home: "ShardOffload", block: int, entry: int, size, dtype, device):
+    def __new__(cls, home: "ShardOffload", block: int, entry: int, size, dtype, device, stride=None, offset=0,
+                holds: _Holds | None = None):
         size = torch.Size(size)
-        t = torch.Tensor._make_wrapper_subclass(cls, size, strides=contiguous_strides(size), dtype=dtype,
-                                                device=device, requires_grad=False)
+        t = torch.Tensor._make_wrapper_subclass(cls, size, strides=stride or contiguous_strides(size),
+                                                storage_offset=offset, dtype=dtype, device=device,
+                                                requires_grad=False)
         t._home, t._block, t._entry = home, block, entry
+        t._holds = holds if holds is not None else _Holds(True)
         return t
 
-    def _like(self, size) -> "TierShard":
-        return TierShard(self._home, self._block, self._entry, size, self.dtype, self.device)
+    def _like(self, like: torch.Tensor, device=None, holds: _Holds | None = None) -> "TierShard":
+        """A TierShard over the same entry with ``like``'s geometry (a meta tensor's)."""
+        return TierShard(self._home, self._block, self._entry, like.shape, like.dtype, device or self.device,
+                         like.stride(), like.storage_offset(), holds or self._holds)
+
+    def _meta(self) -> torch.Tensor:
+        """A meta tensor of this one's geometry, on a storage as long as the entry (or as this one reaches)."""
+        nbytes = max(self._home.entry_bytes(self), _end_bytes(self))
+        storage = torch.empty(nbytes, dtype=torch.uint8, device="meta").untyped_storage()
+        return torch.empty(0, dtype=self.dtype, device="meta").set_(storage, self.storage_offset(), self.shape,
+                                                                    self.stride())
+
+    def _pads(self, size, kwargs) -> bool:
+        """``new_zeros(size, **kwargs)`` is FSDP's padding of this shard: the whole entry, longer along dim 0."""
+        return (self._home.whole(self) and len(size) == self.dim() and size[0] >= self.shape[0]
+                and tuple(size[1:]) == self.shape[1:] and kwargs.get("dtype") in (None, self.dtype)
+                and kwargs.get("layout") in (None, torch.strided) and not kwargs.get("pin_memory")
+                and self._home.is_home_device(kwargs.get("device") or self.device))
 
     def __repr__(self) -> str:
         return f"TierShard(block={self._block}, entry={self._entry}, size={tuple(self.shape)}, dtype={self.dtype})"
 
+    # Outside torch's dispatch: reads give the values, a NumPy array read-only (torch's shares the memory).
     def __reduce_ex__(self, protocol):
-        raise RuntimeError(
-            f"zoe parameter offload: the local shard of '{self._home.param_name(self)}' is in zoe's parameter tier "
-            "and cannot be pickled (torch.save of model.state_dict()): save inside `with offload.materialize():`, "
-            "where the shards are plain tensors, or through torch.distributed.checkpoint there")
+        # torch.save of model.state_dict() pickles each DTensor with its local tensor: the shard's values.
+        return self._home.values(self).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        copy = memo[id(self)] = self._home.values(self).requires_grad_(self.requires_grad)
+        return copy
+
+    def tolist(self):
+        return self._home.values(self).tolist()
+
+    def numpy(self, *, force: bool = False):
+        if self.requires_grad and not force:
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
+        if self.device.type != "cpu" and not force:
+            raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to copy the "
+                            "tensor to host memory first.")
+        array = self._home.values(self).cpu().numpy()
+        array.flags.writeable = False
+        return array
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         return (self._home.all_gather_input(self, mp_policy.param_dtype),), None
@@ -91,39 +180,54 @@ class TierShard(torch.Tensor):
             return None  # FSDP gathered into the same output tensors again, which `out` already views
         return (data if data.dtype == param_dtype else data.to(param_dtype)), ()
 
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        me, kwargs = args[0], kwargs or {}
+    def _fsdp_op(self, func, args, kwargs):
+        """FSDP's own ops on a shard that are not reads, answered without bytes; NotImplemented for others."""
         if func in (_aten.detach.default, _aten.alias.default):
-            return me._like(me.shape)
-        if func in (_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default):
-            size = list(args[1])
-            if -1 in size:
-                known = -torch.Size(size).numel()  # the product of the others (one -1 among them)
-                size[size.index(-1)] = me.numel() // known if known else 0
-            if torch.Size(size).numel() == me.numel():
-                return me._like(size)
-        if func is _aten.slice.Tensor:
-            dim, start, end, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1:])[:4]
-            if dim == 0 and not start and step == 1:
-                return me._like((min(me.shape[0], end if end is not None else me.shape[0]),) + me.shape[1:])
-        if func is _aten._to_copy.default and set(kwargs) <= {"device", "non_blocking"}:
+            return TierShard(self._home, self._block, self._entry, self.shape, self.dtype, self.device,
+                             self.stride(), self.storage_offset(), self._holds)
+        if func is _aten._to_copy.default and set(kwargs) <= {"device", "non_blocking"} and \
+                self._home.is_home_device(kwargs.get("device", self.device)):
             # CPUOffloadPolicy moves the shard to the device before asking for its all-gather input: the fetch
             # puts it there.
-            return TierShard(me._home, me._block, me._entry, me.shape, me.dtype, kwargs.get("device", me.device))
+            return self._like(self, device=self._home._device)
         if func is _aten.is_pinned.default:
             return True  # FSDP's pin_memory: the tier's home and pool are pinned where pinning exists
-        if func is _aten.new_zeros.default:
-            # FSDP pads an uneven shard to the padded size: the padding is zeros the fetch adds.
-            return me._like(args[1])
-        if func is _aten.copy_.default and isinstance(args[1], TierShard) and \
-                (args[1]._home, args[1]._block, args[1]._entry) == (me._home, me._block, me._entry):
-            return me  # the padding's copy of the shard into itself
-        name = me._home.param_name(me)
-        raise RuntimeError(
-            f"zoe parameter offload: {func} on the local shard of '{name}', whose bytes are in zoe's parameter tier "
-            "(offload_parameters on an FSDP2 model): it would read or change the shard silently outside the tier. "
-            "Read it with offload.weights(p); update it through zoe's OffloadOptimizer; or offload.remove() first")
+        if func is _aten.new_zeros.default and self._pads(args[1], kwargs):
+            # FSDP pads an uneven shard to the padded size: zeros, until it copies the shard into them.
+            return self._like(torch.empty(args[1], dtype=self.dtype, device="meta"), holds=_Holds(False))
+        if func is _aten.copy_.default and isinstance(args[1], TierShard) and args[1]._holds.entry and \
+                (args[1]._home, args[1]._block, args[1]._entry) == (self._home, self._block, self._entry) and \
+                _geometry(args[1]) == _geometry(self):
+            self._holds.entry = True  # the padding's copy of the shard into its own place
+            return self
+        return NotImplemented
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        me = args[0] if args and isinstance(args[0], TierShard) else None
+        if me is not None:
+            done = me._fsdp_op(func, args, kwargs)
+            if done is not NotImplemented:
+                return done
+        written = _written(func, args, kwargs)
+        if written is not None:
+            raise RuntimeError(
+                f"zoe parameter offload: {func} would write to the local shard of "
+                f"'{written._home.param_name(written)}', whose bytes are in zoe's parameter tier (offload_parameters "
+                "on an FSDP2 model): the change would be lost. Change it inside `with offload.gathered():` (written "
+                "back on exit), update it through zoe's OffloadOptimizer, or offload.remove() first")
+        if me is not None and (func is _aten._unsafe_view.default or
+                               any(r.alias_info is not None for r in func._schema.returns)):
+            # A view stays a TierShard over the entry (a write through it is refused too): its geometry is the
+            # op's on a meta tensor.
+            out = func(*tree_map_only(TierShard, TierShard._meta, args),
+                       **tree_map_only(TierShard, TierShard._meta, kwargs))
+            return tree_map_only(torch.Tensor, me._like, out)
+        # A read: the op runs on the shards' values, copies of the tier's bytes, so nothing it returns aliases the
+        # tier's memory.
+        return func(*tree_map_only(TierShard, lambda t: t._home.values(t), args),
+                    **tree_map_only(TierShard, lambda t: t._home.values(t), kwargs))
 
 
 def _groups(model: nn.Module) -> tuple[list[tuple[str, object]], dict[int, str]]:
@@ -210,6 +314,7 @@ class ShardOffload(TierBlocks):
             os.makedirs(p, exist_ok=True)
         entry_bytes = [[fp._sharded_local_tensor.numel() * fp._sharded_local_tensor.element_size() for fp in fps]
                        for _, fps in self.blocks]
+        self._entry_bytes = entry_bytes
         self._make_tier(device, entry_bytes, [n for n, _ in self.blocks], home, paths, budget_bytes, prefetch,
                         tier_factory)
         self._offsets = [[int(self.tier.entry_offset(b, e)) for e in range(len(fps))]
@@ -348,7 +453,7 @@ class ShardOffload(TierBlocks):
         return self._fqn[id(self.blocks[shard._block][1][shard._entry])]
 
     def check_edits(self) -> None:
-        """Nothing to refuse here: an in-place edit of a shard in the tier fails at the op (TierShard)."""
+        """Nothing to refuse here: a write to a shard in the tier fails at the op (TierShard)."""
 
     def weights(self, p: torch.Tensor) -> torch.Tensor:
         """An offloaded parameter's local shard as the tier holds it, in a CPU tensor."""
@@ -357,6 +462,39 @@ class ShardOffload(TierBlocks):
         out = torch.empty(local.shape, dtype=local.dtype)
         self.tier.read(b, e, out)
         return out
+
+    # -- a shard read outside FSDP's all-gather (TierShard's reads) ------------------------------------------
+
+    def entry_bytes(self, shard: TierShard) -> int:
+        return self._entry_bytes[shard._block][shard._entry]
+
+    def whole(self, shard: TierShard) -> bool:
+        """The shard is its whole entry, as FSDP keeps it (not a view of part of it, nor FSDP's padding)."""
+        return (shard._holds.entry and shard.storage_offset() == 0 and shard.is_contiguous()
+                and shard.numel() * shard.element_size() == self.entry_bytes(shard))
+
+    def is_home_device(self, device) -> bool:
+        """``device`` is the one FSDP computes on, where the tier fetches to (an index left out: the current)."""
+        device = torch.device(device)
+        return device.type == self._device.type and device.index in (None, self._device.index)
+
+    def values(self, shard: TierShard) -> torch.Tensor:
+        """The shard's values on its device: the entry read from the tier's home into a tensor of its own (not
+        fetched into the pool: a read outside training changes neither the recorded order nor the pool's
+        use, and counts no fetch), viewed as the shard views the entry; zeros where FSDP's padding is."""
+        if self.tier is None:
+            raise RuntimeError("zoe parameter offload was removed: a shard taken from the model before remove() "
+                               "has no bytes; read the parameter again")
+        entry = self.entry_bytes(shard)
+        room = torch.empty(max(entry, _end_bytes(shard)), dtype=torch.uint8)
+        if shard._holds.entry:
+            self.tier.read(shard._block, shard._entry, room[:entry])
+            room[entry:].zero_()
+        else:
+            room.zero_()
+        out = storage_view(room.untyped_storage(), shard.storage_offset() * shard.element_size(), shard.dtype,
+                           shard.shape, shard.stride())
+        return out if shard.device.type == "cpu" else out.to(shard.device)
 
     @contextlib.contextmanager
     def gathered(self, write_back: bool = True):
@@ -395,7 +533,8 @@ class ShardOffload(TierBlocks):
                 self._plain = False
 
     def materialize(self):
-        """``gathered(write_back=False)``: the shards to read (``get_state_dict`` and ``dcp.save``)."""
+        """``gathered(write_back=False)``: the shards as FSDP's plain tensors, to read (``get_state_dict`` and
+        ``dcp.save``). Reads outside it work too, each reading the shards it needs from the tier (TierShard)."""
         return self.gathered(write_back=False)
 
     def remove(self) -> None:

@@ -18,6 +18,7 @@ iteration can run again."""
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 import weakref
 from typing import Callable
@@ -61,6 +62,7 @@ class GradIntake:
         # the callbacks queued in it.
         self._open_backwards: set[int] = set()
         self._outstanding = False  # the engine holds something of this iteration: reports, taken gradients
+        self._grads_clipped = False  # zoe's clip_grad_norm_ multiplied p.grad this iteration (_show_clipped_grads)
 
     def _make_hook(self, slot: Slot) -> Callable:
         # A weak reference: the parameter holds the hook, and must not keep the optimizer (and its engine's
@@ -175,6 +177,7 @@ class GradIntake:
         self._outstanding = False
         self._taken_versions = None
         self._hyper_pushed = False
+        self._grads_clipped = False
         if self._flat.dtensor is not None:
             self._flat.dtensor.end_iteration()
         if self._clip_once is not None:
@@ -232,6 +235,27 @@ class GradIntake:
                 "are not given. Their gradients left the device, and zoe computes the norm over all of the "
                 "optimizer's")
         return False
+
+    def _show_clipped_grads(self, norm: float, max_norm: float) -> None:
+        """torch's clip_grad_norm_ multiplies every p.grad by min(1, max_norm / (norm + 1e-6)), in fp32 as
+        torch computes it; zoe's answer does too, so that code reading p.grad after it sees torch's values.
+        Written through ``.data`` aliases, whose version counters are their own: the trainer-edit detection
+        (_note_changed_grads) sees no change. Where the engine holds its own copy of the gradients (the
+        staging of a device with memory of its own, or its fp32 sum of declared micro-batches) it clips that
+        copy inside the step by the same coefficient, and the overlap keeps what it stepped when nothing was
+        clipped; where it reads them in place, it takes the clipped values again and clips no more."""
+        coef = torch.tensor(max_norm, dtype=torch.float32) / (torch.tensor(norm, dtype=torch.float32) + 1e-6)
+        if not (math.isfinite(norm) and float(coef) < 1.0):
+            return  # torch multiplies by 1: the values stay
+        in_place = self._flat.engine.reads_grads_in_place and not self._engine_accumulates
+        if in_place:
+            self._flat.engine.wait()  # the overlap's worker reads them where they are: not while they change
+        grads = [s.param.grad.data for s in self._flat.slots if not s.windowed and s.param.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        self._grads_clipped = True
+        if in_place:
+            self._take_again()
 
     def _push_hyper_once(self) -> None:
         """At the iteration's first report, before the engine steps or writes anything of it: a learning-rate
@@ -307,6 +331,8 @@ class GradIntake:
         return s.param.grad is None
 
     def _take_again(self) -> None:
+        if self._grads_clipped and not self._engine_accumulates:
+            self._flat.engine.set_max_grad_norm(0.0)  # what the engine takes now is clipped already
         self._flat.engine.grads_changed()
         self._taken_versions = self._grad_versions()
 

@@ -218,8 +218,8 @@ def _param_groups(flat: FlatState, param_groups) -> list[dict]:
     out, index = [], 0
     for g in param_groups:
         d = {k: v for k, v in g.items() if k not in ("params", "adamw", "zoe_loss_scale")}
-        d.update(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                 decoupled_weight_decay=bool(g.get("adamw", True)))
+        d.update(amsgrad=False, maximize=bool(g.get("maximize", False)), foreach=None, capturable=False,
+                 differentiable=False, fused=None, decoupled_weight_decay=bool(g.get("adamw", True)))
         if scaler is not None:
             d["zoe_loss_scale"] = scaler
         d["params"] = list(range(index, index + len(g["params"])))

@@ -25,6 +25,20 @@ def _groups_and_extras(state_dict: dict) -> dict:
     return {"state": extras, "param_groups": state_dict["param_groups"]}
 
 
+def _across_dtypes(state_dict: dict) -> dict:
+    """A one-rank zoe state_dict as torch's format with the fp32 masters (``zoe_masters``), for parameters of
+    other dtypes than it was saved with: zoe's checkpoint holds the device's weights in their dtype, torch's
+    format the fp32 state alone, which does not depend on it. As torch's load_state_dict casts a state to its
+    parameter's dtype, but kept in fp32: the masters, moments and each parameter's step go across unrounded,
+    and the model's weights are set from the masters, rounded to their new dtype."""
+    full = _interop.consolidate([state_dict])
+    for index, st in full["state"].items():
+        own = (state_dict.get("state") or {}).get(index, {})
+        if "step" in own:  # consolidate gives the optimizer's step; a parameter keeps its own
+            st["step"] = own["step"]
+    return full
+
+
 def _read_into(f, buffer: memoryview) -> int:
     """Fills ``buffer`` from ``f``; returns its size."""
     done = 0
@@ -181,6 +195,9 @@ class StateDictMethods:
         if "folder" in meta:
             self._load_rank_file(state_dict, world, rank)
             return
+        if meta["world_size"] == 1 and self._only_dtypes_differ(meta):
+            self._load_torch_state_dict(_across_dtypes(state_dict))
+            return
         if (meta["world_size"], meta["rank"]) != (world, rank):
             raise ValueError(
                 f"this state_dict holds the partition of rank {meta['rank']} of {meta['world_size']}; this "
@@ -196,6 +213,13 @@ class StateDictMethods:
         # the engine's (torch would copy each tensor to its parameter).
         super().load_state_dict(_groups_and_extras(state_dict))
         self._flat.hyper_unknown(len(self.param_groups))
+
+    def _only_dtypes_differ(self, meta: dict) -> bool:
+        """The state_dict is of this model with parameters of other dtypes (an fp32 run resumed in bf16)."""
+        layout = self._flat.layout(self.param_groups)
+        dtypes = [entry[1] for entry in layout]
+        return len(meta["layout"]) == len(layout) and [e[1] for e in meta["layout"]] != dtypes and \
+            [e[:1] + e[3:] for e in meta["layout"]] == [e[:1] + e[3:] for e in layout]
 
     def _check_layout(self, meta: dict) -> None:
         # requires_grad (the layout's third entry) may differ: frozen parameters are held and stepped alike.

@@ -38,6 +38,7 @@ class WeightEdits:
         """After load_state_dict: the master weights and the model's agree, and an edit read before the load
         is not applied after it."""
         self._edits.clear()
+        self._flat.weights_to_params()
         self._note_weights()
 
     def _capture_edits(self) -> None:

@@ -3,18 +3,19 @@ live in zoe (pinned RAM, or NVMe) while the model keeps its own weights, in thei
 
 How it meets torch:
 
-* At construction the trainable parameters of each dtype are packed into one flat buffer on their device
-  (``p.data`` and ``p.grad`` become views of it), so the engine reads every gradient and writes every weight
-  with one address per parameter that never changes, and ``zero_grad`` is one fill. Move the model to its
-  device *before* creating the optimizer.
+* At construction the gradients of each dtype are packed into one flat buffer on their device (``p.grad``
+  becomes a view of it, so ``zero_grad`` is one fill), while each parameter keeps a storage of its own,
+  which the engine writes in place: the engine reads every gradient and writes every weight at one address
+  per parameter that never changes, and safetensors, Accelerate and ``torch.save`` see the model's tensors
+  as the model made them. Move the model to its device *before* creating the optimizer.
 * ``step()`` hands the hyper-parameters of each param group (an LR scheduler's ``group['lr']`` included) to
   the engine, then runs the engine's step with the GIL released; the updated weights are back in ``p.data``
   when it returns (one step later for ``schedule="delayed"``).
 * Clipping: ``torch.nn.utils.clip_grad_norm_`` over all of an optimizer's parameters (``model.parameters()``,
   as Hugging Face's Trainer and Accelerate pass them) is answered by the optimizer's ``clip_grad_norm_``:
-  zoe's norm, the clip fused into the step, ``p.grad`` left as it is (_adaptations.route_clipping
-  says why). Over part of
-  them, it is torch's, and the edit is seen at ``step()`` as any other.
+  zoe's norm, ``p.grad`` clipped as torch clips it but not taken for a trainer's edit
+  (_adaptations.route_clipping says why). Over part of them, it is torch's, and the edit is seen at
+  ``step()`` as any other.
 * ``schedule="overlap"`` reports each parameter to the engine from a post-accumulate-grad hook during
   backward, so its transfer and CPU Adam overlap the rest of backward. With gradient accumulation only the
   last micro-batch's backward reports (the k-th time a parameter's gradient is accumulated since the last
@@ -50,8 +51,8 @@ import torch
 import torch.distributed as dist
 
 from . import (_adaptations, _data_parallel, _dtensor, _flat, _grad_intake, _interop, _options, _param_offload,
-               _scratch, _serial, _state_dict, _stream, _torch_flags, _weight_edits, _zoe)
-from ._flat import Bucket, Slot
+               _regroup, _scratch, _serial, _state_dict, _stream, _torch_flags, _weight_edits, _zoe)
+from ._flat import Bucket
 from ._param_offload import full_shape, offload_parameters
 from ._state_view import StateView
 
@@ -222,11 +223,14 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
 
     @_serial.serialised
     def add_param_group(self, param_group: dict) -> None:
+        """As torch's, at any time: after construction the engine is made anew for the new parameters, and
+        the state of the others goes across unchanged (_regroup.py)."""
         if getattr(self, "_built", False):
-            raise RuntimeError(
-                "zoe.torch.OffloadOptimizer: parameters cannot be added after construction — the engine has "
-                "already laid out the optimizer state. Create the optimizer with every param group "
-                "(e.g. unfreeze layers by setting their lr to 0 in a group of their own).")
+            _regroup.add_group_later(self, param_group, self._add_group)
+        else:
+            self._add_group(param_group)
+
+    def _add_group(self, param_group: dict) -> None:
         if isinstance(param_group, dict):
             _torch_flags.normalise_group(param_group)
         super().add_param_group(param_group)
@@ -239,7 +243,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
         flat = self._flat
         self._device, self._zoe_device = self._devices()
         self._stream = _stream.TorchStream(self._zoe_device, self._device)
-        slots_by_dtype = self._collect_slots()
+        slots_by_dtype = flat.collect_slots(self.param_groups)
         if flat.world > 1 and any(s.tier is not None for s in flat.slots):
             raise _zoe.UnsupportedError(
                 "zoe.torch.OffloadOptimizer: offloaded parameters (offload_parameters) with zoe's own data-parallel "
@@ -288,29 +292,6 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
             return device, _cpu_device()
         raise ValueError(f"zoe.torch.OffloadOptimizer: device {device} is not supported (cpu or cuda)")
 
-    def _collect_slots(self) -> dict:
-        """A slot for every parameter zoe holds, into the FlatState; returns them by dtype."""
-        slots_by_dtype: dict[torch.dtype, list[Slot]] = {}
-        index = 0
-        for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                if p.is_sparse or p.layout != torch.strided:
-                    raise ValueError(f"parameter {index} (shape {tuple(p.shape)}) is sparse: zoe steps dense tensors")
-                # Frozen parameters (requires_grad=False) are held too, as torch's optimizers hold them: they are
-                # stepped once they are unfrozen and have a gradient (a None gradient is never stepped).
-                if p.dtype in _flat.ZOE_DTYPES:
-                    bucket = slots_by_dtype.setdefault(p.dtype, [])
-                    offset = sum(s.numel for s in bucket)
-                    slot = Slot(p, index, gi, offset)
-                    bucket.append(slot)
-                    self._flat.slots.append(slot)
-                elif p.requires_grad:
-                    raise TypeError(f"parameter {index} (shape {tuple(p.shape)}) is {p.dtype}; zoe handles "
-                                    "float32, float16 and bfloat16")
-                index += 1
-        self._param_count = index
-        return slots_by_dtype
-
     @torch.no_grad()
     def _fill_buckets(self) -> None:
         """The parameters' weights and gradients into the flat buffers, ``p.data`` and ``p.grad`` views of them."""
@@ -318,9 +299,14 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
         for b in flat.buckets:
             for s in b.slots:
                 if s.tier is None:
-                    b.weights[s.offset:s.offset + s.numel].copy_(s.param.data.reshape(-1))
-                    s.weight_view = b.weights[s.offset:s.offset + s.numel].view_as(s.param)
-                    s.param.data = s.weight_view
+                    # The parameter's own storage, which the engine writes in place: safetensors, Accelerate
+                    # and torch.save see the model's tensors as the model made them (tied ones stay one).
+                    if not s.param.data.is_contiguous():
+                        s.param.data = s.param.data.contiguous()
+                    s.weight_view = s.param.data
+                    if b.weights is not None:  # zoe's own partition gathers into its flat weights
+                        s.flat_weights = b.weights[s.offset:s.offset + s.numel]
+                        s.flat_weights.copy_(s.weight_view.reshape(-1))
                 s.grad_view = b.grad_buffer(s)[s.offset:s.offset + s.numel].view(s.shape)
                 s.grad_ptr = s.grads_at = s.grad_view.data_ptr()
                 # A gradient there already is taken in; a None stays None (not stepped, as with torch).
@@ -331,6 +317,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
             if flat.world > 1:
                 # Every rank starts from rank 0's weights, as DistributedDataParallel does.
                 dist.broadcast(b.weights, src=dist.get_global_rank(flat.group, 0), group=flat.group)
+        flat.weights_to_params()
 
     def _make_engine(self) -> None:
         _scratch.remove_abandoned()  # what killed saves of earlier runs left
@@ -350,11 +337,12 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
     def _group_hyper(group: dict) -> dict:
         beta1, beta2 = group["betas"]
         return dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]), adamw=_torch_flags.decoupled(group))
+                    weight_decay=float(group["weight_decay"]), adamw=_torch_flags.decoupled(group),
+                    maximize=bool(group.get("maximize", False)))
 
     @staticmethod
     def _hyper_key(h: dict) -> tuple:
-        return (h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"], h["adamw"])
+        return (h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"], h["adamw"], h["maximize"])
 
     def _sync_hyper(self) -> None:
         for gi, group in enumerate(self.param_groups):
@@ -404,6 +392,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
                 # schedule, the gradients down on a stand-in's own threads) must be done before the caller
                 # reads the weights, zero_grad() or the next backward. On CUDA torch's stream waits instead.
                 self._zoe_device.synchronize()
+            self._flat.weights_to_params()
             for offload in self._offloads:
                 offload.after_step()
             engine_s = time.perf_counter() - te
@@ -438,9 +427,9 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over every parameter of this optimizer, for the coming step:
         returns the total norm of the (unscaled) gradients, computed by zoe, and clips the step by
-        ``max_norm / (norm + 1e-6)`` when that is below 1. The coefficient is applied inside the step (fused
-        into the kernel's gradient scale), so ``p.grad`` keeps its values and the overlap schedule keeps its
-        overlap. ``max_norm=inf`` returns the norm and clips nothing; with the optimizer's own ``max_grad_norm``
+        ``max_norm / (norm + 1e-6)`` when that is below 1: ``p.grad`` is multiplied by it as torch's function
+        does, and the step is AdamW's on the clipped gradients (_grad_intake._show_clipped_grads: how, and why
+        the overlap schedule keeps its overlap when nothing was clipped). ``max_norm=inf`` returns the norm and clips nothing; with the optimizer's own ``max_grad_norm``
         the tighter of the two applies. Other ``norm_type`` values clip ``p.grad`` in place with torch (exact,
         not overlapped; not with offloaded parameters on a GPU, whose gradients left the device)."""
         max_norm = float(max_norm)
@@ -460,7 +449,9 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
         self._note_changed_grads()
         self._adopt_grads()
         for s in self._flat.slots:
-            s.taken = True
+            # What the norm read. A parameter without a gradient (LoRA's frozen base, an unused one) read
+            # nothing: still absent at step(), it is no change, and the overlap stays.
+            s.taken = s.taken or not self._grad_absent(s)
         if self._flat.dtensor is not None:
             norm = self._flat.dtensor.global_norm(self._flat.engine)
         else:
@@ -469,6 +460,8 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
             self._flat.engine.set_max_grad_norm(limit if math.isfinite(limit) else 0.0)
             self._stream.follow()
             norm = self._flat.engine.grad_norm()
+            if math.isfinite(limit):
+                self._show_clipped_grads(norm, limit)
         self._clip_once = limit
         self._taken_versions = self._grad_versions()
         if error_if_nonfinite and not math.isfinite(norm):
@@ -548,7 +541,8 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
         return int(self._flat.engine.step_count)
 
     def stats(self) -> dict:
-        """The engine's counters (steps, skipped, last_grad_norm, adam_s, step_call_s, d2h/h2d bytes) and the
+        """The engine's counters (steps, skipped, last_grad_norm — of the gradients the step used, so on the CPU
+        after clip_grad_norm_ clipped them in place, the clipped ones —, adam_s, step_call_s, d2h/h2d bytes) and the
         adapter's own time: ``engine_s`` inside the engine's step (zoe's own partitioning communicates there),
         ``comm_s`` in torch.distributed outside it (FSDP2's global norm), ``adapter_s`` the rest of step();
         ``device_grad_bytes``, the gradient buffers the adapter keeps on the model's device;
@@ -578,7 +572,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
     def __deepcopy__(self, memo):
         raise TypeError(
             "zoe.torch.OffloadOptimizer cannot be deep-copied: its state lives in zoe's engine (pinned memory or "
-            "swap files) and the parameters it steps are views of its flat buffers, so a copy could not be "
+            "swap files) and writes the weights of the very parameters it was given, so a copy could not be "
             "independent. Create another OffloadOptimizer and load this one's state_dict() into it")
 
     def __reduce_ex__(self, protocol):

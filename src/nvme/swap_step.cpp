@@ -128,14 +128,18 @@ Status check_segments(std::span<const SwapSegment> segments, std::size_t n, bool
     if (Status h = CpuAdam::validate(*s.hyper); !h.ok()) return invalid_argument(name + ": " + h.message());
     if (s.grad == nullptr) return invalid_argument(name + ": grad is null with n = " + std::to_string(s.n));
     if (!dtype_valid(s.grad_dtype)) return invalid_argument(name + ": grad dtype is not f32, f16 or bf16");
-    if (s.out != nullptr && s.out_dtype != DType::f16 && s.out_dtype != DType::bf16) {
-      return invalid_argument(name + ": out dtype must be f16 or bf16 (or out = nullptr)");
+    if (s.out != nullptr && !dtype_valid(s.out_dtype)) {
+      return invalid_argument(name + ": out dtype must be f32, f16 or bf16 (or out = nullptr)");
     }
   }
   return Status::success();
 }
 
 void copy_out(const float* p, void* out, DType dtype, std::size_t count) {
+  if (dtype == DType::f32) {
+    std::memcpy(out, p, count * 4);
+    return;
+  }
   auto* o = static_cast<std::uint16_t*>(out);
   if (dtype == DType::f16) {
     for (std::size_t i = 0; i < count; ++i) o[i] = float_to_f16(p[i]);
@@ -254,6 +258,7 @@ class TileStepper {
       o.step = g.step;
       r = im_.adam->step(*g.hyper, o, g.tensors);
     }
+    for (std::size_t k = 0; r.ok() && k < f32_out_.size(); ++k) copy_out(f32_out_[k].p, f32_out_[k].out, DType::f32, f32_out_[k].n);
     adam_s_ += since(t0);
     if (!r.ok()) return Status(r.code(), "Adam on " + im_.tile_name(task.tile) + ": " + r.message(), r.sys_errno());
     return r;
@@ -268,6 +273,9 @@ class TileStepper {
     std::int64_t step;
     std::vector<AdamTensor> tensors;
   };
+  // An f32 `out` (an fp32 parameter's device weights are its master; the kernel writes 16-bit copies only):
+  // the stepped master is copied there after the tile's Adam calls.
+  struct F32Out { const float* p; void* out; std::size_t n; };
 
   // One Adam call per set of hyper-parameters in the tile (param groups often alternate, e.g. weights
   // with weight decay and norms without): each call is a parallel pass with its own start-up cost.
@@ -275,15 +283,20 @@ class TileStepper {
     const std::size_t begin = im_.tile_begin(task.tile), end = begin + count;
     const std::size_t index = static_cast<std::size_t>(&task - plan_.tasks.data());
     for (Call& g : groups_) g.tensors.clear();
+    f32_out_.clear();
     for (std::size_t si = plan_.first_segment[index]; si < segments_.size() && segments_[si].offset < end; ++si) {
       const SwapSegment& seg = segments_[si];
       const std::size_t lo = std::max(begin, seg.offset), hi = std::min(end, seg.offset + seg.n);
       if (seg.n == 0 || lo >= hi || seg.grad == nullptr) continue;  // null: the gate left it out
       const std::size_t at = lo - begin, from = lo - seg.offset;
-      void* out = seg.out == nullptr ? nullptr : static_cast<char*>(seg.out) + from * 2;
+      void* out = seg.out == nullptr ? nullptr : static_cast<char*>(seg.out) + from * dtype_size(seg.out_dtype);
       if (!task.write) {  // a retried tile: already stepped, only its copy-out is refilled
         if (out != nullptr) copy_out(a.p + at, out, seg.out_dtype, hi - lo);
         continue;
+      }
+      if (out != nullptr && seg.out_dtype == DType::f32) {
+        f32_out_.push_back({a.p + at, out, hi - lo});
+        out = nullptr;
       }
       const std::int64_t step = seg.step > 0 ? seg.step : options_.step;
       auto group = std::find_if(groups_.begin(), groups_.end(),
@@ -319,6 +332,7 @@ class TileStepper {
   StepOptions adam_options_;
   const SwapStore::TileGate* gate_;
   std::vector<Call> groups_;
+  std::vector<F32Out> f32_out_;
   double adam_s_ = 0, gate_s_ = 0;
 };
 

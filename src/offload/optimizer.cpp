@@ -81,12 +81,6 @@ Status check_inputs(const std::vector<ParamGroup>& groups, const std::vector<Par
     return Status(StatusCode::unsupported, "tier nvme: this build of zoe has no libaio NVMe tier (-Daio=disabled)");
 #endif
     if (options.nvme.paths.empty()) return invalid_argument("tier nvme needs at least one nvme_path");
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      if (params[i].dtype == DType::f32) {
-        return invalid_argument("parameter " + std::to_string(i) +
-                                " is f32 on the device: tier nvme sends the device f16 or bf16 weights; use tier ram");
-      }
-    }
   }
   if (options.state_dtype != DType::f32 && options.state_dtype != DType::bf16 && options.state_dtype != DType::i8) {
     return invalid_argument("state_dtype " + std::string(dtype_name(options.state_dtype)) +
@@ -347,6 +341,7 @@ std::int64_t OffloadOptimizer::param_step_count(std::size_t param) const {
   return std::atomic_ref(impl_->param_steps[param]).load(std::memory_order_relaxed);
 }
 bool OffloadOptimizer::last_step_skipped() const { return impl_->last_skipped.load(); }
+bool OffloadOptimizer::reads_grads_in_place() const { return impl_->in_place; }
 const StepStats& OffloadOptimizer::stats() const { return impl_->stats_; }
 
 std::vector<std::size_t> OffloadOptimizer::state_sizes() const {
@@ -388,8 +383,9 @@ Status OffloadOptimizer::write_state(std::size_t param, const float* master, con
   if (Status s = wait(); !s.ok()) return s;
   if (Status s = m.tier->write(m.offsets[param], p.n, master, exp_avg, exp_avg_sq); !s.ok()) return s;
   if (master == nullptr || p.n == 0) return Status::success();
-  // The device weights follow the master: rounded into the 16-bit copy, sent up unless it is the device's.
-  if (p.dtype != DType::f32) m.round_into_weights(param, 0, master, p.n);
+  // The device weights follow the master: rounded into the 16-bit copy (f32: copied where tier nvme keeps
+  // the device's), sent up unless it is the device's.
+  m.weights_follow_master(param, 0, master, p.n);
   if (Status s = m.enqueue_h2d(param); !s.ok()) return s;
   return m.finish_h2d();
 }

@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -80,7 +81,8 @@ class StateTier {
   // kQ8Blobs, the codes in flat order and each parameter's block scales in parameter order.
   virtual Status save_q8(CheckpointWriter&) { return Status::success(); }
 
-  // The master weights of parameter i where the staging cannot hold them (f32 parameters; tier ram only).
+  // The master weights of f32 parameter i, where the device's copy is sent from: tier ram's own master;
+  // tier nvme's device-copyable copy of it, which each step writes (the master itself is in the store).
   virtual float* master(std::size_t) { return nullptr; }
 
   // Tier nvme's speculation (the overlap schedule; tier ram undoes pieces instead): one call steps every
@@ -207,13 +209,16 @@ struct OffloadOptimizer::Impl {
 
   // In place (a device whose memory is host memory; tier ram, not delayed, or tier nvme, sync, 16-bit weights
   // only): gradients are read where the device keeps them, 16-bit weights written there, and (tier ram) an
-  // f32 parameter's device weights are its master.
+  // f32 parameter's device weights are its master. Tier nvme with an f32 parameter is staged: its master
+  // lives in the store, and the copy the step writes (master_of) is sent as a 16-bit parameter's weights are.
   bool in_place = false;
   // Gradient statistics cost a pass over the gradients; in place, they are taken only when clipping, loss
   // scaling or the NaN/Inf refusal needs them.
   bool need_stats = true;
   // In place, the norm only when clipping or loss scaling uses it; the refusal alone needs just the count.
   bool need_norm = true;
+  // An f32 parameter's master as the device receives it: in place, the device's weights; else the tier's
+  // (tier ram: the master it steps; tier nvme: the copy its step writes, the master living in the store).
   float* master_of(std::size_t i) {
     if (in_place && params[i].dtype == DType::f32) return static_cast<float*>(params[i].device_weights);
     return tier->master(i);
@@ -270,9 +275,15 @@ struct OffloadOptimizer::Impl {
     if (in_place) return params[i].device_weights;
     return static_cast<unsigned char*>(weight_staging) + weight_offsets[i];
   }
-  // Elements [begin, begin + n) of a 16-bit parameter i's weights set to `master` rounded: the weights the
-  // device holds follow the master.
-  void round_into_weights(std::size_t i, std::size_t begin, const float* master, std::size_t n) {
+  // Elements [begin, begin + n) of parameter i's device weights set to follow `master`: a 16-bit parameter's
+  // rounded from it; an f32 parameter's are the master itself, copied where the tier keeps the device's copy
+  // apart from its state (tier nvme: master_of(i)), while in tier ram they are the state the tier just wrote.
+  void weights_follow_master(std::size_t i, std::size_t begin, const float* master, std::size_t n) {
+    if (params[i].dtype == DType::f32) {
+      float* w = master_of(i) + begin;
+      if (w != master && n > 0) std::memcpy(w, master, n * 4);
+      return;
+    }
     auto* w = static_cast<std::uint16_t*>(weights_of(i)) + begin;
     const bool f16 = params[i].dtype == DType::f16;
     for (std::size_t j = 0; j < n; ++j) w[j] = f16 ? float_to_f16(master[j]) : float_to_bf16(master[j]);

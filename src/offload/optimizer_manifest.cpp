@@ -113,7 +113,8 @@ Status read_groups(const Json& list, const std::string& path, std::vector<AdamHy
     const Json& w = list[g];
     if (!get(w, "lr", h.lr) || !get(w, "beta1", h.beta1) || !get(w, "beta2", h.beta2) || !get(w, "eps", h.eps) ||
         !get(w, "weight_decay", h.weight_decay) || !get(w, "adamw", h.adamw) ||
-        !get(w, "bias_correction", h.bias_correction)) {
+        !get(w, "bias_correction", h.bias_correction) ||
+        (w.contains("maximize") && !get(w, "maximize", h.maximize))) {  // absent: false (written when true)
       return corrupt(path, "param group " + std::to_string(g) + " is malformed");
     }
     if (Status s = CpuAdam::validate(h); !s.ok()) {
@@ -202,6 +203,7 @@ std::string OptimizerManifest::dump() const {
   for (const AdamHyper& h : groups) {
     j["groups"].push_back({{"lr", h.lr}, {"beta1", h.beta1}, {"beta2", h.beta2}, {"eps", h.eps},
                            {"weight_decay", h.weight_decay}, {"adamw", h.adamw}, {"bias_correction", h.bias_correction}});
+    if (h.maximize) j["groups"].back()["maximize"] = true;  // only then: other runs' manifests stay as they were
   }
   j["params"] = Json::array();
   for (const ManifestParam& p : params) j["params"].push_back(param_json(p));

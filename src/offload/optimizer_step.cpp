@@ -67,8 +67,8 @@ Status OffloadOptimizer::Impl::allocate() {
   grad_down.assign(params.size(), 0);
   // Weights in a parameter tier are written there from the staging, never in place.
   const bool tiered = std::any_of(params.begin(), params.end(), [](const ParamSpec& p) { return p.tier != nullptr; });
-  // Tier nvme steps in place too when the swap store can write every device weight itself (16-bit ones: an
-  // f32 parameter's device weights are its master, which lives in the store) and the schedule is sync.
+  // Tier nvme steps in place too when every parameter is 16-bit and the schedule is sync. An f32 parameter's
+  // master lives in the store, so its device weights are a staged copy the step writes (tier_nvme.cpp).
   const bool all_16bit = std::none_of(params.begin(), params.end(), [](const ParamSpec& p) { return p.dtype == DType::f32; });
   const bool tier_in_place =
       options.tier == Tier::ram ? options.schedule != Schedule::delayed : options.schedule == Schedule::sync && all_16bit;

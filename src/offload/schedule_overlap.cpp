@@ -283,7 +283,8 @@ bool same_hyper(const std::vector<ParamGroup>& a, const std::vector<ParamGroup>&
   return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const ParamGroup& x, const ParamGroup& y) {
     const AdamHyper &p = x.hyper, &q = y.hyper;
     return p.lr == q.lr && p.beta1 == q.beta1 && p.beta2 == q.beta2 && p.eps == q.eps &&
-           p.weight_decay == q.weight_decay && p.adamw == q.adamw && p.bias_correction == q.bias_correction;
+           p.weight_decay == q.weight_decay && p.adamw == q.adamw && p.bias_correction == q.bias_correction &&
+           p.maximize == q.maximize;
   });
 }
 

@@ -2,6 +2,14 @@
 // streamed through a few RAM buffers by each step; never whole in RAM. With i8 moments every parameter starts
 // on a block of the store (kMomentBlock elements; the gap after a parameter holds zeros that no step
 // touches), so its blocks and their scales are the ones tier ram keeps, and both tiers step the same bits.
+//
+// f32 parameters (an fp32 model, PEFT's fp32 adapters on a 16-bit base): the device's weights are the master
+// itself. The store keeps that master with its moments as it keeps any other (one layout, one checkpoint
+// format, the same streaming), and the step copies each stepped master into a device-copyable copy
+// (master(i): SwapSegment::out in f32), which is sent up as a 16-bit parameter's staging is. Keeping those
+// masters in RAM beside the store instead would split a tile's state between two places, and tier nvme
+// exists for states that do not fit in RAM; the copy costs the 4 bytes per element the device holds anyway.
+// Each step writes the master bits tier ram steps, so the tiers stay bit-identical.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -17,8 +25,28 @@ namespace {
 class NvmeTier final : public StateTier {
  public:
   NvmeTier(Impl& m, SwapStore store, std::vector<std::size_t> at) : m_(m), store_(std::move(store)), at_(std::move(at)) {}
+  ~NvmeTier() override { m_.device.free_host(f32_copies_); }
 
-  // The store starts from the device's 16-bit weights, widened tile by tile.
+  // The device-copyable copies of the f32 parameters' masters, one array for all of them.
+  Status allocate() {
+    f32_at_.assign(m_.params.size(), 0);
+    std::size_t total = 0;
+    for (std::size_t i = 0; i < m_.params.size(); ++i) {
+      f32_at_[i] = total;
+      if (m_.params[i].dtype == DType::f32) total += m_.params[i].n;
+    }
+    if (total == 0) return Status::success();
+    Result<void*> r = m_.device.allocate_host(total * 4);
+    if (!r.ok()) return r.status();
+    f32_copies_ = static_cast<float*>(r.value());
+    return Status::success();
+  }
+
+  float* master(std::size_t i) override {
+    return m_.params[i].dtype == DType::f32 ? f32_copies_ + f32_at_[i] : nullptr;
+  }
+
+  // The store starts from the device's weights (16-bit ones widened), tile by tile.
   Status initialize() override {
     return store_.initialize([this](std::size_t offset, std::size_t count, float* p) {
       const std::size_t end = offset + count;
@@ -26,6 +54,10 @@ class NvmeTier final : public StateTier {
       std::size_t i = static_cast<std::size_t>(std::upper_bound(at_.begin(), at_.end(), offset) - at_.begin()) - 1;
       for (; i < m_.params.size() && at_[i] < end; ++i) {
         const std::size_t lo = std::max(offset, at_[i]), hi = std::min(end, at_[i] + m_.params[i].n);
+        if (m_.params[i].dtype == DType::f32) {
+          if (hi > lo) std::memcpy(p + (lo - offset), master(i) + (lo - at_[i]), (hi - lo) * 4);
+          continue;
+        }
         const auto* w = static_cast<const std::uint16_t*>(m_.weights_of(i)) + (lo - at_[i]);
         const bool f16 = m_.params[i].dtype == DType::f16;
         for (std::size_t k = 0; k + lo < hi; ++k) p[lo - offset + k] = f16 ? f16_to_float(w[k]) : bf16_to_float(w[k]);
@@ -48,8 +80,7 @@ class NvmeTier final : public StateTier {
       if (p.n == 0 || m_.is_absent(i, set)) continue;  // no gradient: its tiles are not visited for it
       DType grad_dtype;
       const void* grad = m_.step_grad(i, set, &grad_dtype);
-      segments.push_back({at_[i], p.n, &hyper[p.group].hyper, grad, grad_dtype, m_.weights_of(i), p.dtype,
-                          m_.bias_step(i)});
+      segments.push_back({at_[i], p.n, &hyper[p.group].hyper, grad, grad_dtype, out_of(i), p.dtype, m_.bias_step(i)});
     }
     StepOptions o;
     o.step = m_.step_count.load() + 1;
@@ -101,7 +132,8 @@ class NvmeTier final : public StateTier {
                                 "partly the checkpoint's: load again, or start afresh", s.sys_errno());
       }
     }
-    return store_.set_step(step);
+    if (Status s = store_.set_step(step); !s.ok()) return s;
+    return copy_f32_masters(nullptr);
   }
 
   // The codes in flat order (without the gaps) and the scales of every block, which are each parameter's
@@ -141,7 +173,7 @@ class NvmeTier final : public StateTier {
         continue;
       }
       segment_of[i] = segments.size();
-      segments.push_back({at_[i], p.n, &hyper[p.group].hyper, m_.grad_of(i, 0), p.dtype, m_.weights_of(i), p.dtype,
+      segments.push_back({at_[i], p.n, &hyper[p.group].hyper, m_.grad_of(i, 0), p.dtype, out_of(i), p.dtype,
                           m_.bias_step(i)});
     }
     const SwapStore::TileGate gate = [&](std::size_t begin, std::size_t end) {
@@ -181,20 +213,21 @@ class NvmeTier final : public StateTier {
     return s;
   }
 
-  // The staging's 16-bit weights the speculation wrote are put back from the masters the store still
-  // holds: they are what the device has (each step's weights are its masters rounded).
+  // The staging's weights the speculation wrote are put back from the masters the store still holds: they
+  // are what the device has (each step's weights are its masters, rounded for 16-bit parameters).
   Status discard_speculation() override {
     if (Status s = store_.discard_speculation(); !s.ok()) return s;
+    if (Status s = copy_f32_masters(&stepped_); !s.ok()) return s;
     std::vector<float> masters;
     for (std::size_t i = 0; i < m_.params.size(); ++i) {
-      if (!stepped_[i]) continue;
+      if (!stepped_[i] || m_.params[i].dtype == DType::f32) continue;
       const ParamSpec& p = m_.params[i];
       constexpr std::size_t kSlice = std::size_t(1) << 20;
       masters.resize(std::min(kSlice, p.n));
       for (std::size_t b = 0; b < p.n; b += kSlice) {
         const std::size_t n = std::min(kSlice, p.n - b);
         if (Status s = read(m_.offsets[i] + b, n, masters.data(), nullptr, nullptr); !s.ok()) return s;
-        m_.round_into_weights(i, b, masters.data(), n);
+        m_.weights_follow_master(i, b, masters.data(), n);
       }
     }
     std::fill(stepped_.begin(), stepped_.end(), 0);
@@ -205,6 +238,16 @@ class NvmeTier final : public StateTier {
 
  private:
   bool q8() const { return m_.options.state_dtype == DType::i8; }
+  // Where the step writes parameter i's device weights: the staging (16-bit), or its master's copy (f32).
+  void* out_of(std::size_t i) { return m_.params[i].dtype == DType::f32 ? static_cast<void*>(master(i)) : m_.weights_of(i); }
+  // The f32 parameters' copies (those marked in `which`, or all) read again from the masters in the store.
+  Status copy_f32_masters(const std::vector<char>* which) {
+    for (std::size_t i = 0; i < m_.params.size(); ++i) {
+      if (m_.params[i].dtype != DType::f32 || m_.params[i].n == 0 || (which != nullptr && !(*which)[i])) continue;
+      if (Status s = read(m_.offsets[i], m_.params[i].n, master(i), nullptr, nullptr); !s.ok()) return s;
+    }
+    return Status::success();
+  }
   std::size_t blocks() const { return at_.back() / kMomentBlock; }  // i8: every parameter's blocks
 
   struct Array {
@@ -320,6 +363,9 @@ class NvmeTier final : public StateTier {
   // moments each parameter rounded up to whole blocks.
   std::vector<std::size_t> at_;
   std::vector<char> stepped_;  // the last speculation's parameters with a gradient (their weights in staging)
+  // f32 parameters: the copies of their masters the device receives (master(i)), at f32_at_[i] elements.
+  float* f32_copies_ = nullptr;
+  std::vector<std::size_t> f32_at_;
 };
 
 }  // namespace
@@ -338,7 +384,9 @@ Result<std::unique_ptr<StateTier>> make_nvme_tier(Impl& m, const char* name) {
   if (Status s = SwapStore::remove(so, name); !s.ok()) return s;
   Result<SwapStore> made = SwapStore::create(so, name, at.back(), tile);
   if (!made.ok()) return made.status();
-  return std::unique_ptr<StateTier>(std::make_unique<NvmeTier>(m, std::move(made).value(), std::move(at)));
+  auto tier = std::make_unique<NvmeTier>(m, std::move(made).value(), std::move(at));
+  if (Status s = tier->allocate(); !s.ok()) return s;
+  return std::unique_ptr<StateTier>(std::move(tier));
 }
 #else
 Result<std::unique_ptr<StateTier>> make_nvme_tier(Impl&, const char*) {

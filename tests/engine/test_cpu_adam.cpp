@@ -229,6 +229,46 @@ TEST_P(EngineIsa, ZoeIsaEnvironmentOverridesTheRequest) {
   EXPECT_EQ(e->kernel(), isa());
 }
 
+// maximize (torch's): the step with gradient g ascends exactly as the plain step with -g descends, in every
+// kernel of this ISA (each gradient dtype, state dtype, with and without the 16-bit copy), for AdamW and for
+// Adam's L2 decay (torch negates the gradient before adding weight_decay * p), with a gradient scale.
+TEST_P(EngineIsa, MaximizeEqualsDescentOnTheNegatedGradient) {
+  const std::vector<std::size_t> sizes = {5000, 77, 1};
+  CpuAdam engine = make_engine(isa(), 2, 1000);
+  for (DType grad : {DType::f32, DType::f16, DType::bf16}) {
+    for (DType state : {DType::f32, DType::bf16, DType::i8}) {
+      for (bool adamw : {true, false}) {
+        std::string what(dtype_name(grad));
+        what += " gradients, ";
+        what += dtype_name(state);
+        what += adamw ? " moments, AdamW" : " moments, Adam with L2";
+        SCOPED_TRACE(what);
+        Model up(sizes, grad, true, 3, state), down(sizes, grad, true, 3, state), plain(sizes, grad, true, 3, state);
+        for (std::vector<unsigned char>& g : down.g) {  // -g: the sign bit of every element flipped
+          const std::size_t elem = dtype_size(grad);
+          for (std::size_t k = elem - 1; k < g.size(); k += elem) g[k] ^= 0x80;
+        }
+        auto run = [&](Model& model, bool maximize) {
+          AdamHyper h;
+          h.weight_decay = 0.05f;
+          h.adamw = adamw;
+          h.maximize = maximize;
+          for (int s = 1; s <= 4; ++s) {
+            StepOptions o;
+            o.step = s;
+            o.grad_scale = 0.37f;
+            EXPECT_TRUE(engine.step(h, o, model.tensors).ok());
+          }
+          return model.bytes();
+        };
+        const std::vector<unsigned char> ascended = run(up, true);
+        EXPECT_EQ(ascended, run(down, false));
+        EXPECT_NE(ascended, run(plain, false));  // maximize is really in effect
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Isas, EngineIsa, ::testing::Values(Isa::scalar, Isa::avx2, Isa::avx512),
                          test::isa_test_name);
 

@@ -35,6 +35,30 @@ def test_numpy_matches_torch_adamw(n):
     np.testing.assert_allclose(v, rv, **TOL)
 
 
+@pytest.mark.parametrize("adamw", [True, False])
+def test_maximize_matches_torch_and_is_descent_on_minus_g(adamw):
+    """maximize=True: torch's ascent (the gradient negated before Adam's L2 term), bit for bit the plain step
+    on -g."""
+    rng = np.random.default_rng(5)
+    p0 = rng.standard_normal(1001).astype(np.float32)
+    grads = [rng.standard_normal(1001).astype(np.float32) for _ in range(6)]
+    up, down = [p0.copy(), np.zeros_like(p0), np.zeros_like(p0)], [p0.copy(), np.zeros_like(p0), np.zeros_like(p0)]
+    adam = zoe.CpuAdam()
+    for k, g in enumerate(grads, 1):
+        adam.step([up[0]], [up[1]], [up[2]], [g], step=k, lr=1e-2, weight_decay=0.1, adamw=adamw, maximize=True)
+        adam.step([down[0]], [down[1]], [down[2]], [-g], step=k, lr=1e-2, weight_decay=0.1, adamw=adamw)
+    for a, b in zip(up, down):
+        assert np.array_equal(a, b)
+    p = torch.nn.Parameter(torch.tensor(p0))
+    opt = (torch.optim.AdamW if adamw else torch.optim.Adam)([p], lr=1e-2, weight_decay=0.1, maximize=True)
+    for g in grads:
+        p.grad = torch.tensor(g)
+        opt.step()
+    np.testing.assert_allclose(up[0], p.detach().numpy(), **TOL)
+    np.testing.assert_allclose(up[1], opt.state[p]["exp_avg"].numpy(), **TOL)
+    np.testing.assert_allclose(up[2], opt.state[p]["exp_avg_sq"].numpy(), **TOL)
+
+
 def test_bf16_grads_and_copy_out_on_tensors():
     n = 100
     p = torch.randn(n)

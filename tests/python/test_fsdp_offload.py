@@ -86,9 +86,9 @@ def _ids(rank, step, micro, device="cpu"):
     return torch.randint(0, 67, (2, 16), generator=g).to(device)
 
 
-def _train(model, opt, rank, offload=None, steps=STEPS, first=0, device="cpu"):
-    """MICRO micro-batches per step (gradient sync on the last only), clipping by torch's clip_grad_norm_.
-    Returns the tier's fetch counters after each step (None without an offload)."""
+def _train(model, opt, rank, offload=None, steps=STEPS, first=0, device="cpu", between=None):
+    """MICRO micro-batches per step (gradient sync on the last only), clipping by torch's clip_grad_norm_, and
+    ``between()`` after each step. Returns the tier's fetch counters after each step (None without an offload)."""
     counters = []
     for step in range(first, first + steps):
         for m in range(MICRO):
@@ -101,6 +101,8 @@ def _train(model, opt, rank, offload=None, steps=STEPS, first=0, device="cpu"):
         if offload is not None:
             s = offload.stats()
             counters.append((s["fetches"], s["hits"], s["pool_peak_bytes"], s["budget_bytes"]))
+        if between is not None:
+            between()
     return counters
 
 
@@ -139,6 +141,8 @@ def _parity(rank, out, tmp):
         out[f"{name}_counters"] = counters
         out[f"{name}_groups"] = len(off.blocks)
         out[f"{name}_largest_block"] = max(off._block_bytes)
+        if name in READ_CONFIGS:
+            out[f"{name}_final"] = _shards(model, off)
         if home == "nvme":
             out[f"{name}_files"] = [os.path.relpath(f, tmp) for f in off.tier.files()]
         if name == "ram_reshard":
@@ -180,9 +184,7 @@ def _bad_input(rank, out, tmp):
     model = _llama()
     off = offload_parameters(model)
     p = model.model.layers[0].mlp.up_proj.weight
-    out["err_materialise"] = _error(lambda: p.to_local().clone())
     out["err_in_place"] = _error(lambda: p.data.add_(1))
-    out["err_pickle"] = _error(lambda: torch.save(model.state_dict(), io.BytesIO()))
     out["err_twice"] = _error(lambda: offload_parameters(model))
     # The tier's bindings take the array itself: a DTensor, a non-contiguous view and a buffer longer than
     # the entry are refused, and the entry keeps its bytes.
@@ -210,6 +212,108 @@ def _bad_input(rank, out, tmp):
     engine = zoe.Engine(zoe.cpu_device(), [dict(lr=1e-3)], [(n, "f32", torch.zeros(n), torch.zeros(n), 0, "norm", [n])],
                         zoe.EngineOptions())
     out["err_grad_source_dtensor"] = _error(lambda: engine.set_grad_sources([0], [norm]))
+
+
+# Reads outside materialize() between training steps, on both homes: the configurations of test_fetches_per_step,
+# whose counters and weights without reads _parity records.
+READ_CONFIGS = ("ram_reshard", "nvme_keep")
+WRITTEN = "model.layers.0.mlp.up_proj.weight"
+
+
+def _tier_counters(offload):
+    s = offload.stats()
+    return s["fetches"], s["hits"], s["pool_peak_bytes"]
+
+
+def _read_all(model) -> dict:
+    """What logging, evaluation and state_dict code read of an FSDP2 model outside materialize(): each
+    parameter's full tensor; its local shard cloned, summed, its norm printed, on the CPU, compared, in NumPy;
+    model.state_dict()'s values as full tensors; and torch.save of the state dict (its DTensors and their full
+    tensors), loaded back."""
+    from torch.distributed.tensor import DTensor
+
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    local, agree = {}, True
+    for n, p in model.named_parameters():
+        shard = p.to_local()
+        copy = local[n] = shard.clone()
+        printed = f"{shard.norm():.6f} {shard.sum():.6f}"
+        agree &= printed == f"{copy.norm():.6f} {copy.sum():.6f}" and torch.equal(shard.cpu(), copy)
+        agree &= bool((shard == copy).all())
+        if shard.dtype != torch.bfloat16:  # which NumPy lacks
+            agree &= bool((shard.detach().cpu().numpy() == copy.detach().numpy()).all())
+    state = model.state_dict()
+    state_full = {k: v.full_tensor() for k, v in state.items() if isinstance(v, DTensor)}
+    saved = io.BytesIO()
+    torch.save({"state": state, "full": state_full}, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    return dict(full=full, local=local, agree=agree, state_keys=sorted(state_full), state_full=state_full,
+                loaded_full=loaded["full"], loaded=loaded["state"],
+                loaded_state_full={k: v.full_tensor() for k, v in loaded["state"].items() if isinstance(v, DTensor)})
+
+
+def _writes(model, p, loaded) -> dict:
+    """Writes outside gathered(), each refused: to the local shard, through a view of it, through .data, into
+    it as out=, on the DTensor, and a load_state_dict of other values."""
+    x = p.to_local().clone()
+    writes = {
+        "add_": lambda: p.to_local().add_(1),
+        "copy_": lambda: p.to_local().copy_(torch.ones_like(x)),
+        "data_zero_": lambda: p.data.zero_(),
+        "row_zero_": lambda: p.to_local()[0].zero_(),
+        "t_mul_": lambda: p.to_local().t().mul_(2),
+        "out": lambda: torch.add(x, x, out=p.to_local()),
+        "dtensor_add_": lambda: p.add_(1),
+        "load_state_dict": lambda: model.load_state_dict({k: v + 1 for k, v in loaded.items()}),
+    }
+    with torch.no_grad():
+        errors = {k: _error(f) for k, f in writes.items()}
+    errors["numpy"] = _error(lambda: p.to_local().detach().numpy().__setitem__(0, 1))
+    return errors
+
+
+def _reads(rank, out, tmp):
+    """Reads before the first forward (whose order the tier records) and between the steps, then compared with
+    materialize()'s values; then writes, refused."""
+    from torch.distributed.tensor import DTensor
+
+    from zoe.torch import OffloadOptimizer, offload_parameters
+
+    for name in READ_CONFIGS:
+        home, kw = CONFIGS[name]
+        model = _llama(**kw)
+        off = offload_parameters(model, home, prefetch=PREFETCH,
+                                 nvme_path=os.path.join(tmp, f"reads_{name}") if home == "nvme" else None)
+        moved = []  # whether a read changed the tier's fetches, hits or pool peak
+
+        def between():
+            before = _tier_counters(off)
+            got = _read_all(model)
+            moved.append(_tier_counters(off) != before)
+            return got
+
+        between()
+        out[f"reads_{name}_counters"] = _train(model, OffloadOptimizer(model.parameters(), **HYPER), rank, off,
+                                               between=between)
+        out[f"reads_{name}_final"] = _shards(model, off)
+        got = between()
+        out[f"reads_{name}_moved"] = any(moved)
+        with off.materialize():
+            inside = {n: p.full_tensor() for n, p in model.named_parameters()}
+            inside_state = {k: v.full_tensor() for k, v in model.state_dict().items() if isinstance(v, DTensor)}
+        weights = {n: off.weights(p) for n, p in model.named_parameters()}
+        out[f"reads_{name}_full"] = all(torch.equal(got["full"][n], inside[n]) for n in inside)
+        out[f"reads_{name}_local"] = got["agree"] and all(torch.equal(got["local"][n], weights[n]) for n in weights)
+        out[f"reads_{name}_state"] = (got["state_keys"] == sorted(inside_state) and
+                                      all(torch.equal(got[k][n], inside_state[n]) for n in inside_state
+                                          for k in ("state_full", "loaded_full", "loaded_state_full")))
+        out[f"reads_{name}_loaded_types"] = sorted({(type(v).__name__, type(v._local_tensor).__name__)
+                                                    for v in got["loaded"].values()})
+        p = model.get_parameter(WRITTEN)
+        before, full_before = off.weights(p), p.full_tensor()
+        out[f"reads_{name}_writes"] = _writes(model, p, got["loaded"])
+        out[f"reads_{name}_kept"] = torch.equal(before, off.weights(p)) and torch.equal(full_before, p.full_tensor())
 
 
 def _dcp(rank, out, tmp):
@@ -255,6 +359,7 @@ def _rank_main(rank, init_file, out_dir):
     try:
         _parity(rank, out, out_dir)
         _dcp(rank, out, out_dir)
+        _reads(rank, out, out_dir)
         _bad_input(rank, out, out_dir)
     finally:
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -321,6 +426,48 @@ def test_nvme_files_per_rank(ranks):
     for rank, r in enumerate(ranks):
         assert r["nvme_keep_files"] and all(f.startswith(os.path.join("nvme_keep", f"rank{rank}")) for f in
                                             r["nvme_keep_files"])
+
+
+@pytest.mark.parametrize("config", READ_CONFIGS)
+def test_reads_outside_materialize_give_the_tiers_values(ranks, config):
+    """p.full_tensor(), the local shard's reads and model.state_dict()'s values (and torch.save of them, loaded
+    back) outside materialize() equal materialize()'s full tensors and offload.weights(p) bitwise, after
+    STEPS steps with those reads between them."""
+    for r in ranks:
+        print(f"{config}: full tensors {r[f'reads_{config}_full']}, local shards {r[f'reads_{config}_local']}, "
+              f"state dict {r[f'reads_{config}_state']}, loaded as {r[f'reads_{config}_loaded_types']}")
+        assert r[f"reads_{config}_full"] and r[f"reads_{config}_local"] and r[f"reads_{config}_state"]
+        # torch.save pickles each DTensor's local shard as the tensor of its values: a plain DTensor state dict.
+        assert r[f"reads_{config}_loaded_types"] == [("DTensor", "Tensor")]
+
+
+@pytest.mark.parametrize("config", READ_CONFIGS)
+def test_reads_between_steps_leave_the_tier_and_the_training_alone(ranks, config):
+    """The reads fetch nothing into the pool (the fetches, hits and pool peak are unchanged across each of them,
+    the one before the first forward included), so each step's fetches are those of the run without reads, from
+    the second step on every fetch finds its group loaded, and the weights are that run's bitwise."""
+    for r in ranks:
+        fetches = [c[0] for c in r[f"reads_{config}_counters"]]
+        (f1, h1), (fn, hn) = r[f"reads_{config}_counters"][0][:2], r[f"reads_{config}_counters"][-1][:2]
+        diff = _diff(r[f"{config}_final"], r[f"reads_{config}_final"])
+        print(f"{config}: fetches after each step {fetches}, hits {hn - h1} of {fn - f1} over steps 2..{STEPS}, "
+              f"counters moved by a read: {r[f'reads_{config}_moved']}, weights against the run without reads {diff}")
+        assert not r[f"reads_{config}_moved"]
+        assert fetches == [c[0] for c in r[f"{config}_counters"]]
+        assert fn - f1 > 0 and hn - h1 == fn - f1
+        assert diff == 0.0
+
+
+@pytest.mark.parametrize("config", READ_CONFIGS)
+def test_writes_outside_gathered_are_refused_naming_the_parameter(ranks, config):
+    for r in ranks:
+        for case, message in r[f"reads_{config}_writes"].items():
+            print(f"{config} {case}: {message[:300]}")
+            if case == "numpy":  # a read-only array of the values
+                assert "read-only" in message
+            else:
+                assert f"'{WRITTEN}'" in message and "parameter tier" in message and "gathered()" in message
+        assert r[f"reads_{config}_kept"]
 
 
 def test_dcp_checkpoint_resumes_bitwise(ranks):
@@ -458,9 +605,7 @@ def test_remove_gives_the_shards_back(ranks):
 @pytest.mark.parametrize("case,message", [
     ("err_root_not_wrapped", "not wrapped with fully_shard"),
     ("err_torch_range", "outside the range"),
-    ("err_materialise", "parameter tier"),
     ("err_in_place", "parameter tier"),
-    ("err_pickle", "offload.materialize()"),
     ("err_twice", "all-gather extension already"),
     ("err_write_dtensor", "no memory of its own"),
     ("err_adam_dtensor", "no memory of its own"),

@@ -32,6 +32,7 @@ CONFIGS = [
     dict(dtype=torch.float32, schedule="sync", gradient_accumulation_steps=2),
     dict(dtype=torch.bfloat16, schedule="sync", tier="nvme"),
     dict(dtype=torch.bfloat16, schedule="overlap", tier="nvme", state_dtype="int8"),
+    dict(dtype=torch.float32, schedule="overlap", tier="nvme"),
 ]
 
 
@@ -206,11 +207,12 @@ def _assert_kept(named: dict, want: dict, dtype) -> None:
 
 # The overlap and delayed schedules write weights into the model during backward (a speculative step, the
 # last step's new weights): the edit is read before that, at the iteration's first gradient report.
-# Tier nvme holds 16-bit weights only.
+# Tier nvme: an fp32 parameter's master in the swap store, its weights a copy the edit must replace too.
 EDIT_CONFIGS = [(dict(schedule=s, **kw), dtype)
                 for s, kw in (("sync", {}), ("overlap", {}), ("delayed", dict(delayed_warmup_steps=1)))
                 for dtype in (torch.float32, torch.bfloat16, torch.float16)]
-EDIT_CONFIGS += [(dict(schedule="overlap", tier="nvme"), dtype) for dtype in (torch.bfloat16, torch.float16)]
+EDIT_CONFIGS += [(dict(schedule="overlap", tier="nvme"), dtype)
+                 for dtype in (torch.float32, torch.bfloat16, torch.float16)]
 
 
 @pytest.mark.parametrize("cfg,dtype", EDIT_CONFIGS,
@@ -372,7 +374,7 @@ def test_defaults_and_torch_keywords():
     for ok in (dict(foreach=False), dict(foreach=None), dict(fused=None), dict(fused=False), dict(fused=True),
                dict(foreach=True), dict(amsgrad=False, maximize=False, capturable=False, differentiable=False)):
         OffloadOptimizer([torch.nn.Parameter(torch.zeros(4))], **ok)
-    for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+    for flag in ("amsgrad", "capturable", "differentiable"):
         with pytest.raises(ValueError, match=flag):
             OffloadOptimizer([torch.nn.Parameter(torch.zeros(4))], **{flag: True})
         with pytest.raises(ValueError, match=flag):
@@ -413,6 +415,99 @@ def test_decoupled_weight_decay_false_is_adams_l2(where):
     assert max_diff(ref, mine) < PARITY_TOL
     with pytest.raises(ValueError, match="contradict"):
         OffloadOptimizer(make_mlp().parameters(), adamw=False, decoupled_weight_decay=True)
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["AdamW", "Adam-L2"])
+@pytest.mark.parametrize("where", ["constructor", "group"])
+def test_maximize_ascends_as_torch(decoupled, where):
+    """maximize=True as torch.optim.AdamW / Adam have it: the gradient negated before anything else (before
+    Adam's L2 term is added; AdamW's decoupled decay unchanged); torch's parity tolerance, and per group."""
+    data = batches(10)
+    ref, mine = make_mlp(), make_mlp()
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    if where == "constructor":
+        ropt = cls(ref.parameters(), maximize=True, **HYPER)
+        mopt = OffloadOptimizer(mine.parameters(), maximize=True, decoupled_weight_decay=decoupled, **HYPER)
+    else:  # the weights ascend, the biases descend
+        ropt = cls(_split(ref, maximize=True), **HYPER)
+        mopt = OffloadOptimizer(_split(mine, maximize=True), decoupled_weight_decay=decoupled, **HYPER)
+    _train_pair(ref, mine, ropt, mopt, data)
+    assert max_diff(ref, mine) < PARITY_TOL
+    descended = make_mlp()
+    _train([(descended, OffloadOptimizer(descended.parameters(), decoupled_weight_decay=decoupled, **HYPER))], data)
+    assert max_diff(descended, mine) > 100 * PARITY_TOL, "maximize is really in effect"
+    assert [g["maximize"] for g in mopt.state_dict()["param_groups"]] == [g["maximize"] for g in ropt.param_groups]
+    assert [g["maximize"] for g in mopt.torch_state_dict()["param_groups"]] == [g["maximize"] for g in
+                                                                                ropt.param_groups]
+
+
+def _split(model, maximize: bool) -> list[dict]:
+    return [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "maximize": maximize},
+            {"params": [p for n, p in model.named_parameters() if n.endswith("bias")]}]
+
+
+def _negated_loss_run(model, opt, data, negate: bool) -> None:
+    for x, y in data:
+        opt.zero_grad()
+        loss = _loss(model, x, y)
+        (-loss if negate else loss).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("cfg", [dict(schedule="sync"), dict(schedule="overlap"),
+                                 dict(schedule="delayed", delayed_warmup_steps=2),
+                                 dict(schedule="overlap", max_grad_norm=0.05),
+                                 dict(schedule="sync", tier="nvme", state_dtype="int8")],
+                         ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_maximize_is_descent_on_the_negated_loss_bitwise(cfg, tmp_path):
+    """Ascending the loss is descending its negation bit for bit (autograd negates every gradient exactly),
+    in every schedule, with clipping (the norm of -g is g's) and on tier nvme."""
+    data = batches(6)
+    up, down = make_mlp(dtype=torch.bfloat16), make_mlp(dtype=torch.bfloat16)
+    kw = dict(cfg)
+    if kw.get("tier") == "nvme":
+        kw["nvme_path"] = str(tmp_path / "swap")
+    uopt = OffloadOptimizer(up.parameters(), maximize=True, **HYPER, **kw)
+    _negated_loss_run(up, uopt, data, negate=False)
+    uopt.state_dict()  # waits for a step in flight (delayed)
+    if "nvme_path" in kw:
+        kw["nvme_path"] = str(tmp_path / "swap2")
+    dopt = OffloadOptimizer(down.parameters(), **HYPER, **kw)
+    _negated_loss_run(down, dopt, data, negate=True)
+    dopt.state_dict()
+    for p, q in zip(up.parameters(), down.parameters()):
+        assert torch.equal(p, q)
+        a, b = uopt.read_state(p), dopt.read_state(q)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_maximize_round_trips_through_state_dicts():
+    """A zoe state_dict keeps each group's maximize (a fresh optimizer created without it continues as the
+    uninterrupted run, bit for bit), and torch.optim.AdamW continues from zoe's as from its own."""
+    data = batches(8)
+    whole = make_mlp()
+    _train([(whole, OffloadOptimizer(_split(whole, maximize=True), **HYPER))], data)
+    first = make_mlp()
+    fopt = OffloadOptimizer(_split(first, maximize=True), **HYPER)
+    _train([(first, fopt)], data[:4])
+    sd = fopt.state_dict()
+    resumed = make_mlp()
+    resumed.load_state_dict(first.state_dict())
+    ropt = OffloadOptimizer(_split(resumed, maximize=False), **HYPER)
+    ropt.load_state_dict(sd)
+    assert [g["maximize"] for g in ropt.param_groups] == [True, False]
+    _train([(resumed, ropt)], data[4:])
+    assert max_diff(whole, resumed) == 0.0
+
+    straight = make_mlp()
+    _train([(straight, torch.optim.AdamW(_split(straight, maximize=True), **HYPER))], data)
+    tresumed = make_mlp()
+    tresumed.load_state_dict(first.state_dict())
+    topt = torch.optim.AdamW(_split(tresumed, maximize=False), **HYPER)
+    topt.load_state_dict(fopt.torch_state_dict())
+    assert [g["maximize"] for g in topt.param_groups] == [True, False]
+    _train([(tresumed, topt)], data[4:])
+    assert max_diff(straight, tresumed) < PARITY_TOL
 
 
 def test_deepcopy_and_pickle_are_refused_naming_why():

@@ -156,8 +156,9 @@ def test_clip_grad_norm_is_torchs_and_keeps_the_overlap(schedule):
     ro = torch.optim.AdamW(ref.parameters(), **HYPER)
     mine = make_mlp()
     mo = zoe_opt(mine, schedule)
+    norms = []
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # zoe's own clipping changes no gradient: nothing to warn about
+        warnings.simplefilter("error")  # zoe's own clipping is no trainer's edit: nothing to warn about
         for x, y in data:
             for model, opt in ((ref, ro), (mine, mo)):
                 loss_of(model, x, y, 1).backward()
@@ -165,12 +166,12 @@ def test_clip_grad_norm_is_torchs_and_keeps_the_overlap(schedule):
             got = mo.clip_grad_norm_(0.05)
             # The norm in float32 by torch, in double by zoe: float32 roundings of a sum of squares.
             assert abs(got.item() - want.item()) <= 1e-5 * want.item()
+            norms.append(got.item())
             for opt in (ro, mo):
                 opt.step()
                 opt.zero_grad()
     assert max_diff(ref, mine) < TORCH_TOL
-    # One-shot: the next step, without a call, is not clipped.
-    assert mo.stats()["last_grad_norm"] > 0.05
+    assert max(norms) > 0.05  # clipping was active
 
 
 def test_delayed_with_accumulation_trains_like_sync():
