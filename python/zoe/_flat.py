@@ -1,5 +1,5 @@
-"""The optimizer's state and flat buffers, behind one object (``FlatState``): the engine, where each parameter
-lives in its dtype's flat buffers (``Slot``, ``Bucket``), and how the state is partitioned — zoe's own
+"""The optimizer's state and flat buffers, behind one object (``FlatState``): the engine, where each parameter's
+gradient lives in its dtype's flat buffer and where its weights are (``Slot``, ``Bucket``), and how the state is partitioned — zoe's own
 data-parallel mode (_data_parallel.py) or FSDP2's shards (_dtensor.py). The optimizer builds it; its
 checkpoints (_state_dict.py), the interchange with torch's format (_interop.py) and ``opt.state``
 (_state_view.py) read and write the state through it alone."""
@@ -54,7 +54,8 @@ class Slot:
 
 
 class Bucket:
-    """The flat weights and gradients of every trainable parameter of one dtype, and this rank's shard.
+    """The flat gradients of every trainable parameter of one dtype (and, under zoe's own partition, the flat
+    weights it all-gathers into), and this rank's shard.
 
     Windowed slots (offloaded parameters, whose gradients leave the device when reported; one rank only)
     are not in the flat buffers: their weights are in the parameter tier, and their gradients take turns in
@@ -85,7 +86,7 @@ class Bucket:
 
 
 class FlatState:
-    """The engine and the flat buffers it reads gradients from and writes weights into, of one optimizer.
+    """The engine and the flat buffers it reads gradients from, of one optimizer.
 
     ``engine``: the ``_zoe.Engine`` (None until the optimizer made it). ``slots``: every parameter held, in
     param-group order; ``buckets``: one per dtype. ``world``/``rank``: zoe's own partition (1/0 without one;

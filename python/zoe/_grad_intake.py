@@ -63,6 +63,8 @@ class GradIntake:
         self._open_backwards: set[int] = set()
         self._outstanding = False  # the engine holds something of this iteration: reports, taken gradients
         self._grads_clipped = False  # zoe's clip_grad_norm_ multiplied p.grad this iteration (_show_clipped_grads)
+        self._clip_coef = 1.0  # by what, in all, where the engine clips its own copy of the gradients
+        self._absent_at_norm: set[int] = set()  # slots without a gradient when clip_grad_norm_ took the norm
 
     def _make_hook(self, slot: Slot) -> Callable:
         # A weak reference: the parameter holds the hook, and must not keep the optimizer (and its engine's
@@ -178,6 +180,8 @@ class GradIntake:
         self._taken_versions = None
         self._hyper_pushed = False
         self._grads_clipped = False
+        self._clip_coef = 1.0
+        self._absent_at_norm = set()
         if self._flat.dtensor is not None:
             self._flat.dtensor.end_iteration()
         if self._clip_once is not None:
@@ -236,26 +240,43 @@ class GradIntake:
                 "optimizer's")
         return False
 
-    def _show_clipped_grads(self, norm: float, max_norm: float) -> None:
+    def _show_clipped_grads(self, norm: float, max_norm: float) -> float:
         """torch's clip_grad_norm_ multiplies every p.grad by min(1, max_norm / (norm + 1e-6)), in fp32 as
         torch computes it; zoe's answer does too, so that code reading p.grad after it sees torch's values.
         Written through ``.data`` aliases, whose version counters are their own: the trainer-edit detection
-        (_note_changed_grads) sees no change. Where the engine holds its own copy of the gradients (the
-        staging of a device with memory of its own, or its fp32 sum of declared micro-batches) it clips that
-        copy inside the step by the same coefficient, and the overlap keeps what it stepped when nothing was
-        clipped; where it reads them in place, it takes the clipped values again and clips no more."""
-        coef = torch.tensor(max_norm, dtype=torch.float32) / (torch.tensor(norm, dtype=torch.float32) + 1e-6)
-        if not (math.isfinite(norm) and float(coef) < 1.0):
-            return  # torch multiplies by 1: the values stay
-        in_place = self._flat.engine.reads_grads_in_place and not self._engine_accumulates
-        if in_place:
-            self._flat.engine.wait()  # the overlap's worker reads them where they are: not while they change
-        grads = [s.param.grad.data for s in self._flat.slots if not s.windowed and s.param.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
-        self._grads_clipped = True
-        if in_place:
-            self._take_again()
+        (_note_changed_grads) sees no change. Where the engine reads p.grad itself in place (the CPU, one rank,
+        no copy), it takes the clipped values again, clipping no more itself; where it holds a copy (the
+        staging of a device with memory of its own, zoe's flat buffer, its fp32 sum of declared micro-batches)
+        it clips the copy inside the step by every coefficient applied this iteration (``_clip_coef``), and
+        the overlap keeps what it stepped when nothing was clipped. ``norm``: the engine's, of the gradients
+        it holds. Returns the norm of p.grad as it was before this call, which torch's function returns."""
+        flat = self._flat
+        if flat.world > 1:
+            # zoe's own partition reads p.grad's flat buffer in place or a reduced copy of it, by its options:
+            # p.grad stays as it was, the engine clips inside the step (docs/python.md says so).
+            return norm
+        present = [s for s in flat.slots if not s.windowed and s.param.grad is not None]
+        in_place = flat.engine.reads_grads_in_place and not self._engine_accumulates
+        seen = norm if in_place else norm * self._clip_coef
+        coef = torch.tensor(max_norm, dtype=torch.float32) / (torch.tensor(seen, dtype=torch.float32) + 1e-6)
+        if math.isfinite(seen) and float(coef) < 1.0:  # else torch multiplies by 1: the values stay
+            grads = [s.param.grad.data for s in present]
+            if in_place:
+                flat.engine.wait()  # the overlap's worker reads them where they are: not while they change
+                # A gradient zoe copied into its flat buffer (one the engine could not read where it was) is
+                # read there: clipped alike, it is p.grad's values again.
+                grads += [s.grad_view.data for s in present if s.grads_at != s.param.grad.data_ptr()]
+            if grads:
+                torch._foreach_mul_(grads, coef.to(grads[0].device))
+            self._grads_clipped = True
+            if in_place:
+                self._take_again()
+                return seen
+            self._clip_coef *= float(coef)
+        if not in_place and self._clip_coef < 1.0:
+            # The engine's coefficient is max_norm / (norm + 1e-6): this limit makes it every one applied.
+            flat.engine.set_max_grad_norm(self._clip_coef * (norm + 1e-6))
+        return seen
 
     def _push_hyper_once(self) -> None:
         """At the iteration's first report, before the engine steps or writes anything of it: a learning-rate
@@ -313,7 +334,9 @@ class GradIntake:
         replaced = [s for s in self._flat.slots if id(s) in absent_ids or self._adopt_grad(s, moves)]
         self._read_grads_from(moves)
         self._window_versions = self._versions_of_windows()
-        if self._check_changes and any(s.taken for s in replaced):
+        # Absent when the norm was taken and still absent: nothing the engine took has changed.
+        still = absent_ids & self._absent_at_norm
+        if self._check_changes and any(s.taken and id(s) not in still for s in replaced):
             self._take_again()
             self._warn_changed()
         if absent or self._absent_sent:
@@ -331,8 +354,10 @@ class GradIntake:
         return s.param.grad is None
 
     def _take_again(self) -> None:
-        if self._grads_clipped and not self._engine_accumulates:
-            self._flat.engine.set_max_grad_norm(0.0)  # what the engine takes now is clipped already
+        if self._grads_clipped:
+            # What the engine takes now is p.grad, clipped already by zoe's clip_grad_norm_.
+            self._flat.engine.set_max_grad_norm(0.0)
+            self._clip_coef = 1.0
         self._flat.engine.grads_changed()
         self._taken_versions = self._grad_versions()
 

@@ -65,7 +65,12 @@ class WeightEdits:
                         "stepped. Convert or move the model first, then create the optimizer")
                 with torch.no_grad():
                     s.weight_view.copy_(p.detach())
-                p.data = s.weight_view  # the new values, back in the buffer the engine writes
+                p.data = s.weight_view  # the new values, back in the storage the engine writes
+            if s.flat_weights is not None:
+                # zoe's own partition: the flat weights are what weights_to_params copies into the model after
+                # a step, which a skipped step (fp16 overflow) gathers nothing into.
+                with torch.no_grad():
+                    s.flat_weights.copy_(s.weight_view.reshape(-1))
             self._edits[id(s)] = (s, self._current_weights(s).to("cpu", copy=True))
         self._note_weights()
 

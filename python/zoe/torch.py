@@ -294,7 +294,9 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
 
     @torch.no_grad()
     def _fill_buckets(self) -> None:
-        """The parameters' weights and gradients into the flat buffers, ``p.data`` and ``p.grad`` views of them."""
+        """The parameters' gradients into the flat buffers (``p.grad`` a view of them where it is set), each
+        parameter's weights kept in a contiguous storage of its own (and, under zoe's partition, copied into
+        the flat weights it all-gathers into)."""
         flat = self._flat
         for b in flat.buckets:
             for s in b.slots:
@@ -449,9 +451,10 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
         self._note_changed_grads()
         self._adopt_grads()
         for s in self._flat.slots:
-            # What the norm read. A parameter without a gradient (LoRA's frozen base, an unused one) read
-            # nothing: still absent at step(), it is no change, and the overlap stays.
-            s.taken = s.taken or not self._grad_absent(s)
+            s.taken = True
+        # A parameter without a gradient (LoRA's frozen base, an unused one) that is still without one at
+        # step() is no change, and the overlap stays; one that has a gradient by then is (_adopt_grads).
+        self._absent_at_norm = {id(s) for s in self._flat.slots if self._grad_absent(s)}
         if self._flat.dtensor is not None:
             norm = self._flat.dtensor.global_norm(self._flat.engine)
         else:
@@ -461,7 +464,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
             self._stream.follow()
             norm = self._flat.engine.grad_norm()
             if math.isfinite(limit):
-                self._show_clipped_grads(norm, limit)
+                norm = self._show_clipped_grads(norm, limit)
         self._clip_once = limit
         self._taken_versions = self._grad_versions()
         if error_if_nonfinite and not math.isfinite(norm):

@@ -192,3 +192,54 @@ def test_two_process_resume_from_state_dict_equals_uninterrupted(tmp_path):
         assert r["steps"] == u["steps"] == STEPS
         for a, b in zip(r["weights"], u["weights"]):
             assert torch.equal(a, b)
+
+
+def _edits_and_clipping_main(rank, world, init_file, out_dir):
+    """zoe's partition with two things a trainer does: an fp16 model edited between steps followed by a step
+    skipped for an overflow (the weights stay the edit on every rank), and zoe's clip_grad_norm_ (the step is
+    torch's clipped one, on every rank)."""
+    from zoe.torch import OffloadOptimizer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    out = {}
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 8).half()
+    opt = OffloadOptimizer(m.parameters(), lr=1e-2)
+    x = torch.randn(4, 8).half()
+    opt.backward(m(x).float().sum())
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        m.weight.fill_(0.5)
+    opt.backward(m(x).float().sum())
+    m.weight.grad[0, 0] = float("inf")  # an overflow: the step is skipped
+    opt.step()
+    out["skipped"] = opt.last_step_skipped
+    out["edit_kept"] = bool((m.weight == 0.5).all())
+
+    def run(make, clip):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        o = make(model.parameters())
+        for t in range(3):
+            torch.manual_seed(100 + t)  # the same batch on both ranks: the average is each rank's gradient
+            model(torch.randn(4, 8)).pow(2).sum().backward()
+            clip(model, o)
+            o.step()
+            o.zero_grad()
+        return model.weight.detach().clone()
+
+    ref = run(lambda ps: torch.optim.AdamW(ps, **HYPER), lambda mm, o: torch.nn.utils.clip_grad_norm_(mm.parameters(), 0.01))
+    mine = run(lambda ps: OffloadOptimizer(ps, **HYPER), lambda mm, o: o.clip_grad_norm_(0.01))
+    out["clip_diff"] = (ref - mine).abs().max().item()
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_two_process_weight_edit_before_a_skipped_step_and_clipping(tmp_path):
+    mp.spawn(_edits_and_clipping_main, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
+        out = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+        assert out["skipped"] and out["edit_kept"], out
+        assert out["clip_diff"] < 1e-5, out  # the file's parity bound (fp32 against torch)

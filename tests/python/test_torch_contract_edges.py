@@ -211,3 +211,112 @@ def test_add_param_group_refuses_a_bad_group_and_keeps_the_optimizer():
     _mse(model, x, y).backward()
     opt.step()
     assert opt.step_count == 1
+
+
+# ---- what a review found (each failed before its fix) ---------------------------------------------------------
+
+def _host_device(monkeypatch):
+    """The host stand-in: a device with memory of its own, where the engine steps copies of the gradients
+    (the paths a GPU takes, without one)."""
+    import zoe
+    import zoe.torch
+
+    monkeypatch.setattr(zoe.torch, "_cpu_device", zoe.host_device)
+
+
+@pytest.mark.parametrize("where", ["cpu", "host", "accumulated"])
+def test_a_second_clip_in_one_iteration_sees_the_first(where, monkeypatch):
+    """torch clips twice as told: the second norm is the first-clipped gradients', and p.grad holds both
+    coefficients. zoe the same, where it steps p.grad in place, a copy, or its fp32 sum of micro-batches."""
+    if where == "host":
+        _host_device(monkeypatch)
+    kw = dict(gradient_accumulation_steps=2) if where == "accumulated" else {}
+    x, y = batches(1)[0]
+    ref, mine = make_mlp(), make_mlp()
+    ro, mo = torch.optim.AdamW(ref.parameters(), **HYPER), OffloadOptimizer(mine.parameters(), **HYPER, **kw)
+    norms = {}
+    for name, model, opt in (("torch", ref, ro), ("zoe", mine, mo)):
+        for k in range(2 if kw else 1):
+            (_mse(model, x[k::2] if kw else x, y[k::2] if kw else y) / (2 if kw else 1)).backward()
+        norms[name] = [float(torch.nn.utils.clip_grad_norm_(model.parameters(), m)) for m in (0.2, 0.05)]
+        opt.step()
+    assert norms["zoe"] == pytest.approx(norms["torch"], rel=1e-5)
+    for a, b in zip(ref.parameters(), mine.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-9)
+    assert max_diff(ref, mine) < PARITY_TOL
+
+
+def test_clipping_a_gradient_zoe_copied_clips_it_once():
+    """A p.grad the engine cannot read where it is (not contiguous) is copied into zoe's buffer: clipped
+    there too, not twice."""
+    data = batches(3)
+    ref, mine = make_mlp(), make_mlp()
+    ro, mo = torch.optim.AdamW(ref.parameters(), **HYPER), OffloadOptimizer(mine.parameters(), **HYPER)
+    for x, y in data:
+        for model, opt in ((ref, ro), (mine, mo)):
+            _mse(model, x, y).backward()
+            w = model[0].weight
+            w.grad = w.grad.t().contiguous().t()  # the same values, not contiguous
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            opt.step()
+            opt.zero_grad()
+    assert max_diff(ref, mine) < PARITY_TOL
+
+
+@pytest.mark.parametrize("device", ["cpu", "host"])
+def test_a_gradient_that_arrives_after_the_norm_is_stepped(device, monkeypatch):
+    """An unused parameter has no gradient when the trainer logs the norm, then gets one before step():
+    torch steps it, and so does zoe."""
+    if device == "host":
+        _host_device(monkeypatch)
+
+    def run(make):
+        torch.manual_seed(0)
+        a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        opt = make(list(a.parameters()) + list(b.parameters()))
+        for t in range(3):
+            x = torch.randn(2, 4)
+            a(x).pow(2).sum().backward()
+            torch.nn.utils.clip_grad_norm_(list(a.parameters()) + list(b.parameters()), 1e6)
+            if t == 2:
+                b(x).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return b.weight.detach().clone()
+
+    ref = run(lambda ps: torch.optim.AdamW(ps, **HYPER))
+    mine = run(lambda ps: OffloadOptimizer(ps, **HYPER))
+    assert (ref - mine).abs().max().item() < PARITY_TOL
+
+
+def test_add_param_group_keeps_a_weight_edit_since_the_last_step():
+    model = make_mlp(dtype=torch.bfloat16)
+    params = list(model.parameters())
+    opt = OffloadOptimizer(params[:2], **HYPER)
+    x, y = batches(1)[0]
+    _mse(model, x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        params[0].fill_(1.0)  # a trainer's edit (model.load_state_dict, nn.init) between steps
+    opt.add_param_group({"params": params[2:]})
+    assert bool((params[0] == 1.0).all())
+    assert bool((opt.read_state(params[0])["master"] == 1.0).all())
+
+
+def test_add_param_group_keeps_the_group_dicts_and_other_state():
+    model = make_mlp()
+    params = list(model.parameters())
+    opt = OffloadOptimizer(params[:2], **HYPER)
+    first, groups = opt.param_groups[0], opt.param_groups
+    opt.state["my_hook_key"] = {"seen": 1}
+    new = {"params": params[2:], "lr": 1e-4}
+    opt.add_param_group(new)
+    assert opt.param_groups is groups and opt.param_groups[0] is first and opt.param_groups[1] is new
+    assert opt.state["my_hook_key"] == {"seen": 1}
+    first["lr"] = 0.0  # a scheduler's write through the dict it holds reaches the step
+    before = params[0].detach().clone()
+    x, y = batches(1)[0]
+    _mse(model, x, y).backward()
+    opt.step()
+    assert torch.equal(params[0], before)
