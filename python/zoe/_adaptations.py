@@ -30,7 +30,8 @@ ADAPTATIONS: list[Adaptation] = [
         "torch.nn.utils.clip_grad_norm_",
         "Trainers clip through it, over model.parameters(), after backward (Hugging Face's Trainer also to log "
         "the norm with max_grad_norm=0). Done by torch it writes every p.grad (by 1 when nothing is clipped), "
-        "an edit zoe cannot tell from a trainer's: the overlap and delayed schedules lose their overlap, declared micro-batches lose zoe's fp32 sum, and offloaded parameters' "
+        "an edit zoe cannot tell from a trainer's: the overlap and delayed schedules lose their overlap, "
+        "declared micro-batches lose zoe's fp32 sum, and offloaded parameters' "
         "gradients are no longer in p.grad on a GPU. zoe answers it with the optimizer's clip_grad_norm_.",
         "mechanism: the function in torch.nn.utils is replaced (trainers look it up there at each call) by "
         "one that answers a call over exactly one optimizer's parameters and hands any other to torch's. "

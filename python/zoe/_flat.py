@@ -1,6 +1,7 @@
-"""The optimizer's state and flat buffers, behind one object (``FlatState``): the engine, where each parameter's
-gradient lives in its dtype's flat buffer and where its weights are (``Slot``, ``Bucket``), and how the state is partitioned — zoe's own
-data-parallel mode (_data_parallel.py) or FSDP2's shards (_dtensor.py). The optimizer builds it; its
+"""The optimizer's state and flat buffers, behind one object (``FlatState``): the engine, where each
+parameter's gradient lives in its dtype's flat buffer and where its weights are (``Slot``, ``Bucket``), and
+how the state is partitioned — zoe's own data-parallel mode (_data_parallel.py) or FSDP2's shards
+(_dtensor.py). The optimizer builds it; its
 checkpoints (_state_dict.py), the interchange with torch's format (_interop.py) and ``opt.state``
 (_state_view.py) read and write the state through it alone."""
 from __future__ import annotations

@@ -431,8 +431,8 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
         returns the total norm of the (unscaled) gradients, computed by zoe, and clips the step by
         ``max_norm / (norm + 1e-6)`` when that is below 1: ``p.grad`` is multiplied by it as torch's function
         does, and the step is AdamW's on the clipped gradients (_grad_intake._show_clipped_grads: how, and why
-        the overlap schedule keeps its overlap when nothing was clipped). ``max_norm=inf`` returns the norm and clips nothing; with the optimizer's own ``max_grad_norm``
-        the tighter of the two applies. Other ``norm_type`` values clip ``p.grad`` in place with torch (exact,
+        the overlap schedule keeps its overlap when nothing was clipped). ``max_norm=inf`` returns the norm and
+        clips nothing; with the optimizer's own ``max_grad_norm`` the tighter of the two applies. Other ``norm_type`` values clip ``p.grad`` in place with torch (exact,
         not overlapped; not with offloaded parameters on a GPU, whose gradients left the device)."""
         max_norm = float(max_norm)
         if not max_norm >= 0:
