@@ -135,10 +135,12 @@ TEST_F(Maximize, PartitionedRanksAscendAsTheNegatedGradientDescends) {
   auto partitioned = [&](bool maximize, const test::GradFn& grads) {
     std::shared_ptr<HostGroup> group = make_host_group(2);
     std::vector<test::RunResult> out(2);
+    std::vector<char> created(2, 0);
     std::vector<std::thread> threads;
     for (int r = 0; r < 2; ++r) {
       threads.emplace_back([&, r] {
         test::Trainer t(Schedule::sync, DType::bf16, OffloadOptions{}, 0, {1000, 37, 4096, 1}, group, r);
+        created[r] = t.created();
         if (!t.created()) return;
         for (std::size_t k = 0; k < 2; ++k) t.opt().group_hyper(k).maximize = maximize;
         t.run(1, 5, grads);
@@ -147,6 +149,7 @@ TEST_F(Maximize, PartitionedRanksAscendAsTheNegatedGradientDescends) {
       });
     }
     for (std::thread& t : threads) t.join();
+    EXPECT_TRUE(created[0] && created[1]) << "a rank's optimizer was not created";
     return out;
   };
   const std::vector<test::RunResult> up = partitioned(true, test::random_grads(1e-2));
@@ -154,6 +157,7 @@ TEST_F(Maximize, PartitionedRanksAscendAsTheNegatedGradientDescends) {
   ASSERT_EQ(up.size(), down.size());
   for (std::size_t r = 0; r < up.size(); ++r) {
     SCOPED_TRACE(cat("rank ", std::to_string(r)));
+    EXPECT_FALSE(up[r].device_weights.empty());
     test::expect_bitwise_equal(up[r], down[r]);
   }
 }
