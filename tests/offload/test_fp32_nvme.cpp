@@ -22,13 +22,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// A label joined with += (GCC 12's -Wrestrict misreads some chains of string operator+).
-template <typename... Parts>
-std::string cat(const Parts&... parts) {
-  std::string s;
-  ((s += std::string_view(parts)), ...);
-  return s;
-}
+using test::cat;
 
 class Fp32OnNvme : public ::testing::Test {
  protected:
@@ -135,12 +129,7 @@ test::RunResult train_mixed(Schedule schedule, const OffloadOptions& base, int s
   o.cpu.threads = 2;
   o.cpu.tile = 512;
   o.tile = 700;
-  std::vector<ParamGroup> groups(2);
-  groups[0].hyper.lr = 1e-2f;
-  groups[0].hyper.weight_decay = 0.01f;
-  groups[1].hyper.lr = 5e-3f;
-  groups[1].hyper.adamw = false;
-  groups[1].hyper.weight_decay = 0.1f;
+  std::vector<ParamGroup> groups = test::two_groups();
   test::RunResult r;
   Result<OffloadOptimizer> made = OffloadOptimizer::create(*device, groups, specs, o);
   EXPECT_TRUE(made.ok()) << made.status().to_string();

@@ -23,13 +23,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// A label joined with += (GCC 12's -Wrestrict misreads some chains of string operator+).
-template <typename... Parts>
-std::string cat(const Parts&... parts) {
-  std::string s;
-  ((s += std::string_view(parts)), ...);
-  return s;
-}
+using test::cat;
 
 // Iteration t's gradients negated: exact in every dtype (an fp16 overflow's Inf becomes -Inf).
 test::GradFn negated(const test::GradFn& grads) {

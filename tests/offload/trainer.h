@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tests/reference.h"
@@ -16,6 +17,25 @@
 #include "zoe/partition.h"
 
 namespace zoe::test {
+
+// A label joined with += (GCC 12's -Wrestrict misreads some chains of string operator+).
+template <typename... Parts>
+std::string cat(const Parts&... parts) {
+  std::string s;
+  ((s += std::string_view(parts)), ...);
+  return s;
+}
+
+// The trainer's two param groups: AdamW with decay, and Adam's L2 at another learning rate.
+inline std::vector<ParamGroup> two_groups() {
+  std::vector<ParamGroup> groups(2);
+  groups[0].hyper.lr = 1e-2f;
+  groups[0].hyper.weight_decay = 0.01f;
+  groups[1].hyper.lr = 5e-3f;
+  groups[1].hyper.adamw = false;
+  groups[1].hyper.weight_decay = 0.1f;
+  return groups;
+}
 
 
 // Parameters of assorted sizes living in a host stand-in device's memory.
@@ -115,12 +135,7 @@ class Trainer {
     o.cpu.threads = 2;
     o.cpu.tile = 512;  // several tiles per parameter
     o.tile = 700;      // several pieces per parameter in the overlap schedule, one with a short last piece
-    std::vector<ParamGroup> groups(2);
-    groups[0].hyper.lr = 1e-2f;
-    groups[0].hyper.weight_decay = 0.01f;
-    groups[1].hyper.lr = 5e-3f;
-    groups[1].hyper.adamw = false;
-    groups[1].hyper.weight_decay = 0.1f;
+    std::vector<ParamGroup> groups = two_groups();
     if (model_.specs.size() > 2) model_.specs[2].group = 1;
     Result<OffloadOptimizer> made = OffloadOptimizer::create(*device_, groups, model_.specs, o, collectives_.get());
     EXPECT_TRUE(made.ok()) << made.status().to_string();

@@ -10,29 +10,14 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+from transformers import LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 from zoe.torch import OffloadOptimizer  # noqa: E402
 
 from conftest import make_mlp  # noqa: E402
-
-# fp32 against fp32 torch: the order of float operations in each element's update, and zoe's norm summed in
-# double where torch's is fp32 (test_hf.py's bound, measured there at 1.2e-7 after 12 steps).
-TORCH_TOL = 1e-5
-LR = 1e-3
-CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=64, length=16):
-        self.x = torch.randint(0, CONFIG.vocab_size, (n, length), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.x[i], "labels": self.x[i]}
+# test_hf.py's tiny Llama config, token data and bound (measured there at 1.2e-7 after 12 steps: the order of
+# float operations in each element's update, and zoe's norm summed in double where torch's is fp32).
+from test_hf import CONFIG, LR, TORCH_TOL, Tokens  # noqa: E402
 
 
 def lora_llama():
