@@ -135,6 +135,11 @@ struct OffloadOptions {
   // moments are rounded or encoded).
   DType state_dtype = DType::f32;
   std::size_t tile = 1 << 20;          // elements per unit of pipelined work. DeepSpeed's sub_group_size is larger
+  // Tier nvme with the sync schedule (no gradient accumulation) steps the store window by window, holding one
+  // window of 16-bit weights (and, on a device with memory of its own, of gradients) on the host instead of a
+  // staging the size of the model: elements per window, 0 for 64Mi. A window holds at least the largest
+  // parameter and two tiles of the store.
+  std::size_t step_window = 0;
   CpuAdamOptions cpu;
 };
 

@@ -1,5 +1,7 @@
 // zoe._zoe's devices: Device (where weights and gradients live, as the engine sees it), the host stand-in
-// with its HostStream, the CPU and CUDA devices.
+// with its HostStream, the CPU and CUDA devices; and the process's large host allocations.
+#include <malloc.h>
+
 #include "python/src/binding.h"
 #include "src/offload/host_device.h"
 
@@ -85,6 +87,20 @@ void bind_device(nb::module_& m) {
   m.def("cpu_device", [] { return std::make_unique<PyDevice>(make_cpu_device()); },
         "The CPU as the device: the engine reads gradients and writes weights in place (fp32 weights are the "
         "master), except with schedule 'delayed', which needs its own copy.");
+  m.def("map_large_allocations",
+        [](std::size_t bytes) {
+#ifdef __GLIBC__
+          // A fixed threshold also ends glibc's raising it to the largest block freed so far, after which
+          // blocks of up to 32 MiB come from the heap and stay with the process once freed.
+          return bytes <= (std::size_t(1) << 30) && mallopt(M_MMAP_THRESHOLD, static_cast<int>(bytes)) == 1;
+#else
+          (void)bytes;
+          return false;
+#endif
+        },
+        nb::arg("bytes"),
+        "glibc: every allocation of `bytes` or more is mapped on its own and unmapped when freed, so that "
+        "memory freed goes back to the system. False where the C library has no such setting.");
   m.def("cuda_device",
         [](int ordinal) {
           return std::make_unique<PyDevice>(take(make_cuda_device(ordinal)), nb::device::cuda::value, ordinal);

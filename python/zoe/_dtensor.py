@@ -153,6 +153,23 @@ class ShardedParams:
                         if s.numel and s.tier is None]
         return buckets
 
+    def adopt_grads(self, slots) -> list:
+        """Hooks that keep each shard's gradient in the flat buffer as backward goes. FSDP2 runs a sharded
+        parameter's post-accumulate-grad hooks once it has set or added its gradient; after
+        ``zero_grad(set_to_none=True)`` it sets a new DTensor viewing its reduce-scatter output, which the
+        whole group's gradients share. Copied into the flat buffer at once (``p.grad`` its view again), that
+        output is freed group by group — else every group's would live until step(), a second copy of the
+        model's gradients (measured: 2 bytes per parameter at the end of each backward, bench_infinity at 1B).
+        A torch that does not run the hooks leaves the copy to step(), as before."""
+        def adopt(slot):
+            def hook(p):
+                g = p.grad
+                if g is not None and g is not slot.grad_view:
+                    self.copy_grad(slot, g)
+                    p.grad = slot.grad_view
+            return hook
+        return [s.param.register_post_accumulate_grad_hook(adopt(s)) for s in slots if s.param.requires_grad]
+
     def local_weights(self, slot) -> torch.Tensor:
         return slot.param._local_tensor
 

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from . import _checks, _zoe
+from . import _checks, _host_memory, _zoe
 
 # OffloadOptimizer's integer keywords that reach the engine's options, with the ranges the DeepSpeed config
 # reader allows for the same settings (docs/config.md).
@@ -122,6 +122,8 @@ def engine_options(o: dict, *, partition: tuple[int, int], accumulation_steps: i
         opts.tile = o["tile"]
     elif cuda and o["tier"] == "ram":
         opts.tile = CUDA_TILE
+    if o["tier"] == "nvme":
+        _host_memory.map_large_allocations()  # a model larger than memory: what is freed goes back
     paths = o["nvme_path"]
     if paths is not None:
         paths = _checks.paths("zoe.torch.OffloadOptimizer", "nvme_path", paths)

@@ -67,7 +67,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from . import _checks, _zoe
+from . import _checks, _host_memory, _zoe
 from ._tier_blocks import TierBlocks, in_backward
 from ._dtensor import is_dtensor
 from ._offload_blocks import Active, Frame, SavedView, block_selector, contiguous_strides, plan, storage_view
@@ -126,6 +126,7 @@ def offload_parameters(model: nn.Module, device: str = "cpu", nvme_path: str | S
     of each group while the group's shards are made, before they are written to the tier."""
     if device not in ("cpu", "nvme"):
         raise ValueError(f"offload_parameters: device must be 'cpu' or 'nvme', not {device!r}")
+    _host_memory.map_large_allocations()  # a model larger than memory: what is freed goes back
     if device == "nvme":
         if not nvme_path:
             raise ValueError("offload_parameters: device='nvme' needs nvme_path")

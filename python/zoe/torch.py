@@ -252,6 +252,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
         if flat.dtensor is not None:
             flat.buckets = flat.dtensor.make_buckets(slots_by_dtype, self._device)
             self._make_engine()
+            self._hooks += flat.dtensor.adopt_grads(flat.slots)
             self._note_weights()
             return
         # On a device with memory of its own, offloaded parameters' gradients leave it as each one's backward

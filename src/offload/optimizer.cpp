@@ -341,7 +341,7 @@ std::int64_t OffloadOptimizer::param_step_count(std::size_t param) const {
   return std::atomic_ref(impl_->param_steps[param]).load(std::memory_order_relaxed);
 }
 bool OffloadOptimizer::last_step_skipped() const { return impl_->last_skipped.load(); }
-bool OffloadOptimizer::reads_grads_in_place() const { return impl_->in_place; }
+bool OffloadOptimizer::reads_grads_in_place() const { return impl_->grads_in_place; }
 const StepStats& OffloadOptimizer::stats() const { return impl_->stats_; }
 
 std::vector<std::size_t> OffloadOptimizer::state_sizes() const {
@@ -385,6 +385,12 @@ Status OffloadOptimizer::write_state(std::size_t param, const float* master, con
   if (master == nullptr || p.n == 0) return Status::success();
   // The device weights follow the master: rounded into the 16-bit copy (f32: copied where tier nvme keeps
   // the device's), sent up unless it is the device's.
+  if (m.streamed && p.dtype != DType::f32) {  // no staging: rounded from the store's master and sent
+    std::vector<char> which(m.params.size(), 0);
+    which[param] = 1;
+    if (Status s = m.tier->resend_weights(&which); !s.ok()) return s;
+    return m.finish_h2d();
+  }
   m.weights_follow_master(param, 0, master, p.n);
   if (Status s = m.enqueue_h2d(param); !s.ok()) return s;
   return m.finish_h2d();

@@ -84,6 +84,17 @@ class StateTier {
   // The master weights of f32 parameter i, where the device's copy is sent from: tier ram's own master;
   // tier nvme's device-copyable copy of it, which each step writes (the master itself is in the store).
   virtual float* master(std::size_t) { return nullptr; }
+  // Streamed (tier nvme): the 16-bit weights of the parameters marked in `which` (every one: null) rounded
+  // from the masters in the store and sent (Impl::send_weights16): after a load, a write_state, or a send
+  // that failed.
+  virtual Status resend_weights(const std::vector<char>* /*which*/) {
+    return Status(StatusCode::unsupported, "this tier keeps its weights in staging");
+  }
+  // Streamed: the 16-bit weights as a checkpoint's "weights16" blob holds them (parameter order, f32
+  // parameters taking no bytes), bytes [offset, offset + n) into `out`, from the masters.
+  virtual Status read_weights16(std::size_t /*offset*/, std::size_t /*n*/, void* /*out*/) {
+    return Status(StatusCode::unsupported, "this tier keeps its weights in staging");
+  }
 
   // Tier nvme's speculation (the overlap schedule; tier ram undoes pieces instead): one call steps every
   // parameter with a gradient of staging set 0, each tile once ready(i) has said, for each parameter i in it,
@@ -212,6 +223,13 @@ struct OffloadOptimizer::Impl {
   // f32 parameter's device weights are its master. Tier nvme with an f32 parameter is staged: its master
   // lives in the store, and the copy the step writes (master_of) is sent as a 16-bit parameter's weights are.
   bool in_place = false;
+  // Streamed (tier nvme, sync, no micro-batch sums; docs/architecture.md, "Host memory that does not grow
+  // with the model"): no staging the size of the model. The step runs window by window through the store
+  // (step_windows.cpp): each window's gradients come down into a window buffer (or are read in place where
+  // the device's memory is host memory: grads_in_place), its 16-bit weights are written into another and
+  // sent to the device or the parameter tier before the next window. weights_of() has no staging then.
+  bool streamed = false;
+  bool grads_in_place = false;  // in_place, or streamed on a device whose memory is host memory
   // Gradient statistics cost a pass over the gradients; in place, they are taken only when clipping, loss
   // scaling or the NaN/Inf refusal needs them.
   bool need_stats = true;
@@ -224,7 +242,8 @@ struct OffloadOptimizer::Impl {
     return tier->master(i);
   }
   void* grad_of(std::size_t i, int set) {
-    if (in_place) return const_cast<void*>(params[i].device_grads);
+    if (grads_in_place) return const_cast<void*>(params[i].device_grads);
+    if (streamed) return nullptr;  // the window's buffer holds it while the step reads it
     return static_cast<unsigned char*>(grad_staging[set]) + grad_offsets[i];
   }
   // Gradient accumulation (accumulation.cpp; OffloadOptions::gradient_accumulation_steps): per staging set,
@@ -273,8 +292,12 @@ struct OffloadOptimizer::Impl {
   Status take_reported_grad(std::size_t i, int set);
   void* weights_of(std::size_t i) {
     if (in_place) return params[i].device_weights;
+    if (streamed) return nullptr;  // in a window only while its step runs (step_windows.cpp)
     return static_cast<unsigned char*>(weight_staging) + weight_offsets[i];
   }
+  // Streamed: 16-bit parameters whose new weights did not reach their place (a failed tier write): sent
+  // again from the masters by send_all_weights().
+  std::vector<char> unsent;
   // Elements [begin, begin + n) of parameter i's device weights set to follow `master`: a 16-bit parameter's
   // rounded from it; an f32 parameter's are the master itself, copied where the tier keeps the device's copy
   // apart from its state (tier nvme: master_of(i)), while in tier ram they are the state the tier just wrote.

@@ -78,6 +78,17 @@ Status OffloadOptimizer::save(const std::string& path, bool record_names) {
       if (bytes > 0) std::memcpy(weights16.data() + m.weight_offsets[i], m.weights_of(i), bytes);
     }
   }
+  if (m.streamed) {
+    // No staging: the weights are the masters rounded, slice by slice.
+    std::vector<unsigned char> w16(CheckpointWriter::kStreamSlice);
+    const Status s = writer->add_streamed("weights16", m.weight_offsets.back(),
+                                          [&](std::size_t offset, std::size_t n, const void** out) {
+                                            *out = w16.data();
+                                            return m.tier->read_weights16(offset, n, w16.data());
+                                          });
+    if (!s.ok()) return s;
+    return writer->commit(manifest.dump());
+  }
   const void* w16 = m.in_place ? static_cast<const void*>(weights16.data()) : m.weight_staging;
   if (Status s = writer->add("weights16", w16, m.weight_offsets.back()); !s.ok()) return s;
   return writer->commit(manifest.dump());
@@ -148,11 +159,19 @@ Status OffloadOptimizer::load(const std::string& path) {
   if (!manifest.ok()) return manifest.status();
   if (Status s = check_layout(m, manifest.value(), path); !s.ok()) return s;
   const std::int64_t step = manifest->step;
-  Result<AlignedBuffer> weights = AlignedBuffer::allocate(m.weight_offsets.back());
+  // Streamed: the blob is only verified; the weights sent are the loaded masters rounded, as every step's are.
+  Result<AlignedBuffer> weights = AlignedBuffer::allocate(m.streamed ? 0 : m.weight_offsets.back());
   if (!weights.ok()) return weights.status();
-  if (Status s = reader->read("weights16", weights->data(), m.weight_offsets.back()); !s.ok()) return s;
+  const Status read = m.streamed ? reader->read_streamed("weights16", m.weight_offsets.back(), CheckpointWriter::kStreamSlice,
+                                                         [](std::size_t, const void*, std::size_t) { return Status::success(); })
+                                 : reader->read("weights16", weights->data(), m.weight_offsets.back());
+  if (!read.ok()) return read;
   if (Status s = m.tier->load(reader.value(), path, step); !s.ok()) return s;
-  place_weights(m, *weights);
+  if (m.streamed) {
+    if (Status s = m.tier->resend_weights(nullptr); !s.ok()) return s;
+  } else {
+    place_weights(m, *weights);
+  }
   for (std::size_t g = 0; g < m.groups.size(); ++g) m.groups[g].hyper = manifest->groups[g];
   m.step_count = step;
   if (manifest->param_steps.empty()) {
@@ -163,6 +182,7 @@ Status OffloadOptimizer::load(const std::string& path) {
   m.scaler.restore(manifest->loss_scale);
   m.visible_scale = m.scaler.scale();
   for (std::size_t i = 0; i < m.params.size(); ++i) {
+    if (m.streamed && m.params[i].dtype != DType::f32) continue;  // sent above
     if (Status s = m.enqueue_h2d(i); !s.ok()) return s;
   }
   if (Status s = m.finish_h2d(); !s.ok()) return s;

@@ -73,7 +73,13 @@ Status OffloadOptimizer::Impl::allocate() {
   const bool tier_in_place =
       options.tier == Tier::ram ? options.schedule != Schedule::delayed : options.schedule == Schedule::sync && all_16bit;
   in_place = device.host_memory() && tier_in_place && !tiered;
-  need_norm = !in_place || options.max_grad_norm > 0 || options.loss_scale.enabled;
+  // Streamed needs every gradient on the device until step(): a tiered parameter's on a device with memory of
+  // its own leaves when reported (grad_leaves_when_reported), into staging.
+  const bool reported_down = tiered && !device.host_memory();
+  streamed = options.tier == Tier::nvme && options.schedule == Schedule::sync && !accumulates() && !in_place &&
+             !reported_down;
+  grads_in_place = in_place || (streamed && device.host_memory());
+  need_norm = !grads_in_place || options.max_grad_norm > 0 || options.loss_scale.enabled;
   need_stats = need_norm || options.refuse_non_finite;
   if (options.tier == Tier::ram) {
     Result<std::unique_ptr<StateTier>> made = make_ram_tier(*this);
@@ -82,12 +88,12 @@ Status OffloadOptimizer::Impl::allocate() {
   }
   const int grad_sets = options.schedule == Schedule::delayed ? 2 : 1;
   for (int s = 0; s < grad_sets; ++s) {
-    Result<void*> r = device.allocate_host(in_place ? 1 : std::max<std::size_t>(grad_offsets.back(), 1));
+    Result<void*> r = device.allocate_host(grads_in_place || streamed ? 1 : std::max<std::size_t>(grad_offsets.back(), 1));
     if (!r.ok()) return r.status();
     grad_staging[s] = r.value();
     stats[s].assign(pieces.size(), GradStats{});
   }
-  Result<void*> w = device.allocate_host(in_place ? 1 : std::max<std::size_t>(weight_offsets.back(), 1));
+  Result<void*> w = device.allocate_host(in_place || streamed ? 1 : std::max<std::size_t>(weight_offsets.back(), 1));
   if (!w.ok()) return w.status();
   weight_staging = w.value();
   if (Status s = allocate_accumulation(); !s.ok()) return s;
@@ -103,7 +109,8 @@ Status OffloadOptimizer::Impl::allocate() {
 Status OffloadOptimizer::Impl::load_initial_weights() {
   for (std::size_t i = 0; i < params.size() && !in_place; ++i) {
     const ParamSpec& p = params[i];
-    if (p.n == 0) continue;
+    // Streamed: the store's initialisation reads the 16-bit weights window by window (step_windows.cpp).
+    if (p.n == 0 || (streamed && p.dtype != DType::f32)) continue;
     void* dst = p.dtype == DType::f32 ? static_cast<void*>(master_of(i)) : weights_of(i);
     if (p.tier != nullptr) {
       if (Status s = p.tier->read(p.tier_block, p.tier_entry, dst, 0, staging_bytes(p)); !s.ok()) return s;
@@ -133,7 +140,7 @@ Status OffloadOptimizer::Impl::enqueue_d2h(std::size_t i, int set, const PieceDo
     if (summed) {
       stats[set][k] = host_grad_stats(accum[set].as<float>() + offsets[i] + pieces[k].begin, DType::f32, pieces[k].n);
     } else {
-      if (!in_place) {
+      if (!grads_in_place && !streamed) {  // streamed: the step's window takes them
         void* to = static_cast<unsigned char*>(grad_of(i, set)) + at;
         if (Status s = device.copy_to_host(to, from, bytes, Stream::d2h); !s.ok()) return s;
       }
@@ -149,7 +156,7 @@ Status OffloadOptimizer::Impl::enqueue_d2h(std::size_t i, int set, const PieceDo
       if (Status s = on_piece(k, copied.value()); !s.ok()) return s;
     }
   }
-  if (!in_place && !summed) count_bytes(stats_.d2h_bytes, staging_bytes(p));
+  if (!grads_in_place && !streamed && !summed) count_bytes(stats_.d2h_bytes, staging_bytes(p));
   return Status::success();
 }
 
@@ -197,6 +204,9 @@ Status OffloadOptimizer::Impl::grad_stats_in_place(int set) {
 Status OffloadOptimizer::Impl::enqueue_h2d(std::size_t i) {
   const ParamSpec& p = params[i];
   if (p.n == 0 || in_place) return Status::success();  // in place: the step wrote the device's weights
+  if (streamed && p.dtype != DType::f32) {
+    return Status(StatusCode::internal, "parameter " + std::to_string(i) + ": streamed 16-bit weights have no staging to send");
+  }
   const void* src = p.dtype == DType::f32 ? static_cast<const void*>(master_of(i)) : weights_of(i);
   if (p.tier != nullptr) return p.tier->write(p.tier_block, p.tier_entry, src, 0, staging_bytes(p));
   count_bytes(stats_.h2d_bytes, staging_bytes(p));
@@ -308,7 +318,8 @@ Status OffloadOptimizer::Impl::write_tier_weights() {
   std::unordered_map<const ParamTier*, std::unordered_map<std::size_t, std::size_t>> index;  // tier, block -> write
   for (std::size_t i = 0; i < params.size(); ++i) {
     const ParamSpec& p = params[i];
-    if (p.tier == nullptr || p.n == 0 || in_place) continue;
+    // Streamed: a 16-bit parameter's weights went to the tier from the step's window.
+    if (p.tier == nullptr || p.n == 0 || in_place || (streamed && p.dtype != DType::f32)) continue;
     auto t = std::find_if(tiers.begin(), tiers.end(), [&](const auto& x) { return x.first == p.tier; });
     if (t == tiers.end()) t = tiers.insert(tiers.end(), {p.tier, {}});
     auto [at, first] = index[p.tier].try_emplace(p.tier_block, t->second.size());
@@ -324,8 +335,11 @@ Status OffloadOptimizer::Impl::write_tier_weights() {
 
 Status OffloadOptimizer::Impl::send_all_weights() {
   for (std::size_t i = 0; i < params.size(); ++i) {
-    if (params[i].tier != nullptr) continue;
+    if (params[i].tier != nullptr || (streamed && params[i].dtype != DType::f32)) continue;
     if (Status s = enqueue_h2d(i); !s.ok()) return s;
+  }
+  if (streamed && std::find(unsent.begin(), unsent.end(), 1) != unsent.end()) {
+    if (Status s = tier->resend_weights(&unsent); !s.ok()) return s;
   }
   if (Status s = write_tier_weights(); !s.ok()) return s;
   return finish_h2d();

@@ -193,6 +193,7 @@ const std::vector<OptionField> kFields = {
     field<ZOE_FIELD(loss_scale.consecutive_hysteresis)>("consecutive_hysteresis"),
     field<ZOE_FIELD(loss_scale.min_scale), assign_scale>("min_scale"),
     field<ZOE_FIELD(tile)>("tile"),
+    field<ZOE_FIELD(step_window)>("step_window"),
     field<ZOE_FIELD(cpu.isa)>("isa"),
     field<ZOE_FIELD(cpu.threads)>("threads"),
 };

@@ -6,7 +6,7 @@
 namespace zoe {
 
 Status take_all_grads(Impl& m) {
-  if (m.in_place) return m.grad_stats_in_place(0);
+  if (m.grads_in_place) return m.grad_stats_in_place(0);
   for (std::size_t i = 0; i < m.params.size(); ++i) {
     if (m.grad_down[i]) continue;  // taken when reported; the device's buffer may hold another block's now
     if (m.is_absent(i, 0)) continue;  // no gradient: the step leaves it as it is

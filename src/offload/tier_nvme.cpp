@@ -11,11 +11,13 @@
 // exists for states that do not fit in RAM; the copy costs the 4 bytes per element the device holds anyway.
 // Each step writes the master bits tier ram steps, so the tiers stay bit-identical.
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <vector>
 
 #include "src/offload/checkpoint.h"
 #include "src/offload/optimizer_impl.h"
+#include "src/offload/step_windows.h"
 #include "zoe/swap.h"
 
 namespace zoe {
@@ -34,6 +36,11 @@ class NvmeTier final : public StateTier {
     for (std::size_t i = 0; i < m_.params.size(); ++i) {
       f32_at_[i] = total;
       if (m_.params[i].dtype == DType::f32) total += m_.params[i].n;
+    }
+    if (m_.streamed) {
+      Result<std::unique_ptr<StepWindows>> w = StepWindows::make(m_, store_, at_, store_.tile());
+      if (!w.ok()) return w.status();
+      windows_ = std::move(w).value();
     }
     if (total == 0) return Status::success();
     Result<void*> r = m_.device.allocate_host(total * 4);
@@ -58,6 +65,10 @@ class NvmeTier final : public StateTier {
           if (hi > lo) std::memcpy(p + (lo - offset), master(i) + (lo - at_[i]), (hi - lo) * 4);
           continue;
         }
+        if (windows_) {
+          if (Status s = windows_->widen(i, lo - at_[i], hi - lo, p + (lo - offset)); !s.ok()) return s;
+          continue;
+        }
         const auto* w = static_cast<const std::uint16_t*>(m_.weights_of(i)) + (lo - at_[i]);
         const bool f16 = m_.params[i].dtype == DType::f16;
         for (std::size_t k = 0; k + lo < hi; ++k) p[lo - offset + k] = f16 ? f16_to_float(w[k]) : bf16_to_float(w[k]);
@@ -73,6 +84,14 @@ class NvmeTier final : public StateTier {
     if (which.size() != m_.pieces.size()) {
       return invalid_argument("tier nvme steps every piece at once (" + std::to_string(which.size()) + " of " +
                               std::to_string(m_.pieces.size()) + " asked)");
+    }
+    if (windows_) {
+      SwapStats io;
+      const auto t0 = std::chrono::steady_clock::now();
+      const Status s = windows_->step(grad_scale, set, hyper, &io);
+      io.total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      add_stats(io);
+      return s;
     }
     std::vector<SwapSegment> segments;
     for (std::size_t i = 0; i < m_.params.size(); ++i) {
@@ -153,6 +172,15 @@ class NvmeTier final : public StateTier {
   }
 
   Status flush() override { return store_.flush(); }
+
+  Status resend_weights(const std::vector<char>* which) override {
+    if (!windows_) return StateTier::resend_weights(which);
+    return windows_->resend(which);
+  }
+  Status read_weights16(std::size_t offset, std::size_t n, void* out) override {
+    if (!windows_) return StateTier::read_weights16(offset, n, out);
+    return windows_->read_weights16(offset, n, out);
+  }
 
   bool in_ram() const override { return false; }
 
@@ -363,6 +391,7 @@ class NvmeTier final : public StateTier {
   // moments each parameter rounded up to whole blocks.
   std::vector<std::size_t> at_;
   std::vector<char> stepped_;  // the last speculation's parameters with a gradient (their weights in staging)
+  std::unique_ptr<StepWindows> windows_;  // streamed (m_.streamed): the step's windows
   // f32 parameters: the copies of their masters the device receives (master(i)), at f32_at_[i] elements.
   float* f32_copies_ = nullptr;
   std::vector<std::size_t> f32_at_;
