@@ -1,7 +1,7 @@
 // zoe plan: sizes a run — bytes per GPU, per host and per NVMe path by kind, whether it fits, the cheapest
 // placement that does, the optimizer step it should take, and its DeepSpeed-style config. The arithmetic is
 // src/plan/plan.h; this file reads the command line, measures what it is not given (CPU Adam here, NVMe with
-// zoe probe's measurement) and prints.
+// zoe probe's measurement) and searches the placements; tools/plan_report.cpp prints.
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -10,7 +10,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -21,28 +20,21 @@
 #ifdef ZOE_HAVE_AIO
 #include "tools/probe.h"
 #endif
-#include "src/plan/plan.h"
+#include "tools/plan.h"
 #include "zoe/adam.h"
-#include "zoe/config.h"
 
 namespace zoe::cli {
 namespace {
 
-using Json = nlohmann::ordered_json;
-using namespace zoe::plan;  // NOLINT: the planner's vocabulary
+using namespace zoe::plan;      // NOLINT: the planner's vocabulary
+using namespace zoe::cli::planning;  // NOLINT: the command's
 
-constexpr double kAssumedPcieGbps = 25;   // PCIe 4.0 x16, what a pinned copy reaches in practice
 constexpr double kAssumedNvmeGbps = 2;    // a single PCIe 3/4 NVMe drive, reading and writing (no libaio build)
 constexpr std::uint64_t kAssumedGpuMem = 80ull << 30;
 // --gpu-mem, --host-ram, --nvme-capacity at most 1024T (2^50 bytes): sums of them stay inside 64 bits.
 constexpr std::uint64_t kMaxBytes = std::uint64_t{1} << 50;
 // --model: a Hugging Face config.json is a few KiB; 16M is far past any, and keeps /dev/zero from filling memory.
 constexpr std::uint64_t kMaxConfigBytes = 16 << 20;
-
-struct Figure {
-  double value = 0;
-  std::string how;  // "measured: ...", "given", "assumed: ..."
-};
 
 // CPU Adam as the offloaded step runs it (fp32 state, bf16 gradients in, bf16 weights out) over 16M
 // parameters on every core: the median of 3 steps after one warm-up.
@@ -77,104 +69,24 @@ std::uint64_t free_bytes(const std::string& path) {
   return static_cast<std::uint64_t>(st.f_bavail) * st.f_frsize;
 }
 
-std::string human(std::uint64_t bytes) { return bytes == 0 ? "-" : format_bytes(bytes); }
-
-Json bytes_json(const Bytes& b) {
-  return Json{{"weights16", b.weights16}, {"grads16", b.grads16}, {"master32", b.master32}, {"moments", b.moments},
-              {"buffers", b.buffers},     {"activations", b.activations}, {"total", b.total()}};
-}
-
-struct Inputs {
-  Model model;
-  Cluster cluster;
-  Training training;
-  std::string gpu_mem_how, host_ram_how, capacity_how;
-};
-
-struct Evaluated {
-  Placement placement;
-  Usage usage;
-  Verdict verdict;
-};
-
 Evaluated evaluate(const Inputs& in, const Placement& p) {
   Evaluated e{p, usage(in.model, in.cluster, p, in.training), {}};
   e.verdict = check(e.usage, in.cluster);
   return e;
 }
 
-// What zoe's own config reader says of an emitted config: nothing, for a placement zoe runs.
-std::vector<std::string> reader_notes(const std::string& config) {
-  Result<LoadedConfig> loaded = parse_config(config, "the plan's config");
-  if (!loaded.ok()) return {"zoe's config reader refuses it: " + loaded.status().message()};
-  return loaded->notes;
-}
-
-Json placement_json(const Inputs& in, const Evaluated& e, const Rates& rates) {
-  const StepEstimate step = estimate_step(in.model, in.cluster, e.placement, in.training, rates);
-  const std::string gap = zoe_gap(e.placement);
-  Json j{{"stage", e.placement.stage},
-         {"offload_optimizer", offload_name(e.placement.optimizer)},
-         {"offload_param", offload_name(e.placement.param)},
-         {"fits", e.verdict.fits},
-         {"why_not", e.verdict.why},
-         {"zoe_runs_it", gap.empty()},
-         {"zoe_gap", gap},
-         {"per_gpu_bytes", bytes_json(e.usage.per_gpu)},
-         {"per_host_bytes", bytes_json(e.usage.per_host)},
-         {"per_nvme_bytes", bytes_json(e.usage.per_nvme_path)},
-         {"usable_gpu_bytes", usable_gpu(in.cluster)},
-         {"usable_host_bytes", usable_host(in.cluster)},
-         {"step_s_estimate", step.total_s},
-         {"step", {{"cpu_adam_s", step.cpu_adam_s}, {"nvme_s", step.nvme_s}, {"pcie_s", step.pcie_s},
-                   {"nvme_read_bytes_per_node", step.nvme_read_bytes},
-                   {"nvme_write_bytes_per_node", step.nvme_write_bytes}, {"pcie_bytes_per_gpu", step.pcie_bytes}}}};
-  const std::string config = deepspeed_config(e.placement, in.cluster, in.training);
-  j["config"] = Json::parse(config);
-  j["config_notes"] = reader_notes(config);
-  return j;
-}
-
-std::string placement_text(const Inputs& in, const Evaluated& e, const Rates& rates, const char* label) {
-  std::string out = format("\n%s: %s -> %s\n", label, placement_name(e.placement).c_str(),
-                           e.verdict.fits ? "fits" : ("does not fit (" + e.verdict.why + ")").c_str());
-  const Usage& u = e.usage;
-  out += format("  %-12s %14s %14s %14s\n", "", "per GPU", "per host", "per NVMe path");
-  auto row = [&out](const char* kind, std::uint64_t g, std::uint64_t h, std::uint64_t n) {
-    out += format("  %-12s %14s %14s %14s\n", kind, human(g).c_str(), human(h).c_str(), human(n).c_str());
-  };
-  row("weights16", u.per_gpu.weights16, u.per_host.weights16, u.per_nvme_path.weights16);
-  row("grads16", u.per_gpu.grads16, u.per_host.grads16, u.per_nvme_path.grads16);
-  row("master32", u.per_gpu.master32, u.per_host.master32, u.per_nvme_path.master32);
-  row("moments", u.per_gpu.moments, u.per_host.moments, u.per_nvme_path.moments);
-  row("buffers", u.per_gpu.buffers, u.per_host.buffers, u.per_nvme_path.buffers);
-  if (u.per_gpu.activations > 0) row("activations", u.per_gpu.activations, 0, 0);  // an estimate, said below
-  row("total", u.per_gpu.total(), u.per_host.total(), u.per_nvme_path.total());
-  const std::uint64_t capacity = in.cluster.nvme_capacity.empty() ? 0 : in.cluster.nvme_capacity[0];
-  row("usable", usable_gpu(in.cluster), usable_host(in.cluster), capacity);
-  const std::string gap = zoe_gap(e.placement);
-  out += format("  zoe: %s\n", gap.empty() ? "runs this placement" : ("cannot run it as planned: " + gap).c_str());
-  const StepEstimate s = estimate_step(in.model, in.cluster, e.placement, in.training, rates);
-  if (e.placement.optimizer == Offload::none) return out + "  optimizer step: on the GPU (not estimated)\n";
-  out += format("  optimizer step estimate: %.3f s = max(CPU Adam %.3f s, NVMe %.3f s) + PCIe %.3f s\n", s.total_s,
-                s.cpu_adam_s, s.nvme_s, s.pcie_s);
-  if (s.nvme_read_bytes > 0) {
-    out += format("    NVMe per node per step: %s read, %s written\n", human(s.nvme_read_bytes).c_str(),
-                  human(s.nvme_write_bytes).c_str());
-  }
-  if (s.pcie_bytes > 0) {
-    out += format("    PCIe per GPU per step: %s (sync schedule; overlap and delayed hide it)\n", human(s.pcie_bytes).c_str());
-  }
-  return out;
-}
-
 const char* kUsage =
     "usage: zoe plan (--params N | --model CONFIG.json) [options]\n\n"
     "Sizes a training run with ZeRO partitioning and zoe's offload: bytes per GPU, per host and per NVMe path\n"
-    "by kind (16-bit weights and gradients, fp32 master, moments, zoe's buffers, activations), whether the\n"
-    "placement fits, the cheapest one that does (least offload first), the optimizer step it should take,\n"
-    "and a DeepSpeed-style config. Memory follows the ZeRO paper (Rajbhandari et al., 2020); activations\n"
-    "(with --micro-batch and --seq-len) are an estimate after Korthikanti et al., 2022.\n"
+    "by kind, whether the placement fits, the cheapest one that does (least offload first), the optimizer\n"
+    "step it should take (with the NVMe traffic of the swap store and the parameter tier), and a DeepSpeed-\n"
+    "style config. It counts the model's states (ZeRO paper, Rajbhandari et al., 2020), what the trainer\n"
+    "holds (its 16-bit gradients: FSDP2's shards on the GPU, in host RAM with --grads-on-host or --gpus 0;\n"
+    "FSDP2's gathered modules; activations with --micro-batch and --seq-len, after Korthikanti et al., 2022)\n"
+    "and what zoe allocates: the swap store's two slots per tile, the parameter tier's two slots per entry,\n"
+    "its pool and bounce buffers, the step's staging or windows (docs/cli.md, \"Sizing a run\").\n"
+    "--gpus 0 describes a machine without a GPU: the CPU is the device (one rank per node), everything is in\n"
+    "host RAM, and the step estimate has no PCIe.\n"
     "Parameter counts take decimal suffixes (350M, 7.5B, 1T); byte sizes binary ones (80G = 80 GiB).\n"
     "--nvme takes one or more paths (or a comma list). Without --stage/--offload-*, the cheapest fitting\n"
     "placement is reported.\n\noptions:\n";
@@ -183,15 +95,15 @@ const char* kUsage =
 struct Texts {
   std::string params, model, gpus = "1", nodes = "1", gpu_mem, host_ram, nvme_capacity, stage, offload_opt, offload_param,
       state_dtype = "fp32", prefetch = "2", grad_accum = "1", micro_batch, seq_len, adam_rate, nvme_gbps, pcie_gbps;
-  bool json = false, checkpointing = false, help = false;
+  bool json = false, checkpointing = false, grads_on_host = false, help = false;
   std::vector<std::string> nvme_paths;
 };
 
-std::array<Option, 21> options_of(Texts& t) {
+std::array<Option, 22> options_of(Texts& t) {
   return {{
       {"params", &t.params, nullptr, "parameter count, 1 to 100T (350M, 7.5B, 1T)"},
       {"model", &t.model, nullptr, "a Hugging Face-style config.json instead of --params"},
-      {"gpus", &t.gpus, nullptr, "GPUs per node, 1 to 1024"},
+      {"gpus", &t.gpus, nullptr, "GPUs per node, 0 to 1024 (0: no GPU, the CPU is the device)"},
       {"nodes", &t.nodes, nullptr, "nodes, 1 to 64K"},
       {"gpu-mem", &t.gpu_mem, nullptr, "memory per GPU, 1 to 1024T (default 80G, assumed)"},
       {"host-ram", &t.host_ram, nullptr, "RAM per node, 1 to 1024T (default: this machine's)"},
@@ -205,6 +117,7 @@ std::array<Option, 21> options_of(Texts& t) {
       {"micro-batch", &t.micro_batch, nullptr, "sequences per GPU per micro-batch, 1 to 64K (activation estimate)"},
       {"seq-len", &t.seq_len, nullptr, "tokens per sequence, 1 to 16M (activation estimate)"},
       {"activation-checkpointing", nullptr, &t.checkpointing, "full activation checkpointing (activation estimate)"},
+      {"grads-on-host", nullptr, &t.grads_on_host, "stage 3: FSDP2's CPUOffloadPolicy keeps the gradient shards in host RAM"},
       {"adam-rate", &t.adam_rate, nullptr, "CPU Adam parameters/s per node, 1 to 100T (default: measured here)"},
       {"nvme-gbps", &t.nvme_gbps, nullptr, "NVMe GB/s per path, each direction, 0.001 to 1e5 (default: measured on the --nvme paths)"},
       {"pcie-gbps", &t.pcie_gbps, nullptr, "host-GPU GB/s per GPU, 0.001 to 1e5 (default 25, assumed)"},
@@ -227,14 +140,6 @@ std::vector<char*> split_nvme(std::span<char* const> args, Texts& t) {
   }
   return rest;
 }
-
-// What is to be planned, read from the command line; the rates given there (the others are measured by run).
-struct Request {
-  Inputs in;
-  bool requested = false;  // a placement was asked for (--stage, --offload-*)
-  Placement asked;
-  Figure adam, nvme, nvme_write, pcie{kAssumedPcieGbps, "assumed: PCIe 4.0 x16"};  // value 0: not given
-};
 
 Status read_model(const Texts& t, Model& model) {
   if (t.params.empty() == t.model.empty()) {
@@ -281,7 +186,7 @@ Status size(const std::string& text, const char* option, std::uint64_t fallback,
 Status read_training(const Texts& t, Inputs& in) {
   Cluster& c = in.cluster;
   Training& tr = in.training;
-  for (Status s : {count(t.gpus, "--gpus", 1, 1024, "GPUs per node", &c.gpus_per_node), count(t.nodes, "--nodes", 1, 64 << 10, "nodes", &c.nodes),
+  for (Status s : {count(t.gpus, "--gpus", 0, 1024, "GPUs per node", &c.gpus_per_node), count(t.nodes, "--nodes", 1, 64 << 10, "nodes", &c.nodes),
                    count(t.prefetch, "--prefetch", 0, 32, "modules fetched ahead", &tr.prefetch),
                    count(t.grad_accum, "--grad-accum", 1, 64 << 10, "micro-batches per step", &tr.grad_accumulation)}) {
     if (!s.ok()) return s;
@@ -292,7 +197,11 @@ Status read_training(const Texts& t, Inputs& in) {
   if (!t.seq_len.empty()) {
     if (Status s = count(t.seq_len, "--seq-len", 1, 16 << 20, "tokens per sequence", &tr.seq_len); !s.ok()) return s;
   }
+  // No GPU: the CPU is the device, one rank per node.
+  c.cpu_device = c.gpus_per_node == 0;
+  if (c.cpu_device) c.gpus_per_node = 1;
   tr.activation_checkpointing = t.checkpointing;
+  tr.grads_on_host = t.grads_on_host;
   Result<DType> sd = plan::parse_state_dtype(t.state_dtype);
   if (!sd.ok()) return sd.status();
   tr.state = *sd;
@@ -304,6 +213,11 @@ Status read_memory(const Texts& t, Inputs& in) {
   for (Status s : {size(t.gpu_mem, "--gpu-mem", kAssumedGpuMem, "assumed", &c.gpu_mem, &in.gpu_mem_how),
                    size(t.host_ram, "--host-ram", physical_ram(), "this machine's", &c.host_ram, &in.host_ram_how)}) {
     if (!s.ok()) return s;
+  }
+  if (c.cpu_device) {
+    if (!t.gpu_mem.empty()) return invalid_argument("--gpu-mem " + t.gpu_mem + " with --gpus 0: there is no GPU (the CPU is the device)");
+    c.gpu_mem = 0;
+    in.gpu_mem_how = "no GPU";
   }
   c.nvme_paths = t.nvme_paths;
   std::uint64_t capacity = 0;
@@ -384,16 +298,6 @@ Result<Request> request(const Texts& t) {
   return r;
 }
 
-struct PlanResult {
-  std::vector<Evaluated> all;               // every candidate, least offload first
-  std::size_t cheapest = 0, zoe_cheapest = 0;  // the first that fits (and zoe runs); all.size(): none
-  Evaluated shown;                          // the one asked for, else the cheapest, else the most offloaded
-  Figure adam, nvme, nvme_write, pcie;
-  Rates rates;
-
-  const Evaluated* find(std::size_t i) const { return i < all.size() ? &all[i] : nullptr; }
-};
-
 // The rates not given, measured here when a shown placement needs them.
 Status measure_rates(const Request& r, PlanResult& p, const Report& report) {
   auto needs = [&p](auto pred) {
@@ -449,101 +353,6 @@ Result<PlanResult> run(const Request& r, const Report& report) {
   return p;
 }
 
-std::string plan_json(const Request& r, const PlanResult& p) {
-  const Model& m = r.in.model;
-  const Cluster& c = r.in.cluster;
-  Json out{{"command", "plan"},
-           {"params", m.params},
-           {"model", m.description},
-           {"shape_assumed", m.shape_assumed},
-           {"gpus_per_node", c.gpus_per_node},
-           {"nodes", c.nodes},
-           {"ranks", c.ranks()},
-           {"gpu_mem_bytes", c.gpu_mem},
-           {"host_ram_bytes", c.host_ram},
-           {"nvme_paths", c.nvme_paths},
-           {"nvme_capacity_bytes", c.nvme_capacity},
-           {"state_dtype", state_dtype_name(r.in.training.state)},
-           {"requested", r.requested}};
-  const Json shown_json = placement_json(r.in, p.shown, p.rates);
-  for (const auto& [k, v] : shown_json.items()) out[k] = v;
-  const Evaluated *cheapest = p.find(p.cheapest), *zoe_cheapest = p.find(p.zoe_cheapest);
-  out["cheapest"] = cheapest ? placement_json(r.in, *cheapest, p.rates) : Json(nullptr);
-  out["cheapest_zoe_runs"] = zoe_cheapest ? placement_json(r.in, *zoe_cheapest, p.rates) : Json(nullptr);
-  Json cands = Json::array();
-  for (const Evaluated& e : p.all) {
-    cands.push_back({{"stage", e.placement.stage}, {"offload_optimizer", offload_name(e.placement.optimizer)},
-                     {"offload_param", offload_name(e.placement.param)}, {"fits", e.verdict.fits},
-                     {"why_not", e.verdict.why}});
-  }
-  out["candidates"] = cands;
-  out["rates"] = {{"adam_params_per_s", p.adam.value}, {"adam", p.adam.how}, {"nvme_read_gbps", p.nvme.value},
-                  {"nvme_write_gbps", p.nvme_write.value}, {"nvme", p.nvme.how}, {"pcie_gbps", p.pcie.value},
-                  {"pcie", p.pcie.how}};
-  return out.dump();
-}
-
-// The model, the cluster and the state, above the shown placement; then the rates and what the figures leave out.
-std::string summary_text(const Request& r, const PlanResult& p) {
-  const Cluster& c = r.in.cluster;
-  const Training& t = r.in.training;
-  std::string out = format("zoe plan: %s\n", r.in.model.description.c_str());
-  out += format("cluster: %llu GPUs (%llu per node x %llu nodes), %s per GPU (%s), %s RAM per node (%s)\n",
-                static_cast<unsigned long long>(c.ranks()), static_cast<unsigned long long>(c.gpus_per_node),
-                static_cast<unsigned long long>(c.nodes), human(c.gpu_mem).c_str(), r.in.gpu_mem_how.c_str(),
-                human(c.host_ram).c_str(), r.in.host_ram_how.c_str());
-  for (std::size_t i = 0; i < c.nvme_paths.size(); ++i) {
-    out += format("NVMe path %s: %s (%s)\n", c.nvme_paths[i].c_str(), human(c.nvme_capacity[i]).c_str(),
-                  r.in.capacity_how.c_str());
-  }
-  out += format("optimizer state: fp32 master + %s moments (%.2f bytes per parameter)\n",
-                state_dtype_name(t.state).data(), 4 + moment_bytes(1 << 20, t.state) / double(1 << 20));
-  out += placement_text(r.in, p.shown, p.rates,
-                        r.requested            ? "requested"
-                        : p.find(p.cheapest) ? "cheapest placement that fits"
-                                               : "nothing fits; the most offloaded");
-  if (p.adam.value > 0) {
-    out += format("  CPU Adam: %.2f billion parameters/s per node (%s)\n", p.adam.value / 1e9, p.adam.how.c_str());
-  }
-  if (p.nvme.value > 0) {
-    out += format("  NVMe: %.2f GB/s read, %.2f GB/s write per path (%s)\n", p.nvme.value, p.nvme_write.value,
-                  p.nvme.how.c_str());
-  }
-  out += format("  PCIe: %.3g GB/s per GPU (%s)\n", p.pcie.value, p.pcie.how.c_str());
-  if (r.in.model.shape_assumed) {
-    out += "  the fetch window (buffers per GPU) uses the assumed shape's largest tensor: --model gives the real one\n";
-  }
-  if (t.micro_batch == 0 || t.seq_len == 0) {
-    return out + "  activations are not included: --micro-batch and --seq-len give an estimate\n";
-  }
-  return out + format("  activations are an estimate (Korthikanti et al., 2022: s b h (34 + 5 a s / h) bytes a layer%s)\n",
-                      t.activation_checkpointing ? "; checkpointed: each layer's input and one layer's" : "");
-}
-
-// The cheapest placements, every candidate with its verdict, and the shown placement's config.
-std::string placements_text(const Request& r, const PlanResult& p) {
-  const Evaluated *cheapest = p.find(p.cheapest), *zoe_cheapest = p.find(p.zoe_cheapest);
-  std::string out;
-  if (r.requested && cheapest) out += format("\ncheapest placement that fits: %s\n", placement_name(cheapest->placement).c_str());
-  if (zoe_cheapest && zoe_cheapest != cheapest) {
-    out += format("cheapest placement that fits and zoe runs: %s (optimizer step estimate %.3f s)\n",
-                  placement_name(zoe_cheapest->placement).c_str(),
-                  estimate_step(r.in.model, r.in.cluster, zoe_cheapest->placement, r.in.training, p.rates).total_s);
-  }
-  out += "\nplacements, least offload first:\n";
-  for (const Evaluated& e : p.all) {
-    out += format("  %-40s %s%s\n", placement_name(e.placement).c_str(), e.verdict.fits ? "fits" : e.verdict.why.c_str(),
-                  &e == cheapest ? "   <- cheapest" : "");
-  }
-  if (!cheapest) out += "  nothing fits: more GPUs or nodes, more host RAM, or NVMe paths (--nvme)\n";
-  const std::string config = deepspeed_config(p.shown.placement, r.in.cluster, r.in.training);
-  out += format("\nconfig (%s):\n%s\n", placement_name(p.shown.placement).c_str(), config.c_str());
-  const std::vector<std::string> notes = reader_notes(config);
-  out += format("zoe's config reader: %s\n", notes.empty() ? "loads it without notes" : "loads it with these notes:");
-  for (const std::string& n : notes) out += format("  %s\n", n.c_str());
-  return out;
-}
-
 }  // namespace
 
 int plan(std::span<char* const> args) {
@@ -561,7 +370,7 @@ int plan(std::span<char* const> args) {
   Report report(kCommand, text.json);
   Result<PlanResult> p = run(*r, report);
   if (!p.ok()) return fail_message(kCommand, p.status());
-  report.result(plan_json(*r, *p), summary_text(*r, *p) + placements_text(*r, *p));
+  report.result(plan_json(*r, *p), plan_text(*r, *p));
   return 0;
 }
 

@@ -45,12 +45,16 @@ TEST(Plan, StagesOnTheGpuFollowTheZeroPaper) {
   const Usage s3 = usage(m, c, {3, Offload::none, Offload::none}, {});
   EXPECT_EQ(s3.per_gpu.weights16, 2 * P);
   // 16Ψ/N (the paper's 1.9 GB) plus the fetch window: (prefetch 2 + 1) modules' weights and one's gradient.
-  EXPECT_EQ(s3.per_gpu.buffers, (2 + 1) * 2 * 100'000'000u + 2 * 100'000'000u);
-  EXPECT_EQ(s3.per_gpu.total() - s3.per_gpu.buffers, 1'875'000'000u);
+  EXPECT_EQ(s3.per_gpu.fetch_window, (2 + 1) * 2 * 100'000'000u + 2 * 100'000'000u);
+  EXPECT_EQ(s3.per_gpu.buffers(), s3.per_gpu.fetch_window);
+  EXPECT_EQ(s3.per_gpu.total() - s3.per_gpu.buffers(), 1'875'000'000u);
   EXPECT_EQ(s1.per_host.total(), 0u);
   EXPECT_EQ(s1.per_nvme_path.total(), 0u);
 }
 
+// The 7.5B example on 64 GPUs, offloaded. The model is known by its largest tensor only (1e8 elements): one
+// group of that tensor, whose shard is ceil(1e8 / 64) = 1,562,500 elements (3,125,000 bytes; 3,125,248 aligned
+// to 256 in RAM and to 4096 on NVMe, both 12208 x 256 = 763 x 4096).
 TEST(Plan, OffloadedStateLivesOnTheHostOrTheNvmePaths) {
   const Model m = bare(kPsi, 100'000'000);
   Cluster c = dgx_cluster();
@@ -59,31 +63,239 @@ TEST(Plan, OffloadedStateLivesOnTheHostOrTheNvmePaths) {
   EXPECT_EQ(cpu.per_gpu.master32 + cpu.per_gpu.moments, 0u);
   EXPECT_EQ(cpu.per_host.master32, n * 4 * P);
   EXPECT_EQ(cpu.per_host.moments, n * 8 * P);
-  EXPECT_EQ(cpu.per_host.buffers, n * (2 * P + 2 * P));  // pinned staging: gradient and weight partitions
+  // optimizer_step.cpp allocate(): on a GPU tier ram stages the whole 16-bit gradient and weight partitions.
+  EXPECT_EQ(cpu.per_host.staging, n * (2 * P + 2 * P));
+  EXPECT_EQ(cpu.per_host.buffers(), n * (2 * P + 2 * P));
   Training accumulating;
   accumulating.grad_accumulation = 4;
-  EXPECT_EQ(usage(m, c, {2, Offload::cpu, Offload::none}, accumulating).per_host.buffers, n * (4 * P + 4 * P));
+  EXPECT_EQ(usage(m, c, {2, Offload::cpu, Offload::none}, accumulating).per_host.accumulation, n * 4 * P);
 
   c.nvme_paths = {"/a", "/b"};
   c.nvme_capacity = {1ull << 40, 1ull << 40};
   Training t;
   const Usage nvme = usage(m, c, {2, Offload::nvme, Offload::none}, t);
-  EXPECT_EQ(nvme.per_nvme_path.master32, n * 4 * P / 2);  // striped over both paths
-  EXPECT_EQ(nvme.per_nvme_path.moments, n * 8 * P / 2);
-  // Staging plus the NVMe tier's buffers: buffer_count tiles of (4 + 8) bytes per element, per rank.
-  EXPECT_EQ(nvme.per_host.buffers, n * (4 * P + t.buffer_count * t.tile * 12));
+  // The state's bytes are the swap store's file, not separate kinds.
+  EXPECT_EQ(nvme.per_nvme_path.master32 + nvme.per_nvme_path.moments, 0u);
+  // swap_store.cpp: a slot is 2^20 x 12 B (fp32 master and moments); ceil(P / 2^20) = 112 tiles, 56 on each
+  // path, two slots each; the tile table (on the first path) two copies of 32 + 24 x 112 + 4 bytes -> 4096.
+  const std::uint64_t slot = (1u << 20) * 12;
+  EXPECT_EQ(nvme.per_nvme_path.swap_store, n * (2 * 56 * slot + 2 * 4096));
+  // Its RAM: buffer_count slots and the table's 24 bytes per tile.
+  EXPECT_EQ(nvme.per_host.swap_buffers, n * (4 * slot + 24 * 112));
+  // No whole staging on tier nvme: a weight and a gradient window of max(32M, the largest piece 1e8 + 2
+  // tiles) 16-bit elements each.
+  EXPECT_EQ(nvme.per_host.staging, 0u);
+  EXPECT_EQ(nvme.per_host.step_windows, n * 2 * (100'000'000u + 2 * (1u << 20)) * 2);
+  EXPECT_EQ(nvme.per_gpu.grads16, 2 * P);  // the trainer's (stage 2) partition stays on the GPU
 
+  const std::uint64_t shard = 3'125'248;  // one 16-bit shard, aligned (above)
   const Usage param_cpu = usage(m, c, {3, Offload::cpu, Offload::cpu}, t);
-  EXPECT_EQ(param_cpu.per_gpu.weights16 + param_cpu.per_gpu.grads16, 0u);
-  EXPECT_EQ(param_cpu.per_gpu.buffers, 4 * 2 * 100'000'000u);
-  EXPECT_EQ(param_cpu.per_host.weights16, n * 2 * P);
-  EXPECT_EQ(param_cpu.per_host.grads16, n * 2 * P);
-  EXPECT_EQ(param_cpu.per_host.buffers, 0u);  // the partitions on the host are the staging
+  EXPECT_EQ(param_cpu.per_gpu.weights16, 0u);
+  EXPECT_EQ(param_cpu.per_gpu.grads16, 2 * P);  // FSDP2's gradient shards, on the GPU
+  EXPECT_EQ(param_cpu.per_gpu.fetch_window, 4 * 2 * 100'000'000u);
+  EXPECT_EQ(param_cpu.per_gpu.param_pool, (2 + 2) * shard);  // (prefetch + 2) x the largest block
+  EXPECT_EQ(param_cpu.per_host.weights16, n * (2 * P + shard - 3'125'000));  // the RAM home, 256-aligned entries
+  EXPECT_EQ(param_cpu.per_host.staging, n * 4 * P);  // tier ram with tiered weights stages too
+  EXPECT_EQ(param_cpu.per_host.grads16, 0u);
   const Usage param_nvme = usage(m, c, {3, Offload::nvme, Offload::nvme}, t);
-  EXPECT_EQ(param_nvme.per_nvme_path.weights16, n * 2 * P / 2);
-  EXPECT_EQ(param_nvme.per_nvme_path.grads16, 0u);  // FSDP2 puts the gradient shards in host RAM
-  EXPECT_EQ(param_nvme.per_host.grads16, n * 2 * P);
-  EXPECT_EQ(param_nvme.per_host.buffers, n * (t.buffer_count * t.tile * 12 + 4 * 2 * 100'000'000u));
+  EXPECT_EQ(param_nvme.per_nvme_path.weights16, 0u);
+  // param_home_nvme.cpp: two slots per 4096-aligned entry; blocks go round the two paths, so the busiest
+  // holds at most half the entries and one block.
+  const std::uint64_t entries = 2 * P + shard - 3'125'000;
+  EXPECT_EQ(param_nvme.per_nvme_path.param_tier, n * 2 * ((entries + 1) / 2 + shard));
+  // Bounces: one entry, write_blocks' two blocks and the GPU loaders' four.
+  EXPECT_EQ(param_nvme.per_host.param_bounces, n * (1 + 2 + 4) * shard);
+  // Stage 3's pieces are shards of 1,562,500 elements: the windows are at their 32M floor.
+  EXPECT_EQ(param_nvme.per_host.step_windows, n * 2 * (32u << 20) * 2);
+  EXPECT_EQ(param_nvme.per_host.grads16, 0u);  // no gradient copy on the host
+  EXPECT_EQ(param_nvme.per_gpu.grads16, 2 * P);
+  Training on_host = t;
+  on_host.grads_on_host = true;  // CPUOffloadPolicy
+  const Usage policy = usage(m, c, {3, Offload::nvme, Offload::nvme}, on_host);
+  EXPECT_EQ(policy.per_gpu.grads16, 0u);
+  EXPECT_EQ(policy.per_host.grads16, n * 2 * P);
+}
+
+// A two-tensor model whose sizes are not multiples of anything, so that every rounding shows: a layer of one
+// 3000-element tensor and a root group of one 5000-element tensor (8000 parameters).
+Model odd_model() {
+  Model m;
+  m.params = 8000;
+  m.largest_tensor = 5000;
+  m.layers = 1;
+  m.layer_tensors = {{3000, 1}};
+  m.root_tensors = {{5000, 1}};
+  return m;
+}
+
+TEST(Plan, SwapStoreSlotsFollowTheStoresLayout) {
+  const Model m = odd_model();
+  Cluster c;
+  c.gpu_mem = 80ull << 30;
+  c.nvme_paths = {"/a"};
+  Training t;
+  t.state = DType::i8;
+  t.tile = 3000;
+  const RankLayout r = rank_layout(m, c, {2, Offload::nvme, Offload::none}, t);
+  // tier_nvme.cpp: with int8 moments each parameter starts a 2048-element block: 4096 + 6144.
+  EXPECT_EQ(r.store_elements, 4096u + 6144u);
+  // The tile: a multiple of 2048 (int8 blocks) and of 1024 (4096-byte fp32 arrays): 3000 -> 4096; 3 tiles.
+  EXPECT_EQ(r.tile, 4096u);
+  EXPECT_EQ(r.tiles, 3u);
+  // swap_impl.h slot_payload: 4096 x (4 + 2 x 1) + 2 moments x 2 scales x 4 B = 24,592, rounded to 4096.
+  EXPECT_EQ(r.slot_bytes, 28'672u);
+  EXPECT_EQ(r.store_file_bytes, 2u * 3 * 28'672);
+  EXPECT_EQ(r.table_file_bytes, 2u * 4096);
+  EXPECT_EQ(r.store_ram_bytes, 4u * 28'672 + 24 * 3);
+  c.nvme_paths = {"/a", "/b"};  // tiles 0 and 2 on the first path
+  EXPECT_EQ(rank_layout(m, c, {2, Offload::nvme, Offload::none}, t).store_file_bytes, 2u * 2 * 28'672);
+  t.state = DType::bf16;
+  t.tile = 1000;  // bf16: no block rounding; the tile a multiple of 1024
+  const RankLayout b = rank_layout(m, c, {2, Offload::nvme, Offload::none}, t);
+  EXPECT_EQ(b.store_elements, 8000u);
+  EXPECT_EQ(b.tile, 1024u);
+  EXPECT_EQ(b.slot_bytes, 1024u * (4 + 2 * 2));
+  t.state = DType::f32;
+  t.tile = 1 << 20;
+  EXPECT_EQ(rank_layout(m, c, {2, Offload::nvme, Offload::none}, t).slot_bytes, (1u << 20) * 12);
+}
+
+TEST(Plan, ParameterTierEntriesPoolAndBounces) {
+  const Model m = odd_model();
+  Cluster c;
+  c.gpus_per_node = 2;  // FSDP2 over two ranks: shards of 1500 and 2500 elements (rank 0's)
+  c.gpu_mem = 80ull << 30;
+  c.nvme_paths = {"/a"};
+  const Training t;
+  const RankLayout nv = rank_layout(m, c, {3, Offload::nvme, Offload::nvme}, t);
+  // param_tier.cpp create: entries of 3000 and 5000 bytes, aligned to 4096 on NVMe.
+  EXPECT_EQ(nv.entry_bytes, 4096u + 8192u);
+  EXPECT_EQ(nv.largest_block, 8192u);
+  EXPECT_EQ(nv.pool_bytes, (2u + 2) * 8192);
+  EXPECT_EQ(nv.param_file_bytes, 2u * (4096 + 8192));  // param_home_nvme.cpp: two slots per entry
+  EXPECT_EQ(nv.bounce_bytes, 8192u + 2 * 8192 + 4 * 8192);
+  const Usage u = usage(m, c, {3, Offload::nvme, Offload::nvme}, t);
+  EXPECT_EQ(u.per_nvme_path.param_tier, 2u * 2 * (4096 + 8192));  // both ranks' files
+  EXPECT_EQ(u.per_gpu.param_pool, 4u * 8192);
+  EXPECT_EQ(u.per_host.param_bounces, 2u * 7 * 8192);
+  // The RAM home aligns entries to 256: 3072 and 5120, pinned.
+  const RankLayout ram = rank_layout(m, c, {3, Offload::cpu, Offload::cpu}, t);
+  EXPECT_EQ(ram.entry_bytes, 3072u + 5120u);
+  EXPECT_EQ(ram.pool_bytes, 4u * 5120);
+  EXPECT_EQ(ram.bounce_bytes, 0u);
+  EXPECT_EQ(usage(m, c, {3, Offload::cpu, Offload::cpu}, t).per_host.weights16, 2u * (3072 + 5120));
+  // The CPU as the device reads NVMe into the pool itself: no loader bounces, the pool in host RAM.
+  c.cpu_device = true;
+  c.gpus_per_node = 1;
+  const Usage host = usage(m, c, {3, Offload::nvme, Offload::nvme}, t);
+  EXPECT_EQ(host.per_gpu.total(), 0u);
+  // One rank: whole tensors of 6000 and 10000 bytes, entries of 8192 and 12288.
+  EXPECT_EQ(host.per_host.param_bounces, 12'288u + 2 * 12'288);
+  EXPECT_EQ(host.per_host.param_pool, 4u * 12'288);
+}
+
+// issue 51: a 1.10B Llama (hidden 2048, 22 layers, intermediate 5632, vocab 32000, 32 heads, 4 kv heads,
+// untied) on a machine without a GPU, FSDP2 world 1, weights and state on NVMe, int8 moments. Every tensor is
+// a multiple of 2048 elements and 4096 bytes, so nothing is rounded: Ψ = 22 x 44,044,288 + 131,074,048.
+Result<Model> llama_1b() {
+  return model_from_config(R"({"model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 22,
+      "intermediate_size": 5632, "vocab_size": 32000, "num_attention_heads": 32, "num_key_value_heads": 4,
+      "hidden_act": "silu", "tie_word_embeddings": false})", "llama-1b.json");
+}
+
+TEST(Plan, CpuOnlyMachineHoldsEverythingInHostRam) {
+  Result<Model> m = llama_1b();
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  const std::uint64_t psi = 1'100'048'384;
+  ASSERT_EQ(m->params, psi);
+  Cluster c;
+  c.cpu_device = true;
+  c.host_ram = 24ull << 30;
+  c.nvme_paths = {"/nvme"};
+  c.nvme_capacity = {66ull << 30};
+  Training t;
+  t.state = DType::i8;
+  const Placement p{3, Offload::nvme, Offload::nvme};
+  const Usage u = usage(*m, c, p, t);
+  EXPECT_EQ(u.per_gpu.total(), 0u);
+  const Bytes& h = u.per_host;
+  EXPECT_EQ(h.grads16, 2 * psi);                      // FSDP2's bf16 gradients, on the CPU
+  EXPECT_EQ(h.fetch_window, 4u * 65'536'000 * 2);     // (prefetch + 1) + 1 embeddings (32000 x 2048)
+  EXPECT_EQ(h.param_pool, 4u * 262'148'096);           // the root group: two embeddings and the norm, 16-bit
+  EXPECT_EQ(h.param_bounces, 131'072'000u + 2 * 262'148'096);  // one entry, two blocks; no loaders
+  EXPECT_EQ(h.swap_buffers, 4u * 6'295'552 + 24 * 1050);  // slots of 2^20 x 6 B + 2 x 512 scales x 4 B
+  EXPECT_EQ(h.step_windows, (65'536'000u + 2 * (1u << 20)) * 2);  // one window: the CPU's gradients in place
+  EXPECT_EQ(h.weights16 + h.master32 + h.moments + h.staging, 0u);
+  EXPECT_EQ(h.total(), 4'588'819'056u);  // 4.27 GiB
+  // ceil(Ψ / 2^20) = 1050 tiles, two slots each; the table 2 x (32 + 24 x 1050 + 4 -> 28,672).
+  EXPECT_EQ(u.per_nvme_path.swap_store, 2ull * 1050 * 6'295'552 + 2 * 28'672);
+  EXPECT_EQ(u.per_nvme_path.param_tier, 2 * 2 * psi);
+  EXPECT_EQ(u.per_nvme_path.total(), 17'620'910'080u);  // 16.41 GiB
+  EXPECT_TRUE(check(u, c).fits);
+  Rates r;
+  r.adam_params_per_s = 1e9;
+  r.nvme_read_gbps = r.nvme_write_gbps = 2;
+  r.pcie_gbps = 25;
+  const StepEstimate s = estimate_step(*m, c, p, t, r);
+  EXPECT_EQ(s.swap_read_bytes, 1050ull * 6'295'552);
+  EXPECT_EQ(s.param_read_bytes, 2 * 2 * psi);  // forward and backward read every block
+  EXPECT_EQ(s.param_write_bytes, 2 * psi);
+  EXPECT_EQ(s.pcie_bytes, 0u);  // the CPU is the device
+  EXPECT_DOUBLE_EQ(s.nvme_s, (1050.0 * 6'295'552 + 4.0 * psi) / 2e9 + (1050.0 * 6'295'552 + 2.0 * psi) / 2e9);
+  EXPECT_DOUBLE_EQ(s.total_s, s.nvme_s);
+}
+
+TEST(Plan, ConfigTensorsAddUpToTheCount) {
+  Result<Model> m = llama_1b();
+  ASSERT_TRUE(m.ok());
+  std::uint64_t layer = 0, root = 0;
+  for (const Tensor& x : m->layer_tensors) layer += x.rows * x.cols * x.copies;
+  for (const Tensor& x : m->root_tensors) root += x.rows * x.cols * x.copies;
+  EXPECT_EQ(layer, 44'044'288u);
+  EXPECT_EQ(root, 131'074'048u);
+  EXPECT_EQ(m->layers * layer + root, m->params);
+  Result<Model> gpt2 = model_from_config(
+      R"({"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257,
+          "n_positions": 1024})", "gpt2.json");
+  ASSERT_TRUE(gpt2.ok());
+  std::uint64_t total = 0;
+  for (const Tensor& x : gpt2->layer_tensors) total += gpt2->layers * x.rows * x.cols * x.copies;
+  for (const Tensor& x : gpt2->root_tensors) total += x.rows * x.cols * x.copies;
+  EXPECT_EQ(total, gpt2->params);
+}
+
+// issue 51: the ZeRO-Infinity paper's DGX-2 (16 GPUs of 32 GB, 1.5 TB of RAM, NVMe) and a trillion
+// parameters. zoe's host RAM holds buffers, not a copy of the gradients; but FSDP2 keeps its 16-bit gradient
+// shards until the step: 2 TB in all, 116.4 GiB per GPU, or 1.82 TiB of host RAM with CPUOffloadPolicy.
+TEST(Plan, ATrillionParametersOnOneDgx2) {
+  const Model m = model_from_params(1'000'000'000'000);
+  Cluster c;
+  c.gpus_per_node = 16;
+  c.gpu_mem = 32ull << 30;
+  c.host_ram = 3ull << 39;  // 1.5 TiB
+  c.nvme_paths = {"/nvme"};
+  c.nvme_capacity = {30ull << 40};
+  const Placement p{3, Offload::nvme, Offload::nvme};
+  Training t;
+  const Usage u = usage(m, c, p, t);
+  const std::uint64_t part = 1'000'000'000'000 / 16;
+  EXPECT_EQ(u.per_host.grads16, 0u);
+  EXPECT_EQ(u.per_host.staging, 0u);
+  EXPECT_LT(u.per_host.total(), usable_host(c) / 10);  // buffers: a few GiB per rank
+  EXPECT_EQ(u.per_gpu.grads16, 2 * part);
+  const Verdict v = check(u, c);
+  EXPECT_FALSE(v.fits);
+  EXPECT_EQ(v.why.rfind("GPU: needs", 0), 0u) << v.why;
+  EXPECT_NE(v.why.find("trainer's grads16 116.4 GiB"), std::string::npos) << v.why;
+  t.grads_on_host = true;
+  const Verdict host = check(usage(m, c, p, t), c);
+  EXPECT_FALSE(host.fits);
+  EXPECT_NE(host.why.find("trainer's grads16 1.82 TiB"), std::string::npos) << host.why;
+  // Two such nodes: each holds half the gradient shards (0.91 TiB) in host RAM, and the plan fits.
+  c.nodes = 2;
+  const Usage two = usage(m, c, p, t);
+  EXPECT_EQ(two.per_host.grads16, 16 * 2 * (part / 2));
+  EXPECT_TRUE(check(two, c).fits) << check(two, c).why;
 }
 
 TEST(Plan, LowBitMoments) {
@@ -219,10 +431,25 @@ TEST(Plan, StepEstimate) {
   EXPECT_DOUBLE_EQ(cpu.total_s, 0.8 + 4e8 / 25e9);
   c.nvme_paths = {"/a", "/b"};
   const StepEstimate nvme = estimate_step(m, c, {2, Offload::nvme, Offload::none}, {}, r);
-  EXPECT_EQ(nvme.nvme_read_bytes, 12ull * 800'000'000);  // master and moments of the node's partitions
-  EXPECT_DOUBLE_EQ(nvme.nvme_s, 2 * 9.6e9 / (2e9 * 2));  // read then written, over two paths
+  // Whole slots of master and moments: ceil(1e8 / 2^20) = 96 tiles of 2^20 x 12 B per rank, 8 ranks.
+  const double slots = 8.0 * 96 * (1 << 20) * 12;
+  EXPECT_EQ(nvme.nvme_read_bytes, static_cast<std::uint64_t>(slots));
+  EXPECT_EQ(nvme.swap_write_bytes, static_cast<std::uint64_t>(slots));
+  EXPECT_DOUBLE_EQ(nvme.nvme_s, 2 * slots / (2e9 * 2));  // read then written, over two paths
   EXPECT_DOUBLE_EQ(nvme.total_s, nvme.nvme_s + 4e8 / 25e9);  // NVMe is the slower of the pipelined pair
   EXPECT_EQ(estimate_step(m, c, {1, Offload::none, Offload::none}, {}, r).total_s, 0.0);
+  // Weights on NVMe: the parameter tier reads every entry twice (forward, backward) and the step writes it
+  // once (the bare model's one tensor, of 1 element, is a 2-byte shard padded to 4096 per rank); its gradient
+  // partition still comes down PCIe, unless FSDP2's CPUOffloadPolicy put it on the host.
+  const StepEstimate infinity = estimate_step(m, c, {3, Offload::nvme, Offload::nvme}, {}, r);
+  const std::uint64_t entries = 2 * 100'000'000u + (4096 - 2);
+  EXPECT_EQ(infinity.param_read_bytes, 8 * 2 * entries);
+  EXPECT_EQ(infinity.param_write_bytes, 8 * entries);
+  EXPECT_EQ(infinity.nvme_read_bytes, infinity.swap_read_bytes + infinity.param_read_bytes);
+  EXPECT_EQ(infinity.pcie_bytes, 2u * 100'000'000);
+  Training policy;
+  policy.grads_on_host = true;
+  EXPECT_EQ(estimate_step(m, c, {3, Offload::nvme, Offload::nvme}, policy, r).pcie_bytes, 0u);
 }
 
 TEST(Plan, EmittedConfigsRoundTripThroughTheReader) {
