@@ -137,9 +137,13 @@ struct OffloadOptions {
   std::size_t tile = 1 << 20;          // elements per unit of pipelined work. DeepSpeed's sub_group_size is larger
   // Tier nvme with the sync schedule (no gradient accumulation) steps the store window by window, holding one
   // window of 16-bit weights (and, on a device with memory of its own, of gradients) on the host instead of a
-  // staging the size of the model: elements per window, 0 for 64Mi. A window holds at least the largest
+  // staging the size of the model: elements per window, 0 for 32Mi. A window holds at least the largest
   // parameter and two tiles of the store.
   std::size_t step_window = 0;
+  // Parameters in a parameter tier on a device with memory of its own: their gradients stay where the
+  // trainer keeps them until step() (FSDP2's sharded gradients) instead of leaving at grad_ready() for one
+  // device window shared by all, so tier nvme's sync step streams them from there too.
+  bool grads_stay_on_device = false;
   CpuAdamOptions cpu;
 };
 

@@ -141,6 +141,8 @@ def engine_options(o: dict, *, partition: tuple[int, int], accumulation_steps: i
     # FSDP2's global norm spans the mesh: _dtensor clips, and the engine sees the clipped shards.
     max_norm = float(o["max_grad_norm"] or 0.0)
     opts.max_grad_norm = max_norm if not sharded else 0.0
+    # FSDP2 keeps each shard's gradient until step(), offloaded shard or not: the engine streams it from there.
+    opts.grads_stay_on_device = sharded
     opts.refuse_non_finite = bool(o["refuse_non_finite"])
     ls = _loss_scale_options(o, dtypes)
     for k, v in ls.items():

@@ -285,7 +285,9 @@ struct OffloadOptimizer::Impl {
   // that copy, so the trainer may give the gradient's device memory to the next block at once. grad_down[i]:
   // this iteration's gradient of parameter i is on the host; step() does not read the device's buffer again.
   std::vector<char> grad_down;
-  bool grad_leaves_when_reported(std::size_t i) const { return params[i].tier != nullptr && !device.host_memory(); }
+  bool grad_leaves_when_reported(std::size_t i) const {
+    return params[i].tier != nullptr && !device.host_memory() && !options.grads_stay_on_device;
+  }
   // After parameter i's gradient was enqueued down (enqueue_d2h): the compute stream waits for the copy.
   Status grad_left_device(std::size_t i);
   // Schedules that otherwise take gradients at step() (sync, the delayed warm-up): parameter i's into `set` now.

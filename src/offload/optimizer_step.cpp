@@ -75,7 +75,7 @@ Status OffloadOptimizer::Impl::allocate() {
   in_place = device.host_memory() && tier_in_place && !tiered;
   // Streamed needs every gradient on the device until step(): a tiered parameter's on a device with memory of
   // its own leaves when reported (grad_leaves_when_reported), into staging.
-  const bool reported_down = tiered && !device.host_memory();
+  const bool reported_down = tiered && !device.host_memory() && !options.grads_stay_on_device;
   streamed = options.tier == Tier::nvme && options.schedule == Schedule::sync && !accumulates() && !in_place &&
              !reported_down;
   grads_in_place = in_place || (streamed && device.host_memory());

@@ -194,6 +194,7 @@ const std::vector<OptionField> kFields = {
     field<ZOE_FIELD(loss_scale.min_scale), assign_scale>("min_scale"),
     field<ZOE_FIELD(tile)>("tile"),
     field<ZOE_FIELD(step_window)>("step_window"),
+    field<ZOE_FIELD(grads_stay_on_device)>("grads_stay_on_device"),
     field<ZOE_FIELD(cpu.isa)>("isa"),
     field<ZOE_FIELD(cpu.threads)>("threads"),
 };

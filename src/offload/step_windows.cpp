@@ -7,10 +7,13 @@
 #include <unordered_map>
 #include <utility>
 
+#include "src/plan/plan.h"
 #include "zoe/dtype.h"
 #include "zoe/param_tier.h"
 
 namespace zoe {
+
+static_assert(StepWindows::kWindowElements == plan::kStepWindowElements, "zoe plan counts the step's windows");
 
 Result<std::unique_ptr<StepWindows>> StepWindows::make(Impl& m, SwapStore& store, const std::vector<std::size_t>& at,
                                                        std::size_t tile) {
@@ -44,6 +47,7 @@ std::size_t StepWindows::param_at(std::size_t store_at) const {
 Status StepWindows::step(float grad_scale, int set, const std::vector<ParamGroup>& hyper, SwapStats* io) {
   const std::size_t P = m_.params.size(), end = at_.back();
   m_.unsent.assign(P, 0);
+  send_error_ = Status();
   StepOptions o;
   o.step = m_.step_count.load() + 1;
   o.grad_scale = grad_scale;
@@ -144,8 +148,10 @@ Status StepWindows::send(const std::vector<std::size_t>& done, std::size_t base)
     tiered[static_cast<std::size_t>(t - tiers.begin())].push_back(i);
   }
   for (std::size_t k = 0; k < tiers.size(); ++k) {
-    if (!tiers[k].first->write_blocks(tiers[k].second).ok()) {
+    Status written = tiers[k].first->write_blocks(tiers[k].second);
+    if (!written.ok()) {
       for (std::size_t i : tiered[k]) m_.unsent[i] = 1;  // the entry kept its previous copy
+      if (send_error_.ok()) send_error_ = std::move(written);
     }
   }
   Result<EventId> sent = m_.device.record(Stream::h2d);
@@ -206,9 +212,7 @@ Status StepWindows::resend(const std::vector<char>* which) {
       m_.unsent[i] = 0;  // send() marks it again if its write fails
       s = send({i}, at_[i]);
     }
-    if (s.ok() && m_.unsent[i]) {
-      s = Status(StatusCode::io_error, "parameter " + std::to_string(i) + ": its weights could not be written to its parameter tier");
-    }
+    if (s.ok() && m_.unsent[i]) s = std::exchange(send_error_, Status());
     if (!s.ok()) {
       m_.unsent[i] = 1;
       if (first.ok()) first = std::move(s);

@@ -25,9 +25,9 @@ namespace zoe {
 
 class StepWindows {
  public:
-  // The window's size in elements when the largest parameter is smaller: 128 MiB of 16-bit weights, enough
-  // for each store.step() call to keep its read-ahead busy over many tiles.
-  static constexpr std::size_t kWindowElements = std::size_t(1) << 26;
+  // The window's size in elements when the largest parameter is smaller: 64 MiB of 16-bit weights, enough
+  // for each store.step() call to keep its read-ahead busy over tens of tiles. zoe plan counts it.
+  static constexpr std::size_t kWindowElements = std::size_t(1) << 25;
 
   // `at`: where each parameter starts in `store` (at.back(): the store's size); `tile`: its tile.
   static Result<std::unique_ptr<StepWindows>> make(Impl& m, SwapStore& store, const std::vector<std::size_t>& at,
@@ -69,6 +69,7 @@ class StepWindows {
   unsigned char* grads_ = nullptr;  // null where the gradients are read in place
   // widen(): parameters [loaded_first_, loaded_end_) are in weights_, from store element loaded_base_.
   std::size_t loaded_first_ = 0, loaded_end_ = 0, loaded_base_ = 0;
+  Status send_error_;  // the first failed tier write since the step began: resend() reports it
 };
 
 }  // namespace zoe

@@ -206,10 +206,17 @@ struct TrainingRun {
   Model model;
   std::unique_ptr<OffloadOptimizer> opt;
   int micro_batches = 1;  // backward passes per step, summed by the optimizer
+  std::string state_dir;  // set: the optimizer's state on tier nvme there (sync: the streamed step)
   Status start(const ParamTierOptions* tier, Schedule schedule) {
     if (Status s = model.build(tier); !s.ok()) return s;
     OffloadOptions o = options_for(schedule);
     o.gradient_accumulation_steps = micro_batches;
+    if (!state_dir.empty()) {
+      o.tier = Tier::nvme;
+      o.nvme.paths = {state_dir};
+      o.step_window = 1;  // windows of the largest parameter and two tiles: parameters straddle them
+      o.grads_stay_on_device = true;  // as FSDP2's: every gradient stays where the model keeps it until step()
+    }
     Result<OffloadOptimizer> made = OffloadOptimizer::create(*model.device, {ParamGroup{hyper()}}, model.specs, o);
     if (!made.ok()) return made.status();
     opt = std::make_unique<OffloadOptimizer>(std::move(made).value());
@@ -377,6 +384,54 @@ TEST_F(ParamTraining, NvmeFaultsDuringFetchAndCopyOutAreRetriedExactly) {
   EXPECT_EQ(read_faults, 1);
   EXPECT_EQ(write_faults, 2);
   expect_same_training(tiered.model, *tiered.opt, resident.model, *resident.opt);
+}
+
+// The optimizer's state on NVMe too (ZeRO-Infinity): the sync step streams it window by window, reading
+// each window's gradients from the device (copied down on the stand-in, in place on the CPU) and writing each
+// parameter's new weights into the parameter tier as its window ends. A failed write is tried again at the
+// end of the step, from the masters; a fault that persists (a full disk) leaves the step applied and its
+// weights pending, as with staging, and the next step() sends them. Equal to the resident run.
+TEST_F(ParamTraining, StreamedStepOnNvmeStateEqualsResidentThroughWriteFaults) {
+  testing::TempDir dir("zoe-param");
+  testing::TempDir state("zoe-state");
+  testing::FaultPlan plan;
+  const ParamTierOptions o = eighth_on_nvme(dir.path(), plan.hook());
+  TrainingRun resident, tiered;
+  tiered.state_dir = state.path();
+  ASSERT_TRUE(resident.start(nullptr, Schedule::sync).ok());
+  Status s = tiered.start(&o, Schedule::sync);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  ASSERT_TRUE(resident.train(kSteps, Schedule::sync).ok());
+  int write_faults = 0, absorbed = 0;
+  for (int t = 0; t < kSteps; ++t) {
+    ASSERT_TRUE(tiered.model.iteration(*tiered.opt, t, false).ok());
+    if (t == 5) plan.arm(IoOp::write, 2, ENOSPC, -1, /*persist=*/true);
+    if (t == 8) plan.arm(IoOp::write, 1, EIO);  // once: the step's own retry writes it
+    s = tiered.opt->step();
+    if (t == 8) {
+      absorbed = plan.fired;
+      plan.clear();
+    }
+    if (!s.ok()) {
+      EXPECT_NE(s.message().find("the step was applied"), std::string::npos) << s.to_string();
+      EXPECT_EQ(tiered.opt->step_count(), t);
+      ++write_faults;
+      plan.clear();
+      s = tiered.opt->step();
+      ASSERT_TRUE(s.ok()) << s.to_string();
+    }
+    ASSERT_EQ(tiered.opt->step_count(), t + 1);
+  }
+  EXPECT_EQ(write_faults, 1);
+  EXPECT_EQ(absorbed, 1);
+  expect_same_training(tiered.model, *tiered.opt, resident.model, *resident.opt);
+  // No gradient staging: on the stand-in each gradient came down once per step, into its window.
+  const StepStats st = tiered.opt->stats();
+  if (gradients_leave_the_device()) {
+    EXPECT_GT(st.d2h_bytes, 0u);
+  } else {
+    EXPECT_EQ(st.d2h_bytes, 0u);
+  }
 }
 
 // The delayed schedule writes each parameter's new weights while the next backward runs (or as its background
