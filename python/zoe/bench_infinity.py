@@ -201,9 +201,10 @@ def main(argv=None) -> int:
             emit("step", step=step + 1, loss=loss.item(), forward_s=t1 - t0, backward_s=t2 - t1, step_s=t3 - t2,
                  peak_rss_gib=m["peak"] / GiB, rss_gib=m["rss"] / GiB,
                  peak_bytes_per_param=m["peak"] / n, disk_gib=disk_bytes(a.nvme_path) / GiB)
-        peak = max(peaks) if peaks else 0
+        peak, used = (max(peaks) if peaks else 0), disk_bytes(a.nvme_path)
         emit("summary", params=n, peak_rss_gib=peak / GiB, plan_host_gib=host / GiB if host else None,
-             disk_gib=disk_bytes(a.nvme_path) / GiB, plan_disk_gib=disk / GiB if disk else None,
+             plan_host_vs_run=host / peak if host and peak else None, disk_gib=used / GiB,
+             plan_disk_gib=disk / GiB if disk else None, plan_disk_vs_run=disk / used if disk and used else None,
              target_rss_gib=(3 * GiB + 2.5 * n) / GiB)
         del opt, offload, model
     finally:

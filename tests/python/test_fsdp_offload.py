@@ -38,6 +38,8 @@ CONFIGS = {
     "ram_bf16_compute": ("cpu", dict(reshard=True, compute=torch.bfloat16)),
     # The gradients to the host as FSDP2 reduce-scatters them (on a GPU, their way off it); pinning needs CUDA.
     "nvme_cpu_offload_policy": ("nvme", dict(reshard=True, offload_policy="cpu")),
+    # ZeRO-Infinity: the optimizer's state on NVMe as well, stepped window by window from FSDP2's gradients.
+    "nvme_state_on_nvme": ("nvme", dict(reshard=True, dtype=torch.bfloat16, state="nvme")),
 }
 
 
@@ -130,13 +132,17 @@ def _parity(rank, out, tmp):
     from zoe.torch import OffloadOptimizer, offload_parameters
 
     for name, (home, kw) in CONFIGS.items():
+        kw = dict(kw)
+        state = kw.pop("state", "ram")  # the offloaded run's optimizer tier; the resident run's is ram
         resident = _llama(**kw)
         _train(resident, OffloadOptimizer(resident.parameters(), **HYPER), rank)
         model = _llama(**kw)
         off = offload_parameters(model, home, nvme_path=os.path.join(tmp, name) if home == "nvme" else None,
                                  prefetch=PREFETCH)
-        opt = OffloadOptimizer(model.parameters(), **HYPER)
+        opt = OffloadOptimizer(model.parameters(), **HYPER, tier=state,
+                               nvme_path=os.path.join(tmp, f"{name}_state") if state == "nvme" else None)
         counters = _train(model, opt, rank, off)
+        out[f"{name}_d2h_bytes"] = opt.stats()["d2h_bytes"]
         out[f"{name}_vs_resident"] = _diff(_shards(resident), _shards(model, off))
         out[f"{name}_counters"] = counters
         out[f"{name}_groups"] = len(off.blocks)
@@ -380,6 +386,12 @@ def test_offloaded_shards_equal_resident_shards_bitwise(ranks, config):
     print(f"{config}: {STEPS} steps of {MICRO} micro-batches with clipping, offloaded against resident shards: "
           f"max difference {diff}")
     assert diff == 0.0
+
+
+def test_state_on_nvme_reads_fsdp2_gradients_in_place(ranks):
+    """The CPU as the device, weights and state on NVMe: the streamed step reads FSDP2's gradients where they
+    are; nothing the size of the gradients is copied (issue 51)."""
+    assert [r["nvme_state_on_nvme_d2h_bytes"] for r in ranks] == [0] * WORLD
 
 
 def test_offloaded_shards_follow_torch_adamw_on_plain_fsdp2(ranks):
