@@ -19,7 +19,11 @@
 //    checksum) is an error naming the block, the entry, the file and the offset, and leaves every valid
 //    copy as it was: the fetch, or the optimizer's step, can be retried once the fault is cleared. The file
 //    is scratch for one run — the checkpoint's fp32 masters are the state that outlives it — so it is
-//    created anew (replacing one a crashed run left) and removed when the tier is destroyed.
+//    created anew (replacing one a crashed run left) and removed when the tier is destroyed (or earlier,
+//    by remove_files()), unless keep_files asks otherwise.
+//  - Room: create() computes what the tier will hold — host RAM (the RAM home, the pool where the device's
+//    memory is host memory, bounces) and each path's file — and refuses, before allocating or creating
+//    anything, when that is more than is free (zoe/space.h), naming both figures and a `zoe plan` command.
 //
 // Thread-safe: the trainer's hooks fetch and release while the optimizer writes.
 #pragma once
@@ -31,6 +35,7 @@
 #include <vector>
 
 #include "zoe/device.h"
+#include "zoe/space.h"
 #include "zoe/status.h"
 #include "zoe/swap.h"
 
@@ -65,6 +70,9 @@ struct ParamTierOptions {
   // (always so on a device whose memory is host memory), or on another library's stream: fetch() returns only
   // once the block has arrived, and release() must be called once that work has finished.
   bool host_consumer = false;
+  // NVMe: the files stay when the tier is destroyed (their owner locks go), for a user who asked to keep
+  // them; they hold the last weights written, two slots per entry, and nothing that says which is valid.
+  bool keep_files = false;
   IoFaultHook fault_hook;              // tests only
 };
 
@@ -86,9 +94,18 @@ class ParamTier {
   // Every block must fit the budget (an error names the block and both sizes). The home is allocated now
   // (NVMe: the file preallocated, so a full path fails here); its contents are undefined until written.
   static Result<ParamTier> create(Device& device, std::vector<ParamBlockSpec> blocks, const ParamTierOptions& options);
+  // What create() would hold with these blocks and options (zoe/space.h), allocating and creating nothing.
+  static Result<SpaceNeed> footprint(const Device& device, std::vector<ParamBlockSpec> blocks,
+                                     const ParamTierOptions& options);
   ParamTier(ParamTier&&) noexcept;
   ParamTier& operator=(ParamTier&&) noexcept;
-  ~ParamTier();  // waits for copies in flight, frees the pool, removes the NVMe file
+  ~ParamTier();  // waits for copies in flight, frees the pool, removes the NVMe file (unless keep_files)
+
+  // NVMe: removes the home files' names (and their owner locks) now, keep_files or not. The tier keeps
+  // working on the open files, whose room the system frees when the tier is destroyed; the destructor then
+  // removes nothing more. For an exit path that cannot wait for the tier's users to let it go (Python's
+  // interpreter exit, an optimizer still holding the tier).
+  Status remove_files();
 
   // Host memory to and from the home: bytes [byte_offset, byte_offset + bytes) of entry `entry` of `block`.
   Status write(std::size_t block, std::size_t entry, const void* src, std::size_t byte_offset, std::size_t bytes);

@@ -28,6 +28,7 @@
 #include "zoe/dtype.h"
 #include "zoe/io_fault.h"
 #include "zoe/offload.h"
+#include "zoe/space.h"
 #include "zoe/status.h"
 
 namespace zoe {
@@ -134,6 +135,12 @@ class SwapStore {
                                           std::size_t tile);
   // Deletes the store's files under every path (missing files are not an error).
   static Status remove(const SwapOptions& options, const std::string& name);
+  // What create() would hold, creating and allocating nothing: its buffers in RAM, and under each path its
+  // swap file (two slots per tile; under the first, the tile table too), as created at the alignment the
+  // options ask for (a path whose O_DIRECT asks for more gets larger slots, which create() checks again).
+  // Each path's entry names the files a remove() first would free there.
+  static Result<SpaceNeed> footprint(const SwapOptions& options, const std::string& name, std::size_t n,
+                                     std::size_t tile);
 
   SwapStore(SwapStore&&) noexcept;
   SwapStore& operator=(SwapStore&&) noexcept;

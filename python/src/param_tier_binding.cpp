@@ -9,9 +9,10 @@ void bind_param_tier_create(nb::class_<PyParamTier>& tier) {
   tier.def("__init__",
            [](PyParamTier* self, nb::object device_obj, std::vector<std::vector<std::size_t>> entry_bytes,
               std::vector<std::string> names, const std::string& home, std::vector<std::string> nvme_paths,
-              std::size_t budget_bytes, int prefetch, bool host_consumer) {
+              std::size_t budget_bytes, int prefetch, bool host_consumer, bool keep_files) {
              ParamTierOptions o;
              o.host_consumer = host_consumer;
+             o.keep_files = keep_files;
              o.home = take(parse_param_home(home));
              o.nvme_paths = std::move(nvme_paths);
              o.budget_bytes = budget_bytes;
@@ -30,7 +31,7 @@ void bind_param_tier_create(nb::class_<PyParamTier>& tier) {
            },
            nb::arg("device"), nb::arg("entry_bytes"), nb::arg("names"), nb::arg("home") = "cpu",
            nb::arg("nvme_paths") = std::vector<std::string>{}, nb::arg("budget_bytes") = 0, nb::arg("prefetch") = 2,
-           nb::arg("host_consumer") = false);
+           nb::arg("host_consumer") = false, nb::arg("keep_files") = false);
 }
 
 // Entries written and read, blocks fetched and released.
@@ -79,7 +80,12 @@ void bind_param_tier_queries(nb::class_<PyParamTier>& tier) {
         }
         nb::gil_scoped_release release;
         t.tier.reset();
-      }, "Frees the pool and the home (an NVMe file is removed); every later call raises.")
+      }, "Frees the pool and the home (an NVMe file is removed unless keep_files); every later call raises.")
+      .def("remove_files", [](PyParamTier& t) {
+        // A closed tier removed its files already (or kept them, as asked).
+        if (t.tier) check(t.tier->remove_files());
+      }, "NVMe: removes the home files' names now; the tier goes on working on the open files, whose room is "
+         "freed when it is destroyed. For exits that cannot wait for the tier's users.")
       .def_prop_ro("users", [](PyParamTier& t) { return t.engines; }, "Optimizers writing into this tier.")
       .def("stats", [](PyParamTier& t) {
         const ParamTierStats s = t.get().stats();
@@ -103,6 +109,17 @@ void bind_param_tier_queries(nb::class_<PyParamTier>& tier) {
 }  // namespace
 
 void bind_param_tier(nb::module_& m) {
+  // Tests only (zoe/space.h): the free RAM and disk every check before allocating compares with, so that a
+  // refusal is tested without the machine's own figures; None for both gives them back.
+  m.def("set_free_space_for_tests",
+        [](std::optional<std::uint64_t> ram, std::optional<std::uint64_t> disk) {
+          if (!ram && !disk) {
+            set_free_space_override(std::nullopt);
+          } else {
+            set_free_space_override(FreeSpaceOverride{ram, disk});
+          }
+        },
+        nb::arg("ram") = nb::none(), nb::arg("disk") = nb::none());
   nb::class_<PyParamTier> tier(m, "ParamTier",
                                "Blocks of 16-bit weights off the device (pinned RAM or NVMe), fetched into a bounded "
                                "device pool with prefetch (zoe/param_tier.h).");

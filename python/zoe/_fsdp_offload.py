@@ -285,7 +285,7 @@ class ShardOffload(TierBlocks):
     (self, block, entry)``. A shard with no element on this rank stays FSDP's."""
 
     def __init__(self, model: nn.Module, home: str, nvme_paths: list[str], prefetch: int, budget_bytes: int,
-                 tier_factory=None, init: Callable[[nn.Module], None] | None = None):
+                 tier_factory=None, init: Callable[[nn.Module], None] | None = None, keep_files: bool = False):
         groups, self._fqn = _groups(model)
         _check(groups, self._fqn)
         self.blocks = []
@@ -310,13 +310,22 @@ class ShardOffload(TierBlocks):
             device = torch.device("cuda", torch.cuda.current_device())
         rank = dist.get_rank()
         paths = [os.path.join(p, f"rank{rank}") for p in nvme_paths]
+        made = [p for p in paths if not os.path.isdir(p)]  # removed with the files (empty), or on a refusal
         for p in paths:
             os.makedirs(p, exist_ok=True)
         entry_bytes = [[fp._sharded_local_tensor.numel() * fp._sharded_local_tensor.element_size() for fp in fps]
                        for _, fps in self.blocks]
         self._entry_bytes = entry_bytes
-        self._make_tier(device, entry_bytes, [n for n, _ in self.blocks], home, paths, budget_bytes, prefetch,
-                        tier_factory)
+        try:
+            self._make_tier(device, entry_bytes, [n for n, _ in self.blocks], home, paths, budget_bytes, prefetch,
+                            tier_factory, keep_files, made)
+        except BaseException:
+            for p in reversed(made):
+                try:
+                    os.rmdir(p)
+                except OSError:
+                    pass
+            raise
         self._offsets = [[int(self.tier.entry_offset(b, e)) for e in range(len(fps))]
                          for b, (_, fps) in enumerate(self.blocks)]
         self._shapes = {}
@@ -352,7 +361,7 @@ class ShardOffload(TierBlocks):
             raise
         for b, (_, fps) in enumerate(self.blocks):
             for e, fp in enumerate(fps):
-                fp.sharded_param._zoe_param_offload = (self, b, e)
+                fp.sharded_param._zoe_param_offload = (self._mark, b, e)
                 self._shapes[fp.sharded_param] = fp.sharded_param.shape
 
     def _initialise(self, fps: list, modules, init: Callable[[nn.Module], None]) -> None:
@@ -460,7 +469,7 @@ class ShardOffload(TierBlocks):
         b, e = self.param_location(p)
         local = p._local_tensor
         out = torch.empty(local.shape, dtype=local.dtype)
-        self.tier.read(b, e, out)
+        self._live_tier().read(b, e, out)
         return out
 
     # -- a shard read outside FSDP's all-gather (TierShard's reads) ------------------------------------------
@@ -483,8 +492,9 @@ class ShardOffload(TierBlocks):
         fetched into the pool: a read outside training changes neither the recorded order nor the pool's
         use, and counts no fetch), viewed as the shard views the entry; zeros where FSDP's padding is."""
         if self.tier is None:
-            raise RuntimeError("zoe parameter offload was removed: a shard taken from the model before remove() "
-                               "has no bytes; read the parameter again")
+            raise RuntimeError(self._gone() + (": the shard has no bytes" if self._closed else
+                               ": a shard taken from the model before remove() has no bytes; read the parameter "
+                               "again"))
         entry = self.entry_bytes(shard)
         room = torch.empty(max(entry, _end_bytes(shard)), dtype=torch.uint8)
         if shard._holds.entry:
@@ -506,7 +516,7 @@ class ShardOffload(TierBlocks):
         the block changed into its master weights at its next step, element by element: loading its own
         checkpoint inside or after the block keeps the loaded masters."""
         if self.tier is None:
-            raise RuntimeError("zoe parameter offload was removed")
+            raise RuntimeError(self._gone())
         if self._live or self._gathering or self._plain:
             raise RuntimeError("zoe parameter offload: gathered() during an all-gather, or inside gathered()")
         shards = {}
@@ -538,9 +548,11 @@ class ShardOffload(TierBlocks):
         return self.gathered(write_back=False)
 
     def remove(self) -> None:
-        """Gives every shard back to FSDP as a tensor on its device (read from the tier) and frees the tier."""
-        if self.tier is None:
+        """Gives every shard back to FSDP as a tensor on its device (read from the tier) and frees the tier (its
+        files with it, unless keep_files). A second call does nothing."""
+        if self.tier is None and not self._closed:
             return
+        self._live_tier()
         self._refuse_while_written()
         if self._live or self._gathering or self._plain:
             raise RuntimeError("zoe parameter offload: remove() during an all-gather, or inside gathered()")
@@ -551,6 +563,13 @@ class ShardOffload(TierBlocks):
                 del p._zoe_param_offload
         self._handle.remove()
         self._close_tier()
+
+    def close(self) -> None:
+        if self.tier is not None and (self._gathering or self._plain):
+            raise RuntimeError("zoe parameter offload: close() during an all-gather, or inside gathered()")
+        super().close()
+
+    close.__doc__ = TierBlocks.close.__doc__
 
     def __repr__(self) -> str:
         return f"ShardOffload({len(self.blocks)} blocks, {sum(self._block_bytes)} bytes on rank {dist.get_rank()})"

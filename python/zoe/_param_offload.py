@@ -62,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -103,10 +104,12 @@ _top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_defau
 def offload_parameters(model: nn.Module, device: str = "cpu", nvme_path: str | Sequence[str] | None = None,
                        prefetch: int = 2, budget_bytes: int | None = None, tier_factory: Callable | None = None,
                        block_modules: tuple[type, ...] | Callable[[str, nn.Module], bool] | None = None,
-                       init: Callable[[nn.Module], None] | None = None) -> "ParamOffload | ShardOffload":
+                       init: Callable[[nn.Module], None] | None = None,
+                       keep_files: bool = False) -> "ParamOffload | ShardOffload":
     """Moves ``model``'s float16/bfloat16/float32 parameters into a parameter tier and installs the hooks
     that fetch them around each module's use. Returns the ``ParamOffload`` (for an FSDP2 model a
-    ``ShardOffload``); ``remove()`` undoes it.
+    ``ShardOffload``); ``remove()`` undoes it, giving the model its weights back; ``close()`` ends it without
+    reading them.
 
     ``device``: where the weights live, ``"cpu"`` (pinned RAM) or ``"nvme"`` (files at ``nvme_path``, one
     path or several). ``prefetch``: how many blocks ahead of the one in use the tier loads.
@@ -115,6 +118,12 @@ def offload_parameters(model: nn.Module, device: str = "cpu", nvme_path: str | S
     the parameters of its subtree down to the next chosen module (None: every module is a block of its own
     parameters). ``tier_factory(entry_bytes, names, home, nvme_paths, budget_bytes, prefetch)``, when
     given, builds the tier in place of ``zoe._zoe.ParamTier`` (tests use a Python double).
+
+    The tier's NVMe files are removed when it ends — ``close()``, ``remove()``, the model and this handle
+    garbage-collected, the interpreter's exit (an uncaught exception's too) — without reading the weights
+    back (_tier_blocks.py); ``keep_files=True`` leaves them. The tier's RAM and each path's files are counted
+    before anything is allocated: one that does not fit what is free is refused (``zoe.OutOfMemoryError``
+    for RAM, ``zoe.ZoeError`` for a disk) with both figures and a ``zoe plan`` command, the model unchanged.
 
     Parameters of other dtypes, and empty ones, stay where they are. The model must be on its device (one
     device) before this call.
@@ -134,6 +143,8 @@ def offload_parameters(model: nn.Module, device: str = "cpu", nvme_path: str | S
     else:
         paths = []
     _checks.integer("offload_parameters", "prefetch", prefetch, 0, _checks.INT_MAX)
+    if not isinstance(keep_files, bool):
+        raise TypeError(f"offload_parameters: keep_files must be a bool, not {type(keep_files).__name__}")
     if budget_bytes is not None:
         _checks.integer("offload_parameters", "budget_bytes", budget_bytes, 0, 2**63 - 1)
     home = "ram" if device == "cpu" else "nvme"
@@ -142,12 +153,12 @@ def offload_parameters(model: nn.Module, device: str = "cpu", nvme_path: str | S
             raise ValueError("offload_parameters: block_modules is for models that are not sharded; on an FSDP2 "
                              "model each fully_shard parameter group is one block")
         from ._fsdp_offload import ShardOffload
-        return ShardOffload(model, home, paths, prefetch, budget_bytes or 0, tier_factory, init)
+        return ShardOffload(model, home, paths, prefetch, budget_bytes or 0, tier_factory, init, keep_files)
     if init is not None:
         raise ValueError("offload_parameters: init is for FSDP2 models created on the meta device; this model's "
                          "parameters are not sharded")
     return ParamOffload(model, home, paths, prefetch, budget_bytes or 0,
-                        tier_factory, block_selector(block_modules))
+                        tier_factory, block_selector(block_modules), keep_files)
 
 
 class ParamOffload(TierBlocks):
@@ -155,10 +166,10 @@ class ParamOffload(TierBlocks):
 
     ``tier``: the parameter tier. ``blocks``: ``[(module_name, [params])]`` by block index; entry ``e`` of
     block ``b`` is ``blocks[b][1][e]``. Each offloaded parameter carries ``p._zoe_param_offload = (self,
-    block, entry)``."""
+    block, entry)``, the offload held weakly (_tier_blocks._OffloadRef)."""
 
     def __init__(self, model: nn.Module, home: str, nvme_paths: list[str], prefetch: int, budget_bytes: int,
-                 tier_factory: Callable | None, select: Callable[[str, nn.Module], bool]):
+                 tier_factory: Callable | None, select: Callable[[str, nn.Module], bool], keep_files: bool = False):
         for p in model.parameters():
             if hasattr(p, "_zoe_param_offload"):
                 raise RuntimeError("offload_parameters: this model's parameters are offloaded already")
@@ -179,7 +190,7 @@ class ParamOffload(TierBlocks):
         self._strides = {p: contiguous_strides(p.shape) for p in self._shapes}
         entry_bytes = [[p.numel() * p.element_size() for p in ps] for _, ps in self.blocks]
         self._make_tier(self._device, entry_bytes, self._names, home, nvme_paths, budget_bytes, prefetch,
-                        tier_factory)
+                        tier_factory, keep_files)
         self._offsets = [[int(self.tier.entry_offset(b, e)) for e in range(len(ps))]
                          for b, (_, ps) in enumerate(self.blocks)]
 
@@ -206,7 +217,7 @@ class ParamOffload(TierBlocks):
             for e, p in enumerate(ps):
                 if p.requires_grad:
                     self._hook_accumulation(p, b)
-                p._zoe_param_offload = (self, b, e)
+                p._zoe_param_offload = (self._mark, b, e)
                 self._placeholders[p] = torch.empty(0, dtype=p.dtype, device=p.device)
                 p.data = self._placeholders[p]
                 self._known_versions[p] = p._version
@@ -360,16 +371,21 @@ class ParamOffload(TierBlocks):
         with torch.enable_grad():
             node = p.view_as(p).grad_fn.next_functions[0][0]
         self._grad_nodes.append(node)
+        # The node keeps its hooks where the garbage collector cannot see them: they hold this offload weakly
+        # (_OffloadRef), or it could never be collected.
+        ref = weakref.ref(self)
 
         def before(grad_outputs):
-            if not self._gathered:
-                self._acquire(block, True)
-                self._acc_pending[block] += 1
+            off = ref()
+            if off is not None and not off._gathered:
+                off._acquire(block, True)
+                off._acc_pending[block] += 1
 
         def after(grad_inputs, grad_outputs):
-            if self._acc_pending[block]:
-                self._acc_pending[block] -= 1
-                self._drop(block)
+            off = ref()
+            if off is not None and off._acc_pending[block]:
+                off._acc_pending[block] -= 1
+                off._drop(block)
 
         self._handles.append(node.register_prehook(before))
         self._handles.append(node.register_hook(after))
@@ -382,8 +398,9 @@ class ParamOffload(TierBlocks):
 
     def _read(self, block: int, entry: int, device: torch.device) -> torch.Tensor:
         p = self.blocks[block][1][entry]
+        tier = self._live_tier()
         host = torch.empty(self._shapes[p], dtype=p.dtype, pin_memory=device.type == "cuda")
-        self.tier.read(block, entry, host)
+        tier.read(block, entry, host)
         return host if device.type == "cpu" else host.to(device, non_blocking=False)
 
     @contextlib.contextmanager
@@ -395,6 +412,7 @@ class ParamOffload(TierBlocks):
         OffloadOptimizer needs none of this for its steps (it writes the weights into the tier), and takes
         what a ``gathered()`` wrote into its master weights at its next step."""
         self._check_idle("gathered()")
+        self._live_tier()
         self.check_edits()
         self._gathered = True
         edited = None
@@ -457,7 +475,7 @@ class ParamOffload(TierBlocks):
         out = {}
         for name, t in self._model.state_dict(keep_vars=True).items():
             mark = getattr(t, "_zoe_param_offload", None)
-            if mark is not None and mark[0] is self:
+            if mark is not None and mark[0] == self:
                 if t not in read:
                     read[t] = self._read(mark[1], mark[2], torch.device("cpu"))
                 out[name] = read[t]
@@ -471,7 +489,10 @@ class ParamOffload(TierBlocks):
 
     def remove(self) -> None:
         """Gives every parameter its full weights back on its device (read from the tier), removes the hooks
-        and frees the tier."""
+        and frees the tier (its files with it, unless keep_files). A second call does nothing."""
+        if self.tier is None and not self._closed:
+            return
+        self._live_tier()
         self._check_idle("remove()")
         self._refuse_while_written()
         busy = [b for b in range(len(self.blocks)) if self.tier.in_use(b)]
@@ -488,6 +509,13 @@ class ParamOffload(TierBlocks):
                 del p._zoe_param_offload
         self._placeholders.clear()
         self._close_tier()
+
+    def close(self) -> None:
+        if self.tier is not None:
+            self._check_idle("close()")
+        super().close()
+
+    close.__doc__ = TierBlocks.close.__doc__
 
     def __repr__(self) -> str:
         total = sum(self._block_bytes)

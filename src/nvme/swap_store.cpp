@@ -382,6 +382,30 @@ Result<SwapStore> SwapStore::create(const SwapOptions& options, const std::strin
   return SwapStore(std::move(made).value());
 }
 
+Result<SpaceNeed> SwapStore::footprint(const SwapOptions& options, const std::string& name, std::size_t n,
+                                       std::size_t tile) {
+  Result<std::unique_ptr<Impl>> made = make_impl(options, name, n, tile);
+  if (!made.ok()) return made.status();
+  Impl& impl = **made;
+  // The sizes create() and setup_runtime() give them, at the alignment asked for (settle_alignment).
+  impl.tile_bytes = impl.tile * 4;
+  impl.slot_bytes = (impl.slot_payload() + impl.alignment - 1) / impl.alignment * impl.alignment;
+  SpaceNeed need;
+  const std::size_t buffer = AlignedBuffer::io_size(impl.slot_bytes, std::max<std::size_t>(impl.alignment, 4096));
+  need.add_ram("swap store buffers", static_cast<std::uint64_t>(std::max(options.buffer_count, 0)) * buffer);
+  for (std::size_t k = 0; k < impl.files.size(); ++k) {
+    const SwapStore::Impl::PathFile& f = impl.files[k];
+    std::uint64_t bytes = 2ull * f.tiles_here * impl.slot_bytes;
+    std::vector<std::string> replaces = {f.data_name};
+    if (k == 0) {
+      bytes += 2 * impl.table_region_bytes();
+      replaces.push_back(impl.table_name());
+    }
+    need.add_disk(f.dir, bytes, std::move(replaces));
+  }
+  return need;
+}
+
 Result<SwapStore> SwapStore::open(const SwapOptions& options, const std::string& name, std::size_t n, std::size_t tile) {
   Result<std::unique_ptr<Impl>> made = make_impl(options, name, n, tile);
   if (!made.ok()) return made.status();

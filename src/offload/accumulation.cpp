@@ -9,11 +9,13 @@
 // before it returns. A device with its own memory copies the gradient down and zeroes it on its copy stream,
 // which the compute stream waits for, and the add runs on a worker while backward goes on. The last report
 // of a step is synchronous: the rounded sum must be in the device's buffer when it returns.
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <utility>
 
 #include "src/offload/host_device.h"
+#include "src/offload/footprint.h"
 #include "src/offload/optimizer_impl.h"
 
 namespace zoe {
@@ -33,6 +35,17 @@ void round_into(CpuAdam& adam, const float* from, void* to, DType dtype, std::si
 }
 
 }  // namespace
+
+// allocate_accumulation's fp32 sums.
+SpaceNeed accumulation_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options) {
+  SpaceNeed need;
+  if (options.gradient_accumulation_steps <= 1) return need;
+  std::size_t total = 0;
+  for (const ParamSpec& p : params) total += p.n;
+  const std::size_t sets = options.schedule == Schedule::delayed ? 2 : 1;
+  need.add_ram("fp32 micro-batch sums", sets * AlignedBuffer::size_for(std::max<std::size_t>(total, 1) * 4));
+  return need;
+}
 
 Status OffloadOptimizer::Impl::allocate_accumulation() {
   if (!accumulates()) return Status::success();

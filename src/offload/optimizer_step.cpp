@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "src/offload/footprint.h"
 #include "src/offload/host_device.h"
 #include "src/offload/optimizer_impl.h"
 #include "zoe/param_tier.h"
@@ -46,6 +47,7 @@ OffloadOptimizer::Impl::~Impl() {
 }
 
 Status OffloadOptimizer::Impl::allocate() {
+  if (Status s = check_optimizer_space(device, params, options, kStoreName); !s.ok()) return s;
   param_steps.assign(params.size(), 0);
   offsets.resize(params.size() + 1, 0);
   grad_offsets.resize(params.size() + 1, 0);

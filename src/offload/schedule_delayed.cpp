@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "base/warning.h"
+#include "src/offload/footprint.h"
 #include "src/offload/optimizer_impl.h"
 #include "base/work_queue.h"
 #include "zoe/param_tier.h"
@@ -301,6 +302,15 @@ Status DelayedSchedule::abandon() {
 }
 
 }  // namespace
+
+// keep_previous_weights's copy of the weights the background step replaces (allocated at its first step).
+SpaceNeed delayed_footprint(const std::vector<ParamSpec>& params) {
+  std::size_t grad_bytes = 0;
+  for (const ParamSpec& p : params) grad_bytes += p.n * dtype_size(p.dtype);
+  SpaceNeed need;
+  need.add_ram("delayed's previous weights", AlignedBuffer::io_size(std::max<std::size_t>(grad_bytes, 1)));
+  return need;
+}
 
 std::unique_ptr<StepSchedule> make_delayed_schedule(Impl& m) { return std::make_unique<DelayedSchedule>(m); }
 

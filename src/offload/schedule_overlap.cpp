@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "base/aligned_buffer.h"
+#include "src/offload/footprint.h"
 #include "src/offload/optimizer_impl.h"
 #include "base/work_queue.h"
 
@@ -489,6 +490,21 @@ Status OverlapSchedule::step_in_store() {
 }
 
 }  // namespace
+
+// OverlapSchedule::allocate's undo copy, kept where the tier steps in RAM (tier ram).
+SpaceNeed overlap_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options) {
+  SpaceNeed need;
+  if (options.tier != Tier::ram) return need;
+  std::size_t total = 0, weights = 0, blocks = 0;
+  for (const ParamSpec& p : params) {
+    total += p.n;
+    weights += p.dtype == DType::f32 ? 0 : p.n * 2;
+    blocks += moment_blocks(p.n);
+  }
+  need.add_ram("overlap's undo copy", 3 * AlignedBuffer::size_for(total * 4) + AlignedBuffer::size_for(weights));
+  if (options.state_dtype == DType::i8) need.add_ram("overlap's undo copy", 2 * AlignedBuffer::size_for(blocks * 4));
+  return need;
+}
 
 Result<std::unique_ptr<StepSchedule>> make_overlap_schedule(Impl& m) {
   auto schedule = std::make_unique<OverlapSchedule>(m);

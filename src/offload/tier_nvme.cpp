@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "src/offload/checkpoint.h"
+#include "src/offload/footprint.h"
 #include "src/offload/optimizer_impl.h"
 #include "src/offload/step_windows.h"
 #include "zoe/swap.h"
@@ -399,25 +400,49 @@ class NvmeTier final : public StateTier {
 
 }  // namespace
 
-Result<std::unique_ptr<StateTier>> make_nvme_tier(Impl& m, const char* name) {
-  SwapOptions so = SwapOptions::from(m.options.nvme);
-  so.adam = &m.adam;
-  so.state_dtype = m.options.state_dtype;  // bf16 moments: slots of 8 bytes per element instead of 12; i8: 6 and scales
+// The swap store of tier nvme, for make_nvme_tier and for the footprint checked before it (footprint.h).
+NvmeStoreShape nvme_store_shape(const std::vector<ParamSpec>& params, const OffloadOptions& options) {
+  NvmeStoreShape shape;
+  SwapOptions& so = shape.options;
+  so = SwapOptions::from(options.nvme);
+  so.state_dtype = options.state_dtype;  // bf16 moments: slots of 8 bytes per element instead of 12; i8: 6 and scales
   const bool q8 = so.state_dtype == DType::i8;
-  std::vector<std::size_t> at(m.params.size() + 1, 0);
+  std::vector<std::size_t>& at = shape.at;
+  at.assign(params.size() + 1, 0);
   const std::size_t unit = q8 ? kMomentBlock : 1;
-  for (std::size_t i = 0; i < m.params.size(); ++i) at[i + 1] = at[i] + (m.params[i].n + unit - 1) / unit * unit;
+  for (std::size_t i = 0; i < params.size(); ++i) at[i + 1] = at[i] + (params[i].n + unit - 1) / unit * unit;
   // Tiles are whole O_DIRECT blocks of fp32 values and, with i8 moments, whole blocks of codes (both powers of two).
   const std::size_t tile_unit = std::max<std::size_t>(std::max<std::size_t>(so.alignment, 4096) / 4, unit);
-  const std::size_t tile = (std::max<std::size_t>(m.options.tile, 1) + tile_unit - 1) / tile_unit * tile_unit;
+  shape.tile = (std::max<std::size_t>(options.tile, 1) + tile_unit - 1) / tile_unit * tile_unit;
+  return shape;
+}
+
+Result<SpaceNeed> nvme_tier_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options,
+                                      const char* name) {
+  NvmeStoreShape shape = nvme_store_shape(params, options);
+  Result<SpaceNeed> need = SwapStore::footprint(shape.options, name, shape.at.back(), shape.tile);
+  if (!need.ok()) return need;
+  std::size_t f32 = 0;  // NvmeTier::allocate's copies of the f32 masters
+  for (const ParamSpec& p : params) f32 += p.dtype == DType::f32 ? p.n : 0;
+  if (f32 > 0) need->add_ram("copies of the fp32 masters", AlignedBuffer::io_size(f32 * 4));
+  return need;
+}
+
+Result<std::unique_ptr<StateTier>> make_nvme_tier(Impl& m, const char* name) {
+  NvmeStoreShape shape = nvme_store_shape(m.params, m.options);
+  SwapOptions& so = shape.options;
+  so.adam = &m.adam;
   if (Status s = SwapStore::remove(so, name); !s.ok()) return s;
-  Result<SwapStore> made = SwapStore::create(so, name, at.back(), tile);
+  Result<SwapStore> made = SwapStore::create(so, name, shape.at.back(), shape.tile);
   if (!made.ok()) return made.status();
-  auto tier = std::make_unique<NvmeTier>(m, std::move(made).value(), std::move(at));
+  auto tier = std::make_unique<NvmeTier>(m, std::move(made).value(), std::move(shape.at));
   if (Status s = tier->allocate(); !s.ok()) return s;
   return std::unique_ptr<StateTier>(std::move(tier));
 }
 #else
+Result<SpaceNeed> nvme_tier_footprint(const std::vector<ParamSpec>&, const OffloadOptions&, const char*) {
+  return Status(StatusCode::unsupported, "tier nvme: this build of zoe has no libaio NVMe tier (-Daio=disabled)");
+}
 Result<std::unique_ptr<StateTier>> make_nvme_tier(Impl&, const char*) {
   return Status(StatusCode::unsupported, "tier nvme: this build of zoe has no libaio NVMe tier (-Daio=disabled)");
 }

@@ -8,6 +8,7 @@
 
 #include "base/aligned_buffer.h"
 #include "src/offload/checkpoint.h"
+#include "src/offload/footprint.h"
 #include "src/offload/optimizer_impl.h"
 
 namespace zoe {
@@ -291,6 +292,22 @@ class RamTier final : public StateTier {
 };
 
 }  // namespace
+
+// RamTier::allocate's arrays. In place, an f32 parameter's part of the master is allocated but never touched
+// (its master is the device's weights), so it takes no memory and is not counted.
+SpaceNeed ram_tier_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options, bool in_place) {
+  std::size_t total = 0, untouched = 0, blocks = 0;
+  for (const ParamSpec& p : params) {
+    total += p.n;
+    untouched += in_place && p.dtype == DType::f32 ? p.n : 0;
+    blocks += moment_blocks(p.n);
+  }
+  SpaceNeed need;
+  need.add_ram("fp32 master weights", AlignedBuffer::size_for((total - untouched) * 4));
+  need.add_ram("moments", 2 * AlignedBuffer::size_for(total * dtype_size(options.state_dtype)));
+  if (options.state_dtype == DType::i8) need.add_ram("moments", 2 * AlignedBuffer::size_for(blocks * 4));
+  return need;
+}
 
 Result<std::unique_ptr<StateTier>> make_ram_tier(Impl& m) {
   auto tier = std::make_unique<RamTier>(m);

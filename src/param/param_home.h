@@ -11,6 +11,7 @@
 
 #include "zoe/device.h"
 #include "zoe/param_tier.h"
+#include "zoe/space.h"
 #include "zoe/status.h"
 
 namespace zoe {
@@ -21,6 +22,23 @@ struct ParamBlockLayout {
   std::vector<std::size_t> offsets;  // of each entry from the block's start, multiples of the layout's alignment
   std::size_t bytes = 0;             // the block, rounded up to the alignment
 };
+
+// A tier's blocks as ParamTier::create lays them out (param_layout.cpp): entries aligned (the device's 256
+// bytes, or the NVMe home's O_DIRECT block), the device pool's budget, the largest block.
+inline constexpr std::size_t kDeviceAlignment = 256;
+inline constexpr int kParamBounces = 4;  // NVMe through bounces: two per loader thread (param_tier.cpp)
+struct ParamTierLayout {
+  std::vector<ParamBlockLayout> blocks;
+  std::size_t alignment = 0, largest = 0, budget = 0;
+};
+// Checks the options against the blocks: the prefetch, the alignment, every block within the budget.
+Result<ParamTierLayout> lay_out_param_tier(std::vector<ParamBlockSpec> specs, const ParamTierOptions& options);
+// NVMe loads land in the pool itself (the device's memory is host memory), with no bounce.
+bool reads_into_pool(const Device& device, const ParamTierLayout& layout, const ParamTierOptions& options);
+// What create() holds with this layout (zoe/space.h), and the check it makes before allocating anything.
+Result<SpaceNeed> param_tier_footprint(const Device& device, const ParamTierLayout& layout,
+                                       const ParamTierOptions& options);
+Status check_param_tier_space(const Device& device, const ParamTierLayout& layout, const ParamTierOptions& options);
 
 // "block 'h.3.attn' (3) entry 1" — how every message names what it is about.
 std::string describe_entry(const ParamBlockLayout& block, std::size_t b, std::size_t entry);
@@ -50,10 +68,17 @@ class ParamHomeStore {
   virtual Status read_block(std::size_t block, void* dst) = 0;
   virtual void add_stats(ParamTierStats&) const {}
   virtual std::vector<std::string> files() const { return {}; }
+  // ParamTier::remove_files(): the files' names go now, their room when the home is destroyed.
+  virtual Status remove_files() { return Status::success(); }
   virtual bool direct_io() const { return false; }
 };
 
 Result<std::unique_ptr<ParamHomeStore>> make_ram_param_home(Device& device, const std::vector<ParamBlockLayout>& blocks);
+// What each home takes (zoe/space.h), beside its allocation: the RAM home's pinned copy; the NVMe home's
+// bounces in RAM and its files (two slots per entry) under each path.
+SpaceNeed ram_param_home_footprint(const std::vector<ParamBlockLayout>& blocks);
+Result<SpaceNeed> nvme_param_home_footprint(const std::vector<ParamBlockLayout>& blocks, const ParamTierOptions& options,
+                                            std::size_t alignment);
 // Refuses (unsupported) in a build without libaio.
 Result<std::unique_ptr<ParamHomeStore>> make_nvme_param_home(const std::vector<ParamBlockLayout>& blocks,
                                                              const ParamTierOptions& options, std::size_t alignment);

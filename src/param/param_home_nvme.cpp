@@ -36,14 +36,25 @@ class NvmeParamHome final : public ParamHomeStore {
   ~NvmeParamHome() override {
     if (engine_) (void)engine_->wait_all();
     engine_.reset();
+    for (File& f : files_) f.fd.reset();
+    if (!options_.keep_files) (void)remove_files();
+    // Nothing else outlives a run: the lock files go too, while still held (swap_inventory.h).
+    if (!names_removed_) remove_locks();
+  }
+
+  // The names go while the files stay open: reads and writes go on, and the system frees their room when
+  // the descriptors close. The destructor then removes nothing, so that a tier created since under the same
+  // name keeps its files.
+  Status remove_files() override {
+    if (names_removed_) return Status::success();
+    Status first;
     for (std::size_t k = 0; k < files_.size(); ++k) {
-      files_[k].fd.reset();
-      (void)folders_[k].remove(file_name());
+      Status s = folders_[k].remove(file_name());
+      if (first.ok() && !s.ok()) first = s;
     }
-    // Nothing outlives a run: the lock files go too, while still held (swap_inventory.h).
-    for (std::size_t k = 0; k < owner_locks_.size(); ++k) {
-      (void)folders_[k].remove(aio::owner_lock_name(file_name()));
-    }
+    remove_locks();
+    names_removed_ = true;
+    return first;
   }
 
   Status open() {
@@ -225,6 +236,9 @@ class NvmeParamHome final : public ParamHomeStore {
 
  private:
   std::string file_name() const { return options_.name + ".zoe-params"; }
+  void remove_locks() {
+    for (std::size_t k = 0; k < owner_locks_.size(); ++k) (void)folders_[k].remove(aio::owner_lock_name(file_name()));
+  }
 
   struct File {
     std::string path;  // for messages: the file is reached through its folder's descriptor
@@ -321,6 +335,7 @@ class NvmeParamHome final : public ParamHomeStore {
   std::size_t alignment_;
   std::vector<Folder> folders_;  // each nvme path, opened once (aio::open_swap_dir)
   std::vector<aio::FileHandle> owner_locks_;
+  bool names_removed_ = false;  // remove_files() ran: the names may be another tier's now
   std::vector<File> files_;
   std::vector<std::vector<EntrySlots>> entries_;
   std::unique_ptr<aio::IoEngine> engine_;
@@ -332,10 +347,37 @@ class NvmeParamHome final : public ParamHomeStore {
 
 }  // namespace
 
+// What open() and write_blocks() take: under path k, two slots of every entry of the blocks b with
+// b % paths == k; in RAM the entry bounce and write_blocks()'s two block bounces.
+Result<SpaceNeed> nvme_param_home_footprint(const std::vector<ParamBlockLayout>& blocks, const ParamTierOptions& options,
+                                            std::size_t alignment) {
+  SpaceNeed need;
+  const std::size_t paths = options.nvme_paths.size();
+  if (paths == 0) return need;  // open() refuses it, saying so
+  std::vector<std::uint64_t> half(paths, 0);
+  std::size_t largest_slot = alignment, largest_block = alignment;
+  for (std::size_t b = 0; b < blocks.size(); ++b) {
+    for (std::size_t n : blocks[b].entry_bytes) {
+      const std::size_t slot = (n + alignment - 1) / alignment * alignment;
+      half[b % paths] += slot;
+      largest_slot = std::max(largest_slot, slot);
+    }
+    largest_block = std::max(largest_block, blocks[b].bytes);
+  }
+  const std::string name = options.name + ".zoe-params";
+  for (std::size_t k = 0; k < paths; ++k) need.add_disk(options.nvme_paths[k], 2 * half[k], {name});
+  need.add_ram("NVMe bounce buffers", AlignedBuffer::io_size(largest_slot, alignment) +
+                                          2 * AlignedBuffer::io_size(largest_block, alignment));
+  return need;
+}
+
 Result<std::unique_ptr<ParamHomeStore>> make_nvme_param_home(const std::vector<ParamBlockLayout>& blocks,
                                                              const ParamTierOptions& options, std::size_t alignment) {
   auto home = std::make_unique<NvmeParamHome>(blocks, options, alignment);
-  if (Status s = home->open(); !s.ok()) return s;
+  if (Status s = home->open(); !s.ok()) {
+    (void)home->remove_files();  // keep_files keeps a tier's files, not a failed creation's
+    return s;
+  }
   return std::unique_ptr<ParamHomeStore>(std::move(home));
 }
 

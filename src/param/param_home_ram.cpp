@@ -7,6 +7,7 @@
 #include <string_view>
 #include <vector>
 
+#include "base/aligned_buffer.h"
 #include "src/param/param_home.h"
 #include "zoe/param_tier.h"
 
@@ -71,6 +72,15 @@ class RamParamHome final : public ParamHomeStore {
 
 }  // namespace
 
+// RamParamHome::allocate's one pinned allocation (device.allocate_host: the host devices' allocate_for_io).
+SpaceNeed ram_param_home_footprint(const std::vector<ParamBlockLayout>& blocks) {
+  std::size_t total = 0;
+  for (const ParamBlockLayout& b : blocks) total += b.bytes;
+  SpaceNeed need;
+  if (total > 0) need.add_ram("pinned home of the weights", AlignedBuffer::io_size(total));
+  return need;
+}
+
 Result<std::unique_ptr<ParamHomeStore>> make_ram_param_home(Device& device, const std::vector<ParamBlockLayout>& blocks) {
   auto home = std::make_unique<RamParamHome>(device, blocks);
   if (Status s = home->allocate(); !s.ok()) return s;
@@ -78,6 +88,9 @@ Result<std::unique_ptr<ParamHomeStore>> make_ram_param_home(Device& device, cons
 }
 
 #ifndef ZOE_HAVE_AIO
+Result<SpaceNeed> nvme_param_home_footprint(const std::vector<ParamBlockLayout>&, const ParamTierOptions&, std::size_t) {
+  return Status(StatusCode::unsupported, "parameter tier nvme: this build of zoe has no libaio NVMe tier");
+}
 Result<std::unique_ptr<ParamHomeStore>> make_nvme_param_home(const std::vector<ParamBlockLayout>&,
                                                              const ParamTierOptions&, std::size_t) {
   return Status(StatusCode::unsupported, "parameter tier nvme: this build of zoe has no libaio NVMe tier");

@@ -28,7 +28,6 @@ namespace zoe {
 namespace {
 
 constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
-constexpr std::size_t kDeviceAlignment = 256;
 
 }  // namespace
 
@@ -323,46 +322,41 @@ struct ParamTier::Impl {
 };
 
 ParamTier::ParamTier(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Result<SpaceNeed> ParamTier::footprint(const Device& device, std::vector<ParamBlockSpec> specs,
+                                       const ParamTierOptions& options) {
+  Result<ParamTierLayout> laid = lay_out_param_tier(std::move(specs), options);
+  if (!laid.ok()) return laid.status();
+  return param_tier_footprint(device, laid.value(), options);
+}
+
+Status ParamTier::remove_files() { return impl_->home->remove_files(); }
+
 ParamTier::ParamTier(ParamTier&&) noexcept = default;
 ParamTier& ParamTier::operator=(ParamTier&&) noexcept = default;
 ParamTier::~ParamTier() = default;
 
 Result<ParamTier> ParamTier::create(Device& device, std::vector<ParamBlockSpec> specs, const ParamTierOptions& options) {
-  if (options.prefetch < 0) return invalid_argument("parameter tier: prefetch = " + std::to_string(options.prefetch) + " must be >= 0");
-  const std::size_t alignment = options.home == ParamHome::nvme ? (options.alignment != 0 ? options.alignment : 4096)
-                                                                : kDeviceAlignment;
-  if ((alignment & (alignment - 1)) != 0 || alignment < kDeviceAlignment) {
-    return invalid_argument("parameter tier: alignment = " + std::to_string(alignment) +
-                            " must be a power of two of at least " + std::to_string(kDeviceAlignment));
-  }
+  Result<ParamTierLayout> laid = lay_out_param_tier(std::move(specs), options);
+  if (!laid.ok()) return laid.status();
+  // Before anything is allocated or created: a tier that does not fit is refused, not killed part-way.
+  if (Status s = check_param_tier_space(device, laid.value(), options); !s.ok()) return s;
+  const std::size_t alignment = laid->alignment, largest = laid->largest;
   auto impl = std::make_unique<Impl>(device, options);
-  std::size_t largest = 0;
-  for (ParamBlockSpec& spec : specs) {
-    ParamBlockLayout l;
-    l.name = spec.name.empty() ? "block " + std::to_string(impl->layout.size()) : std::move(spec.name);
-    l.entry_bytes = std::move(spec.entry_bytes);
-    for (std::size_t n : l.entry_bytes) {
-      l.offsets.push_back(l.bytes);
-      l.bytes += (n + alignment - 1) / alignment * alignment;
-    }
-    largest = std::max(largest, l.bytes);
-    impl->layout.push_back(std::move(l));
-  }
-  impl->budget = options.budget_bytes != 0 ? options.budget_bytes : largest * (options.prefetch + 2);
-  impl->budget = impl->budget / kDeviceAlignment * kDeviceAlignment;
-  for (const ParamBlockLayout& l : impl->layout) {
-    if (l.bytes > impl->budget) {
-      return invalid_argument("parameter tier: block '" + l.name + "' needs " + std::to_string(l.bytes) +
-                              " bytes on the device, more than the pool's budget of " + std::to_string(impl->budget) +
-                              " bytes; raise budget_bytes to at least " + std::to_string(l.bytes) +
-                              " (better: a few times it, so that blocks can be prefetched)");
-    }
-  }
+  impl->layout = std::move(laid->blocks);
+  impl->budget = laid->budget;
   Result<std::unique_ptr<ParamHomeStore>> home = options.home == ParamHome::nvme
                                                      ? make_nvme_param_home(impl->layout, options, alignment)
                                                      : make_ram_param_home(device, impl->layout);
   if (!home.ok()) return home.status();
   impl->home = std::move(home.value());
+  // keep_files keeps a tier's files, not those of a creation that fails from here on.
+  struct DropFiles {
+    ParamHomeStore* home;
+    ~DropFiles() {
+      if (home != nullptr) (void)home->remove_files();
+    }
+  } drop{impl->home.get()};
   if (impl->budget > 0) {
     Result<void*> pool = device.allocate(impl->budget);
     if (!pool.ok()) return pool.status();
@@ -376,12 +370,12 @@ Result<ParamTier> ParamTier::create(Device& device, std::vector<ParamBlockSpec> 
     impl->order.push_back(b);
     impl->position[b] = b;
   }
-  impl->read_into_pool = options.home == ParamHome::nvme && device.host_memory() &&
-                         reinterpret_cast<std::uintptr_t>(impl->pool) % alignment == 0;
+  impl->read_into_pool =
+      reads_into_pool(device, laid.value(), options) && reinterpret_cast<std::uintptr_t>(impl->pool) % alignment == 0;
   if (options.home == ParamHome::nvme && !impl->read_into_pool) {
     // Two bounce buffers per loader thread: a loader reads into one while the other's copy to the device
     // runs.
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < kParamBounces; ++k) {
       Result<void*> host = device.allocate_host(std::max(largest, alignment));
       if (!host.ok()) return host.status();
       impl->bounces.push_back({host.value(), 0, false});
@@ -390,6 +384,7 @@ Result<ParamTier> ParamTier::create(Device& device, std::vector<ParamBlockSpec> 
   if (options.home == ParamHome::nvme) {
     for (int k = 0; k < 2; ++k) impl->loaders.push_back(std::make_unique<WorkQueue>());
   }
+  drop.home = nullptr;
   return ParamTier(std::move(impl));
 }
 

@@ -1,0 +1,81 @@
+// What an OffloadOptimizer will hold (footprint.h), summed from its parts, and the check Impl::allocate makes
+// with it before its first allocation.
+#include "src/offload/footprint.h"
+
+#include <algorithm>
+#include <string>
+
+#include "base/aligned_buffer.h"
+#include "zoe/param_tier.h"
+
+namespace zoe {
+
+bool steps_in_place(const Device& device, const std::vector<ParamSpec>& params, const OffloadOptions& options) {
+  const bool tiered = std::any_of(params.begin(), params.end(), [](const ParamSpec& p) { return p.tier != nullptr; });
+  const bool all_16bit = std::none_of(params.begin(), params.end(), [](const ParamSpec& p) { return p.dtype == DType::f32; });
+  const bool tier_in_place =
+      options.tier == Tier::ram ? options.schedule != Schedule::delayed : options.schedule == Schedule::sync && all_16bit;
+  return device.host_memory() && tier_in_place && !tiered;
+}
+
+Result<SpaceNeed> optimizer_footprint(const Device& device, const std::vector<ParamSpec>& params,
+                                      const OffloadOptions& options, const char* store_name) {
+  const bool in_place = steps_in_place(device, params, options);
+  SpaceNeed need;
+  if (options.tier == Tier::ram) need += ram_tier_footprint(params, options, in_place);
+  // Impl::allocate's staging, from device.allocate_host (the host devices' allocate_for_io): gradients (two
+  // sets for delayed) and the 16-bit weights; one byte each in place.
+  std::size_t grad_bytes = 0, weight_bytes = 0;
+  for (const ParamSpec& p : params) {
+    grad_bytes += p.n * dtype_size(p.dtype);
+    weight_bytes += p.dtype == DType::f32 ? 0 : p.n * 2;
+  }
+  const std::size_t grad_sets = options.schedule == Schedule::delayed ? 2 : 1;
+  need.add_ram("gradient staging", grad_sets * AlignedBuffer::io_size(in_place ? 1 : std::max<std::size_t>(grad_bytes, 1)));
+  need.add_ram("weight staging", AlignedBuffer::io_size(in_place ? 1 : std::max<std::size_t>(weight_bytes, 1)));
+  need += accumulation_footprint(params, options);
+  if (options.tier == Tier::nvme) {
+    Result<SpaceNeed> store = nvme_tier_footprint(params, options, store_name);
+    if (!store.ok()) return store.status();
+    need += store.value();
+  }
+  if (options.schedule == Schedule::overlap) need += overlap_footprint(params, options);
+  if (options.schedule == Schedule::delayed) need += delayed_footprint(params);
+  return need;
+}
+
+namespace {
+
+// The `zoe plan` command that sizes this optimizer: its parameters, tier, state dtype, micro-batches, paths
+// and, for parameters in a parameter tier, that placement (stage 3 is where plan puts parameter offload).
+std::string plan_command(const std::vector<ParamSpec>& params, const OffloadOptions& options) {
+  std::size_t n = 0;
+  const ParamTier* tier = nullptr;
+  for (const ParamSpec& p : params) {
+    n += p.n;
+    if (p.tier != nullptr) tier = p.tier;
+  }
+  std::string plan = "zoe plan --params " + plan_count(n) + " --offload-optimizer " +
+                     (options.tier == Tier::nvme ? "nvme" : "cpu") + " --state-dtype " +
+                     std::string(state_dtype_name(options.state_dtype));
+  if (options.gradient_accumulation_steps > 1) plan += " --grad-accum " + std::to_string(options.gradient_accumulation_steps);
+  if (tier != nullptr) plan += std::string(" --stage 3 --offload-param ") + (tier->files().empty() ? "cpu" : "nvme");
+  if (options.tier == Tier::nvme) plan += plan_nvme_paths(options.nvme.paths);
+  return plan;
+}
+
+}  // namespace
+
+Status check_optimizer_space(const Device& device, const std::vector<ParamSpec>& params, const OffloadOptions& options,
+                             const char* store_name) {
+  Result<SpaceNeed> need = optimizer_footprint(device, params, options, store_name);
+  if (!need.ok()) return need.status();
+  std::size_t n = 0;
+  for (const ParamSpec& p : params) n += p.n;
+  const std::string what = "the optimizer (" + std::to_string(n) + " parameters, tier " +
+                           std::string(tier_name(options.tier)) + ", " + std::string(schedule_name(options.schedule)) +
+                           " schedule, " + std::string(state_dtype_name(options.state_dtype)) + " moments)";
+  return check_space(need.value(), what, plan_command(params, options));
+}
+
+}  // namespace zoe

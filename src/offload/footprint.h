@@ -1,0 +1,44 @@
+// What an OffloadOptimizer will hold, computed before it allocates anything (zoe/space.h): the host RAM of
+// its tier, staging, accumulation sums and schedule, and the swap files of tier nvme. Each part's bytes come
+// from a function next to the allocation it stands for (tier_ram.cpp, tier_nvme.cpp, accumulation.cpp,
+// schedule_overlap.cpp, schedule_delayed.cpp; the staging here, beside Impl::allocate's rule for reading in
+// place), and tests/offload/test_space.cpp compares the sum with what the allocations take.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "zoe/device.h"
+#include "zoe/offload.h"
+#include "zoe/space.h"
+#include "zoe/swap.h"
+
+namespace zoe {
+
+// OK when the optimizer fits what is free; else the refusal (zoe/space.h: check_space) with a `zoe plan`
+// command for these parameters and options. Impl::allocate calls it before its first allocation.
+Status check_optimizer_space(const Device& device, const std::vector<ParamSpec>& params, const OffloadOptions& options,
+                             const char* store_name);
+Result<SpaceNeed> optimizer_footprint(const Device& device, const std::vector<ParamSpec>& params,
+                                      const OffloadOptions& options, const char* store_name);
+
+// Impl::allocate's rule: gradients read and weights written where the device keeps them (optimizer_impl.h).
+bool steps_in_place(const Device& device, const std::vector<ParamSpec>& params, const OffloadOptions& options);
+
+// The parts, each beside its allocation.
+SpaceNeed ram_tier_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options, bool in_place);
+SpaceNeed accumulation_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options);
+SpaceNeed overlap_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options);
+SpaceNeed delayed_footprint(const std::vector<ParamSpec>& params);
+Result<SpaceNeed> nvme_tier_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options,
+                                      const char* name);
+
+// Tier nvme's swap store: its options, where each parameter starts in it (at.back(): its size) and its tile.
+struct NvmeStoreShape {
+  SwapOptions options;
+  std::vector<std::size_t> at;
+  std::size_t tile = 0;
+};
+NvmeStoreShape nvme_store_shape(const std::vector<ParamSpec>& params, const OffloadOptions& options);
+
+}  // namespace zoe
