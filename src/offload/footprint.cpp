@@ -10,17 +10,33 @@
 
 namespace zoe {
 
-bool steps_in_place(const Device& device, const std::vector<ParamSpec>& params, const OffloadOptions& options) {
+StagingRule staging_rule(const Device& device, const std::vector<ParamSpec>& params, const OffloadOptions& options) {
+  // Weights in a parameter tier are written there from the staging or a window, never in place.
   const bool tiered = std::any_of(params.begin(), params.end(), [](const ParamSpec& p) { return p.tier != nullptr; });
+  // Tier nvme steps in place too when every parameter is 16-bit and the schedule is sync. An f32 parameter's
+  // master lives in the store, so its device weights are a staged copy the step writes (tier_nvme.cpp).
   const bool all_16bit = std::none_of(params.begin(), params.end(), [](const ParamSpec& p) { return p.dtype == DType::f32; });
   const bool tier_in_place =
       options.tier == Tier::ram ? options.schedule != Schedule::delayed : options.schedule == Schedule::sync && all_16bit;
-  return device.host_memory() && tier_in_place && !tiered;
+  StagingRule r;
+  r.in_place = device.host_memory() && tier_in_place && !tiered;
+  // Streamed needs every gradient on the device until step(): a tiered parameter's on a device with memory of
+  // its own leaves when reported (grad_leaves_when_reported), into staging.
+  const bool reported_down = tiered && !device.host_memory() && !options.grads_stay_on_device;
+  r.streamed = options.tier == Tier::nvme && options.schedule == Schedule::sync &&
+               options.gradient_accumulation_steps <= 1 && !r.in_place && !reported_down;
+  r.grads_in_place = r.in_place || (r.streamed && device.host_memory());
+  return r;
+}
+
+bool steps_in_place(const Device& device, const std::vector<ParamSpec>& params, const OffloadOptions& options) {
+  return staging_rule(device, params, options).in_place;
 }
 
 Result<SpaceNeed> optimizer_footprint(const Device& device, const std::vector<ParamSpec>& params,
                                       const OffloadOptions& options, const char* store_name) {
-  const bool in_place = steps_in_place(device, params, options);
+  const StagingRule rule = staging_rule(device, params, options);
+  const bool in_place = rule.in_place;
   SpaceNeed need;
   if (options.tier == Tier::ram) need += ram_tier_footprint(params, options, in_place);
   // Impl::allocate's staging, from device.allocate_host (the host devices' allocate_for_io): gradients (two
@@ -31,13 +47,15 @@ Result<SpaceNeed> optimizer_footprint(const Device& device, const std::vector<Pa
     weight_bytes += p.dtype == DType::f32 ? 0 : p.n * 2;
   }
   const std::size_t grad_sets = options.schedule == Schedule::delayed ? 2 : 1;
-  need.add_ram("gradient staging", grad_sets * AlignedBuffer::io_size(in_place ? 1 : std::max<std::size_t>(grad_bytes, 1)));
-  need.add_ram("weight staging", AlignedBuffer::io_size(in_place ? 1 : std::max<std::size_t>(weight_bytes, 1)));
+  const bool no_grads = rule.grads_in_place || rule.streamed, no_weights = in_place || rule.streamed;
+  need.add_ram("gradient staging", grad_sets * AlignedBuffer::io_size(no_grads ? 1 : std::max<std::size_t>(grad_bytes, 1)));
+  need.add_ram("weight staging", AlignedBuffer::io_size(no_weights ? 1 : std::max<std::size_t>(weight_bytes, 1)));
   need += accumulation_footprint(params, options);
   if (options.tier == Tier::nvme) {
     Result<SpaceNeed> store = nvme_tier_footprint(params, options, store_name);
     if (!store.ok()) return store.status();
     need += store.value();
+    if (rule.streamed) need += step_windows_footprint(params, options, nvme_store_shape(params, options).tile, rule.grads_in_place);
   }
   if (options.schedule == Schedule::overlap) need += overlap_footprint(params, options);
   if (options.schedule == Schedule::delayed) need += delayed_footprint(params);

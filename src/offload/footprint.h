@@ -22,7 +22,14 @@ Status check_optimizer_space(const Device& device, const std::vector<ParamSpec>&
 Result<SpaceNeed> optimizer_footprint(const Device& device, const std::vector<ParamSpec>& params,
                                       const OffloadOptions& options, const char* store_name);
 
-// Impl::allocate's rule: gradients read and weights written where the device keeps them (optimizer_impl.h).
+// Impl::allocate's rule for where the step reads gradients and writes weights (optimizer_impl.h: in_place,
+// streamed, grads_in_place), the one the footprint counts staging by.
+struct StagingRule {
+  bool in_place = false;        // gradients and weights where the device keeps them
+  bool streamed = false;        // tier nvme's sync step through windows (step_windows.h): no whole staging
+  bool grads_in_place = false;  // in_place, or streamed on a device whose memory is host memory
+};
+StagingRule staging_rule(const Device& device, const std::vector<ParamSpec>& params, const OffloadOptions& options);
 bool steps_in_place(const Device& device, const std::vector<ParamSpec>& params, const OffloadOptions& options);
 
 // The parts, each beside its allocation.
@@ -32,6 +39,8 @@ SpaceNeed overlap_footprint(const std::vector<ParamSpec>& params, const OffloadO
 SpaceNeed delayed_footprint(const std::vector<ParamSpec>& params);
 Result<SpaceNeed> nvme_tier_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options,
                                       const char* name);
+SpaceNeed step_windows_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options, std::size_t tile,
+                                 bool grads_in_place);
 
 // Tier nvme's swap store: its options, where each parameter starts in it (at.back(): its size) and its tile.
 struct NvmeStoreShape {

@@ -67,20 +67,10 @@ Status OffloadOptimizer::Impl::allocate() {
   }
   first_piece.back() = pieces.size();
   grad_down.assign(params.size(), 0);
-  // Weights in a parameter tier are written there from the staging, never in place.
-  const bool tiered = std::any_of(params.begin(), params.end(), [](const ParamSpec& p) { return p.tier != nullptr; });
-  // Tier nvme steps in place too when every parameter is 16-bit and the schedule is sync. An f32 parameter's
-  // master lives in the store, so its device weights are a staged copy the step writes (tier_nvme.cpp).
-  const bool all_16bit = std::none_of(params.begin(), params.end(), [](const ParamSpec& p) { return p.dtype == DType::f32; });
-  const bool tier_in_place =
-      options.tier == Tier::ram ? options.schedule != Schedule::delayed : options.schedule == Schedule::sync && all_16bit;
-  in_place = device.host_memory() && tier_in_place && !tiered;
-  // Streamed needs every gradient on the device until step(): a tiered parameter's on a device with memory of
-  // its own leaves when reported (grad_leaves_when_reported), into staging.
-  const bool reported_down = tiered && !device.host_memory() && !options.grads_stay_on_device;
-  streamed = options.tier == Tier::nvme && options.schedule == Schedule::sync && !accumulates() && !in_place &&
-             !reported_down;
-  grads_in_place = in_place || (streamed && device.host_memory());
+  const StagingRule rule = staging_rule(device, params, options);  // footprint.cpp, which counts by it
+  in_place = rule.in_place;
+  streamed = rule.streamed;
+  grads_in_place = rule.grads_in_place;
   need_norm = !grads_in_place || options.max_grad_norm > 0 || options.loss_scale.enabled;
   need_stats = need_norm || options.refuse_non_finite;
   if (options.tier == Tier::ram) {

@@ -4,9 +4,12 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 
+#include "base/aligned_buffer.h"
+#include "src/offload/footprint.h"
 #include "src/plan/plan.h"
 #include "zoe/dtype.h"
 #include "zoe/param_tier.h"
@@ -15,15 +18,35 @@ namespace zoe {
 
 static_assert(StepWindows::kWindowElements == plan::kStepWindowElements, "zoe plan counts the step's windows");
 
+namespace {
+
+// Elements per window, and bytes per element of the gradient window (4 with an f32 parameter).
+std::pair<std::size_t, std::size_t> window_shape(const std::vector<ParamSpec>& params, const OffloadOptions& options,
+                                                 std::size_t tile) {
+  std::size_t largest = 0, stride = 2;
+  for (const ParamSpec& p : params) {
+    largest = std::max(largest, p.n);
+    if (p.dtype == DType::f32) stride = 4;
+  }
+  return {std::max(options.step_window > 0 ? options.step_window : StepWindows::kWindowElements, largest + 2 * tile),
+          stride};
+}
+
+}  // namespace
+
+SpaceNeed step_windows_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options, std::size_t tile,
+                                 bool grads_in_place) {
+  const auto [capacity, stride] = window_shape(params, options, tile);
+  SpaceNeed need;
+  need.add_ram("the step's weight window", AlignedBuffer::io_size(capacity * 2));
+  if (!grads_in_place) need.add_ram("the step's gradient window", AlignedBuffer::io_size(capacity * stride));
+  return need;
+}
+
 Result<std::unique_ptr<StepWindows>> StepWindows::make(Impl& m, SwapStore& store, const std::vector<std::size_t>& at,
                                                        std::size_t tile) {
   std::unique_ptr<StepWindows> w(new StepWindows(m, store, at, tile));
-  std::size_t largest = 0;
-  for (const ParamSpec& p : m.params) {
-    largest = std::max(largest, p.n);
-    if (p.dtype == DType::f32) w->grad_stride_ = 4;
-  }
-  w->capacity_ = std::max(m.options.step_window > 0 ? m.options.step_window : kWindowElements, largest + 2 * tile);
+  std::tie(w->capacity_, w->grad_stride_) = window_shape(m.params, m.options, tile);
   Result<void*> weights = m.device.allocate_host(w->capacity_ * 2);
   if (!weights.ok()) return weights.status();
   w->weights_ = static_cast<unsigned char*>(weights.value());
