@@ -11,13 +11,13 @@ next call that may take it: ``zero_grad()``, ``scale_loss()``/``backward()``, ``
 ``step()``. The engine is then made anew holding it too (``_regroup.rebuild_holding``: every other
 parameter's state carried across bitwise in torch's format); it starts as torch's does at its first step,
 from zero moments with step count 1, and its master is the model's weights then. Until its first step
-``opt.state[p]`` is ``{}`` as torch's, and a state_dict has no entry for it. Having a parameter that wants
-state is enough (not a gradient), so that an unfreeze followed by ``zero_grad()`` gives the next backward
-its hooks: the overlap schedule overlaps that iteration too, and declared micro-batches are summed from the
-first. Made at ``step()`` instead, after a backward that the overlap schedule speculated on, that step runs
-as sync's (exact); after micro-batches zoe summed in fp32 (``gradient_accumulation_steps``) or gradients of
-offloaded parameters that left the device, it cannot be made without losing them, and ``step()`` refuses,
-saying to call ``zero_grad()`` after unfreezing.
+``opt.state[p]`` is ``{}`` as torch's, and a state_dict has no entry for it. Wanting state
+(``requires_grad``) is enough, before any gradient, so that an unfreeze followed by ``zero_grad()`` gives
+the next backward its hooks: the overlap schedule overlaps that iteration too, and declared micro-batches
+are summed from the first. Made at ``step()`` instead, after a backward that the overlap schedule
+speculated on, that step runs as sync's (exact); after micro-batches zoe summed in fp32
+(``gradient_accumulation_steps``) or gradients of offloaded parameters that left the device, it cannot be
+made without losing them, and ``step()`` refuses, saying to call ``zero_grad()`` after unfreezing.
 
 Under zoe's own partition (world > 1) and FSDP2 the engine is not made anew (add_param_group is refused
 there alike): a parameter frozen at construction that wants state is refused, naming it."""
@@ -54,7 +54,8 @@ def materialise(opt, at_step: bool = False) -> None:
             "summed, gradient_accumulation_steps; offloaded parameters' gradients that left the device). Nothing "
             "was stepped and the iteration was given up. Call opt.zero_grad() after unfreezing parameters and "
             "before the iteration's first backward (zoe then makes their state), and run the iteration again")
-    _regroup.rebuild_holding(opt, [e.param for e in due])
+    with opt._calls:  # scale_loss() is not serialised: a state_dict() on another thread waits for the new engine
+        _regroup.rebuild_holding(opt, [e.param for e in due])
 
 
 def _names(opt, entries) -> str:

@@ -554,13 +554,11 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
         adapter's own time: ``engine_s`` inside the engine's step (zoe's own partitioning communicates there),
         ``comm_s`` in torch.distributed outside it (FSDP2's global norm), ``adapter_s`` the rest of step();
         ``device_grad_bytes``, the gradient buffers the adapter keeps on the model's device; ``state_elements``,
-        the elements this rank's engine holds master weights and moments for;
-        ``host_waits_trainer``/``host_wait_trainer_s`` the times (and seconds) a trainer's thread waited for
-        zoe's device since it was made, ``host_waits_worker``/``host_wait_worker_s`` zoe's own threads'."""
-        s = dict(self._flat.engine.stats())
-        s.update(self._timing)
+        the elements this rank's engine holds state for; ``host_waits_trainer``/``host_wait_trainer_s`` the
+        times (and seconds) a trainer's thread waited for zoe's device since it was made,
+        ``host_waits_worker``/``host_wait_worker_s`` zoe's own threads'."""
+        s = dict(self._flat.engine.stats(), **self._timing, state_elements=sum(self._flat.engine.state_sizes))
         s.update(_stream.host_wait_stats(self._zoe_device))
-        s["state_elements"] = sum(self._flat.engine.state_sizes)
         s["device_grad_bytes"] = sum(
             (b.grads.numel() + (b.window.numel() if b.window is not None else 0)) * b.grads.element_size()
             for b in self._flat.buckets)
