@@ -16,7 +16,7 @@ ZOE_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"
 
 
 class Slot:
-    """Where one parameter (trainable now or later) lives in its dtype's flat buffers."""
+    """Where one parameter zoe holds state for lives in its dtype's flat buffers."""
 
     __slots__ = ("param", "index", "group", "offset", "numel", "shape", "tier", "windowed", "bucket", "grad_view",
                  "grad_ptr", "grads_at", "own_grad", "own_version", "weight_view", "engine_ids", "accumulated",
@@ -52,6 +52,25 @@ class Slot:
         self.engine_ids: list[int] = []
         self.accumulated = 0  # backward passes that accumulated into this gradient since the last step
         self.taken = False  # the engine has read this iteration's gradient (reported, or for a norm)
+
+
+def wants_state(p: torch.Tensor) -> bool:
+    """Whether zoe makes state for a parameter it does not hold yet: it requires a gradient, or has one."""
+    return p.requires_grad or p.grad is not None
+
+
+class Lazy:
+    """A parameter of the param groups that zoe holds nothing for yet (no state, no place in the flat
+    gradient buffers): frozen when the engine was made. ``index``/``group`` as a Slot's; ``tier``: its
+    parameter tier, if it is offloaded (whose prefetch and edit checks still follow the steps)."""
+
+    __slots__ = ("param", "index", "group", "tier")
+
+    def __init__(self, param, index, group):
+        self.param = param
+        self.index = index
+        self.group = group
+        self.tier = getattr(param, "_zoe_param_offload", None)
 
 
 class Bucket:
@@ -90,8 +109,9 @@ class FlatState:
     """The engine and the flat buffers it reads gradients from, of one optimizer.
 
     ``engine``: the ``_zoe.Engine`` (None until the optimizer made it). ``slots``: every parameter held, in
-    param-group order; ``buckets``: one per dtype. ``world``/``rank``: zoe's own partition (1/0 without one;
-    FSDP2's shards are a world of one to the engine, ``dtensor`` says where they lie). ``dp``: zoe's own
+    param-group order (``lazy``: the others, frozen since the engine was made, with no state yet);
+    ``buckets``: one per dtype. ``world``/``rank``: zoe's own partition (1/0 without one; FSDP2's shards are
+    a world of one to the engine, ``dtensor`` says where they lie). ``dp``: zoe's own
     data-parallel mode (``_data_parallel.DataParallel``), ``dtensor``: FSDP2's (``_dtensor.ShardedParams``),
     at most one of them. ``loss_scaling``: the engine scales an fp16 loss. ``hyper_sent``: the
     hyper-parameters the engine holds for each param group (None: unknown, sent again at the next step)."""
@@ -106,6 +126,10 @@ class FlatState:
         self.dp = None
         self.loss_scaling = False
         self.hyper_sent: list[tuple | None] = []
+        # The parameters zoe holds nothing for yet (Lazy), and which ones a rebuild holds (their ids; None: at
+        # construction, those that want state).
+        self.lazy: list[Lazy] = []
+        self.hold: set[int] | None = None
 
     @property
     def whole(self) -> bool:
@@ -117,16 +141,20 @@ class FlatState:
         return self.dtensor.ranks() if self.dtensor is not None else (self.world, self.rank)
 
     def collect_slots(self, param_groups) -> dict:
-        """A slot for every parameter zoe holds, into ``slots``; returns them by dtype."""
+        """A slot for every parameter zoe holds, into ``slots``, and the others into ``lazy``; returns the
+        slots by dtype."""
         slots_by_dtype: dict[torch.dtype, list[Slot]] = {}
         index = 0
         for gi, group in enumerate(param_groups):
             for p in group["params"]:
                 if p.is_sparse or p.layout != torch.strided:
                     raise ValueError(f"parameter {index} (shape {tuple(p.shape)}) is sparse: zoe steps dense tensors")
-                # Frozen parameters (requires_grad=False) are held too, as torch's optimizers hold them: they are
-                # stepped once they are unfrozen and have a gradient (a None gradient is never stepped).
-                if p.dtype in ZOE_DTYPES:
+                # A frozen parameter (requires_grad=False, no gradient) gets no state and no gradient buffer
+                # until it is unfrozen, as torch's optimizers make state at a parameter's first step: LoRA's
+                # base would otherwise cost 12 bytes per element for nothing (_lazy.py makes it later).
+                if not (wants_state(p) if self.hold is None else id(p) in self.hold):
+                    self.lazy.append(Lazy(p, index, gi))
+                elif p.dtype in ZOE_DTYPES:
                     bucket = slots_by_dtype.setdefault(p.dtype, [])
                     slot = Slot(p, index, gi, sum(s.numel for s in bucket))
                     bucket.append(slot)

@@ -220,15 +220,18 @@ class GradIntake:
 
     def _answers_clipping(self, params: list) -> bool:
         """Whether torch's clip_grad_norm_ over ``params`` is this optimizer's (_adaptations.route_clipping):
-        they are its parameters, all of them, and no other with a gradient (frozen ones may be among them).
+        they are its parameters, all of them but frozen ones without a gradient, and no other with a gradient.
         Over part of them, torch clips p.grad in place and step() takes the edit — impossible for gradients
         that left the device, which is an error."""
+        # Parameters frozen since construction are the optimizer's too, needed only once they have a gradient
+        # (which clip_grad_norm_ makes their state for, _lazy.py).
         mine = {id(s.param) for s in self._flat.slots}
+        frozen = {id(e.param): e.param.grad is not None for e in self._flat.lazy}
         given = {id(p) for p in params}
-        if not mine & given:
+        if not (mine | frozen.keys()) & given:
             return False
-        foreign = {id(p) for p in params if p.grad is not None} - mine
-        missing = mine - given
+        foreign = {id(p) for p in params if p.grad is not None} - mine - frozen.keys()
+        missing = (mine | {k for k, graded in frozen.items() if graded}) - given
         if not (foreign or missing):
             return True
         if any(id(s.param) in given for s in self._windowed_slots):

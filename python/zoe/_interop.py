@@ -38,7 +38,7 @@ def rank_file(folder: str, rank: int, world: int) -> str:
     return os.path.join(folder, "zoe", f"rank{rank}-of-{world}.zoe")
 
 
-def _saved_keys(param_groups, sd: dict) -> list:
+def saved_keys(param_groups, sd: dict) -> list:
     """The key of each of the optimizer's parameters in sd["state"], in param-group order: torch numbers them,
     torch.distributed.checkpoint names them (FQNs); as torch's load_state_dict, matched by position."""
     groups = sd["param_groups"]
@@ -79,7 +79,7 @@ def read_torch_state(flat: FlatState, param_groups, sd: dict):
     shard): ({index: (master, exp_avg, exp_avg_sq)}, step). Nothing changes here; a bad state raises."""
     state = sd.get("state", {})
     masters = sd.get("zoe_masters", {})
-    keys = _saved_keys(param_groups, sd)
+    keys = saved_keys(param_groups, sd)
     steps = {}  # torch keeps a step per parameter; one without state has not been stepped
     full = {}
     for s in flat.slots:
@@ -284,9 +284,10 @@ def consolidate(state_dicts) -> dict:
         m, v = (torch.from_numpy(joined[key][e]).view(shape) for key in ("exp_avg", "exp_avg_sq"))
         state[index] = {"step": torch.tensor(float(joined["step"])), "exp_avg": m, "exp_avg_sq": v}
         masters[index] = torch.from_numpy(joined["master"][e]).view(shape)
+    lazy = set(metas[0].get("lazy", ()))  # no state: frozen when the optimizer was made (_lazy.py)
     for index, (shape, _, trainable, *rest) in enumerate(layout):
         if trainable and _checks.shape_numel(f"parameter {index} of the state_dicts' layout", shape) > 0 \
-                and index not in state:
+                and index not in state and index not in lazy:
             raise ValueError(f"parameter {index}: no rank's partition holds it")
     groups = [dict(g) for g in sds[0]["param_groups"]]
     # An fp16 model's run scaled its loss (zoe's default for fp16); the scaler of any other is at rest.

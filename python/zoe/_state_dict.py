@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from . import _adaptations, _checks, _interop, _scratch, _serial, _torch_flags, _zoe
+from . import _adaptations, _checks, _interop, _lazy, _scratch, _serial, _torch_flags, _zoe
 
 _STATE_FORMAT = _interop.STATE_FORMAT
 
@@ -85,6 +85,9 @@ class StateDictMethods:
             "layout": flat.layout(self.param_groups),
             # The engine's parameters: (parameter index, first element, elements), for consolidate_state_dicts.
             "pieces": [[s.index, begin, n] for s, begin, n in flat.pieces()] if flat.dtensor is None else None,
+            # The parameters the engine holds nothing for (frozen since it was made, _lazy.py): its checkpoint
+            # is of the others.
+            "lazy": [e.index for e in flat.lazy],
             "checkpoint": empty,
         }
         if folder is not None:
@@ -206,6 +209,9 @@ class StateDictMethods:
                 "another number of ranks")
         self._check_layout(meta)
         self._check_groups(state_dict)
+        if self._hold_as_saved(meta):
+            self._load_torch_state_dict(_across_dtypes(state_dict))  # not the engine's layout: as torch's format
+            return
         with _interop.blob_file(meta, state_dict.get("state")) as path:
             self._flat.engine.load(path)  # across ranks collective: the loaded shards are all-gathered
         # The param groups only, once the engine took its checkpoint (it refuses a damaged or crafted one,
@@ -222,7 +228,8 @@ class StateDictMethods:
             [e[:1] + e[3:] for e in meta["layout"]] == [e[:1] + e[3:] for e in layout]
 
     def _check_layout(self, meta: dict) -> None:
-        # requires_grad (the layout's third entry) may differ: frozen parameters are held and stepped alike.
+        # requires_grad (the layout's third entry) may differ: a parameter frozen at one optimizer's construction
+        # and not the other's is held as the checkpoint needs (_hold_as_saved).
         def essential(layout):
             return [entry[:2] + entry[3:] for entry in layout]
         layout = self._flat.layout(self.param_groups)
@@ -234,6 +241,24 @@ class StateDictMethods:
             i = next(k for k, (x, y) in enumerate(zip(essential(meta["layout"]), essential(layout))) if x != y)
             why = f"parameter {i} is {meta['layout'][i]} there and {layout[i]} here (shape, dtype, requires_grad)"
         raise ValueError(f"this state_dict is for a different model: {why}")
+
+    def _hold_as_saved(self, meta: dict, convertible: bool = True) -> bool:
+        """Before loading zoe's checkpoint: the parameters it has state for that this optimizer holds nothing
+        for (_lazy.py) are held first. Returns whether this optimizer holds parameters the saved one did not,
+        so that the engines' layouts differ: one rank's checkpoint inline (``convertible``) then goes in as
+        torch's format; any other is refused."""
+        lazy = set(meta.get("lazy", ()))
+        _lazy.hold_for_load(self, set(range(len(meta["layout"]))) - lazy)
+        more = [s.index for s in self._flat.slots if s.index in lazy]
+        if not more:
+            return False
+        if convertible and meta["world_size"] == 1 and self._flat.whole:
+            return True
+        raise ValueError(
+            f"this checkpoint was saved while parameters {more[:5]} had no state (frozen when its optimizer was "
+            "made), and this optimizer holds them: the engines' layouts differ. Load one rank's state_dict() taken "
+            "without save_to, or the ranks' state_dicts joined by zoe.torch.consolidate_state_dicts (torch's "
+            "format), or create this optimizer with those parameters frozen too")
 
     def _check_groups(self, state_dict: dict) -> None:
         """What torch's load_state_dict refuses, checked before the engine's load so that a refusal there
@@ -263,6 +288,7 @@ class StateDictMethods:
                 "OffloadOptimizer.save_to (zoe.hf's callback or hooks) and each rank's file must stay beside it; if "
                 "the folder moved, call opt.load_from(new_folder) before loading")
         self._check_groups(state_dict)
+        self._hold_as_saved(meta, convertible=False)
         self._flat.engine.load(path)  # across ranks collective: the loaded shards are all-gathered
         super().load_state_dict(_groups_and_extras(state_dict))  # after the engine's load, as above
         self._flat.hyper_unknown(len(self.param_groups))
@@ -270,6 +296,13 @@ class StateDictMethods:
     def _load_torch_state_dict(self, state_dict: dict) -> None:
         for gi, g in enumerate(state_dict["param_groups"]):
             _torch_flags.check_group(g, f"param group {gi} of this state_dict")
+        # A parameter this optimizer holds nothing for yet (frozen at construction) takes its state from here;
+        # one never stepped there (zoe's torch_state_dict() lists those) has none to take.
+        state = state_dict.get("state", {})
+        keys = _interop.saved_keys(self.param_groups, state_dict)
+        stepped = [state.get(k, state.get(str(k))) for k in keys]
+        _lazy.hold_for_load(self, {i for i, st in enumerate(stepped) if st is not None and
+                                   (not isinstance(st, dict) or float(st.get("step", 1)) != 0)})
         flat = self._flat
         full, steps = _interop.read_torch_state(flat, self.param_groups, state_dict)
         scaler = _interop.read_loss_scale(flat, state_dict)

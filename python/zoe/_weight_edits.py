@@ -32,7 +32,10 @@ class WeightEdits:
 
     def _note_weights(self) -> None:
         self._weight_marks = self._weight_marks_now()
-        self._offloads = list({id(s.tier[0]): s.tier[0] for s in self._flat.slots if s.tier is not None}.values())
+        # With those of the parameters zoe holds no state for yet: their tier still wants its edit checks and
+        # the prefetch after each step.
+        held = [*self._flat.slots, *self._flat.lazy]
+        self._offloads = list({id(s.tier[0]): s.tier[0] for s in held if s.tier is not None}.values())
 
     def _weights_loaded(self) -> None:
         """After load_state_dict: the master weights and the model's agree, and an edit read before the load

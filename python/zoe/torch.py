@@ -50,8 +50,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import (_adaptations, _data_parallel, _dtensor, _flat, _grad_intake, _interop, _options, _param_offload,
-               _regroup, _scratch, _serial, _state_dict, _stream, _torch_flags, _weight_edits, _zoe)
+from . import (_adaptations, _data_parallel, _dtensor, _flat, _grad_intake, _interop, _lazy, _options,
+               _param_offload, _regroup, _scratch, _serial, _state_dict, _stream, _torch_flags, _weight_edits, _zoe)
 from ._flat import Bucket
 from ._param_offload import full_shape, offload_parameters
 from ._state_view import StateView
@@ -372,6 +372,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
         comm = engine_s = 0.0
         stepping = False  # an exception before the engine's step leaves the iteration as it was: given up
         try:
+            _lazy.materialise(self, at_step=True)  # state for a parameter frozen at construction, unfrozen since
             self._refuse_unscaled_fp16()
             self._take_edited_weights()
             self._check_windows()
@@ -438,6 +439,8 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
         max_norm = float(max_norm)
         if not max_norm >= 0:
             raise ValueError(f"max_norm = {max_norm} is invalid: need >= 0 (inf: the norm, no clipping)")
+        self._after_interrupted_backward()
+        _lazy.materialise(self)  # a parameter frozen at construction with a gradient now is in the norm
         if float(norm_type) != 2.0:
             if self._windowed_slots:
                 raise RuntimeError(
@@ -447,7 +450,6 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
             return _adaptations.torch_clip_grad_norm_([s.param for s in self._flat.slots], max_norm,
                                                       norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
         limit = min(max_norm, self._max_grad_norm) if self._max_grad_norm > 0 else max_norm
-        self._after_interrupted_backward()
         self._check_windows()
         self._note_changed_grads()
         self._adopt_grads()
@@ -486,6 +488,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
         step (a backward that ended in an exception, or one whose step is not to come) are dropped with what
         zoe stepped or sent from them: weights and state are as before the iteration, which may run again."""
         self._abandon_iteration()
+        _lazy.materialise(self)  # a parameter unfrozen since: its state, and its hooks for the next backward
         for b in self._flat.buckets:
             if b.window is not None:
                 b.window.zero_()
@@ -513,6 +516,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         self._after_interrupted_backward()
+        _lazy.materialise(self)
         self._scaled = True
         return loss * self.loss_scale if self._flat.loss_scaling else loss
 
@@ -549,11 +553,11 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
         after clip_grad_norm_ clipped them in place, the clipped ones —, adam_s, step_call_s, d2h/h2d bytes) and the
         adapter's own time: ``engine_s`` inside the engine's step (zoe's own partitioning communicates there),
         ``comm_s`` in torch.distributed outside it (FSDP2's global norm), ``adapter_s`` the rest of step();
-        ``device_grad_bytes``, the gradient buffers the adapter keeps on the model's device;
-        ``host_waits_trainer``/``host_wait_trainer_s`` the times (and seconds) a trainer's thread waited for
-        zoe's device since it was made, ``host_waits_worker``/``host_wait_worker_s`` zoe's own threads'."""
-        s = dict(self._flat.engine.stats())
-        s.update(self._timing)
+        ``device_grad_bytes``, the gradient buffers the adapter keeps on the model's device; ``state_elements``,
+        the elements this rank's engine holds state for; ``host_waits_trainer``/``host_wait_trainer_s`` the
+        times (and seconds) a trainer's thread waited for zoe's device since it was made,
+        ``host_waits_worker``/``host_wait_worker_s`` zoe's own threads'."""
+        s = dict(self._flat.engine.stats(), **self._timing, state_elements=sum(self._flat.engine.state_sizes))
         s.update(_stream.host_wait_stats(self._zoe_device))
         s["device_grad_bytes"] = sum(
             (b.grads.numel() + (b.window.numel() if b.window is not None else 0)) * b.grads.element_size()
@@ -566,7 +570,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
         when the optimizer is partitioned, else shaped like ``param``)."""
         s = self._flat.slot_of(param)
         if s is None:
-            raise KeyError("this parameter is not stepped by this optimizer")
+            raise KeyError("this parameter has no state here: not this optimizer's, or frozen since it was made")
         out = self._flat.read_state(s)
         if self._flat.world == 1:
             shape = param._local_tensor.shape if self._flat.dtensor is not None else _param_offload.full_shape(param)
