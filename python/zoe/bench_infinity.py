@@ -10,6 +10,9 @@ the model trains, not as a target. Peak RSS per step is the kernel's high-water 
 each step through /proc/self/clear_refs; disk is the blocks the NVMe folder's files occupy.
 
     python -m zoe.bench_infinity --params 1B --steps 4 --nvme-path /local_nvme/zoe-bench
+
+With ``--device cuda`` the rank is one GPU (nccl) and each step also prints the GPU's peak allocation; the plan
+is then asked for one GPU of that memory. Not yet run on a GPU (issue 55 measures it there).
 """
 from __future__ import annotations
 
@@ -93,11 +96,13 @@ def zoe_cli() -> str | None:
 
 
 def plan(a, config_path: str) -> dict:
-    """What zoe plan predicts for this run's model and placement (one node, the CPU as the device)."""
+    """What zoe plan predicts for this run's model and placement (one node; the CPU as the device, or one GPU)."""
     cli = zoe_cli()
     if cli is None:
         return {"error": "no zoe CLI found (set ZOE_CLI, or build it: scripts/build)"}
-    cmd = [cli, "plan", "--model", config_path, "--gpus", "0", "--stage", "3", "--offload-optimizer", "nvme",
+    gpus = ["--gpus", "0"] if a.device == "cpu" else \
+        ["--gpus", "1", "--gpu-mem", f"{torch.cuda.get_device_properties(0).total_memory >> 20}M"]
+    cmd = [cli, "plan", "--model", config_path, *gpus, "--stage", "3", "--offload-optimizer", "nvme",
            "--offload-param", "nvme", "--state-dtype", a.state_dtype, "--prefetch", str(a.prefetch),
            "--micro-batch", str(a.batch), "--seq-len", str(a.seq), "--nvme", a.nvme_path, "--json"]
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -109,8 +114,9 @@ def plan(a, config_path: str) -> dict:
 
 
 def build(a, folder: str):
-    """The model on the meta device, sharded by FSDP2 over one gloo rank, initialised into the parameter
-    tier group by group; then the optimizer. Returns (model, offload, optimizer, config, phases)."""
+    """The model on the meta device, sharded by FSDP2 over one rank (gloo on the CPU, nccl on a GPU),
+    initialised into the parameter tier group by group; then the optimizer. Returns (model, offload,
+    optimizer, config, phases)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -119,13 +125,16 @@ def build(a, folder: str):
     from zoe.torch import OffloadOptimizer, offload_parameters
 
     phases = {"start": rss()["rss"]}
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'pg')}", rank=0, world_size=1)
+    if a.device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if a.device == "cuda" else "gloo", init_method=f"file://{os.path.join(folder, 'pg')}",
+                            rank=0, world_size=1)
     config = LlamaConfig(**llama_shape(a.params), torch_dtype="bfloat16")
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
-    mesh = init_device_mesh("cpu", (1,))
+    mesh = init_device_mesh(a.device, (1,))
     for layer in model.model.layers:  # as docs/param-offload.md shards a model: each layer, then the root
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -143,12 +152,13 @@ def build(a, folder: str):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m zoe.bench_infinity", description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=parse_count, default=parse_count("1B"), help="model size (250M, 1B, 4B) [1B]")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=4, help="training steps [4]")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per step [1]")
     ap.add_argument("--seq", type=int, default=32, help="tokens per sequence [32]")
     ap.add_argument("--prefetch", type=int, default=2, help="parameter groups read ahead [2]")
     ap.add_argument("--state-dtype", default="int8", choices=("fp32", "bf16", "int8"))
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model computes [cpu]")
+    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate [1e-3]")
     ap.add_argument("--nvme-path", default=None,
                     help="folder on the NVMe for the parameter tier and the swap store [a new folder under "
                          "./.nvme-scratch]; emptied at the end unless --keep")
@@ -185,19 +195,26 @@ def main(argv=None) -> int:
              **({"error": p["error"]} if "error" in p else {}), command=p.get("command"))
         # One batch, stepped on again and again: the loss falling shows the model trains.
         ids = torch.randint(0, config.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(a.device)
+        cuda = a.device == "cuda"
+        now = (lambda: (torch.cuda.synchronize(), time.perf_counter())[1]) if cuda else time.perf_counter
         peaks = []
         for step in range(a.steps):
             reset_peak()
-            t0 = time.perf_counter()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            t0 = now()
             loss = model(input_ids=ids, labels=ids).loss
-            t1 = time.perf_counter()
+            t1 = now()
             loss.backward()
-            t2 = time.perf_counter()
+            t2 = now()
             opt.step()
             opt.zero_grad()
-            t3 = time.perf_counter()
+            t3 = now()
             m = rss()
             peaks.append(m["peak"])
+            if cuda:
+                emit("gpu", step=step + 1, peak_allocated_gib=torch.cuda.max_memory_allocated() / GiB)
             emit("step", step=step + 1, loss=loss.item(), forward_s=t1 - t0, backward_s=t2 - t1, step_s=t3 - t2,
                  peak_rss_gib=m["peak"] / GiB, rss_gib=m["rss"] / GiB,
                  peak_bytes_per_param=m["peak"] / n, disk_gib=disk_bytes(a.nvme_path) / GiB)
