@@ -160,6 +160,10 @@ class SwapStore {
   // the same gradients after a failure completes exactly the missing tiles and gives the result of an
   // uninterrupted run. On failure the Status says which tiles are at which step (also: tile_runs()).
   Status step(std::span<const SwapSegment> segments, const StepOptions& options);
+  // One call of a step split across several on tile boundaries (tier nvme's windows): `last` false for every
+  // call but the step's last, whose durability (each_call, next_call) then covers them all — the table on
+  // disk moves from the old step to the new one at once, never naming a mix of the two.
+  Status step(std::span<const SwapSegment> segments, const StepOptions& options, bool last);
 
   // A speculative step (the optimizer's overlap schedule steps tiles while backward still produces the
   // gradients of others): as step(), but before computing each tile it calls gate(begin, end) with the tile's

@@ -160,13 +160,24 @@ class ShardedParams:
         whole group's gradients share. Copied into the flat buffer at once (``p.grad`` its view again), that
         output is freed group by group — else every group's would live until step(), a second copy of the
         model's gradients (measured: 2 bytes per parameter at the end of each backward, bench_infinity at 1B).
-        A torch that does not run the hooks leaves the copy to step(), as before."""
+        A torch that does not run the hooks leaves the copy to step(), as before; so does a gradient laid out
+        otherwise than its shard (step() refuses it, naming it — not an error in the middle of FSDP2's
+        reduce)."""
+        gpu_mesh = self.mesh.device_type == "cuda"
+
         def adopt(slot):
             def hook(p):
                 g = p.grad
-                if g is not None and g is not slot.grad_view:
-                    self.copy_grad(slot, g)
-                    p.grad = slot.grad_view
+                if g is None or g is slot.grad_view or not is_dtensor(g) or \
+                        g.device_mesh != p.device_mesh or tuple(g.placements) != tuple(p.placements):
+                    return
+                if gpu_mesh and g._local_tensor.device.type == "cpu":
+                    # CPUOffloadPolicy: an FSDP2 that copies a new gradient to pinned memory without blocking
+                    # though hooks are set (2.15 blocks then; older ones may not) runs the hook before the copy
+                    # is done; the copy is on the stream current here, FSDP2's post-reduce stream.
+                    torch.cuda.current_stream().synchronize()
+                self.copy_grad(slot, g)
+                p.grad = slot.grad_view
             return hook
         return [s.param.register_post_accumulate_grad_hook(adopt(s)) for s in slots if s.param.requires_grad]
 

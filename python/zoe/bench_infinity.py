@@ -161,10 +161,11 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate [1e-3]")
     ap.add_argument("--nvme-path", default=None,
                     help="folder on the NVMe for the parameter tier and the swap store [a new folder under "
-                         "./.nvme-scratch]; emptied at the end unless --keep")
+                         "./.nvme-scratch]; what it wrote there is removed at the end unless --keep (the folder too if it made it)")
     ap.add_argument("--keep", action="store_true", help="leave the files on disk")
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
     a = ap.parse_args(argv)
+    made = a.nvme_path is None or not os.path.exists(a.nvme_path)  # only a folder of its own goes whole
     if a.nvme_path is None:
         os.makedirs(".nvme-scratch", exist_ok=True)
         a.nvme_path = tempfile.mkdtemp(prefix="bench_infinity-", dir=".nvme-scratch")
@@ -226,8 +227,22 @@ def main(argv=None) -> int:
         del opt, offload, model
     finally:
         if not a.keep:
-            shutil.rmtree(a.nvme_path, ignore_errors=True)
+            _remove(a.nvme_path, made)
     return 0
+
+
+def _remove(folder: str, made: bool) -> None:
+    """What the benchmark wrote into ``folder``, and the folder itself if the benchmark made it: a folder the
+    user named may hold other files."""
+    if made:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    for name in ("params", "state", "config.json", "pg"):
+        path = os.path.join(folder, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.exists(path):
+            os.remove(path)
 
 
 def _plan_totals(p: dict) -> tuple[int | None, int | None]:

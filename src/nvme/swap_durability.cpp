@@ -52,7 +52,16 @@ Status SwapStore::Impl::sync_and_persist(const std::vector<TileEntry>& before, b
   return s;
 }
 
-Status SwapStore::Impl::after_call(const std::vector<TileEntry>& before, bool wrote) {
+Status SwapStore::Impl::after_call(const std::vector<TileEntry>& call_before, bool call_wrote) {
+  if (defer) {  // an earlier call of a split step: durable with the step's last call
+    if (!deferred_before) deferred_before = call_before;
+    deferred_wrote = deferred_wrote || call_wrote;
+    if (call_wrote) unsynced = true;
+    return Status::success();
+  }
+  const std::vector<TileEntry> before = deferred_before ? std::move(*deferred_before) : call_before;
+  deferred_before.reset();
+  const bool wrote = call_wrote || std::exchange(deferred_wrote, false);
   switch (options.durability) {
     case SwapDurability::each_call:
       return sync_and_persist(before, wrote);
@@ -67,6 +76,15 @@ Status SwapStore::Impl::after_call(const std::vector<TileEntry>& before, bool wr
       return Status::success();
   }
   return Status::success();
+}
+
+// A step split across calls (tier nvme's windows): durable as one step, with its last call (after_call).
+Status SwapStore::step(std::span<const SwapSegment> segments, const StepOptions& options, bool last) {
+  // A resident store keeps its writes in flight between calls: each call settles the last one's itself.
+  impl_->defer = !last && !impl_->keeps_resident();
+  Status s = step_tiles(*impl_, segments, options, nullptr);
+  impl_->defer = false;
+  return s;
 }
 
 void SwapStore::Impl::launch_background(bool durable) {

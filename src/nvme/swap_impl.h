@@ -8,6 +8,7 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -97,6 +98,11 @@ struct SwapStore::Impl {
   // Durability next_call / on_flush: calls wrote since the last durable table; and (next_call) the last
   // call's fdatasync and table update running in the background, with the sequence number it writes.
   bool unsynced = false;
+  // A step split across calls (SwapStore::step with last = false): the table before its first call and
+  // whether any of them wrote; after_call makes them durable with the step's last call.
+  bool defer = false;
+  std::optional<std::vector<TileEntry>> deferred_before;
+  bool deferred_wrote = false;
   std::future<Status> persisting;
   std::uint64_t persisting_seq = 0;
   bool persisting_durable = false;  // the background task makes the call durable (next_call), or only waits

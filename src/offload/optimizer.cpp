@@ -341,7 +341,9 @@ std::int64_t OffloadOptimizer::param_step_count(std::size_t param) const {
   return std::atomic_ref(impl_->param_steps[param]).load(std::memory_order_relaxed);
 }
 bool OffloadOptimizer::last_step_skipped() const { return impl_->last_skipped.load(); }
-bool OffloadOptimizer::reads_grads_in_place() const { return impl_->grads_in_place; }
+// The streamed step on a device with memory of its own copies each window's gradients during step(), after
+// whatever the trainer did to them since the norm: for that contract it reads them in place too.
+bool OffloadOptimizer::reads_grads_in_place() const { return impl_->grads_in_place || impl_->streamed; }
 const StepStats& OffloadOptimizer::stats() const { return impl_->stats_; }
 
 std::vector<std::size_t> OffloadOptimizer::state_sizes() const {

@@ -167,11 +167,8 @@ Status OffloadOptimizer::load(const std::string& path) {
                                  : reader->read("weights16", weights->data(), m.weight_offsets.back());
   if (!read.ok()) return read;
   if (Status s = m.tier->load(reader.value(), path, step); !s.ok()) return s;
-  if (m.streamed) {
-    if (Status s = m.tier->resend_weights(nullptr); !s.ok()) return s;
-  } else {
-    place_weights(m, *weights);
-  }
+  if (!m.streamed) place_weights(m, *weights);
+  // The store is the checkpoint's now: so are the counters, before anything that can fail.
   for (std::size_t g = 0; g < m.groups.size(); ++g) m.groups[g].hyper = manifest->groups[g];
   m.step_count = step;
   if (manifest->param_steps.empty()) {
@@ -181,6 +178,11 @@ Status OffloadOptimizer::load(const std::string& path) {
   }
   m.scaler.restore(manifest->loss_scale);
   m.visible_scale = m.scaler.scale();
+  // Streamed: the loaded masters rounded and sent; a send that fails leaves its parameters marked unsent,
+  // which the next step() sends first.
+  if (m.streamed) {
+    if (Status s = m.tier->resend_weights(nullptr); !s.ok()) return s;
+  }
   for (std::size_t i = 0; i < m.params.size(); ++i) {
     if (m.streamed && m.params[i].dtype != DType::f32) continue;  // sent above
     if (Status s = m.enqueue_h2d(i); !s.ok()) return s;

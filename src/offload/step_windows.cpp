@@ -69,7 +69,8 @@ std::size_t StepWindows::param_at(std::size_t store_at) const {
 
 Status StepWindows::step(float grad_scale, int set, const std::vector<ParamGroup>& hyper, SwapStats* io) {
   const std::size_t P = m_.params.size(), end = at_.back();
-  m_.unsent.assign(P, 0);
+  // What an earlier resend (a load, write_state) left unsent stays marked: send_all_weights() retries it.
+  if (m_.unsent.size() != P) m_.unsent.assign(P, 0);
   send_error_ = Status();
   StepOptions o;
   o.step = m_.step_count.load() + 1;
@@ -100,7 +101,7 @@ Status StepWindows::step(float grad_scale, int set, const std::vector<ParamGroup
       segments.push_back({a, b - a, &hyper[p.group].hyper, grad, grad_dtype, out, p.dtype, m_.bias_step(i)});
     }
     if (Status s = grads_down(parts, lo); !s.ok()) return s;
-    Status stepped = store_.step(segments, o);
+    Status stepped = store_.step(segments, o, /*last=*/hi == end);
     const SwapStats& last = store_.last_stats();
     io->read_bytes += last.read_bytes;
     io->write_bytes += last.write_bytes;
@@ -158,6 +159,7 @@ Status StepWindows::send(const std::vector<std::size_t>& done, std::size_t base)
     if (p.tier == nullptr) {
       Impl::count_bytes(m_.stats_.h2d_bytes, p.n * 2);
       if (Status s = m_.device.copy_to_device(p.device_weights, w, p.n * 2, Stream::h2d); !s.ok()) return s;
+      m_.unsent[i] = 0;
       continue;
     }
     auto t = std::find_if(tiers.begin(), tiers.end(), [&](const auto& x) { return x.first == p.tier; });
@@ -172,10 +174,9 @@ Status StepWindows::send(const std::vector<std::size_t>& done, std::size_t base)
   }
   for (std::size_t k = 0; k < tiers.size(); ++k) {
     Status written = tiers[k].first->write_blocks(tiers[k].second);
-    if (!written.ok()) {
-      for (std::size_t i : tiered[k]) m_.unsent[i] = 1;  // the entry kept its previous copy
-      if (send_error_.ok()) send_error_ = std::move(written);
-    }
+    // A failed write: each entry kept its previous copy, or has the new one; either way, sent again.
+    for (std::size_t i : tiered[k]) m_.unsent[i] = written.ok() ? 0 : 1;
+    if (!written.ok() && send_error_.ok()) send_error_ = std::move(written);
   }
   Result<EventId> sent = m_.device.record(Stream::h2d);
   if (!sent.ok()) return sent.status();
@@ -210,15 +211,19 @@ Status StepWindows::widen(std::size_t i, std::size_t begin, std::size_t n, float
   return Status::success();
 }
 
-Status StepWindows::round_masters(std::size_t i, std::uint16_t* w16) {
+Status StepWindows::round_masters(std::size_t i, std::size_t first, std::size_t count, void* out) {
   const ParamSpec& p = m_.params[i];
   constexpr std::size_t kSlice = std::size_t(1) << 20;
-  std::vector<float> masters(std::min(kSlice, p.n));
+  std::vector<float> masters(std::min(kSlice, count));
   const bool f16 = p.dtype == DType::f16;
-  for (std::size_t b = 0; b < p.n; b += kSlice) {
-    const std::size_t n = std::min(kSlice, p.n - b);
-    if (Status s = store_.read(at_[i] + b, n, masters.data(), nullptr, nullptr); !s.ok()) return s;
-    for (std::size_t k = 0; k < n; ++k) w16[b + k] = f16 ? float_to_f16(masters[k]) : float_to_bf16(masters[k]);
+  auto* w16 = static_cast<unsigned char*>(out);
+  for (std::size_t b = 0; b < count; b += kSlice) {
+    const std::size_t n = std::min(kSlice, count - b);
+    if (Status s = store_.read(at_[i] + first + b, n, masters.data(), nullptr, nullptr); !s.ok()) return s;
+    for (std::size_t k = 0; k < n; ++k) {
+      const std::uint16_t w = f16 ? float_to_f16(masters[k]) : float_to_bf16(masters[k]);
+      std::memcpy(w16 + (b + k) * 2, &w, 2);  // `out` may be a checkpoint slice at any even offset
+    }
   }
   return Status::success();
 }
@@ -226,11 +231,12 @@ Status StepWindows::round_masters(std::size_t i, std::uint16_t* w16) {
 Status StepWindows::resend(const std::vector<char>* which) {
   loaded_end_ = loaded_first_;  // weights_ is rewritten
   if (m_.unsent.size() != m_.params.size()) m_.unsent.assign(m_.params.size(), 0);
+  send_error_ = Status();
   Status first;
   for (std::size_t i = 0; i < m_.params.size(); ++i) {
     const ParamSpec& p = m_.params[i];
     if (p.n == 0 || p.dtype == DType::f32 || (which != nullptr && !(*which)[i])) continue;
-    Status s = round_masters(i, reinterpret_cast<std::uint16_t*>(weights_));
+    Status s = round_masters(i, 0, p.n, weights_);
     if (s.ok()) {
       m_.unsent[i] = 0;  // send() marks it again if its write fails
       s = send({i}, at_[i]);
@@ -244,17 +250,16 @@ Status StepWindows::resend(const std::vector<char>* which) {
   return first;
 }
 
+// Only the elements asked for: rounding is element by element, and a checkpoint asks slice by slice.
 Status StepWindows::read_weights16(std::size_t offset, std::size_t n, void* out) {
   auto* dst = static_cast<unsigned char*>(out);
   const std::vector<std::size_t>& wo = m_.weight_offsets;
   std::size_t i = static_cast<std::size_t>(std::upper_bound(wo.begin(), wo.end(), offset) - wo.begin()) - 1;
-  std::vector<std::uint16_t> w16;
   for (; i < m_.params.size() && wo[i] < offset + n; ++i) {
     const std::size_t lo = std::max(offset, wo[i]), hi = std::min(offset + n, wo[i + 1]);
-    if (lo >= hi) continue;
-    w16.resize(m_.params[i].n);
-    if (Status s = round_masters(i, w16.data()); !s.ok()) return s;
-    std::memcpy(dst + (lo - offset), reinterpret_cast<const unsigned char*>(w16.data()) + (lo - wo[i]), hi - lo);
+    if (lo >= hi) continue;  // an f32 parameter: no bytes in the blob
+    // Byte offsets of 16-bit weights are even: elements [first, first + count) of parameter i.
+    if (Status s = round_masters(i, (lo - wo[i]) / 2, (hi - lo) / 2, dst + (lo - offset)); !s.ok()) return s;
   }
   return Status::success();
 }

@@ -54,8 +54,8 @@ class StepWindows {
   StepWindows(Impl& m, SwapStore& store, const std::vector<std::size_t>& at, std::size_t tile)
       : m_(m), store_(store), at_(at), tile_(tile) {}
   std::size_t param_at(std::size_t store_at) const;  // the parameter holding store element `store_at`
-  // Rounds parameter i's masters [0, n) from the store into `w16`.
-  Status round_masters(std::size_t i, std::uint16_t* w16);
+  // Rounds parameter i's masters [first, first + count) from the store into `out` (16-bit values).
+  Status round_masters(std::size_t i, std::size_t first, std::size_t count, void* out);
   Status grads_down(const std::vector<Piece>& parts, std::size_t lo);
   Status send(const std::vector<std::size_t>& done, std::size_t base);
 

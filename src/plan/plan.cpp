@@ -78,7 +78,14 @@ void step_buffers(const RankLayout& r, const Cluster& c, const Placement& p, con
   // Tier ram steps the model's own gradients and weights in place only where the CPU is the device and
   // the weights are not in a parameter tier; else whole 16-bit copies of both.
   if (p.optimizer == Offload::cpu && (!c.cpu_device || p.param != Offload::none)) host.staging = 2 * r.part + 2 * r.part;
-  if (p.optimizer == Offload::nvme) host.step_windows = r.window_count * r.window_elements * 2;
+  if (p.optimizer == Offload::nvme) {
+    // Tier nvme with the sync schedule the plan sizes (footprint.cpp's staging_rule): in place where the CPU is
+    // the device and the weights are the model's own; else streamed through windows — unless zoe sums
+    // micro-batches, which keeps whole 16-bit copies as tier ram does.
+    const bool in_place = c.cpu_device && p.param == Offload::none;
+    if (!in_place && t.grad_accumulation > 1) host.staging = 2 * r.part + 2 * r.part;
+    if (!in_place && t.grad_accumulation <= 1) host.step_windows = r.window_count * r.window_elements * 2;
+  }
   if (t.grad_accumulation > 1) host.accumulation = 4 * r.part;
 }
 
