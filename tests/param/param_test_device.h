@@ -10,8 +10,11 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "zoe/device.h"
+#include "zoe/param_tier.h"
 
 namespace zoe {
 
@@ -31,6 +34,14 @@ inline std::unique_ptr<Device> make_test_device() {
   Result<std::unique_ptr<Device>> d = make_cuda_device(0);
   if (!d.ok()) return nullptr;  // OnTestDevice has skipped or failed the test
   return std::move(d).value();
+}
+
+// A parameter tier in NVMe files under `paths`, the other options at their defaults.
+inline ParamTierOptions nvme_home(std::vector<std::string> paths) {
+  ParamTierOptions o;
+  o.home = ParamHome::nvme;
+  o.nvme_paths = std::move(paths);
+  return o;
 }
 
 // The fixture of every test in these suites: skips, naming why, when the CUDA run finds no usable GPU.

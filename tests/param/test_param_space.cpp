@@ -120,13 +120,6 @@ TEST_F(ParamSpace, RamHomeThatRamCannotHoldIsRefused) {
 #ifdef ZOE_HAVE_AIO
 using testing::TempDir;
 
-ParamTierOptions nvme_home(std::vector<std::string> paths) {
-  ParamTierOptions o;
-  o.home = ParamHome::nvme;
-  o.nvme_paths = std::move(paths);
-  return o;
-}
-
 TEST_F(ParamSpace, NvmeHomeFootprintIsWhatItTakes) {
   std::unique_ptr<Device> device = make_test_device();
   TempDir dir("zoe-param-space");

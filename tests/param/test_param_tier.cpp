@@ -251,13 +251,6 @@ TEST_F(ParamTierCpu, RandomUseNeverServesStaleOrForeignBytes) {
 using testing::FaultPlan;
 using testing::TempDir;
 
-ParamTierOptions nvme_home(std::vector<std::string> paths) {
-  ParamTierOptions o;
-  o.home = ParamHome::nvme;
-  o.nvme_paths = std::move(paths);
-  return o;
-}
-
 TEST_F(ParamTierNvme, FetchesTheHomesBytesFromTheFile) {
   TempDir dir("zoe-param");
   Fixture f(layer_blocks(12, 64));
