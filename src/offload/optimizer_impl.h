@@ -15,12 +15,14 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "base/aligned_buffer.h"
 #include "src/offload/loss_scaler.h"
 #include "base/work_queue.h"
 #include "zoe/offload.h"
+#include "zoe/param_tier.h"
 #include "zoe/partition.h"
 
 namespace zoe {
@@ -118,6 +120,25 @@ class StateTier {
     static const std::vector<char> kNone;
     return kNone;
   }
+};
+
+// New 16-bit (or f32) weights of tiered parameters grouped per parameter tier and block, so that each tier
+// writes them in one write_blocks() call: the NVMe home keeps a block's writes in flight together and the next
+// block's behind them.
+class TierWrites {
+ public:
+  void add(const ParamSpec& p, std::size_t param, const void* src);
+  // Every tier's blocks written; `written(param, ok)` told for each parameter added. The first failure.
+  Status write(const std::function<void(std::size_t, bool)>& written = nullptr);
+
+ private:
+  struct Tier {
+    ParamTier* tier;
+    std::vector<ParamBlockWrite> writes;
+    std::unordered_map<std::size_t, std::size_t> block_at;  // block -> its entry in `writes`
+    std::vector<std::size_t> params;
+  };
+  std::vector<Tier> tiers_;
 };
 
 class StepSchedule {

@@ -15,7 +15,6 @@
 #include <cmath>
 #include <cstring>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -303,26 +302,36 @@ Status OffloadOptimizer::Impl::non_finite_error(int set) const {
                           "lets them propagate as torch.optim does)");
 }
 
+void TierWrites::add(const ParamSpec& p, std::size_t param, const void* src) {
+  auto t = std::find_if(tiers_.begin(), tiers_.end(), [&](const Tier& x) { return x.tier == p.tier; });
+  if (t == tiers_.end()) t = tiers_.insert(tiers_.end(), Tier{p.tier, {}, {}, {}});
+  auto [at, first] = t->block_at.try_emplace(p.tier_block, t->writes.size());
+  if (first) t->writes.push_back({p.tier_block, std::vector<const void*>(p.tier->entries(p.tier_block))});
+  t->writes[at->second].src[p.tier_entry] = src;
+  t->params.push_back(param);
+}
+
+Status TierWrites::write(const std::function<void(std::size_t, bool)>& written) {
+  Status first;
+  for (const Tier& t : tiers_) {
+    Status s = t.tier->write_blocks(t.writes);
+    if (written) {
+      for (std::size_t i : t.params) written(i, s.ok());
+    }
+    if (!s.ok() && first.ok()) first = std::move(s);
+  }
+  return first;
+}
+
 Status OffloadOptimizer::Impl::write_tier_weights() {
-  // Per tier, every block written in one call: the NVMe home keeps a block's writes in flight together and
-  // the next block's behind them.
-  std::vector<std::pair<ParamTier*, std::vector<ParamBlockWrite>>> tiers;
-  std::unordered_map<const ParamTier*, std::unordered_map<std::size_t, std::size_t>> index;  // tier, block -> write
+  TierWrites writes;
   for (std::size_t i = 0; i < params.size(); ++i) {
     const ParamSpec& p = params[i];
     // Streamed: a 16-bit parameter's weights went to the tier from the step's window.
     if (p.tier == nullptr || p.n == 0 || in_place || (streamed && p.dtype != DType::f32)) continue;
-    auto t = std::find_if(tiers.begin(), tiers.end(), [&](const auto& x) { return x.first == p.tier; });
-    if (t == tiers.end()) t = tiers.insert(tiers.end(), {p.tier, {}});
-    auto [at, first] = index[p.tier].try_emplace(p.tier_block, t->second.size());
-    if (first) t->second.push_back({p.tier_block, std::vector<const void*>(p.tier->entries(p.tier_block))});
-    t->second[at->second].src[p.tier_entry] =
-        p.dtype == DType::f32 ? static_cast<const void*>(master_of(i)) : weights_of(i);
+    writes.add(p, i, p.dtype == DType::f32 ? static_cast<const void*>(master_of(i)) : weights_of(i));
   }
-  for (const auto& [home, writes] : tiers) {
-    if (Status s = home->write_blocks(writes); !s.ok()) return s;
-  }
-  return Status::success();
+  return writes.write();
 }
 
 Status OffloadOptimizer::Impl::send_all_weights() {

@@ -5,7 +5,6 @@
 #include <cstring>
 #include <string>
 #include <tuple>
-#include <unordered_map>
 #include <utility>
 
 #include "base/aligned_buffer.h"
@@ -150,9 +149,7 @@ Status StepWindows::grads_down(const std::vector<Piece>& parts, std::size_t lo) 
 // tier with each block's entries together, or to the device; the device's copies are waited for, so the
 // window can be written again. A parameter whose write failed is marked unsent: send_all_weights() retries it.
 Status StepWindows::send(const std::vector<std::size_t>& done, std::size_t base) {
-  std::vector<std::pair<ParamTier*, std::vector<ParamBlockWrite>>> tiers;
-  std::vector<std::vector<std::size_t>> tiered;  // per entry of `tiers`: its parameters
-  std::unordered_map<const ParamTier*, std::unordered_map<std::size_t, std::size_t>> index;
+  TierWrites writes;
   for (std::size_t i : done) {
     const ParamSpec& p = m_.params[i];
     const unsigned char* w = weights_ + (at_[i] - base) * 2;
@@ -162,22 +159,11 @@ Status StepWindows::send(const std::vector<std::size_t>& done, std::size_t base)
       m_.unsent[i] = 0;
       continue;
     }
-    auto t = std::find_if(tiers.begin(), tiers.end(), [&](const auto& x) { return x.first == p.tier; });
-    if (t == tiers.end()) {
-      t = tiers.insert(tiers.end(), {p.tier, {}});
-      tiered.emplace_back();
-    }
-    auto [at, first] = index[p.tier].try_emplace(p.tier_block, t->second.size());
-    if (first) t->second.push_back({p.tier_block, std::vector<const void*>(p.tier->entries(p.tier_block))});
-    t->second[at->second].src[p.tier_entry] = w;
-    tiered[static_cast<std::size_t>(t - tiers.begin())].push_back(i);
+    writes.add(p, i, w);
   }
-  for (std::size_t k = 0; k < tiers.size(); ++k) {
-    Status written = tiers[k].first->write_blocks(tiers[k].second);
-    // A failed write: each entry kept its previous copy, or has the new one; either way, sent again.
-    for (std::size_t i : tiered[k]) m_.unsent[i] = written.ok() ? 0 : 1;
-    if (!written.ok() && send_error_.ok()) send_error_ = std::move(written);
-  }
+  // A failed write: each entry kept its previous copy, or has the new one; either way, sent again.
+  Status written = writes.write([&](std::size_t i, bool ok) { m_.unsent[i] = ok ? 0 : 1; });
+  if (!written.ok() && send_error_.ok()) send_error_ = std::move(written);
   Result<EventId> sent = m_.device.record(Stream::h2d);
   if (!sent.ok()) return sent.status();
   return m_.device.synchronize(sent.value());
