@@ -47,8 +47,6 @@ class StepWindows {
   Status resend(const std::vector<char>* which);
   // Bytes [offset, offset + n) of the "weights16" blob (16-bit parameters in order), from the masters.
   Status read_weights16(std::size_t offset, std::size_t n, void* out);
-  // Host bytes the windows hold (zoe plan counts them).
-  std::size_t host_bytes() const { return (weights_ ? capacity_ * 2 : 0) + (grads_ ? capacity_ * grad_stride_ : 0); }
 
  private:
   StepWindows(Impl& m, SwapStore& store, const std::vector<std::size_t>& at, std::size_t tile)
