@@ -95,11 +95,11 @@ const char* kUsage =
 struct Texts {
   std::string params, model, gpus = "1", nodes = "1", gpu_mem, host_ram, nvme_capacity, stage, offload_opt, offload_param,
       state_dtype = "fp32", prefetch = "2", grad_accum = "1", micro_batch, seq_len, adam_rate, nvme_gbps, pcie_gbps;
-  bool json = false, checkpointing = false, grads_on_host = false, help = false;
+  bool json = false, checkpointing = false, grads_on_host = false, spill_grads = false, help = false;
   std::vector<std::string> nvme_paths;
 };
 
-std::array<Option, 22> options_of(Texts& t) {
+std::array<Option, 23> options_of(Texts& t) {
   return {{
       {"params", &t.params, nullptr, "parameter count, 1 to 100T (350M, 7.5B, 1T)"},
       {"model", &t.model, nullptr, "a Hugging Face-style config.json instead of --params"},
@@ -118,6 +118,7 @@ std::array<Option, 22> options_of(Texts& t) {
       {"seq-len", &t.seq_len, nullptr, "tokens per sequence, 1 to 16M (activation estimate)"},
       {"activation-checkpointing", nullptr, &t.checkpointing, "full activation checkpointing (activation estimate)"},
       {"grads-on-host", nullptr, &t.grads_on_host, "stage 3: FSDP2's CPUOffloadPolicy keeps the gradient shards in host RAM"},
+      {"spill-grads", nullptr, &t.spill_grads, "stage 3, optimizer on NVMe: zoe spills the gradient shards to NVMe (spill_grads)"},
       {"adam-rate", &t.adam_rate, nullptr, "CPU Adam parameters/s per node, 1 to 100T (default: measured here)"},
       {"nvme-gbps", &t.nvme_gbps, nullptr, "NVMe GB/s per path, each direction, 0.001 to 1e5 (default: measured on the --nvme paths)"},
       {"pcie-gbps", &t.pcie_gbps, nullptr, "host-GPU GB/s per GPU, 0.001 to 1e5 (default 25, assumed)"},
@@ -202,6 +203,7 @@ Status read_training(const Texts& t, Inputs& in) {
   if (c.cpu_device) c.gpus_per_node = 1;
   tr.activation_checkpointing = t.checkpointing;
   tr.grads_on_host = t.grads_on_host;
+  tr.spill_grads = t.spill_grads;
   Result<DType> sd = plan::parse_state_dtype(t.state_dtype);
   if (!sd.ok()) return sd.status();
   tr.state = *sd;

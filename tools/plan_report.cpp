@@ -57,6 +57,7 @@ Json placement_json(const Inputs& in, const Evaluated& e, const Rates& rates) {
                    {"swap_read_bytes_per_node", step.swap_read_bytes},
                    {"swap_write_bytes_per_node", step.swap_write_bytes},
                    {"param_read_bytes_per_node", step.param_read_bytes},
+                   {"spill_bytes_per_node", step.spill_bytes},
                    {"param_write_bytes_per_node", step.param_write_bytes},
                    {"pcie_bytes_per_gpu", step.pcie_bytes}}}};
   const std::string config = deepspeed_config(e.placement, in.cluster, in.training);
@@ -107,6 +108,10 @@ std::string step_text(const Inputs& in, const Evaluated& e, const Rates& rates) 
                   "%s written (the step's weights)\n",
                   human(s.param_read_bytes).c_str(), human(s.param_write_bytes).c_str());
   }
+  if (s.spill_bytes > 0) {
+    out += format("    NVMe per node per step, gradient spill: %s written (backward), %s read (the step)\n",
+                  human(s.spill_bytes).c_str(), human(s.spill_bytes).c_str());
+  }
   if (s.pcie_bytes > 0) {
     out += format("    PCIe per GPU per step: %s (sync schedule; overlap and delayed hide it)\n", human(s.pcie_bytes).c_str());
   }
@@ -148,7 +153,9 @@ std::string summary_text(const Request& r, const PlanResult& p) {
   }
   out += format("optimizer state: fp32 master + %s moments (%.2f bytes per parameter)%s\n",
                 state_dtype_name(t.state).data(), 4 + moment_bytes(1 << 20, t.state) / double(1 << 20),
-                t.grads_on_host ? "; stage 3's gradient shards in host RAM (CPUOffloadPolicy)" : "");
+                t.spill_grads     ? "; stage 3's gradient shards spilled to NVMe (spill_grads)"
+                : t.grads_on_host ? "; stage 3's gradient shards in host RAM (CPUOffloadPolicy)"
+                                  : "");
   out += placement_text(r.in, p.shown, p.rates,
                         r.requested            ? "requested"
                         : p.find(p.cheapest) ? "cheapest placement that fits"
@@ -187,10 +194,12 @@ std::string placements_text(const Request& r, const PlanResult& p) {
                   &e == cheapest ? "   <- cheapest" : "");
   }
   if (!cheapest) {
-    out += r.in.training.grads_on_host || r.in.cluster.cpu_device
-               ? "  nothing fits: more GPUs or nodes, more host RAM, or NVMe paths (--nvme)\n"
+    out += r.in.training.spill_grads ? "  nothing fits: more GPUs or nodes, more host RAM, or NVMe paths (--nvme)\n"
+           : r.in.training.grads_on_host || r.in.cluster.cpu_device
+               ? "  nothing fits: more GPUs or nodes, more host RAM, NVMe paths (--nvme), or stage 3's gradient shards "
+                 "spilled to NVMe (--spill-grads)\n"
                : "  nothing fits: more GPUs or nodes, more host RAM, NVMe paths (--nvme), or stage 3's gradient shards "
-                 "in host RAM (--grads-on-host)\n";
+                 "in host RAM (--grads-on-host) or spilled to NVMe (--spill-grads)\n";
   }
   const std::string config = deepspeed_config(p.shown.placement, r.in.cluster, r.in.training);
   out += format("\nconfig (%s):\n%s\n", placement_name(p.shown.placement).c_str(), config.c_str());
@@ -219,6 +228,7 @@ std::string plan_json(const Request& r, const PlanResult& p) {
            {"nvme_capacity_bytes", c.nvme_capacity},
            {"state_dtype", state_dtype_name(r.in.training.state)},
            {"grads_on_host", r.in.training.grads_on_host},
+           {"spill_grads", r.in.training.spill_grads},
            {"requested", r.requested}};
   const Json shown_json = placement_json(r.in, p.shown, p.rates);
   for (const auto& [k, v] : shown_json.items()) out[k] = v;

@@ -144,6 +144,13 @@ struct OffloadOptions {
   // trainer keeps them until step() (FSDP2's sharded gradients) instead of leaving at grad_ready() for one
   // device window shared by all, so tier nvme's sync step streams them from there too.
   bool grads_stay_on_device = false;
+  // Tier nvme's streamed step only (sync, no micro-batch sums, not partitioned): every gradient goes to a
+  // file beside the swap store (on the first NVMe path, 2 bytes per 16-bit element) as soon as it is
+  // reported (grad_ready(), spill_grad()) or, unreported, at step(); the step reads it back window by window.
+  // Neither the device nor host RAM holds the iteration's gradients: the trainer may free a gradient once it
+  // is reported. Its statistics (norm, NaN/Inf) are taken as it goes, so clipping and the refusal still hold;
+  // grads_changed() is refused once one has gone (change gradients before reporting them).
+  bool spill_grads = false;
   CpuAdamOptions cpu;
 };
 
@@ -253,6 +260,11 @@ class OffloadOptimizer {
   // call) before it is freed. Refused for partitioned optimizers (their gradients are reduced in flat
   // buffers) and for tiered parameters on a device with its own memory (their gradient's place is a window).
   Status set_grad_source(std::size_t param, const void* grads);
+  // OffloadOptions::spill_grads: parameter `param`'s gradient, at `grads` (its n elements of its dtype on the
+  // device), goes to the spill file now and counts as reported; the memory may be freed once this returns
+  // (ParamSpec::device_grads is not read for it). One report per parameter and iteration: a second is
+  // refused (the spill does not sum micro-batches). A failed write fails the step until abandon_iteration().
+  Status spill_grad(std::size_t param, const void* grads);
   // Ends the iteration: every gradient is final. Applies the step (or, delayed, starts it) and leaves the
   // updated weights on the device — after wait() for the delayed schedule's previous step. Tier nvme: a
   // step that failed on I/O says which state is valid and may be called again once the fault is cleared;

@@ -9,6 +9,9 @@ or reduce again: to the engine the world is one rank whose parameters are this r
 * Gradients: one flat buffer per dtype beside the shards; ``p.grad`` is a DTensor over a view of it, with
   the parameter's mesh and placements. FSDP2 adds its reduce-scattered gradient into an existing ``p.grad``
   in place, so no copy per step; a gradient it allocated anew (after ``p.grad = None``) is copied in.
+  With ``spill_grads`` (tier nvme) there is no such buffer: each shard's gradient goes to the engine's spill
+  file from its post-accumulate-grad hook, and ``p.grad`` is set to None, which frees FSDP2's reduce-scatter
+  output — neither the device nor the host holds the model's gradients (ZeRO-Infinity's gradient offload).
 * The global gradient norm (clipping), NaN/Inf refusal and fp16 overflow need every shard: each rank's engine
   gives the norm of its shards, and the squares are summed over the mesh dimensions the parameters are
   sharded on; every rank then takes the same decision.
@@ -46,16 +49,17 @@ class _LocalBucket:
     """The gradients of one dtype's local shards (a ``Bucket`` of one rank: no weights of its own — the
     shards are FSDP2's)."""
 
-    def __init__(self, dtype, device, slots):
+    def __init__(self, dtype, device, slots, spills: bool):
         self.dtype = dtype
         self.slots = slots
         self.shard_numel = sum(s.numel for s in slots)
         self.weights = None
-        self.grads = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+        self.spills = spills
+        self.grads = torch.zeros(0 if spills else self.shard_numel, dtype=dtype, device=device)
         self.window = None  # a shard in a parameter tier takes its gradient from FSDP2 like any other
 
-    def grad_buffer(self, s) -> torch.Tensor:
-        return self.grads
+    def grad_buffer(self, s) -> torch.Tensor | None:
+        return None if self.spills else self.grads
 
 
 class ShardedParams:
@@ -69,6 +73,7 @@ class ShardedParams:
         self._norm_taken = False  # clip_grad_norm_ had the engine take this iteration's gradients
         self._injected = None  # (bucket, value) a clean rank marked non-finite to skip with the others
         self._engine_max_norm = 0.0
+        self.spills = False  # spill_grads: every shard's gradient goes to the engine's spill file
 
     @classmethod
     def detect(cls, param_groups, process_group) -> "ShardedParams | None":
@@ -130,8 +135,14 @@ class ShardedParams:
 
     # ---- layout ---------------------------------------------------------------------------------------
 
-    def make_buckets(self, slots_by_dtype: dict, device: torch.device) -> list[_LocalBucket]:
-        buckets = [_LocalBucket(dt, device, slots) for dt, slots in slots_by_dtype.items()]
+    def make_buckets(self, slots_by_dtype: dict, device: torch.device, spills: bool) -> list[_LocalBucket]:
+        self.spills = spills
+        if spills and self.mesh.size() > 1 and any(dt == torch.float16 for dt in slots_by_dtype):
+            raise _zoe.UnsupportedError(
+                "zoe.torch.OffloadOptimizer: spill_grads with fp16 parameters across ranks is not supported: a "
+                "rank skips an overflowing step with the others by marking a gradient it holds, and spilled "
+                "gradients are not held. Use bf16, or spill_grads=False")
+        buckets = [_LocalBucket(dt, device, slots, spills) for dt, slots in slots_by_dtype.items()]
         if sum(b.shard_numel for b in buckets) == 0:
             raise ValueError(
                 f"zoe.torch.OffloadOptimizer: rank {dist.get_rank()} holds no element of any parameter (the model "
@@ -139,7 +150,7 @@ class ShardedParams:
                 "follow the other ranks' — shard over fewer ranks")
         with torch.no_grad():
             for b in buckets:
-                for s in b.slots:
+                for s in b.slots if not spills else ():
                     p = s.param
                     local = p._local_tensor
                     view = b.grads[s.offset:s.offset + s.numel].view(local.shape)
@@ -153,7 +164,35 @@ class ShardedParams:
                         if s.numel and s.tier is None]
         return buckets
 
-    def adopt_grads(self, slots) -> list:
+    def adopt_grads(self, slots, engine) -> list:
+        if self.spills:
+            return [s.param.register_post_accumulate_grad_hook(self._spill_hook(s, engine))
+                    for s in slots if s.param.requires_grad]
+        return self._adopt_hooks(slots)
+
+    def _spill_hook(self, slot, engine):
+        def hook(p):
+            if p.grad is not None:
+                self.spill(slot, engine)
+        return hook
+
+    def spill(self, slot, engine) -> None:
+        """The shard's gradient to the engine's spill file, and ``p.grad`` None (FSDP2's reduce-scatter output
+        is freed with the group's last). A second gradient of one iteration is refused by the engine: the
+        spill does not sum micro-batches."""
+        p = slot.param
+        g = p.grad
+        self._check_layout(slot, g)
+        local = g._local_tensor.contiguous()
+        if local.is_cuda:
+            # FSDP2 reduces on a stream of its own; the engine copies on its own: the gradient must be done.
+            torch.cuda.current_stream(local.device).synchronize()
+        for i in slot.engine_ids:
+            engine.spill_grad(i, local.reshape(-1))
+        slot.spilled = True
+        p.grad = None
+
+    def _adopt_hooks(self, slots) -> list:
         """Hooks that keep each shard's gradient in the flat buffer as backward goes. FSDP2 runs a sharded
         parameter's post-accumulate-grad hooks once it has set or added its gradient; after
         ``zero_grad(set_to_none=True)`` it sets a new DTensor viewing its reduce-scatter output, which the
@@ -195,6 +234,13 @@ class ShardedParams:
 
     def copy_grad(self, slot, g) -> None:
         """A gradient FSDP2 or the trainer allocated anew, into the slot's place in the flat buffer."""
+        self._check_layout(slot, g)
+        local = g._local_tensor
+        if local.data_ptr() != slot.grad_view._local_tensor.data_ptr():
+            slot.grad_view._local_tensor.copy_(local)
+
+    @staticmethod
+    def _check_layout(slot, g) -> None:
         p = slot.param
         if not is_dtensor(g) or g.device_mesh != p.device_mesh or tuple(g.placements) != tuple(p.placements):
             what = f"a DTensor with placements {g.placements}" if is_dtensor(g) else f"a plain {type(g).__name__}"
@@ -202,9 +248,6 @@ class ShardedParams:
                 f"zoe.torch.OffloadOptimizer: parameter {slot.index} (placements {p.placements}) has as gradient "
                 f"{what}; zoe steps gradients laid out as their parameter's shards — set p.grad to a DTensor "
                 "on the parameter's mesh with its placements (redistribute it first)")
-        local = g._local_tensor
-        if local.data_ptr() != slot.grad_view._local_tensor.data_ptr():
-            slot.grad_view._local_tensor.copy_(local)
 
     # ---- agreement across the mesh --------------------------------------------------------------------
 
@@ -238,7 +281,9 @@ class ShardedParams:
             return
         if self._norm_taken:
             # Taken for clip_grad_norm_: a trainer's edit since then may be invisible to version counters.
-            engine.grads_changed()
+            # (Spilled gradients cannot be edited: they left p.grad.)
+            if not self.spills:
+                engine.grads_changed()
             self._norm_taken = False
         local = engine.grad_norm()
         norm, ranks_bad = self._global(local)
@@ -246,8 +291,9 @@ class ShardedParams:
             self._set_max_norm(engine, 0.0)  # as in one process: no clipping by a non-finite norm
             if refuse:
                 # Refused before the engine steps, on every rank alike; the engine takes the gradients anew
-                # next time.
-                engine.grads_changed()
+                # next time (spilled ones are gone: the step gives the iteration up).
+                if not self.spills:
+                    engine.grads_changed()
                 here = "non-finite" if not math.isfinite(local) else "finite"
                 raise _zoe.InvalidArgumentError(
                     f"step refused: NaN/Inf gradients on {ranks_bad} of the ranks of the {_mesh_str(self.mesh)} "

@@ -20,7 +20,7 @@ class Slot:
 
     __slots__ = ("param", "index", "group", "offset", "numel", "shape", "tier", "windowed", "bucket", "grad_view",
                  "grad_ptr", "grads_at", "own_grad", "own_version", "weight_view", "engine_ids", "accumulated",
-                 "taken", "flat_weights")
+                 "taken", "flat_weights", "spilled")
 
     def __init__(self, param, index, group, offset):
         self.param = param
@@ -37,6 +37,7 @@ class Slot:
         # Its gradient leaves the device as its backward ends, and its place in the bucket is a window that
         # every such parameter of the dtype uses in turn (OffloadOptimizer._build).
         self.windowed = False
+        self.spilled = False  # spill_grads: this iteration's gradient went to the spill file (_dtensor.py)
         self.bucket = None  # its dtype's Bucket
         self.grad_view = None
         self.grad_ptr = 0  # grad_view's address: a p.grad.data = ... keeps the tensor and changes it
@@ -132,6 +133,11 @@ class FlatState:
         self.hold: set[int] | None = None
 
     @property
+    def spills(self) -> bool:
+        """spill_grads: this iteration's gradients are in the engine's spill file, not in p.grad."""
+        return self.dtensor is not None and self.dtensor.spills
+
+    @property
     def whole(self) -> bool:
         """This rank's engine holds every parameter whole: one rank, no FSDP2 shards."""
         return self.world == 1 and self.dtensor is None
@@ -223,7 +229,8 @@ class FlatState:
                     weights = self.dtensor.local_weights(s)
                 else:
                     weights = s.flat_weights if s.flat_weights is not None else s.weight_view.reshape(-1)
-                grads = b.grad_buffer(s)[s.offset:s.offset + s.numel]
+                buffer = b.grad_buffer(s)  # None: spilled gradients, given with their reports
+                grads = None if buffer is None else buffer[s.offset:s.offset + s.numel]
                 specs.append((s.numel, ZOE_DTYPES[b.dtype], weights, grads, s.group, names.get(s.index, ""), shape))
                 if s.windowed or max(lo, s.offset) < min(hi, s.offset + s.numel):
                     s.engine_ids.append(pieces)

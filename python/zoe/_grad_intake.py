@@ -151,7 +151,8 @@ class GradIntake:
         iteration), and the next backward pass is the iteration's first again. Nothing is learnt from it."""
         with self._calls:
             self._open_backwards.clear()
-            if not self._outstanding:
+            # Spilled gradients are reported to the engine as backward goes: outstanding too.
+            if not self._outstanding and not any(s.spilled for s in self._flat.slots):
                 return
             self._stream.follow()
             self._flat.engine.abandon_iteration()
@@ -175,6 +176,7 @@ class GradIntake:
         for s in self._flat.slots:
             s.accumulated = 0
             s.taken = False
+            s.spilled = False
         self._reported = False
         self._outstanding = False
         self._taken_versions = None
@@ -352,6 +354,8 @@ class GradIntake:
         device (an offloaded parameter), one that was reported is present whatever p.grad says."""
         if s.windowed:
             return s.accumulated == 0
+        if s.spilled:  # spill_grads: in the spill file, and p.grad None
+            return False
         if self._engine_accumulates and s.accumulated:
             return False
         return s.param.grad is None
@@ -415,6 +419,15 @@ class GradIntake:
 
     def _take_grad(self, s: Slot, moves: list) -> bool:
         g = s.param.grad
+        if self._flat.spills:
+            if g is not None and s.spilled:
+                raise RuntimeError(
+                    f"zoe.torch.OffloadOptimizer: parameter {s.index} (shape {tuple(s.param.shape)}) has a gradient "
+                    "again after its backward's went to the spill file (spill_grads), which does not sum "
+                    "micro-batches: call step() after each backward, or set p.grad = None")
+            if g is not None:  # set without a backward hook (by hand, or a torch that runs none): spilled now
+                self._flat.dtensor.spill(s, self._flat.engine)
+            return False
         if g is s.grad_view and (self._flat.dtensor is not None or g.data_ptr() == s.grad_ptr):
             return False
         if g is s.grad_view:  # p.grad.data = other: the same tensor, holding other memory now

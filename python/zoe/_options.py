@@ -43,6 +43,12 @@ def check_keywords(o: dict, gradient_accumulation_steps, reduce_grads) -> None:
     if not isinstance(reduce_grads, bool):
         raise ValueError(f"reduce_grads = {reduce_grads!r} is invalid: True (zoe averages the gradients across "
                          "ranks) or False (they are averaged already, e.g. by DistributedDataParallel)")
+    if not isinstance(o["spill_grads"], bool):
+        raise ValueError(f"spill_grads = {o['spill_grads']!r} is invalid: True or False")
+    if o["spill_grads"] and (tier != "nvme" or schedule != "sync" or (gradient_accumulation_steps or 1) > 1):
+        raise ValueError("spill_grads=True needs tier='nvme', schedule='sync' and no declared micro-batches "
+                         f"(here: tier {tier!r}, schedule {schedule!r}, gradient_accumulation_steps "
+                         f"{gradient_accumulation_steps!r}): the gradients are read back by tier nvme's streamed step")
     if max_grad_norm is not None and not (max_grad_norm >= 0 and math.isfinite(max_grad_norm)):
         raise ValueError(f"max_grad_norm = {max_grad_norm} is invalid: need >= 0 (or None: no clipping)")
     _check_engine_keywords(o)

@@ -11,6 +11,8 @@ from typing import Callable
 
 import torch
 
+from . import _zoe
+
 
 class TorchStream:
     """The stream torch orders its work on for one device, followed by a zoe device before each call that
@@ -48,3 +50,19 @@ def host_wait_stats(device) -> dict:
     w = device.host_waits()
     return dict(host_waits_trainer=w["trainer_calls"], host_wait_trainer_s=w["trainer_s"],
                 host_waits_worker=w["worker_calls"], host_wait_worker_s=w["worker_s"])
+
+
+def devices_of(param_groups, cpu_device: Callable[[], object]) -> tuple:
+    """The parameters' device, and the engine's device for it (``cpu_device()`` for the CPU)."""
+    devices = {p.device for g in param_groups for p in g["params"]}
+    if len(devices) > 1:
+        raise ValueError(
+            "zoe.torch.OffloadOptimizer: parameters are on several devices "
+            f"({', '.join(sorted(str(d) for d in devices))}); one optimizer serves one device — "
+            "move the model to one device first, or create one optimizer per device")
+    device = devices.pop() if devices else torch.device("cpu")
+    if device.type == "cuda":
+        return device, _zoe.cuda_device(device.index or 0)
+    if device.type == "cpu":
+        return device, cpu_device()
+    raise ValueError(f"zoe.torch.OffloadOptimizer: device {device} is not supported (cpu or cuda)")

@@ -105,6 +105,8 @@ def plan(a, config_path: str) -> dict:
     cmd = [cli, "plan", "--model", config_path, *gpus, "--stage", "3", "--offload-optimizer", "nvme",
            "--offload-param", "nvme", "--state-dtype", a.state_dtype, "--prefetch", str(a.prefetch),
            "--micro-batch", str(a.batch), "--seq-len", str(a.seq), "--nvme", a.nvme_path, "--json"]
+    if a.spill_grads:
+        cmd.insert(-1, "--spill-grads")
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         return {"error": (r.stderr or r.stdout).strip().splitlines()[-1:], "command": " ".join(cmd)}
@@ -144,7 +146,7 @@ def build(a, folder: str):
     phases["init_s"] = time.perf_counter() - t0
     phases["after_init"] = rss()["rss"]
     opt = OffloadOptimizer(model.parameters(), lr=a.lr, tier="nvme", nvme_path=os.path.join(folder, "state"),
-                           state_dtype=a.state_dtype)
+                           state_dtype=a.state_dtype, spill_grads=a.spill_grads)
     phases["after_optimizer"] = rss()["rss"]
     return model, offload, opt, config, phases
 
@@ -163,6 +165,8 @@ def main(argv=None) -> int:
                     help="folder on the NVMe for the parameter tier and the swap store [a new folder under "
                          "./.nvme-scratch]; what it wrote there is removed at the end unless --keep (the folder too if it made it)")
     ap.add_argument("--keep", action="store_true", help="leave the files on disk")
+    ap.add_argument("--spill-grads", action="store_true",
+                    help="spill each gradient shard to NVMe as backward ends (spill_grads): no gradient in RAM")
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
     a = ap.parse_args(argv)
     made = a.nvme_path is None or not os.path.exists(a.nvme_path)  # only a folder of its own goes whole

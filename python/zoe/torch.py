@@ -119,6 +119,10 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
             elements, in RAM or in the swap files: m linear in its block's largest, v an 8-bit float
             relative to its block's largest). The master weights stay fp32, and
             ``read_state``/``state_dict`` give fp32 values.
+        spill_grads: tier nvme with FSDP2 (sync, no declared micro-batches): each shard's gradient goes to a
+            file beside the swap files as its backward ends, and ``p.grad`` is None after it; the step reads
+            them back window by window (docs/param-offload.md). Clip with ``max_grad_norm`` or
+            ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``, which zoe answers.
 
     With torch FSDP2 (``fully_shard``; the parameters are DTensors): pass ``model.parameters()`` after
     ``fully_shard``, on every rank. zoe steps each rank's local shards in place (with ``CPUOffloadPolicy``
@@ -144,7 +148,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
                  reduce_grads: bool = True, state_dtype: str = "fp32",
                  amsgrad: bool = False, maximize: bool = False, foreach: bool | None = None,
                  fused: bool | None = None, capturable: bool = False, differentiable: bool = False,
-                 decoupled_weight_decay: bool | None = None):
+                 decoupled_weight_decay: bool | None = None, spill_grads: bool = False):
         _torch_flags.check_hyper(lr, betas, eps, weight_decay)
         if decoupled_weight_decay is not None:
             if not adamw and decoupled_weight_decay:
@@ -156,7 +160,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
                        delayed_warmup_steps=delayed_warmup_steps, isa=isa, threads=threads, tile=tile,
                        buffer_count=buffer_count, block_size=block_size, queue_depth=queue_depth,
                        refuse_non_finite=refuse_non_finite, durability=durability, keep_resident=keep_resident,
-                       state_dtype=state_dtype)
+                       state_dtype=state_dtype, spill_grads=spill_grads)
         _options.check_keywords(options, gradient_accumulation_steps, reduce_grads)
         # torch.optim.AdamW's keys, so that torch reads these groups as its own (state_dict, schedulers).
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=adamw,
@@ -241,18 +245,24 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
 
     def _build(self) -> None:
         flat = self._flat
-        self._device, self._zoe_device = self._devices()
+        self._device, self._zoe_device = _stream.devices_of(self.param_groups, _cpu_device)
         self._stream = _stream.TorchStream(self._zoe_device, self._device)
         slots_by_dtype = flat.collect_slots(self.param_groups)
+        if self._options["spill_grads"] and flat.dtensor is None:
+            raise _zoe.UnsupportedError(
+                "zoe.torch.OffloadOptimizer: spill_grads is for FSDP2-sharded models (fully_shard, one rank "
+                "included), whose gradient shards zoe takes from FSDP2 one by one as backward ends")
         if flat.world > 1 and any(s.tier is not None for s in flat.slots):
             raise _zoe.UnsupportedError(
                 "zoe.torch.OffloadOptimizer: offloaded parameters (offload_parameters) with zoe's own data-parallel "
                 "partition are not supported: the engine cannot gather weights into a parameter tier. Shard the "
                 "model with FSDP2's fully_shard, whose shards zoe offloads per rank")
         if flat.dtensor is not None:
-            flat.buckets = flat.dtensor.make_buckets(slots_by_dtype, self._device)
+            flat.buckets = flat.dtensor.make_buckets(slots_by_dtype, self._device, self._options["spill_grads"])
             self._make_engine()
-            self._hooks += flat.dtensor.adopt_grads(flat.slots)
+            self._hooks += flat.dtensor.adopt_grads(flat.slots, flat.engine)
+            if flat.dtensor.spills:  # p.grad is None after backward: torch's clipping would see nothing
+                _adaptations.route_clipping(self._answers_clipping)
             self._note_weights()
             return
         # On a device with memory of its own, offloaded parameters' gradients leave it as each one's backward
@@ -277,21 +287,6 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
                     self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_hook(s)))
         self._window_versions = self._versions_of_windows()
         self._note_weights()
-
-    def _devices(self) -> tuple:
-        """The parameters' device, and the engine's device for it."""
-        devices = {p.device for g in self.param_groups for p in g["params"]}
-        if len(devices) > 1:
-            raise ValueError(
-                "zoe.torch.OffloadOptimizer: parameters are on several devices "
-                f"({', '.join(sorted(str(d) for d in devices))}); one optimizer serves one device — "
-                "move the model to one device first, or create one optimizer per device")
-        device = devices.pop() if devices else torch.device("cpu")
-        if device.type == "cuda":
-            return device, _zoe.cuda_device(device.index or 0)
-        if device.type == "cpu":
-            return device, _cpu_device()
-        raise ValueError(f"zoe.torch.OffloadOptimizer: device {device} is not supported (cpu or cuda)")
 
     @torch.no_grad()
     def _fill_buckets(self) -> None:
@@ -401,7 +396,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
                 offload.after_step()
             engine_s = time.perf_counter() - te
         except BaseException:
-            if not stepping:
+            if not stepping or self._flat.spills:  # spilled gradients are not stepped again: run it again
                 self._abandon_iteration()
             raise
         finally:

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "base/aligned_buffer.h"
+#include "src/offload/grad_spill.h"
 #include "zoe/param_tier.h"
 
 namespace zoe {
@@ -22,10 +23,12 @@ StagingRule staging_rule(const Device& device, const std::vector<ParamSpec>& par
   r.in_place = device.host_memory() && tier_in_place && !tiered;
   // Streamed needs every gradient on the device until step(): a tiered parameter's on a device with memory of
   // its own leaves when reported (grad_leaves_when_reported), into staging.
-  const bool reported_down = tiered && !device.host_memory() && !options.grads_stay_on_device;
+  // Spilled, every gradient leaves when reported — into the spill file, which the window reads back.
+  const bool reported_down = tiered && !device.host_memory() && !options.grads_stay_on_device && !options.spill_grads;
   r.streamed = options.tier == Tier::nvme && options.schedule == Schedule::sync &&
-               options.gradient_accumulation_steps <= 1 && !r.in_place && !reported_down;
-  r.grads_in_place = r.in_place || (r.streamed && device.host_memory());
+               options.gradient_accumulation_steps <= 1 && (options.spill_grads || (!r.in_place && !reported_down));
+  if (options.spill_grads) r.in_place = false;
+  r.grads_in_place = r.in_place || (r.streamed && device.host_memory() && !options.spill_grads);
   return r;
 }
 
@@ -56,6 +59,7 @@ Result<SpaceNeed> optimizer_footprint(const Device& device, const std::vector<Pa
     if (!store.ok()) return store.status();
     need += store.value();
     if (rule.streamed) need += step_windows_footprint(params, options, nvme_store_shape(params, options).tile, rule.grads_in_place);
+    if (options.spill_grads) need += GradSpill::footprint(params, options, store_name);
   }
   if (options.schedule == Schedule::overlap) need += overlap_footprint(params, options);
   if (options.schedule == Schedule::delayed) need += delayed_footprint(params);

@@ -50,7 +50,8 @@ Status check_inputs(const std::vector<ParamGroup>& groups, const std::vector<Par
       return invalid_argument(where + ": group " + std::to_string(p.group) + " does not exist (" +
                               std::to_string(groups.size()) + " groups)");
     }
-    if (p.n > 0 && ((p.device_weights == nullptr && p.tier == nullptr) || p.device_grads == nullptr)) {
+    // Spilled gradients may come only with their report (spill_grad()).
+    if (p.n > 0 && ((p.device_weights == nullptr && p.tier == nullptr) || (p.device_grads == nullptr && !options.spill_grads))) {
       return invalid_argument(where + ": device weights or gradients are null with n = " + std::to_string(p.n));
     }
     if (p.tier != nullptr) {
@@ -87,6 +88,13 @@ Status check_inputs(const std::vector<ParamGroup>& groups, const std::vector<Par
                             " is invalid: the moments are stored as f32, bf16 or i8");
   }
   if (options.delayed_warmup_steps < 0) return invalid_argument("delayed_warmup_steps must be >= 0");
+  if (options.spill_grads && (options.tier != Tier::nvme || options.schedule != Schedule::sync ||
+                              options.gradient_accumulation_steps > 1)) {
+    return invalid_argument("spill_grads is for tier nvme's streamed step: tier nvme, schedule sync, one micro-batch "
+                            "per step (here: tier " + std::string(options.tier == Tier::nvme ? "nvme" : "ram") +
+                            ", gradient_accumulation_steps " + std::to_string(options.gradient_accumulation_steps) +
+                            (options.schedule == Schedule::sync ? "" : ", a schedule other than sync") + ")");
+  }
   if (options.gradient_accumulation_steps < 1) {
     return invalid_argument("gradient_accumulation_steps = " + std::to_string(options.gradient_accumulation_steps) +
                             " is invalid: need >= 1 (micro-batches per step)");
@@ -183,12 +191,28 @@ Status OffloadOptimizer::set_grad_source(std::size_t param, const void* grads) {
   }
   if (grads == nullptr && m.params[param].n > 0) return invalid_argument("set_grad_source: null gradient address");
   if (m.partition) return invalid_argument("set_grad_source: a partitioned optimizer reduces its gradients in flat buffers");
-  if (m.grad_leaves_when_reported(param)) {
+  if (m.grad_leaves_when_reported(param) && m.spill == nullptr) {
     return invalid_argument("set_grad_source: parameter " + std::to_string(param) +
                             " is tiered on a device with its own memory: its gradient's place is a window");
   }
   m.params[param].device_grads = grads;
   return Status::success();
+}
+
+Status OffloadOptimizer::spill_grad(std::size_t param, const void* grads) {
+  const std::lock_guard serial(impl_->calls);
+  Impl& m = *impl_;
+  if (m.spill == nullptr) return invalid_argument("spill_grad: this optimizer does not spill gradients (spill_grads)");
+  if (param >= m.params.size()) {
+    return invalid_argument("spill_grad: parameter " + std::to_string(param) + " does not exist (" +
+                            std::to_string(m.params.size()) + " parameters)");
+  }
+  if (grads == nullptr && m.params[param].n > 0) return invalid_argument("spill_grad: null gradient address");
+  // Read once, now: the address is not kept, so a gradient freed after this call is never read again.
+  const void* before = std::exchange(m.params[param].device_grads, grads);
+  Status s = m.schedule->grad_ready(param);
+  m.params[param].device_grads = before;
+  return s;
 }
 
 Status OffloadOptimizer::step() {
@@ -215,6 +239,7 @@ Status OffloadOptimizer::step() {
   if (s.ok()) {
     std::fill(m.grad_down.begin(), m.grad_down.end(), 0);
     m.absent[m.schedule->current_set()].clear();
+    if (m.spill != nullptr) m.spill->forget();
   }
   ++m.step_calls;
   m.stats_.step_call_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -233,9 +258,12 @@ Status OffloadOptimizer::grads_changed() {
   const std::vector<char>& down = impl_->grad_down;
   if (auto it = std::find(down.begin(), down.end(), 1); it != down.end()) {
     const std::size_t i = static_cast<std::size_t>(it - down.begin());
-    return invalid_argument("grads_changed: the gradient of offloaded parameter '" + impl_->params[i].name + "' (" +
-                            std::to_string(i) + ") left the device when it was reported, and the device's buffer "
-                            "may hold another block's since; change gradients before reporting them (clipping: "
+    const std::string where = impl_->spill != nullptr ? "went to the gradient spill file " + impl_->spill->path() +
+                                                            " when it was reported"
+                                                      : "left the device when it was reported, and the device's buffer "
+                                                        "may hold another block's since";
+    return invalid_argument("grads_changed: the gradient of parameter '" + impl_->params[i].name + "' (" +
+                            std::to_string(i) + ") " + where + "; change gradients before reporting them (clipping: "
                             "max_grad_norm or set_max_grad_norm). Nothing changed");
   }
   impl_->grads_reduced = false;
@@ -263,6 +291,10 @@ Status OffloadOptimizer::abandon_iteration() {
   m.reset_accumulation(set);
   std::fill(m.grad_down.begin(), m.grad_down.end(), 0);
   m.absent[set].clear();
+  if (m.spill != nullptr) {
+    (void)m.spill->flush();  // no write may still use a bounce; what it failed to write is dropped with it
+    m.spill->forget();
+  }
   return s;
 }
 
@@ -343,7 +375,11 @@ std::int64_t OffloadOptimizer::param_step_count(std::size_t param) const {
 bool OffloadOptimizer::last_step_skipped() const { return impl_->last_skipped.load(); }
 // The streamed step on a device with memory of its own copies each window's gradients during step(), after
 // whatever the trainer did to them since the norm: for that contract it reads them in place too.
-bool OffloadOptimizer::reads_grads_in_place() const { return impl_->grads_in_place || impl_->streamed; }
+// Spilled gradients are read back from the spill file: what the trainer does to its buffers after reporting
+// them is not seen.
+bool OffloadOptimizer::reads_grads_in_place() const {
+  return (impl_->grads_in_place || impl_->streamed) && impl_->spill == nullptr;
+}
 const StepStats& OffloadOptimizer::stats() const { return impl_->stats_; }
 
 std::vector<std::size_t> OffloadOptimizer::state_sizes() const {

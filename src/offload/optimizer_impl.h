@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "base/aligned_buffer.h"
+#include "src/offload/grad_spill.h"
 #include "src/offload/loss_scaler.h"
 #include "base/work_queue.h"
 #include "zoe/offload.h"
@@ -307,8 +308,11 @@ struct OffloadOptimizer::Impl {
   // this iteration's gradient of parameter i is on the host; step() does not read the device's buffer again.
   std::vector<char> grad_down;
   bool grad_leaves_when_reported(std::size_t i) const {
-    return params[i].tier != nullptr && !device.host_memory() && !options.grads_stay_on_device;
+    return spill != nullptr || (params[i].tier != nullptr && !device.host_memory() && !options.grads_stay_on_device);
   }
+  // OffloadOptions::spill_grads: where each gradient goes when it leaves (enqueue_d2h), read back by the
+  // streamed step's windows.
+  std::unique_ptr<GradSpill> spill;
   // After parameter i's gradient was enqueued down (enqueue_d2h): the compute stream waits for the copy.
   Status grad_left_device(std::size_t i);
   // Schedules that otherwise take gradients at step() (sync, the delayed warm-up): parameter i's into `set` now.

@@ -93,6 +93,11 @@ Status OffloadOptimizer::Impl::allocate() {
     if (!made.ok()) return made.status();
     tier = std::move(made).value();
   }
+  if (options.spill_grads) {  // after the store, whose owner lock covers the spill's name
+    Result<std::unique_ptr<GradSpill>> made = GradSpill::create(device, params, options, kStoreName);
+    if (!made.ok()) return made.status();
+    spill = std::move(made).value();
+  }
   return Status::success();
 }
 
@@ -118,6 +123,11 @@ Status OffloadOptimizer::Impl::load_initial_weights() {
 
 Status OffloadOptimizer::Impl::enqueue_d2h(std::size_t i, int set, const PieceDown& on_piece) {
   const ParamSpec& p = params[i];
+  if (spill != nullptr && p.n > 0 && p.device_grads == nullptr) {
+    return invalid_argument("parameter " + std::to_string(i) + " has no gradient to step: with spill_grads each comes "
+                            "with its report (spill_grad()); one without a gradient this iteration is named in "
+                            "set_grads_absent(). Nothing changed");
+  }
   // The copy starts only once the compute stream has produced the gradient.
   Result<EventId> produced = device.record(Stream::compute);
   if (!produced.ok()) return produced.status();
@@ -148,6 +158,12 @@ Status OffloadOptimizer::Impl::enqueue_d2h(std::size_t i, int set, const PieceDo
     }
   }
   if (!grads_in_place && !streamed && !summed) count_bytes(stats_.d2h_bytes, staging_bytes(p));
+  if (spill != nullptr && p.n > 0) {  // after the statistics, on the same stream: they read it first
+    const std::uint64_t before = spill->written_bytes();
+    if (Status s = spill->write(i, p.device_grads); !s.ok()) return s;
+    if (!device.host_memory()) count_bytes(stats_.d2h_bytes, staging_bytes(p));
+    count_bytes(stats_.nvme_write_bytes, spill->written_bytes() - before);
+  }
   return Status::success();
 }
 
@@ -162,6 +178,12 @@ Status OffloadOptimizer::Impl::grad_left_device(std::size_t i) {
 
 Status OffloadOptimizer::Impl::take_reported_grad(std::size_t i, int set) {
   if (!grad_leaves_when_reported(i)) return Status::success();
+  if (spill != nullptr && grad_down[i]) {
+    return invalid_argument("parameter " + std::to_string(i) + (params[i].name.empty() ? "" : " '" + params[i].name + "'") +
+                            " reported twice in one iteration, and its first gradient is in the spill file already "
+                            "(spill_grads): the spill does not sum micro-batches — step() after each backward, or "
+                            "sum them in the trainer's gradients before reporting. Nothing changed");
+  }
   if (Status s = enqueue_d2h(i, set); !s.ok()) return s;
   return grad_left_device(i);
 }

@@ -195,6 +195,7 @@ const std::vector<OptionField> kFields = {
     field<ZOE_FIELD(tile)>("tile"),
     field<ZOE_FIELD(step_window)>("step_window"),
     field<ZOE_FIELD(grads_stay_on_device)>("grads_stay_on_device"),
+    field<ZOE_FIELD(spill_grads)>("spill_grads"),
     field<ZOE_FIELD(cpu.isa)>("isa"),
     field<ZOE_FIELD(cpu.threads)>("threads"),
 };

@@ -150,6 +150,10 @@ Result<OffloadOptimizer> OffloadOptimizer::create(Device& device, std::vector<Pa
   }
   if (comm == nullptr || comm->world() == 1) return create(device, std::move(groups), std::move(params), options);
   if (Status s = check_inputs(groups, params, options); !s.ok()) return s;
+  if (options.spill_grads) {
+    return Status(StatusCode::unsupported, "spill_grads with a partitioned optimizer: its gradients are reduced in "
+                  "flat buffers on the device; shard the model with FSDP2 instead, whose gradient shards each rank spills");
+  }
   for (const ParamSpec& p : params) {
     if (p.tier != nullptr) {
       return Status(StatusCode::unsupported, "parameter '" + p.name + "' lives in a parameter tier: a partitioned "

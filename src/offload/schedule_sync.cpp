@@ -14,7 +14,16 @@ Status take_all_grads(Impl& m) {
   }
   Result<EventId> copied = m.device.record(Stream::d2h);
   if (!copied.ok()) return copied.status();
-  return m.device.synchronize(copied.value());
+  if (Status s = m.device.synchronize(copied.value()); !s.ok()) return s;
+  // Spilled: a gradient whose write failed is lost (the trainer may have freed it); nothing steps without it.
+  if (m.spill != nullptr) {
+    if (Status s = m.spill->flush(); !s.ok()) {
+      return Status(s.code(), "a gradient could not be written to the spill file " + m.spill->path() + ": " +
+                    s.message() + "; this iteration's gradients are incomplete and nothing was stepped: "
+                    "abandon_iteration() and run the iteration again");
+    }
+  }
+  return Status::success();
 }
 
 Status sync_step(Impl& m) {

@@ -127,9 +127,19 @@ Status StepWindows::step(float grad_scale, int set, const std::vector<ParamGroup
   return Status::success();
 }
 
-// The window's gradients down from the device, waited for before its tiles step.
+// The window's gradients down from the device — or back from the spill file (spill_grads) — waited for
+// before its tiles step.
 Status StepWindows::grads_down(const std::vector<Piece>& parts, std::size_t lo) {
   if (parts.empty()) return Status::success();
+  if (m_.spill != nullptr) {
+    const std::uint64_t before = m_.spill->read_bytes();
+    for (const Piece& k : parts) {
+      void* to = grads_ + (at_[k.param] + k.begin - lo) * grad_stride_;
+      if (Status s = m_.spill->read(k.param, k.begin, k.n, to); !s.ok()) return s;
+    }
+    Impl::count_bytes(m_.stats_.nvme_read_bytes, m_.spill->read_bytes() - before);
+    return Status::success();
+  }
   std::size_t bytes = 0;
   for (const Piece& k : parts) {
     const ParamSpec& p = m_.params[k.param];

@@ -78,6 +78,12 @@ void swap_store_layout(RankLayout& r, const Shards& s, const Cluster& c, const T
   r.window_count = c.cpu_device ? 1 : 2;
 }
 
+void spill_layout(RankLayout& r, const Shards& s) {
+  r.spill_file_bytes = 2 * r.part + over_shards(s, [](std::uint64_t n) { return round_up(2 * n, kDirectAlignment) - 2 * n; });
+  r.spill_bounce_bytes = 2 * kSpillBounceBytes;
+  r.window_count = 2;  // the gradients come back from the file into a window of their own
+}
+
 void param_tier_layout(RankLayout& r, const Shards& s, const Cluster& c, const Placement& p, const Training& t) {
   const bool nvme = p.param == Offload::nvme;
   const std::uint64_t align = nvme ? kDirectAlignment : kPoolAlignment;
@@ -120,6 +126,7 @@ RankLayout rank_layout(const Model& m, const Cluster& c, const Placement& p, con
     }
   }
   if (p.optimizer == Offload::nvme) swap_store_layout(r, s, c, t);
+  if (spills(p, t)) spill_layout(r, s);
   if (p.param != Offload::none) param_tier_layout(r, s, c, p, t);
   return r;
 }
@@ -155,8 +162,8 @@ void explain_store(const RankLayout& r, const Cluster& c, const Training& t, std
                 " (buffer_count) and the tile table's 24 B per tile = " + bytes(r.store_ram_bytes));
   out.push_back("step windows: " + std::to_string(r.window_count) + " x max(32M, largest tensor " +
                 count(r.largest_local) + " + 2 tiles) x 2 B = " + bytes(r.window_count * r.window_elements * 2) +
-                (c.cpu_device ? " (16-bit weights; the CPU's gradients are read in place)"
-                              : " (16-bit weights up, gradients down: no model-sized copy on the host)"));
+                (r.window_count == 1 ? " (16-bit weights; the CPU's gradients are read in place)"
+                                     : " (16-bit weights, and the gradients back: no model-sized copy on the host)"));
 }
 
 // The parameter tier's terms.
@@ -186,9 +193,15 @@ std::vector<std::string> explain(const Model& m, const Cluster& c, const Placeme
   const bool host_grads = c.cpu_device || (p.stage == 3 && t.grads_on_host);
   const std::string grads = p.stage == 3 ? "FSDP2's reduce-scattered shards, kept until the step"
                             : p.stage == 2 ? "the rank's partition" : "the whole model's";
-  out.push_back("trainer's grads16: 2 B per parameter, " + grads + ", in " +
-                (host_grads ? std::string(c.cpu_device ? "host RAM (the CPU is the device)" : "host RAM (CPUOffloadPolicy)")
-                            : std::string("GPU memory")));
+  if (spills(p, t)) {
+    out.push_back("gradient spill (spill_grads): each shard's 16-bit gradient written to the first NVMe path as "
+                  "backward ends, each 4096-aligned = " + bytes(r.spill_file_bytes) + "; two bounces = " +
+                  bytes(r.spill_bounce_bytes) + " (in swap buffers); no trainer's grads16 kept");
+  } else {
+    out.push_back("trainer's grads16: 2 B per parameter, " + grads + ", in " +
+                  (host_grads ? std::string(c.cpu_device ? "host RAM (the CPU is the device)" : "host RAM (CPUOffloadPolicy)")
+                              : std::string("GPU memory")));
+  }
   if (p.optimizer == Offload::cpu) {
     out.push_back("master32 + moments: " + count(r.part) + " parameters in host RAM (tier ram)");
     if (!c.cpu_device || p.param != Offload::none) {

@@ -40,6 +40,7 @@ const std::vector<Kind>& kinds() {
   static const std::vector<Kind> all = {
       {"weights16", "weights16", &Bytes::weights16},
       {"parameter tier (2 slots)", "param_tier", &Bytes::param_tier},
+      {"gradient spill", "grad_spill", &Bytes::grad_spill},
       {"trainer's grads16", "grads16", &Bytes::grads16},
       {"master32", "master32", &Bytes::master32},
       {"moments", "moments", &Bytes::moments},
@@ -82,7 +83,7 @@ void step_buffers(const RankLayout& r, const Cluster& c, const Placement& p, con
     // Tier nvme with the sync schedule the plan sizes (footprint.cpp's staging_rule): in place where the CPU is
     // the device and the weights are the model's own; else streamed through windows — unless zoe sums
     // micro-batches, which keeps whole 16-bit copies as tier ram does.
-    const bool in_place = c.cpu_device && p.param == Offload::none;
+    const bool in_place = c.cpu_device && p.param == Offload::none && !spills(p, t);
     if (!in_place && t.grad_accumulation > 1) host.staging = 2 * r.part + 2 * r.part;
     if (!in_place && t.grad_accumulation <= 1) host.step_windows = r.window_count * r.window_elements * 2;
   }
@@ -102,7 +103,12 @@ Usage usage(const Model& m, const Cluster& c, const Placement& p, const Training
   if (p.param == Offload::nvme) nvme.param_tier = r.param_file_bytes;
   // The trainer's gradients: whole (stage 1), or the rank's partition; FSDP2's CPUOffloadPolicy puts its
   // shards in host RAM.
-  (p.stage == 3 && t.grads_on_host ? host : dev).grads16 = p.stage >= 2 ? 2 * part : 2 * psi;
+  if (spills(p, t)) {
+    nvme.grad_spill = r.spill_file_bytes;  // on the first path, the busiest
+    host.swap_buffers += r.spill_bounce_bytes;
+  } else {
+    (p.stage == 3 && t.grads_on_host ? host : dev).grads16 = p.stage >= 2 ? 2 * part : 2 * psi;
+  }
   if (p.stage == 3 || p.param != Offload::none) {
     // FSDP2's gathered modules: the one computing and `prefetch` ahead (16-bit weights), and the gradient
     // of the one in backward before it is reduce-scattered.
@@ -132,6 +138,10 @@ Usage usage(const Model& m, const Cluster& c, const Placement& p, const Training
   u.per_host = times(host);
   u.per_nvme_path = times(nvme);
   return u;
+}
+
+bool spills(const Placement& p, const Training& t) {
+  return t.spill_grads && p.stage == 3 && p.optimizer == Offload::nvme && t.grad_accumulation <= 1;
 }
 
 std::uint64_t usable_gpu(const Cluster& c) { return c.gpu_mem / 100 * 95; }
@@ -207,6 +217,11 @@ StepEstimate estimate_step(const Model& m, const Cluster& c, const Placement& p,
   }
   e.nvme_read_bytes = e.swap_read_bytes + e.param_read_bytes;
   e.nvme_write_bytes = e.swap_write_bytes + e.param_write_bytes;
+  if (spills(p, t)) {  // each gradient written in backward and read back by the step
+    e.spill_bytes = n * l.spill_file_bytes;
+    e.nvme_read_bytes += e.spill_bytes;
+    e.nvme_write_bytes += e.spill_bytes;
+  }
   const double paths = static_cast<double>(std::max<std::size_t>(1, c.nvme_paths.size()));
   if (e.nvme_read_bytes > 0 && r.nvme_read_gbps > 0 && r.nvme_write_gbps > 0) {
     e.nvme_s = e.nvme_read_bytes / (r.nvme_read_gbps * 1e9 * paths) + e.nvme_write_bytes / (r.nvme_write_gbps * 1e9 * paths);

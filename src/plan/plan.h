@@ -107,6 +107,10 @@ struct Training {
   // Stage 3: FSDP2's CPUOffloadPolicy moves the reduce-scattered gradient shards to host RAM (where the CPU
   // is the device they are there anyway); without it they stay on the GPU until the step.
   bool grads_on_host = false;
+  // Stage 3 with the optimizer on NVMe, one micro-batch per step: zoe spills each gradient shard to a file on
+  // the first NVMe path as backward produces it (OffloadOptions::spill_grads), and neither the GPU nor the
+  // host keeps the trainer's gradients. Ignored by other placements.
+  bool spill_grads = false;
   // Activations, estimated only when both are given (and the shape is known or assumed).
   std::uint64_t micro_batch = 0, seq_len = 0;
   bool activation_checkpointing = false;
@@ -122,6 +126,7 @@ struct Bytes {
   std::uint64_t activations = 0;
   std::uint64_t swap_store = 0;     // tier nvme's file: two slots per tile (master, moments, scales), the tile table
   std::uint64_t param_tier = 0;     // the parameter tier's NVMe file: two slots per entry, each aligned
+  std::uint64_t grad_spill = 0;     // spill_grads: the gradient shards' file (first path), each 4096-aligned
   std::uint64_t fetch_window = 0;   // FSDP2's gathered modules (stage 3): prefetch + 1 of them and one's gradient
   std::uint64_t swap_buffers = 0;   // tier nvme's RAM: buffer_count slots and the tile table
   std::uint64_t param_pool = 0;     // the parameter tier's pool of fetched blocks (host RAM where the CPU is the device)
@@ -134,7 +139,7 @@ struct Bytes {
     return fetch_window + swap_buffers + param_pool + param_bounces + staging + step_windows + accumulation;
   }
   std::uint64_t total() const {
-    return weights16 + grads16 + master32 + moments + activations + swap_store + param_tier + buffers();
+    return weights16 + grads16 + master32 + moments + activations + swap_store + param_tier + grad_spill + buffers();
   }
 };
 
@@ -170,7 +175,9 @@ struct RankLayout {
   std::uint64_t table_file_bytes = 0;  // the tile table's file, on the first path: two copies, 4096-aligned
   std::uint64_t store_ram_bytes = 0;   // buffer_count slots and the tile table's 24 bytes per tile
   std::uint64_t window_elements = 0;   // each step window: max(32M, largest_local + 2 tiles)
-  std::uint64_t window_count = 0;      // 2 on a GPU (weights, gradients), 1 where the CPU is the device
+  std::uint64_t window_count = 0;      // 2 on a GPU or spilled (weights, gradients), 1 where the CPU is the device
+  // spill_grads (spills()): the file's bytes, every shard's 16-bit gradient 4096-aligned, and its two bounces.
+  std::uint64_t spill_file_bytes = 0, spill_bounce_bytes = 0;
   // The parameter tier: its entries are the rank's shards, each aligned (4096 on NVMe, 256 in RAM).
   std::uint64_t entry_bytes = 0;       // one copy of every entry
   std::uint64_t largest_entry = 0, largest_block = 0;
@@ -181,6 +188,10 @@ struct RankLayout {
 };
 // The step windows' floor in elements (the sync step on tier nvme streams through windows of at least this).
 constexpr std::uint64_t kStepWindowElements = std::uint64_t{32} << 20;
+// The gradient spill's bounce buffers, two of them (src/offload/grad_spill.h counts the same).
+constexpr std::uint64_t kSpillBounceBytes = std::uint64_t{8} << 20;
+// Whether the placement spills the gradients (Training::spill_grads where zoe can).
+bool spills(const Placement& p, const Training& t);
 RankLayout rank_layout(const Model& m, const Cluster& c, const Placement& p, const Training& t);
 Usage usage(const Model& m, const Cluster& c, const Placement& p, const Training& t);
 // One line per term the placement holds, with its bytes per rank and where they come from (the report's).
@@ -217,9 +228,10 @@ struct Rates {
 // NVMe time the iteration cannot go below.
 struct StepEstimate {
   double cpu_adam_s = 0, nvme_s = 0, pcie_s = 0, total_s = 0;
-  std::uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;    // per node: the two below together
+  std::uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;    // per node: the three below together
   std::uint64_t swap_read_bytes = 0, swap_write_bytes = 0;    // per node: the swap store's slots
   std::uint64_t param_read_bytes = 0, param_write_bytes = 0;  // per node: the parameter tier's entries
+  std::uint64_t spill_bytes = 0;  // per node, each way: the gradient spill's (written in backward, read by the step)
   std::uint64_t pcie_bytes = 0;                               // per GPU
 };
 StepEstimate estimate_step(const Model& m, const Cluster& c, const Placement& p, const Training& t, const Rates& r);

@@ -296,6 +296,19 @@ TEST(Plan, ATrillionParametersOnOneDgx2) {
   const Usage two = usage(m, c, p, t);
   EXPECT_EQ(two.per_host.grads16, 16 * 2 * (part / 2));
   EXPECT_TRUE(check(two, c).fits) << check(two, c).why;
+  // One node again, the shards spilled to NVMe as backward produces them (spill_grads): neither the GPUs nor
+  // the host keep them, the NVMe path holds them beside the swap store and the parameter tier, and it fits.
+  c.nodes = 1;
+  t.grads_on_host = false;
+  t.spill_grads = true;
+  const Usage spilled = usage(m, c, p, t);
+  EXPECT_EQ(spilled.per_gpu.grads16, 0u);
+  EXPECT_EQ(spilled.per_host.grads16, 0u);
+  EXPECT_GE(spilled.per_nvme_path.grad_spill, 2 * m.params);
+  EXPECT_LT(spilled.per_nvme_path.grad_spill, 2 * m.params + 16 * 4096 * (m.layers * 6 + 1));
+  EXPECT_TRUE(check(spilled, c).fits) << check(spilled, c).why;
+  // Spilling is for stage 3 with the optimizer on NVMe: any other placement keeps the trainer's gradients.
+  EXPECT_EQ(usage(m, c, Placement{3, Offload::cpu, Offload::nvme}, t).per_gpu.grads16, 2 * part);
 }
 
 TEST(Plan, LowBitMoments) {
