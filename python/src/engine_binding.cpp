@@ -276,6 +276,20 @@ void bind_engine_steps(nb::class_<PyEngine>& engine) {
              "tier (its weights are then None).")
       .def("grad_ready",
            [](PyEngine& e, std::size_t i) { e.call([i](OffloadOptimizer& o) { return o.grad_ready(i); }); })
+      .def("spill_grad",
+           [](PyEngine& e, std::size_t i, const nb::object& grad) {
+             if (i >= e.param_shapes.size()) {
+               throw std::invalid_argument("spill_grad: parameter " + std::to_string(i) + " does not exist (" +
+                                           std::to_string(e.param_shapes.size()) + " parameters)");
+             }
+             const PyDevice& device = nb::cast<const PyDevice&>(e.device_owner);
+             const auto [n, dtype] = e.param_shapes[i];
+             const AnyArray a = param_array(grad, device, n, dtype, "spill_grad: parameter " + std::to_string(i) + " gradient");
+             e.call([&](OffloadOptimizer& o) { return o.spill_grad(i, a.data()); });
+           },
+           nb::arg("param"), nb::arg("grad"),
+           "spill_grads: the parameter's gradient (an array on the engine's device of its size and dtype) goes to "
+           "the spill file now and counts as reported; it is not held after this call.")
       .def("step", [](PyEngine& e) { e.call([](OffloadOptimizer& o) { return o.step(); }); })
       .def("wait", [](PyEngine& e) { e.call([](OffloadOptimizer& o) { return o.wait(); }); })
       .def("grads_changed", [](PyEngine& e) { e.call([](OffloadOptimizer& o) { return o.grads_changed(); }); },
@@ -420,20 +434,6 @@ void bind_engine_state(nb::class_<PyEngine>& engine) {
            nb::arg("params"), nb::arg("grads"),
            "Where each parameter's gradient is from now on: an array on the engine's device of the parameter's "
            "size and dtype, held by the engine until replaced.")
-      .def("spill_grad",
-           [](PyEngine& e, std::size_t i, const nb::object& grad) {
-             if (i >= e.param_shapes.size()) {
-               throw std::invalid_argument("spill_grad: parameter " + std::to_string(i) + " does not exist (" +
-                                           std::to_string(e.param_shapes.size()) + " parameters)");
-             }
-             const PyDevice& device = nb::cast<const PyDevice&>(e.device_owner);
-             const auto [n, dtype] = e.param_shapes[i];
-             const AnyArray a = param_array(grad, device, n, dtype, "spill_grad: parameter " + std::to_string(i) + " gradient");
-             e.call([&](OffloadOptimizer& o) { return o.spill_grad(i, a.data()); });
-           },
-           nb::arg("param"), nb::arg("grad"),
-           "spill_grads: the parameter's gradient (an array on the engine's device of its size and dtype) goes to "
-           "the spill file now and counts as reported; it is not held after this call.")
       .def("param_step_count", [](PyEngine& e, std::size_t i) { return e.get().param_step_count(i); }, nb::arg("param"),
            "Steps applied to this parameter (torch's state[p]['step']).")
       .def("set_param_step_count",

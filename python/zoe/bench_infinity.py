@@ -165,8 +165,7 @@ def main(argv=None) -> int:
                     help="folder on the NVMe for the parameter tier and the swap store [a new folder under "
                          "./.nvme-scratch]; what it wrote there is removed at the end unless --keep (the folder too if it made it)")
     ap.add_argument("--keep", action="store_true", help="leave the files on disk")
-    ap.add_argument("--spill-grads", action="store_true",
-                    help="spill each gradient shard to NVMe as backward ends (spill_grads): no gradient in RAM")
+    ap.add_argument("--spill-grads", action="store_true", help="gradient shards to NVMe as backward ends (spill_grads)")
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
     a = ap.parse_args(argv)
     made = a.nvme_path is None or not os.path.exists(a.nvme_path)  # only a folder of its own goes whole
@@ -199,8 +198,7 @@ def main(argv=None) -> int:
         emit("plan", host_gib=host / GiB if host else None, disk_gib=disk / GiB if disk else None,
              **({"error": p["error"]} if "error" in p else {}), command=p.get("command"))
         # One batch, stepped on again and again: the loss falling shows the model trains.
-        ids = torch.randint(0, config.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))
-        ids = ids.to(a.device)
+        ids = torch.randint(0, config.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)).to(a.device)
         cuda = a.device == "cuda"
         now = (lambda: (torch.cuda.synchronize(), time.perf_counter())[1]) if cuda else time.perf_counter
         peaks = []
