@@ -369,8 +369,9 @@ Status Parser::aio(const Json& section) {
 Status Parser::zoe_section(const Json& section) {
   const std::string p = "zoe";
   check_keys(section, p, {"schedule", "delayed_warmup_steps", "tile", "threads", "isa", "pin_threads", "cpu_tile",
-                          "nvme_durability", "nvme_keep_resident", "state_dtype"});
+                          "nvme_durability", "nvme_keep_resident", "state_dtype", "spill_grads"});
   OffloadOptions& o = out_->options;
+  if (Status s = get(section, p, "spill_grads", &o.spill_grads); !s.ok()) return s;
   if (const auto it = section.find("state_dtype"); it != section.end()) {
     Result<DType> state = parse_state_dtype(it->is_string() ? it->get<std::string>() : std::string());
     if (!state.ok()) return bad(p + ".state_dtype", *it, "need \"fp32\", \"bf16\" or \"int8\"");

@@ -283,6 +283,9 @@ TEST(Config, NvmeDurability) {
   EXPECT_TRUE(parse_ok("{}").options.nvme.keep_resident);
   EXPECT_FALSE(parse_ok(R"({"zoe": {"nvme_keep_resident": false}})").options.nvme.keep_resident);
   expect_error(R"({"zoe": {"nvme_keep_resident": "no"}})", {"zoe.nvme_keep_resident"});
+  EXPECT_TRUE(parse_ok(R"({"zoe": {"spill_grads": true}})").options.spill_grads);
+  EXPECT_FALSE(parse_ok(R"({})").options.spill_grads);
+  expect_error(R"({"zoe": {"spill_grads": 1}})", {"zoe.spill_grads"});
   EXPECT_EQ(parse_durability("checkpoint").value(), Durability::checkpoint);
   const Result<Durability> bad = parse_durability("always");
   ASSERT_FALSE(bad.ok());
