@@ -221,16 +221,24 @@ def main(argv=None) -> int:
             emit("step", step=step + 1, loss=loss.item(), forward_s=t1 - t0, backward_s=t2 - t1, step_s=t3 - t2,
                  peak_rss_gib=m["peak"] / GiB, rss_gib=m["rss"] / GiB,
                  peak_bytes_per_param=m["peak"] / n, disk_gib=disk_bytes(a.nvme_path) / GiB)
-        peak, used = (max(peaks) if peaks else 0), disk_bytes(a.nvme_path)
-        emit("summary", params=n, peak_rss_gib=peak / GiB, plan_host_gib=host / GiB if host else None,
-             plan_host_vs_run=host / peak if host and peak else None, disk_gib=used / GiB,
-             plan_disk_gib=disk / GiB if disk else None, plan_disk_vs_run=disk / used if disk and used else None,
-             target_rss_gib=(3 * GiB + 2.5 * n) / GiB)
+        _summary(emit, n, peaks, phases["start"], host, disk, disk_bytes(a.nvme_path))
         del opt, offload, model
     finally:
         if not a.keep:
             _remove(a.nvme_path, made)
     return 0
+
+
+def _summary(emit, n: int, peaks: list, start: int, host, disk, used: int) -> None:
+    """The run's peak RSS and disk beside the plan's (``host``, ``disk``: None where it failed) and the target."""
+    peak = max(peaks) if peaks else 0
+    # The plan leaves the process itself out (Python, torch: the RSS at start); its host reserve stands for it.
+    growth = peak - start
+    emit("summary", params=n, peak_rss_gib=peak / GiB, plan_host_gib=host / GiB if host else None,
+         plan_host_vs_run=host / peak if host and peak else None, rss_start_gib=start / GiB,
+         plan_host_vs_growth=host / growth if host and growth > 0 else None, disk_gib=used / GiB,
+         plan_disk_gib=disk / GiB if disk else None, plan_disk_vs_run=disk / used if disk and used else None,
+         target_rss_gib=(3 * GiB + 2.5 * n) / GiB)
 
 
 def _remove(folder: str, made: bool) -> None:
