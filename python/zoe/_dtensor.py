@@ -74,6 +74,7 @@ class ShardedParams:
         self._injected = None  # (bucket, value) a clean rank marked non-finite to skip with the others
         self._engine_max_norm = 0.0
         self.spills = False  # spill_grads: every shard's gradient goes to the engine's spill file
+        self.zero_filled = False  # spilling, after zero_grad(set_to_none=False): a shard without one steps a zero
 
     @classmethod
     def detect(cls, param_groups, process_group) -> "ShardedParams | None":
@@ -137,11 +138,6 @@ class ShardedParams:
 
     def make_buckets(self, slots_by_dtype: dict, device: torch.device, spills: bool) -> list[_LocalBucket]:
         self.spills = spills
-        if spills and self.mesh.size() > 1 and any(dt == torch.float16 for dt in slots_by_dtype):
-            raise _zoe.UnsupportedError(
-                "zoe.torch.OffloadOptimizer: spill_grads with fp16 parameters across ranks is not supported: a "
-                "rank skips an overflowing step with the others by marking a gradient it holds, and spilled "
-                "gradients are not held. Use bf16, or spill_grads=False")
         buckets = [_LocalBucket(dt, device, slots, spills) for dt, slots in slots_by_dtype.items()]
         if sum(b.shard_numel for b in buckets) == 0:
             raise ValueError(
@@ -164,16 +160,26 @@ class ShardedParams:
                         if s.numel and s.tier is None]
         return buckets
 
-    def adopt_grads(self, slots, engine) -> list:
-        if self.spills:
-            return [s.param.register_post_accumulate_grad_hook(self._spill_hook(s, engine))
-                    for s in slots if s.param.requires_grad]
-        return self._adopt_hooks(slots)
+    def adopt_grads(self, flat, owner) -> list:
+        """The post-accumulate-grad hooks of every shard: spilling it (spill_grads), or keeping it in the flat
+        buffer. ``owner``: a weak reference to the optimizer (a hook must not keep it alive)."""
+        if not self.spills:
+            return self._adopt_hooks(flat.slots)
+        if flat.loss_scaling and self.mesh.size() > 1:
+            raise _zoe.UnsupportedError(
+                "zoe.torch.OffloadOptimizer: spill_grads with loss scaling across ranks is not supported: a rank "
+                "skips an overflowing step with the others by marking a gradient it holds, and spilled gradients "
+                "are not held. Use bf16 without loss scaling, or spill_grads=False")
+        return [s.param.register_post_accumulate_grad_hook(self._spill_hook(s, owner))
+                for s in flat.slots if s.param.requires_grad]
 
-    def _spill_hook(self, slot, engine):
+    def _spill_hook(self, slot, owner):
         def hook(p):
-            if p.grad is not None:
-                self.spill(slot, engine)
+            opt = owner()
+            if opt is None or p.grad is None:
+                return
+            opt._note_backward()  # a backward that raises after this gives its iteration up at the next call
+            self.spill(slot, opt._flat.engine)
         return hook
 
     def spill(self, slot, engine) -> None:
@@ -183,14 +189,21 @@ class ShardedParams:
         p = slot.param
         g = p.grad
         self._check_layout(slot, g)
-        local = g._local_tensor.contiguous()
-        if local.is_cuda:
-            # FSDP2 reduces on a stream of its own; the engine copies on its own: the gradient must be done.
-            torch.cuda.current_stream(local.device).synchronize()
+        self._spill_local(slot, engine, g._local_tensor.contiguous())
+        p.grad = None
+
+    def spill_zeros(self, slot, engine) -> None:
+        """A zero gradient for a shard that got none after ``zero_grad(set_to_none=False)``: torch steps it so."""
+        self._spill_local(slot, engine, torch.zeros_like(slot.param._local_tensor))
+
+    def _spill_local(self, slot, engine, local) -> None:
+        if self.mesh.device_type == "cuda":
+            # FSDP2 reduces on a stream of its own (current here), and with CPUOffloadPolicy copies the result
+            # to pinned memory on it without blocking (torch before 2.15): the engine reads it when it is done.
+            torch.cuda.current_stream().synchronize()
         for i in slot.engine_ids:
             engine.spill_grad(i, local.reshape(-1))
         slot.spilled = True
-        p.grad = None
 
     def _adopt_hooks(self, slots) -> list:
         """Hooks that keep each shard's gradient in the flat buffer as backward goes. FSDP2 runs a sharded

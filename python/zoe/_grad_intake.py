@@ -151,8 +151,7 @@ class GradIntake:
         iteration), and the next backward pass is the iteration's first again. Nothing is learnt from it."""
         with self._calls:
             self._open_backwards.clear()
-            # Spilled gradients are reported to the engine as backward goes: outstanding too.
-            if not self._outstanding and not any(s.spilled for s in self._flat.slots):
+            if not self._outstanding:
                 return
             self._stream.follow()
             self._flat.engine.abandon_iteration()
@@ -236,6 +235,12 @@ class GradIntake:
         missing = (mine | {k for k, graded in frozen.items() if graded}) - given
         if not (foreign or missing):
             return True
+        if self._flat.spills:
+            raise RuntimeError(
+                "zoe.torch.OffloadOptimizer: torch.nn.utils.clip_grad_norm_ over spilled gradients (spill_grads) must "
+                f"be given this optimizer's parameters (e.g. model.parameters()): {len(foreign)} given with gradients "
+                f"are not the optimizer's, {len(missing)} of the optimizer's are not given. Their gradients are in "
+                "the spill file, not p.grad, and zoe computes the norm over all of the optimizer's")
         if any(id(s.param) in given for s in self._windowed_slots):
             raise RuntimeError(
                 "zoe.torch.OffloadOptimizer: torch.nn.utils.clip_grad_norm_ over parameters that include offloaded "
@@ -354,8 +359,8 @@ class GradIntake:
         device (an offloaded parameter), one that was reported is present whatever p.grad says."""
         if s.windowed:
             return s.accumulated == 0
-        if s.spilled:  # spill_grads: in the spill file, and p.grad None
-            return False
+        if s.spilled or (self._flat.spills and self._flat.dtensor.zero_filled):
+            return False  # spill_grads: in the spill file (p.grad None), or a zero spilled at step()
         if self._engine_accumulates and s.accumulated:
             return False
         return s.param.grad is None
@@ -427,6 +432,8 @@ class GradIntake:
                     "micro-batches: call step() after each backward, or set p.grad = None")
             if g is not None:  # set without a backward hook (by hand, or a torch that runs none): spilled now
                 self._flat.dtensor.spill(s, self._flat.engine)
+            elif not s.spilled and self._flat.dtensor.zero_filled:
+                self._flat.dtensor.spill_zeros(s, self._flat.engine)
             return False
         if g is s.grad_view and (self._flat.dtensor is not None or g.data_ptr() == s.grad_ptr):
             return False

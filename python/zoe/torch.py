@@ -45,6 +45,7 @@ import math
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -260,7 +261,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
         if flat.dtensor is not None:
             flat.buckets = flat.dtensor.make_buckets(slots_by_dtype, self._device, self._options["spill_grads"])
             self._make_engine()
-            self._hooks += flat.dtensor.adopt_grads(flat.slots, flat.engine)
+            self._hooks += flat.dtensor.adopt_grads(flat, weakref.ref(self))
             if flat.dtensor.spills:  # p.grad is None after backward: torch's clipping would see nothing
                 _adaptations.route_clipping(self._answers_clipping)
             self._note_weights()
@@ -386,6 +387,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
             te = time.perf_counter()
             stepping = True
             self._flat.engine.step()
+            stepping = "applied"
             if not self._stream.ordered:
                 # torch computes on the host at once: the device's copies (the weights up; with the delayed
                 # schedule, the gradients down on a stand-in's own threads) must be done before the caller
@@ -396,7 +398,8 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
                 offload.after_step()
             engine_s = time.perf_counter() - te
         except BaseException:
-            if not stepping or self._flat.spills:  # spilled gradients are not stepped again: run it again
+            # The engine's step refused spilled gradients: they go, and the iteration runs again.
+            if not stepping or (self._flat.spills and stepping != "applied"):
                 self._abandon_iteration()
             raise
         finally:
@@ -437,11 +440,11 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
         self._after_interrupted_backward()
         _lazy.materialise(self)  # a parameter frozen at construction with a gradient now is in the norm
         if float(norm_type) != 2.0:
-            if self._windowed_slots:
+            if self._windowed_slots or self._flat.spills:
                 raise RuntimeError(
                     f"zoe.torch.OffloadOptimizer: clip_grad_norm_ with norm_type={norm_type} over offloaded "
-                    "parameters (offload_parameters) is not supported: their gradients left the device as their "
-                    "backward ended, and zoe computes the 2-norm only")
+                    "parameters (offload_parameters) or spilled gradients (spill_grads) is not supported: their "
+                    "gradients left the device as their backward ended, and zoe computes the 2-norm only")
             return _adaptations.torch_clip_grad_norm_([s.param for s in self._flat.slots], max_norm,
                                                       norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
         limit = min(max_norm, self._max_grad_norm) if self._max_grad_norm > 0 else max_norm
@@ -483,6 +486,8 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
         step (a backward that ended in an exception, or one whose step is not to come) are dropped with what
         zoe stepped or sent from them: weights and state are as before the iteration, which may run again."""
         self._abandon_iteration()
+        if self._flat.dtensor is not None:
+            self._flat.dtensor.zero_filled = not set_to_none  # spill_grads: zeros spilled for shards without one
         _lazy.materialise(self)  # a parameter unfrozen since: its state, and its hooks for the next backward
         for b in self._flat.buckets:
             if b.window is not None:

@@ -69,20 +69,28 @@ Result<std::unique_ptr<GradSpill>> GradSpill::create(Device& device, const std::
   std::vector<std::size_t> elem(params.size());
   for (std::size_t i = 0; i < params.size(); ++i) elem[i] = dtype_size(params[i].dtype);
   auto files = std::make_unique<Files>();
-  files->align = alignment_of(options);
-  std::unique_ptr<GradSpill> spill(new GradSpill(device, layout(params, files->align), std::move(elem)));
-  spill->n_.reserve(params.size());
-  for (const ParamSpec& p : params) spill->n_.push_back(p.n);
   Result<Folder> folder = aio::open_swap_dir(options.nvme.paths.front(), "swap path");
   if (!folder.ok()) return folder.status();
   files->folder = std::move(folder).value();
   files->name = file_name(store_name);
-  spill->path_ = files->folder.path_of(files->name);
+  const std::string path = files->folder.path_of(files->name);
   // A crashed run's spill: nothing in it outlives an iteration (a link there goes, not its target).
   (void)files->folder.remove(files->name);
   Result<aio::OpenedFile> opened = aio::open_swap_file(files->folder, files->name, true, options.nvme.fault_hook);
   if (!opened.ok()) return opened.status();
   files->fd = std::move(opened->fd);
+  // As the swap store settles its own: what the option asks, and what the filesystem asks of this file.
+  const auto [offset_align, mem_align] = aio::dio_alignment(files->fd.get());
+  files->align = std::max<std::size_t>({alignment_of(options), offset_align, mem_align});
+  if ((files->align & (files->align - 1)) != 0 || kBounceBytes % files->align != 0) {
+    return invalid_argument("gradient spill file " + path + ": O_DIRECT alignment " + std::to_string(files->align) +
+                            " bytes is not a power of two dividing the spill's " + std::to_string(kBounceBytes) +
+                            "-byte bounce buffers");
+  }
+  std::unique_ptr<GradSpill> spill(new GradSpill(device, layout(params, files->align), std::move(elem)));
+  spill->n_.reserve(params.size());
+  for (const ParamSpec& p : params) spill->n_.push_back(p.n);
+  spill->path_ = path;
   const std::uint64_t size = spill->at_.back();
   if (Status s = aio::allocate_file(files->fd.get(), spill->path_, std::max<std::uint64_t>(size, files->align),
                                     options.nvme.fault_hook);

@@ -40,6 +40,7 @@ OffloadOptimizer::Impl::~Impl() {
   add_worker.reset();  // joins the queued micro-batch adds before the buffers they use go
   schedule.reset();  // joins the delayed step or the overlap worker before the buffers they use go
   (void)device.synchronize();
+  spill.reset();  // its file goes while the store's owner lock, which covers the name, is still held
   tier.reset();
   for (void* h : {grad_staging[0], grad_staging[1], weight_staging}) device.free_host(h);
   if (partition) partition->release(device);

@@ -104,8 +104,7 @@ Usage usage(const Model& m, const Cluster& c, const Placement& p, const Training
   // The trainer's gradients: whole (stage 1), or the rank's partition; FSDP2's CPUOffloadPolicy puts its
   // shards in host RAM.
   if (spills(p, t)) {
-    nvme.grad_spill = r.spill_file_bytes;  // on the first path, the busiest
-    host.swap_buffers += r.spill_bounce_bytes;
+    nvme.grad_spill = r.spill_file_bytes;  // on the first path, the busiest (its bounces: below)
   } else {
     (p.stage == 3 && t.grads_on_host ? host : dev).grads16 = p.stage >= 2 ? 2 * part : 2 * psi;
   }
@@ -120,7 +119,7 @@ Usage usage(const Model& m, const Cluster& c, const Placement& p, const Training
     state.moments = moment_bytes(part, t.state);
   } else {
     nvme.swap_store = r.store_file_bytes + r.table_file_bytes;
-    host.swap_buffers = r.store_ram_bytes;
+    host.swap_buffers = r.store_ram_bytes + r.spill_bounce_bytes;
   }
   step_buffers(r, c, p, t, host);
   dev.param_pool = r.pool_bytes;

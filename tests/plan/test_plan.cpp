@@ -307,6 +307,10 @@ TEST(Plan, ATrillionParametersOnOneDgx2) {
   EXPECT_GE(spilled.per_nvme_path.grad_spill, 2 * m.params);
   EXPECT_LT(spilled.per_nvme_path.grad_spill, 2 * m.params + 16 * 4096 * (m.layers * 6 + 1));
   EXPECT_TRUE(check(spilled, c).fits) << check(spilled, c).why;
+  // The spill's two bounces per rank join the swap buffers.
+  t.spill_grads = false;
+  EXPECT_EQ(spilled.per_host.swap_buffers, usage(m, c, p, t).per_host.swap_buffers + 16 * 2 * kSpillBounceBytes);
+  t.spill_grads = true;
   // Spilling is for stage 3 with the optimizer on NVMe: any other placement keeps the trainer's gradients.
   EXPECT_EQ(usage(m, c, Placement{3, Offload::cpu, Offload::nvme}, t).per_gpu.grads16, 2 * part);
 }

@@ -22,12 +22,31 @@ from test_fsdp_offload_one_rank import _llama  # noqa: E402
 STEPS = 3
 
 
-def _run(out_dir, name, spill, clip=None, torch_clip=None, micro=1):
-    """STEPS steps of the tiny Llama under FSDP2 with tier nvme; what the test compares."""
-    model = _llama("cpu")
+def _model(unused=False):
+    """The tiny Llama, sharded; ``unused``: with a parameter no backward reaches (a head left unused)."""
+    if not unused:
+        return _llama("cpu")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=67, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = LlamaForCausalLM(cfg)
+    model.unused = torch.nn.Linear(32, 8)
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    return model
+
+
+def _run(out_dir, name, spill, clip=None, torch_clip=None, micro=1, unused=False):
+    """STEPS steps of the tiny Llama under FSDP2 with tier nvme; what the test compares. ``unused``: a model
+    with a parameter that gets no gradient, and zero_grad(set_to_none=False), which steps it with zeros."""
+    model = _model(unused)
     opt = zoe.torch.OffloadOptimizer(model.parameters(), **HYPER, tier="nvme", spill_grads=spill,
                                      nvme_path=os.path.join(out_dir, name), max_grad_norm=clip)
     grads_after_backward = []
+    if unused:  # as torch: every parameter has a gradient from here on, zero where backward gives none
+        opt.zero_grad(set_to_none=False)
     for step in range(STEPS):
         for m in range(micro):
             model.set_requires_gradient_sync(m == micro - 1)
@@ -37,13 +56,33 @@ def _run(out_dir, name, spill, clip=None, torch_clip=None, micro=1):
         if torch_clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), torch_clip)
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=not unused)
     stats = opt.stats()
     result = dict(shards=_shards(model), grads_after_backward=grads_after_backward, d2h=stats["d2h_bytes"],
                   spill_file=os.path.exists(os.path.join(out_dir, name, "zoe-optimizer.grads")))
     del opt
     result["spill_file_after"] = os.path.exists(os.path.join(out_dir, name, "zoe-optimizer.grads"))
     return result
+
+
+def _clip_errors(out_dir):
+    """Clipping zoe cannot answer over spilled gradients: another norm, part of the parameters."""
+    model = _llama("cpu")
+    opt = zoe.torch.OffloadOptimizer(model.parameters(), **HYPER, tier="nvme", spill_grads=True,
+                                     nvme_path=os.path.join(out_dir, "clip_errors"))
+    ids = _ids(0, 0, 0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    errors = []
+    for call in (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=float("inf")),
+                 lambda: torch.nn.utils.clip_grad_norm_(list(model.parameters())[:2], 1.0)):
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - the message is what the test checks
+            errors.append(f"{type(e).__name__}: {e}")
+        else:
+            errors.append("")
+    opt.zero_grad()
+    return errors
 
 
 def _twice(out_dir):
@@ -76,7 +115,10 @@ def _rank_main(rank, init_file, out_dir):
         out["spilled_torch_clip"] = _run(out_dir, "spilled_torch_clip", True, torch_clip=0.05)
         out["plain_micro"] = _run(out_dir, "plain_micro", False, micro=2)
         out["spilled_micro"] = _run(out_dir, "spilled_micro", True, micro=2)
+        out["plain_unused"] = _run(out_dir, "plain_unused", False, unused=True)
+        out["spilled_unused"] = _run(out_dir, "spilled_unused", True, unused=True)
         out["twice"] = _twice(out_dir)
+        out["clip_errors"] = _clip_errors(out_dir)
     finally:
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -92,7 +134,8 @@ def _equal(a, b) -> bool:
 
 
 @pytest.mark.parametrize("pair", [("plain", "spilled"), ("plain_clipped", "spilled_clipped"),
-                                  ("spilled_clipped", "spilled_torch_clip"), ("plain_micro", "spilled_micro")])
+                                  ("spilled_clipped", "spilled_torch_clip"), ("plain_micro", "spilled_micro"),
+                                  ("plain_unused", "spilled_unused")])
 def test_spilled_steps_equal_unspilled_bitwise(one_rank, pair):
     a, b = (one_rank[k] for k in pair)
     assert _equal(a, b), f"{pair[0]} and {pair[1]} differ"
@@ -113,6 +156,12 @@ def test_spilled_gradients_leave_p_grad_and_the_file_goes_with_the_optimizer(one
 def test_a_second_backward_before_step_is_refused(one_rank):
     error = one_rank["twice"]
     assert "reported twice" in error and "spill" in error, error
+
+
+def test_clipping_zoe_cannot_answer_is_refused(one_rank):
+    inf_norm, subset = one_rank["clip_errors"]
+    assert "norm_type=inf" in inf_norm and "spilled gradients" in inf_norm, inf_norm
+    assert "spilled gradients (spill_grads) must be given this optimizer's parameters" in subset, subset
 
 
 def test_spill_grads_needs_tier_nvme_and_fsdp2(tmp_path):
