@@ -258,13 +258,14 @@ Status OffloadOptimizer::grads_changed() {
   const std::vector<char>& down = impl_->grad_down;
   if (auto it = std::find(down.begin(), down.end(), 1); it != down.end()) {
     const std::size_t i = static_cast<std::size_t>(it - down.begin());
-    const std::string where = impl_->spill != nullptr ? "went to the gradient spill file " + impl_->spill->path() +
-                                                            " when it was reported"
-                                                      : "left the device when it was reported, and the device's buffer "
-                                                        "may hold another block's since";
-    return invalid_argument("grads_changed: the gradient of parameter '" + impl_->params[i].name + "' (" +
-                            std::to_string(i) + ") " + where + "; change gradients before reporting them (clipping: "
-                            "max_grad_norm or set_max_grad_norm). Nothing changed");
+    const bool spilled = impl_->spill != nullptr;
+    const std::string where = spilled ? "went to the gradient spill file " + impl_->spill->path() + " when it was reported"
+                                      : "left the device when it was reported, and the device's buffer may hold "
+                                        "another block's since";
+    return invalid_argument("grads_changed: the gradient of " + std::string(spilled ? "" : "offloaded ") + "parameter '" +
+                            impl_->params[i].name + "' (" + std::to_string(i) + ") " + where +
+                            "; change gradients before reporting them (clipping: max_grad_norm or set_max_grad_norm). "
+                            "Nothing changed");
   }
   impl_->grads_reduced = false;
   impl_->schedule->wait_for_speculative_steps();
