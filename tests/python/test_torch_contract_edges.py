@@ -77,13 +77,18 @@ def test_clip_grad_norm_leaves_p_grad_as_torch_does_and_the_step_exact(kw):
                     half = slice(k * len(x) // micro, (k + 1) * len(x) // micro)
                     (_mse(model, x[half], y[half]) / micro).backward()
             max_norm = 0.02 if t % 2 else 1e3  # clipping on every other step
+            # What torch's clip makes of zoe's model's own gradients (the two models' weights, and so their
+            # gradients, differ by the optimizers' rounding after the first step).
+            expected = [p.grad.detach().clone() for p in mine.parameters()]
+            total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in expected]))
+            torch._foreach_mul_(expected, torch.clamp(max_norm / (total + 1e-6), max=1.0))
             n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
             n_mine = torch.nn.utils.clip_grad_norm_(mine.parameters(), max_norm)
             assert abs(float(n_ref) - float(n_mine)) <= 1e-5 * float(n_ref)
             clipped += float(n_ref) > max_norm
-            for a, b in zip(ref.parameters(), mine.parameters()):
+            for e, b in zip(expected, mine.parameters()):
                 # zoe's norm is summed in double, torch's in fp32: the coefficients differ in the last bits.
-                assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-9)
+                assert torch.allclose(e, b.grad, rtol=1e-5, atol=1e-9)
             ro.step()
             mo.step()
             ro.zero_grad()
