@@ -115,8 +115,25 @@ Status check_tensors(std::span<const AdamTensor> tensors) {
       const auto begin = reinterpret_cast<std::uintptr_t>(a.ptr);
       ranges.push_back({begin, begin + a.bytes * t.n, i, a.what, a.output});
     }
-    if (t.undo.param == nullptr) continue;
     const std::size_t scale_bytes = t.state_dtype == DType::i8 ? 4 * moment_blocks(t.n) : 0;
+    if (t.from.param != nullptr) {
+      const struct {
+        const void* ptr;
+        std::size_t bytes;
+        const char* what;
+      } from[] = {{t.from.param, 4 * t.n, "from.param"},
+                  {t.from.exp_avg, state * t.n, "from.exp_avg"},
+                  {t.from.exp_avg_sq, state * t.n, "from.exp_avg_sq"},
+                  {t.from.exp_avg_scale, scale_bytes, "from.exp_avg_scale"},
+                  {t.from.exp_avg_sq_scale, scale_bytes, "from.exp_avg_sq_scale"}};
+      for (const auto& a : from) {
+        if (a.bytes == 0) continue;
+        if (a.ptr == nullptr) return invalid_argument(name + ": " + a.what + " is null while from.param is set");
+        const auto begin = reinterpret_cast<std::uintptr_t>(a.ptr);
+        ranges.push_back({begin, begin + a.bytes, i, a.what, false});
+      }
+    }
+    if (t.undo.param == nullptr) continue;
     const struct {
       const void* ptr;
       std::size_t bytes;
@@ -210,12 +227,25 @@ void save_undo(const AdamTensor& t, std::size_t begin, std::size_t end) {
   _mm_sfence();  // streaming stores are weakly ordered: visible before the task ends
 }
 
+// The state the step reads from element `offset` (block `block` of the scales): the tensor's own arrays, or
+// `from` (AdamSource).
+simd::StateIn state_in(const AdamTensor& t, std::size_t offset, std::size_t block) {
+  const std::size_t ssize = dtype_size(t.state_dtype);
+  const bool own = t.from.param == nullptr;
+  const float* ms = own ? t.exp_avg_scale : t.from.exp_avg_scale;
+  const float* vs = own ? t.exp_avg_sq_scale : t.from.exp_avg_sq_scale;
+  return simd::StateIn{(own ? t.param : t.from.param) + offset,
+                       static_cast<const unsigned char*>(own ? t.exp_avg : t.from.exp_avg) + offset * ssize,
+                       static_cast<const unsigned char*>(own ? t.exp_avg_sq : t.from.exp_avg_sq) + offset * ssize,
+                       ms == nullptr ? nullptr : ms + block, vs == nullptr ? nullptr : vs + block};
+}
+
 void run_adam(AdamFn fn, const simd::AdamConstants& c, const AdamTensor& t, std::size_t offset, std::size_t count) {
   if (t.undo.param != nullptr) save_undo(t, offset, offset + count);
   const std::size_t gsize = dtype_size(t.grad_dtype);
   const std::size_t osize = t.out == nullptr ? 0 : dtype_size(t.out_dtype);
   const std::size_t ssize = dtype_size(t.state_dtype);
-  fn(c, t.param + offset, static_cast<unsigned char*>(t.exp_avg) + offset * ssize,
+  fn(c, state_in(t, offset, 0), t.param + offset, static_cast<unsigned char*>(t.exp_avg) + offset * ssize,
      static_cast<unsigned char*>(t.exp_avg_sq) + offset * ssize,
      static_cast<const unsigned char*>(t.grad) + offset * gsize,
      t.out == nullptr ? nullptr : static_cast<unsigned char*>(t.out) + offset * osize, count);
@@ -231,7 +261,7 @@ void run_adam_q8(simd::AdamQ8Fn fn, const simd::AdamConstants& c, const AdamTens
   if (t.undo.param != nullptr) save_undo(t, first, end);
   const std::size_t gsize = dtype_size(t.grad_dtype);
   const std::size_t osize = t.out == nullptr ? 0 : dtype_size(t.out_dtype);
-  fn(c, t.param + first, static_cast<std::int8_t*>(t.exp_avg) + first, static_cast<std::uint8_t*>(t.exp_avg_sq) + first,
+  fn(c, state_in(t, first, first / kMomentBlock), t.param + first, static_cast<std::int8_t*>(t.exp_avg) + first, static_cast<std::uint8_t*>(t.exp_avg_sq) + first,
      t.exp_avg_scale + first / kMomentBlock, t.exp_avg_sq_scale + first / kMomentBlock,
      static_cast<const unsigned char*>(t.grad) + first * gsize,
      t.out == nullptr ? nullptr : static_cast<unsigned char*>(t.out) + first * osize, end - first);

@@ -45,6 +45,19 @@ struct AdamUndo {
   float* exp_avg_sq_scale = nullptr;
 };
 
+// Where a step reads the state when that is not where it writes it: the overlap schedule's speculative step
+// reads the current state set and writes the other one (ping-pong), so the current set stays as it was and a
+// discarded speculation has nothing to copy back. Each array has the layout of the one it stands for —
+// param, exp_avg, exp_avg_sq and, for state dtype i8, the block scales — is only read, and must not overlap
+// any output. param null: the step reads the tensor's own arrays (in place).
+struct AdamSource {
+  const float* param = nullptr;
+  const void* exp_avg = nullptr;
+  const void* exp_avg_sq = nullptr;
+  const float* exp_avg_scale = nullptr;
+  const float* exp_avg_sq_scale = nullptr;
+};
+
 // One tensor's state. Gradients may be any DType; `out`, when not null, receives the updated weights in
 // `out_dtype` (f16 or bf16). Outputs (param, exp_avg, exp_avg_sq, out) must not overlap each other or grad.
 // The moments are stored in `state_dtype`: f32, or bf16 — half the bytes; each step computes in fp32 from
@@ -66,6 +79,7 @@ struct AdamTensor {
   float* exp_avg_scale = nullptr;  // state dtype i8: one per kMomentBlock elements (moment_blocks(n))
   float* exp_avg_sq_scale = nullptr;
   AdamUndo undo{};  // outputs too: they must not overlap anything else
+  AdamSource from{};  // the state read, where it is not param, exp_avg, exp_avg_sq (and their scales)
 };
 
 // Elements per block of 8-bit moments (one fp32 scale per block and moment).
