@@ -1,12 +1,14 @@
 // overlap: each reported parameter comes down piece by piece, and each piece is stepped speculatively — as
 // if no clipping and no overflow — and sent up as soon as it is down, while backward goes on; pieces keep the
-// work left after the last gradient short. step() validates: an overflow (or a refused NaN/Inf) undoes every
-// speculative step and resends the old weights; a clip coefficient below 1 undoes and redoes them with it.
-// Gradients the trainer changed after reporting them (retake()) undo every speculative step too, and the
-// step is then sync's, over the gradients taken again.
+// work left after the last gradient short. A speculative step reads the piece's current state set and writes
+// the other one (ping-pong, Impl::current_set), so the current set is the state before the step until step()
+// keeps the speculation (Impl::keep_aside makes the other set current). step() validates: an overflow (or a
+// refused NaN/Inf) drops every speculative step and resends the current weights; a clip coefficient below 1
+// drops them and steps the current set again with it. Gradients the trainer changed after reporting them
+// (retake()) drop every speculative step too, and the step is then sync's, over the gradients taken again.
 // Speculative steps use the hyper-parameters set when the iteration's first gradient was reported; a trainer
-// that sets others before step() (a learning-rate schedule stepped late) has them undone and redone too.
-// Tier nvme cannot keep an undo copy (its state is not in RAM): from the iteration's first report one
+// that sets others before step() (a learning-rate schedule stepped late) has them dropped and redone too.
+// Tier nvme holds no state set in RAM: from the iteration's first report one
 // speculative call of the tier steps the whole store on the worker, each tile once the gradients of its
 // parameters are down (param_ready), tiles in the order the last iteration reported their parameters, its
 // new state written beside the old (SwapStore::speculate). step() then commits it, or discards it and steps
@@ -14,7 +16,6 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
-#include <cstring>
 #include <mutex>
 #include <optional>
 #include <utility>
@@ -37,30 +38,12 @@ class OverlapSchedule final : public StepSchedule {
     stepped_.assign(m_.pieces.size(), 0);
     // Speculation fails when clipping, an fp16 overflow or a refused NaN/Inf changes the step, and when the
     // trainer changes gradients after reporting them (grads_changed(), clip_grad_norm_ by the trainer,
-    // set_max_grad_norm() between steps): an undo copy is kept whenever the tier steps during backward.
+    // set_max_grad_norm() between steps): a tier that steps during backward steps into a second state set.
     speculation_can_fail_ = m_.tier->in_ram();
     in_store_ = m_.tier->speculates();
     down_.assign(m_.params.size(), std::nullopt);
     no_grad_before_.assign(m_.params.size(), 0);
-    if (!speculation_can_fail_) return Status::success();
-    for (AlignedBuffer* b : {&undo_master_, &undo_exp_avg_, &undo_exp_avg_sq_}) {
-      Result<AlignedBuffer> r = AlignedBuffer::allocate(m_.offsets.back() * 4);
-      if (!r.ok()) return r.status();
-      *b = std::move(r).value();
-    }
-    Result<AlignedBuffer> r = AlignedBuffer::allocate(m_.weight_offsets.back());
-    if (!r.ok()) return r.status();
-    undo_weights_ = std::move(r).value();
-    if (m_.options.state_dtype == DType::i8) {
-      std::size_t blocks = 0;
-      for (const ParamSpec& p : m_.params) blocks += moment_blocks(p.n);
-      for (AlignedBuffer* b : {&undo_m_scale_, &undo_v_scale_}) {
-        Result<AlignedBuffer> s = AlignedBuffer::allocate(blocks * 4);
-        if (!s.ok()) return s.status();
-        *b = std::move(s).value();
-      }
-    }
-    return Status::success();
+    return speculation_can_fail_ ? m_.allocate_second_set() : Status::success();
   }
 
   ~OverlapSchedule() override {
@@ -89,11 +72,16 @@ class OverlapSchedule final : public StepSchedule {
   }
 
   Status step() override;
+  // The one check of both tiers' speculation: it stepped what sync steps now, given decision d — gradients
+  // as reported (not taken again), no skip, no clipping (the scale it used), the same hyper-parameters.
+  // Which parameters it stepped is each tier's own question (tier ram: per parameter, below; the store:
+  // speculated_params()).
+  bool steps_as_sync(const Impl::Decision& d) const;
 
   Result<int> take_grads() override {
     if (Status s = report_the_rest(); !s.ok()) return s;
     if (retake_) {
-      if (Status s = in_store_ ? stop_store_speculation() : undo_speculation(); !s.ok()) return s;
+      if (Status s = in_store_ ? stop_store_speculation() : drop_speculation(); !s.ok()) return s;
       if (Status s = take_all_grads(m_); !s.ok()) return s;
       retake_ = false;
       taken_again_ = true;
@@ -110,24 +98,24 @@ class OverlapSchedule final : public StepSchedule {
   Status discard_speculative_steps() override {
     if (in_store_) return stop_store_speculation();
     if (!speculation_can_fail_) return Status::success();
-    return undo_speculation();
+    return drop_speculation();
   }
 
   // What reads or writes the state (save, load, read_state, write_state, the step counts) must not run beside
   // the speculation, and sees the state before this iteration's step: on tier nvme the store's speculation
-  // is stopped and dropped, on tier ram the speculative steps are undone. step() then steps them again.
+  // is stopped and dropped, on tier ram the speculative steps are dropped. step() then steps them again.
   Status wait() override { return in_store_ ? stop_store_speculation() : discard_speculative_steps(); }
 
   // Nothing of the iteration is kept: no speculative step, no report, and nothing learnt from its partial
   // order of reports (the next speculation uses the last whole iteration's).
   Status abandon() override {
-    Status s = in_store_ ? stop_store_speculation() : speculation_can_fail_ ? undo_speculation() : Status::success();
+    Status s = in_store_ ? stop_store_speculation() : speculation_can_fail_ ? drop_speculation() : Status::success();
     worker_->drain();
     forget_iteration();
     return s;
   }
 
-  // Tier ram: a piece's step reads whether its parameter is absent (then whether to keep an undo copy and
+  // Tier ram: a piece's step reads whether its parameter is absent (then whether to write it aside and
   // mark the piece stepped) and where its gradient is (the micro-batches' sum or the copy): what
   // set_grads_absent() and grads_changed() change must not change under it. The store's speculation reads
   // neither.
@@ -137,9 +125,9 @@ class OverlapSchedule final : public StepSchedule {
 
  private:
   Status step_piece_when_down(std::size_t k, EventId copied);
-  // Waits for the speculative steps and puts back the state and weights they changed; no piece is then
-  // stepped, and step() steps them all.
-  Status undo_speculation();
+  // Waits for the speculative steps and drops what they wrote aside, resending the current weights; no
+  // piece is then stepped, and step() steps them all.
+  Status drop_speculation();
   // Every parameter the trainer did not report is reported now: its gradient is final at the end of backward.
   // Those still unreported then have none this iteration (the store's speculation leaves them out).
   Status report_the_rest() {
@@ -164,20 +152,9 @@ class OverlapSchedule final : public StepSchedule {
   Status stop_store_speculation();  // stops it, waits for it and discards what it stepped
   void end_iteration();     // learns the order of the reports and who had none, then forgets the iteration
   void forget_iteration();
-  // Waits until the copies up of the speculatively stepped pieces have read the staging, before an undo
-  // writes over it (the old weights then go up after them).
-  Status stepped_pieces_sent() {
-    Result<EventId> sent = m_.device.record(Stream::h2d);
-    return sent.ok() ? m_.device.synchronize(sent.value()) : sent.status();
-  }
-  // Where piece k's state and weights are kept while its speculative step may be undone.
-  AdamUndo undo_area(const Piece& k);
-  void restore_undo(const Piece& k);
 
   Impl& m_;
   bool speculation_can_fail_ = false;
-  AlignedBuffer undo_master_, undo_exp_avg_, undo_exp_avg_sq_, undo_weights_;
-  AlignedBuffer undo_m_scale_, undo_v_scale_;  // state dtype i8: the block scales
   // This iteration: which parameters were reported, and which pieces stepped speculatively.
   std::vector<char> reported_, stepped_;
   std::atomic<bool> overflow_seen_{false};
@@ -220,33 +197,29 @@ Status OverlapSchedule::step_piece_when_down(std::size_t k, EventId copied) {
       worker_status_ = s;
       return;
     }
-    // The undo copy is taken by the step itself, tile by tile (AdamUndo).
-    const StateTier::UndoOf undo = [this](const Piece& piece) { return undo_area(piece); };
-    if (Status s = m_.tier->step({k}, speculative_scale, 0, speculated_with_, speculation_can_fail_ ? undo : nullptr);
-        !s.ok()) {
+    // Into the other state set: the current one stays the state before the step (Impl::current_set).
+    if (Status s = m_.tier->step({k}, speculative_scale, 0, speculated_with_, true); !s.ok()) {
       worker_status_ = s;
       return;
     }
-    // A parameter named absent is left out by the step, and its undo copy is not taken: nothing to undo.
+    // A parameter named absent is left out by the step: nothing written aside.
     stepped_[k] = m_.is_absent(m_.pieces[k].param, 0) ? 0 : 1;
-    if (Status s = m_.enqueue_h2d(m_.pieces[k]); !s.ok()) worker_status_ = s;
+    if (Status s = m_.enqueue_h2d(m_.pieces[k], true); !s.ok()) worker_status_ = s;
   });
   return Status::success();
 }
 
-Status OverlapSchedule::undo_speculation() {
+Status OverlapSchedule::drop_speculation() {
   worker_->drain();
   overflow_seen_ = false;
   Status failed = std::exchange(worker_status_, Status::success());
   bool sent = false;
   for (std::size_t k = 0; k < m_.pieces.size(); ++k) {
     if (!stepped_[k]) continue;
-    if (!std::exchange(sent, true)) {
-      if (Status s = stepped_pieces_sent(); !s.ok()) return s;
-    }
-    restore_undo(m_.pieces[k]);
     stepped_[k] = 0;
-    // The device has the speculative weights: it gets the old ones back, in case the step is then skipped.
+    sent = true;
+    // The device has the speculative weights: it gets the current ones back (after them on the same
+    // stream), in case the step is then skipped.
     if (Status s = m_.enqueue_h2d(m_.pieces[k]); !s.ok() && failed.ok()) failed = s;
   }
   // The next write of the staging (the step taken again) waits for those copies (staging_writable).
@@ -280,6 +253,13 @@ void OverlapSchedule::forget_iteration() {
   speculating_ = false;
 }
 
+bool same_hyper(const std::vector<ParamGroup>& a, const std::vector<ParamGroup>& b);
+
+bool OverlapSchedule::steps_as_sync(const Impl::Decision& d) const {
+  return !retake_ && !taken_again_ && d.error.ok() && !d.overflow && !d.refused &&
+         d.grad_scale == static_cast<float>(1.0 / m_.visible_scale) && same_hyper(speculated_with_, m_.groups);
+}
+
 bool same_hyper(const std::vector<ParamGroup>& a, const std::vector<ParamGroup>& b) {
   return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const ParamGroup& x, const ParamGroup& y) {
     const AdamHyper &p = x.hyper, &q = y.hyper;
@@ -292,7 +272,7 @@ bool same_hyper(const std::vector<ParamGroup>& a, const std::vector<ParamGroup>&
 Status OverlapSchedule::step() {
   if (in_store_) return step_in_store();
   if (retake_ || taken_again_) {
-    // Every gradient down (again, after an undo, where they changed), then sync's step.
+    // Every gradient down (again, after the speculation was dropped, where they changed), then sync's step.
     Result<int> taken = take_grads();
     end_iteration();
     if (!taken.ok()) return taken.status();
@@ -302,30 +282,35 @@ Status OverlapSchedule::step() {
   worker_->drain();
   if (!worker_status_.ok()) return std::exchange(worker_status_, Status::success());
   const Impl::Decision d = m_.decide(0, m_.visible_scale, m_.options.max_grad_norm);
-  const float speculative_scale = static_cast<float>(1.0 / m_.visible_scale);
   const bool skip = d.overflow || d.refused;
-  const bool wrong = skip || d.grad_scale != speculative_scale || !same_hyper(speculated_with_, m_.groups);
+  const bool wrong = !steps_as_sync(d);
   if (Status s = m_.staging_writable(); !s.ok()) return s;
+  // A parameter's speculation is kept when every piece of it was stepped aside with what sync would have
+  // used; then its other set becomes current. Any other piece is stepped (again) in its current set, which
+  // no speculation wrote. A parameter reported, stepped, then named absent (set_grads_absent) keeps its
+  // current set and is not stepped again.
+  std::vector<char> keep(m_.params.size(), 0);
+  for (std::size_t i = 0; i < m_.params.size() && !wrong; ++i) {
+    const std::size_t first = m_.first_piece[i], end = m_.first_piece[i + 1];
+    keep[i] = first < end && !m_.is_absent(i, 0) &&
+              std::all_of(stepped_.begin() + first, stepped_.begin() + end, [](char x) { return x != 0; });
+  }
   std::vector<std::size_t> redo;
-  bool sent = false;
   for (std::size_t k = 0; k < m_.pieces.size(); ++k) {
-    // A parameter reported, stepped, then named absent (set_grads_absent) is put back and not stepped again.
-    const bool absent = m_.is_absent(m_.pieces[k].param, 0);
-    const bool undo = stepped_[k] && (wrong || absent);
-    if (undo) {
-      if (!std::exchange(sent, true)) {
-        if (Status s = stepped_pieces_sent(); !s.ok()) return s;
-      }
-      restore_undo(m_.pieces[k]);
-      if (skip || absent) {
-        if (Status s = m_.enqueue_h2d(m_.pieces[k]); !s.ok()) return s;  // the device gets its old weights back
-      }
+    const std::size_t i = m_.pieces[k].param;
+    if (keep[i]) continue;
+    const bool absent = m_.is_absent(i, 0);
+    if (stepped_[k] && (skip || absent)) {
+      if (Status s = m_.enqueue_h2d(m_.pieces[k]); !s.ok()) return s;  // the device gets its current weights back
     }
-    if (!skip && !absent && (!stepped_[k] || undo)) redo.push_back(k);
+    if (!skip && !absent) redo.push_back(k);
+  }
+  for (std::size_t i = 0; i < m_.params.size(); ++i) {
+    if (keep[i]) m_.keep_aside(i);
   }
   if (!redo.empty()) {
     ++m_.stats_.redone;
-    if (Status s = m_.tier->step(redo, d.grad_scale, 0, m_.groups, {}); !s.ok()) return s;
+    if (Status s = m_.tier->step(redo, d.grad_scale, 0, m_.groups, false); !s.ok()) return s;
     for (std::size_t k : redo) {
       if (Status s = m_.enqueue_h2d(m_.pieces[k]); !s.ok()) return s;
     }
@@ -339,42 +324,6 @@ Status OverlapSchedule::step() {
   m_.record_outcome(d, 0);
   m_.visible_scale = m_.scaler.scale();
   return Status::success();
-}
-
-AdamUndo OverlapSchedule::undo_area(const Piece& k) {
-  const std::size_t off = m_.offsets[k.param] + k.begin, mb = m_.moment_bytes();
-  AdamUndo u;
-  u.param = undo_master_.as<float>() + off;
-  u.exp_avg = undo_exp_avg_.as<unsigned char>() + off * mb;
-  u.exp_avg_sq = undo_exp_avg_sq_.as<unsigned char>() + off * mb;
-  if (m_.params[k.param].dtype != DType::f32) u.out = undo_weights_.as<unsigned char>() + m_.weight_offsets[k.param] + k.begin * 2;
-  if (m_.options.state_dtype == DType::i8) {
-    const std::size_t at = m_.tier->piece(k).scale_index;
-    u.exp_avg_scale = undo_m_scale_.as<float>() + at;
-    u.exp_avg_sq_scale = undo_v_scale_.as<float>() + at;
-  }
-  return u;
-}
-
-// A piece's master, moments (and their block scales) and 16-bit weights back from the undo copy, on all of
-// the CPU's threads: one piece's copy is as large as its Adam step's traffic.
-void OverlapSchedule::restore_undo(const Piece& k) {
-  constexpr std::size_t kChunk = 1 << 16;  // elements per task
-  const AdamUndo u = undo_area(k);
-  const std::size_t mb = m_.moment_bytes();
-  const PieceState st = m_.tier->piece(k);
-  auto* weights_at = static_cast<unsigned char*>(m_.weights_of(k.param)) + k.begin * 2;
-  m_.adam.parallel_for((k.n + kChunk - 1) / kChunk, [&](std::size_t c) {
-    const std::size_t b = c * kChunk, n = std::min(kChunk, k.n - b);
-    std::memcpy(st.p + b, u.param + b, n * 4);
-    std::memcpy(static_cast<unsigned char*>(st.m) + b * mb, static_cast<unsigned char*>(u.exp_avg) + b * mb, n * mb);
-    std::memcpy(static_cast<unsigned char*>(st.v) + b * mb, static_cast<unsigned char*>(u.exp_avg_sq) + b * mb, n * mb);
-    if (u.out != nullptr) std::memcpy(weights_at + b * 2, static_cast<unsigned char*>(u.out) + b * 2, n * 2);
-  });
-  if (st.m_scale != nullptr) {
-    std::memcpy(st.m_scale, u.exp_avg_scale, moment_blocks(k.n) * 4);
-    std::memcpy(st.v_scale, u.exp_avg_sq_scale, moment_blocks(k.n) * 4);
-  }
 }
 
 // ---- tier nvme: the store's speculation ----
@@ -466,8 +415,7 @@ Status OverlapSchedule::step_in_store() {
       const bool has_grad = reported_[i] && !m_.is_absent(i, 0) && m_.params[i].n > 0;
       as_sync = (stepped[i] != 0) == has_grad;
     }
-    keep = d.error.ok() && !d.overflow && !d.refused && d.grad_scale == static_cast<float>(1.0 / m_.visible_scale) &&
-           same_hyper(speculated_with_, m_.groups) && as_sync;
+    keep = steps_as_sync(d) && as_sync;
   }
   if (!keep) {
     // The store still holds the state before the step: sync's step from there, over the gradients (taken
@@ -491,7 +439,9 @@ Status OverlapSchedule::step_in_store() {
 
 }  // namespace
 
-// OverlapSchedule::allocate's undo copy, kept where the tier steps in RAM (tier ram).
+// OverlapSchedule::allocate's second state set (Impl::allocate_second_set), where the tier steps in RAM
+// (tier ram): the tier's arrays once more, the master whole (in place, an f32 parameter's speculative master
+// is written there), and the 16-bit weights from device.allocate_host, as the weight staging.
 SpaceNeed overlap_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options) {
   SpaceNeed need;
   if (options.tier != Tier::ram) return need;
@@ -501,8 +451,10 @@ SpaceNeed overlap_footprint(const std::vector<ParamSpec>& params, const OffloadO
     weights += p.dtype == DType::f32 ? 0 : p.n * 2;
     blocks += moment_blocks(p.n);
   }
-  need.add_ram("overlap's undo copy", 3 * AlignedBuffer::size_for(total * 4) + AlignedBuffer::size_for(weights));
-  if (options.state_dtype == DType::i8) need.add_ram("overlap's undo copy", 2 * AlignedBuffer::size_for(blocks * 4));
+  const std::size_t moments = 2 * AlignedBuffer::size_for(total * dtype_size(options.state_dtype));
+  need.add_ram("overlap's second state set", AlignedBuffer::size_for(total * 4) + moments +
+                                                 AlignedBuffer::io_size(std::max<std::size_t>(weights, 1)));
+  if (options.state_dtype == DType::i8) need.add_ram("overlap's second state set", 2 * AlignedBuffer::size_for(blocks * 4));
   return need;
 }
 
