@@ -8,6 +8,12 @@
 // when either is NaN); F load_i8(const std::int8_t*), void store_i8(std::int8_t*, F) (round to nearest even,
 // saturated); F load_e5m3(const std::uint8_t*), void store_e5m3(std::uint8_t*, F) (kernels.h's v code).
 //
+// Optional in V: void stream(float*, F), a store that bypasses the cache (its pointer aligned to a whole
+// vector), and void stream_fence(), which orders such stores before every later one. A step out of place
+// writes its fp32 state with them: a plain store to a line not in cache first reads it (12 more bytes per
+// element for p, m and v, which a step in place has just read anyway), and the set written is read again
+// only at the next step, from memory.
+//
 // Also the gradient-accumulation kernels (acc += g over micro-batches), below the Adam ones.
 //
 // Every element goes through the same vector code, the tail included (it is staged through a lane-sized
@@ -89,19 +95,40 @@ inline void adam_math(const Broadcast& b, V::F gv, V::F& pv, V::F& mv, V::F& vv)
   pv = V::fma(b.neg_step_size, V::div(mv, denom), pv);
 }
 
-template <int G, int O, int S, bool L2>
+template <typename W>
+concept StreamingStores = requires(float* p, typename W::F x) {
+  W::stream(p, x);
+  W::stream_fence();
+};
+
+// An fp32 array's store: plain, or (Stream, where V has it) one that bypasses the cache.
+template <bool Stream, typename W = V>
+inline void store_f32(float* p, typename W::F x) {
+  if constexpr (Stream) {
+    W::stream(p, x);
+  } else {
+    W::store(p, x);
+  }
+}
+
+template <int G, int O, int S, bool L2, bool Stream>
 inline void adam_lanes(const Broadcast& b, const StateIn& in, float* p, void* m, void* v, const void* g, void* out,
                        std::size_t i) {
   V::F pv = V::load(in.p + i), mv = load_state<S>(in.m, i), vv = load_state<S>(in.v, i);
   adam_math<L2>(b, load_grad<G>(g, i), pv, mv, vv);
-  V::store(p + i, pv);
-  store_state<S>(m, i, mv);
-  store_state<S>(v, i, vv);
+  store_f32<Stream>(p + i, pv);
+  if constexpr (S == kStateF32) {
+    store_f32<Stream>(static_cast<float*>(m) + i, mv);
+    store_f32<Stream>(static_cast<float*>(v) + i, vv);
+  } else {
+    store_state<S>(m, i, mv);
+    store_state<S>(v, i, vv);
+  }
   store_out<O>(out, i, pv);
 }
 
-// The bandwidth ceiling: the loads and stores of adam_lanes, one add each.
-template <int G, int O, int S, bool>
+// The bandwidth ceiling: the loads and stores of adam_lanes in place, one add each.
+template <int G, int O, int S, bool, bool>
 inline void streams_lanes(const Broadcast&, const StateIn& in, float* p, void* m, void* v, const void* g, void* out,
                           std::size_t i) {
   const V::F gv = load_grad<G>(g, i);
@@ -114,43 +141,73 @@ inline void streams_lanes(const Broadcast&, const StateIn& in, float* p, void* m
 
 inline void copy_bytes(void* dst, const void* src, std::size_t bytes) { __builtin_memcpy(dst, src, bytes); }
 
-// Runs `Lanes` over whole vectors, then the tail through lane-sized buffers (zero-padded), read from `in`
-// and written to p, m, v.
-template <int G, int O, int S, bool L2, template <int, int, int, bool> class Lanes>
-inline void run(const AdamConstants& c, const StateIn& in, float* p, void* m, void* v, const void* g, void* out,
-                std::size_t n) {
-  const Broadcast b(c);
-  std::size_t i = 0;
-  for (; i + V::lanes <= n; i += V::lanes) Lanes<G, O, S, L2>::apply(b, in, p, m, v, g, out, i);
-  const std::size_t tail = n - i;
-  if (tail == 0) return;
+// Elements [i, i + count) (count <= lanes) through lane-sized buffers (zero-padded): a tail, or the head
+// before the aligned part of a streamed run. The same vector code as the whole vectors, so the same bits.
+template <int G, int O, int S, bool L2, template <int, int, int, bool, bool> class Lanes>
+inline void staged(const Broadcast& b, const StateIn& in, float* p, void* m, void* v, const void* g, void* out,
+                   std::size_t i, std::size_t tail) {
   alignas(64) float tp[V::lanes] = {}, tm[V::lanes] = {}, tv[V::lanes] = {}, tg[V::lanes] = {};
   alignas(64) std::uint16_t to[V::lanes] = {};
   copy_bytes(tp, in.p + i, tail * 4);
   copy_bytes(tm, static_cast<const unsigned char*>(in.m) + i * state_bytes(S), tail * state_bytes(S));
   copy_bytes(tv, static_cast<const unsigned char*>(in.v) + i * state_bytes(S), tail * state_bytes(S));
   copy_bytes(tg, static_cast<const unsigned char*>(g) + i * elem_bytes(G), tail * elem_bytes(G));
-  const StateIn staged{tp, tm, tv, nullptr, nullptr};
-  Lanes<G, O, S, L2>::apply(b, staged, tp, tm, tv, tg, to, 0);
+  const StateIn buffers{tp, tm, tv, nullptr, nullptr};
+  Lanes<G, O, S, L2, false>::apply(b, buffers, tp, tm, tv, tg, to, 0);
   copy_bytes(p + i, tp, tail * 4);
   copy_bytes(static_cast<unsigned char*>(m) + i * state_bytes(S), tm, tail * state_bytes(S));
   copy_bytes(static_cast<unsigned char*>(v) + i * state_bytes(S), tv, tail * state_bytes(S));
   if constexpr (O != kOutNone) copy_bytes(static_cast<unsigned char*>(out) + i * out_bytes(O), to, tail * out_bytes(O));
 }
 
-template <int G, int O, int S, bool L2>
+// Out of place with fp32 state, where V streams: the elements before p is vector-aligned go staged, the
+// rest with streaming stores when m and v are then aligned too. Returns n when it stepped them, 0 when it
+// cannot stream. (W: V, named through a parameter so that a V without streaming stores compiles.)
+template <int G, int O, int S, bool L2, template <int, int, int, bool, bool> class Lanes, typename W = V>
+inline std::size_t run_streamed(const Broadcast& b, const StateIn& in, float* p, void* m, void* v, const void* g,
+                                void* out, std::size_t n) {
+  if constexpr (S != kStateF32 || !StreamingStores<W>) {
+    return 0;
+  } else {
+    constexpr std::size_t kVector = sizeof(typename W::F);
+    auto at = [](const void* x) { return reinterpret_cast<std::uintptr_t>(x); };
+    if (in.p == p || at(p) % 4 != 0) return 0;
+    const std::size_t head = (kVector - at(p) % kVector) % kVector / 4;
+    if (head + W::lanes > n || (at(m) + head * 4) % kVector != 0 || (at(v) + head * 4) % kVector != 0) return 0;
+    if (head > 0) staged<G, O, S, L2, Lanes>(b, in, p, m, v, g, out, 0, head);
+    std::size_t i = head;
+    for (; i + W::lanes <= n; i += W::lanes) Lanes<G, O, S, L2, true>::apply(b, in, p, m, v, g, out, i);
+    W::stream_fence();
+    if (i < n) staged<G, O, S, L2, Lanes>(b, in, p, m, v, g, out, i, n - i);
+    return n;
+  }
+}
+
+// Runs `Lanes` over whole vectors, then the tail staged; read from `in`, written to p, m, v.
+template <int G, int O, int S, bool L2, template <int, int, int, bool, bool> class Lanes>
+inline void run(const AdamConstants& c, const StateIn& in, float* p, void* m, void* v, const void* g, void* out,
+                std::size_t n) {
+  const Broadcast b(c);
+  if (run_streamed<G, O, S, L2, Lanes>(b, in, p, m, v, g, out, n) != 0) return;
+  std::size_t i = 0;
+  for (; i + V::lanes <= n; i += V::lanes) Lanes<G, O, S, L2, false>::apply(b, in, p, m, v, g, out, i);
+  if (i < n) staged<G, O, S, L2, Lanes>(b, in, p, m, v, g, out, i, n - i);
+}
+
+template <int G, int O, int S, bool L2, bool Stream>
 struct AdamLanes {
   static void apply(const Broadcast& b, const StateIn& in, float* p, void* m, void* v, const void* g, void* out,
                     std::size_t i) {
-    adam_lanes<G, O, S, L2>(b, in, p, m, v, g, out, i);
+    adam_lanes<G, O, S, L2, Stream>(b, in, p, m, v, g, out, i);
   }
 };
 
-template <int G, int O, int S, bool L2>
+// The ceiling steps in place: it never streams.
+template <int G, int O, int S, bool L2, bool>
 struct StreamsLanes {
   static void apply(const Broadcast& b, const StateIn& in, float* p, void* m, void* v, const void* g, void* out,
                     std::size_t i) {
-    streams_lanes<G, O, S, L2>(b, in, p, m, v, g, out, i);
+    streams_lanes<G, O, S, L2, false>(b, in, p, m, v, g, out, i);
   }
 };
 
