@@ -17,6 +17,9 @@ struct V {
   static F set(float x) { return _mm256_set1_ps(x); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  // A step out of place (adam_body.inl): stores that bypass the cache, p 32-byte aligned.
+  static void stream(float* p, F x) { _mm256_stream_ps(p, x); }
+  static void stream_fence() { _mm_sfence(); }
   static F load_f16(const std::uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }

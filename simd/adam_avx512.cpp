@@ -23,6 +23,9 @@ struct V {
   static F set(float x) { return _mm512_set1_ps(x); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  // A step out of place (adam_body.inl): stores that bypass the cache, p 64-byte aligned.
+  static void stream(float* p, F x) { _mm512_stream_ps(p, x); }
+  static void stream_fence() { _mm_sfence(); }
   static F load_f16(const std::uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }

@@ -8,10 +8,20 @@
 // when either is NaN); F load_i8(const std::int8_t*), void store_i8(std::int8_t*, F) (round to nearest even,
 // saturated); F load_e5m3(const std::uint8_t*), void store_e5m3(std::uint8_t*, F) (kernels.h's v code).
 //
+// Optional in V: void stream(float*, F), a store that bypasses the cache (its pointer aligned to a whole
+// vector), and void stream_fence(), which orders such stores before every later one. A step out of place
+// writes its fp32 state with them: a plain store to a line not in cache first reads it (12 more bytes per
+// element for p, m and v, which a step in place has just read anyway), and the set written is read again
+// only at the next step, from memory.
+//
 // Also the gradient-accumulation kernels (acc += g over micro-batches), below the Adam ones.
 //
 // Every element goes through the same vector code, the tail included (it is staged through a lane-sized
 // buffer), so results are bit-identical whatever the split of a tensor into calls.
+//
+// The Adam kernels read the state from one set of arrays (p_in, m_in, v_in) and write it to another (p, m,
+// v): the same arrays to step in place, or disjoint ones to leave what was read as it was (kernels.h). An
+// element's loads come before its stores, so in place is one case of out of place.
 
 template <int G>
 inline V::F load_grad(const void* g, std::size_t i) {
@@ -85,80 +95,138 @@ inline void adam_math(const Broadcast& b, V::F gv, V::F& pv, V::F& mv, V::F& vv)
   pv = V::fma(b.neg_step_size, V::div(mv, denom), pv);
 }
 
-template <int G, int O, int S, bool L2>
-inline void adam_lanes(const Broadcast& b, float* p, void* m, void* v, const void* g, void* out, std::size_t i) {
-  V::F pv = V::load(p + i), mv = load_state<S>(m, i), vv = load_state<S>(v, i);
+template <typename W>
+concept StreamingStores = requires(float* p, typename W::F x) {
+  W::stream(p, x);
+  W::stream_fence();
+};
+
+// An fp32 array's store: plain, or (Stream, where V has it) one that bypasses the cache.
+template <bool Stream, typename W = V>
+inline void store_f32(float* p, typename W::F x) {
+  if constexpr (Stream) {
+    W::stream(p, x);
+  } else {
+    W::store(p, x);
+  }
+}
+
+template <int G, int O, int S, bool L2, bool Stream>
+inline void adam_lanes(const Broadcast& b, const StateIn& in, float* p, void* m, void* v, const void* g, void* out,
+                       std::size_t i) {
+  V::F pv = V::load(in.p + i), mv = load_state<S>(in.m, i), vv = load_state<S>(in.v, i);
   adam_math<L2>(b, load_grad<G>(g, i), pv, mv, vv);
-  V::store(p + i, pv);
-  store_state<S>(m, i, mv);
-  store_state<S>(v, i, vv);
+  store_f32<Stream>(p + i, pv);
+  if constexpr (S == kStateF32) {
+    store_f32<Stream>(static_cast<float*>(m) + i, mv);
+    store_f32<Stream>(static_cast<float*>(v) + i, vv);
+  } else {
+    store_state<S>(m, i, mv);
+    store_state<S>(v, i, vv);
+  }
   store_out<O>(out, i, pv);
 }
 
-// The bandwidth ceiling: the loads and stores of adam_lanes, one add each.
-template <int G, int O, int S, bool>
-inline void streams_lanes(const Broadcast&, float* p, void* m, void* v, const void* g, void* out, std::size_t i) {
+// The bandwidth ceiling: the loads and stores of adam_lanes in place, one add each.
+template <int G, int O, int S, bool, bool>
+inline void streams_lanes(const Broadcast&, const StateIn& in, float* p, void* m, void* v, const void* g, void* out,
+                          std::size_t i) {
   const V::F gv = load_grad<G>(g, i);
-  const V::F pv = V::add(V::load(p + i), gv);
+  const V::F pv = V::add(V::load(in.p + i), gv);
   V::store(p + i, pv);
-  store_state<S>(m, i, V::add(load_state<S>(m, i), gv));
-  store_state<S>(v, i, V::add(load_state<S>(v, i), gv));
+  store_state<S>(m, i, V::add(load_state<S>(in.m, i), gv));
+  store_state<S>(v, i, V::add(load_state<S>(in.v, i), gv));
   store_out<O>(out, i, pv);
 }
 
 inline void copy_bytes(void* dst, const void* src, std::size_t bytes) { __builtin_memcpy(dst, src, bytes); }
 
-// Runs `Lanes` over whole vectors, then the tail through lane-sized buffers (zero-padded).
-template <int G, int O, int S, bool L2, template <int, int, int, bool> class Lanes>
-inline void run(const AdamConstants& c, float* p, void* m, void* v, const void* g, void* out, std::size_t n) {
-  const Broadcast b(c);
-  std::size_t i = 0;
-  for (; i + V::lanes <= n; i += V::lanes) Lanes<G, O, S, L2>::apply(b, p, m, v, g, out, i);
-  const std::size_t tail = n - i;
-  if (tail == 0) return;
+// Elements [i, i + count) (count <= lanes) through lane-sized buffers (zero-padded): a tail, or the head
+// before the aligned part of a streamed run. The same vector code as the whole vectors, so the same bits.
+template <int G, int O, int S, bool L2, template <int, int, int, bool, bool> class Lanes>
+inline void staged(const Broadcast& b, const StateIn& in, float* p, void* m, void* v, const void* g, void* out,
+                   std::size_t i, std::size_t tail) {
   alignas(64) float tp[V::lanes] = {}, tm[V::lanes] = {}, tv[V::lanes] = {}, tg[V::lanes] = {};
   alignas(64) std::uint16_t to[V::lanes] = {};
-  unsigned char* mi = static_cast<unsigned char*>(m) + i * state_bytes(S);
-  unsigned char* vi = static_cast<unsigned char*>(v) + i * state_bytes(S);
-  copy_bytes(tp, p + i, tail * 4);
-  copy_bytes(tm, mi, tail * state_bytes(S));
-  copy_bytes(tv, vi, tail * state_bytes(S));
+  copy_bytes(tp, in.p + i, tail * 4);
+  copy_bytes(tm, static_cast<const unsigned char*>(in.m) + i * state_bytes(S), tail * state_bytes(S));
+  copy_bytes(tv, static_cast<const unsigned char*>(in.v) + i * state_bytes(S), tail * state_bytes(S));
   copy_bytes(tg, static_cast<const unsigned char*>(g) + i * elem_bytes(G), tail * elem_bytes(G));
-  Lanes<G, O, S, L2>::apply(b, tp, tm, tv, tg, to, 0);
+  const StateIn buffers{tp, tm, tv, nullptr, nullptr};
+  Lanes<G, O, S, L2, false>::apply(b, buffers, tp, tm, tv, tg, to, 0);
   copy_bytes(p + i, tp, tail * 4);
-  copy_bytes(mi, tm, tail * state_bytes(S));
-  copy_bytes(vi, tv, tail * state_bytes(S));
+  copy_bytes(static_cast<unsigned char*>(m) + i * state_bytes(S), tm, tail * state_bytes(S));
+  copy_bytes(static_cast<unsigned char*>(v) + i * state_bytes(S), tv, tail * state_bytes(S));
   if constexpr (O != kOutNone) copy_bytes(static_cast<unsigned char*>(out) + i * out_bytes(O), to, tail * out_bytes(O));
 }
 
-template <int G, int O, int S, bool L2>
+// Out of place with fp32 state, where V streams: the elements before p is vector-aligned go staged, the
+// rest with streaming stores when m and v are then aligned too. Returns n when it stepped them, 0 when it
+// cannot stream. (W: V, named through a parameter so that a V without streaming stores compiles.)
+template <int G, int O, int S, bool L2, template <int, int, int, bool, bool> class Lanes, typename W = V>
+inline std::size_t run_streamed(const Broadcast& b, const StateIn& in, float* p, void* m, void* v, const void* g,
+                                void* out, std::size_t n) {
+  if constexpr (S != kStateF32 || !StreamingStores<W>) {
+    return 0;
+  } else {
+    constexpr std::size_t kVector = sizeof(typename W::F);
+    auto at = [](const void* x) { return reinterpret_cast<std::uintptr_t>(x); };
+    if (in.p == p || at(p) % 4 != 0) return 0;
+    const std::size_t head = (kVector - at(p) % kVector) % kVector / 4;
+    if (head + W::lanes > n || (at(m) + head * 4) % kVector != 0 || (at(v) + head * 4) % kVector != 0) return 0;
+    if (head > 0) staged<G, O, S, L2, Lanes>(b, in, p, m, v, g, out, 0, head);
+    std::size_t i = head;
+    for (; i + W::lanes <= n; i += W::lanes) Lanes<G, O, S, L2, true>::apply(b, in, p, m, v, g, out, i);
+    W::stream_fence();
+    if (i < n) staged<G, O, S, L2, Lanes>(b, in, p, m, v, g, out, i, n - i);
+    return n;
+  }
+}
+
+// Runs `Lanes` over whole vectors, then the tail staged; read from `in`, written to p, m, v.
+template <int G, int O, int S, bool L2, template <int, int, int, bool, bool> class Lanes>
+inline void run(const AdamConstants& c, const StateIn& in, float* p, void* m, void* v, const void* g, void* out,
+                std::size_t n) {
+  const Broadcast b(c);
+  if (run_streamed<G, O, S, L2, Lanes>(b, in, p, m, v, g, out, n) != 0) return;
+  std::size_t i = 0;
+  for (; i + V::lanes <= n; i += V::lanes) Lanes<G, O, S, L2, false>::apply(b, in, p, m, v, g, out, i);
+  if (i < n) staged<G, O, S, L2, Lanes>(b, in, p, m, v, g, out, i, n - i);
+}
+
+template <int G, int O, int S, bool L2, bool Stream>
 struct AdamLanes {
-  static void apply(const Broadcast& b, float* p, void* m, void* v, const void* g, void* out, std::size_t i) {
-    adam_lanes<G, O, S, L2>(b, p, m, v, g, out, i);
+  static void apply(const Broadcast& b, const StateIn& in, float* p, void* m, void* v, const void* g, void* out,
+                    std::size_t i) {
+    adam_lanes<G, O, S, L2, Stream>(b, in, p, m, v, g, out, i);
   }
 };
 
-template <int G, int O, int S, bool L2>
+// The ceiling steps in place: it never streams.
+template <int G, int O, int S, bool L2, bool>
 struct StreamsLanes {
-  static void apply(const Broadcast& b, float* p, void* m, void* v, const void* g, void* out, std::size_t i) {
-    streams_lanes<G, O, S, L2>(b, p, m, v, g, out, i);
+  static void apply(const Broadcast& b, const StateIn& in, float* p, void* m, void* v, const void* g, void* out,
+                    std::size_t i) {
+    streams_lanes<G, O, S, L2, false>(b, in, p, m, v, g, out, i);
   }
 };
 
 template <int G, int O, int S>
-void adam(const AdamConstants& c, float* p, void* m, void* v, const void* g, void* out, std::size_t n) {
+void adam(const AdamConstants& c, const StateIn& in, float* p, void* m, void* v, const void* g, void* out,
+          std::size_t n) {
   // Adam's L2 term is a separate instantiation so that AdamW and weight_decay = 0 never compute 0 * p
   // (which would turn an infinite weight into NaN where torch leaves it infinite).
   if (c.l2 != 0.0f) {
-    run<G, O, S, true, AdamLanes>(c, p, m, v, g, out, n);
+    run<G, O, S, true, AdamLanes>(c, in, p, m, v, g, out, n);
   } else {
-    run<G, O, S, false, AdamLanes>(c, p, m, v, g, out, n);
+    run<G, O, S, false, AdamLanes>(c, in, p, m, v, g, out, n);
   }
 }
 
 template <int G, int O, int S>
-void streams(const AdamConstants& c, float* p, void* m, void* v, const void* g, void* out, std::size_t n) {
-  run<G, O, S, false, StreamsLanes>(c, p, m, v, g, out, n);
+void streams(const AdamConstants& c, const StateIn& in, float* p, void* m, void* v, const void* g, void* out,
+             std::size_t n) {
+  run<G, O, S, false, StreamsLanes>(c, in, p, m, v, g, out, n);
 }
 
 // ---- 8-bit moments (kernels.h): a block decoded, stepped and encoded again with its new scales ----
@@ -239,15 +307,20 @@ inline void encode_block(const float* m, const float* v, std::size_t count, std:
 // One block in one pass: its codes decoded in registers, stepped by adam_math, the new fp32 moments kept in
 // tm/tv (L1) with their running maxima; then encoded with the new scales. The last block's tail is staged
 // through zero-padded lane buffers, as run() stages it; only its real elements count toward the maxima.
+// Read from `in` (its p, codes and scales), written to p, mq, vq, m_scale, v_scale: the codes are encoded
+// only after the whole block was read, so in place is one case of it.
 template <int G, int O, bool L2>
-inline void adam_q8_block(const Broadcast& b, float* p, std::int8_t* mq, std::uint8_t* vq, float* m_scale,
-                          float* v_scale, const void* g, void* out, std::size_t count, float* tm, float* tv) {
-  const V::F dm = V::set(*m_scale / 127.0f), dv = V::set(*v_scale);
+inline void adam_q8_block(const Broadcast& b, const StateIn& in, float* p, std::int8_t* mq, std::uint8_t* vq,
+                          float* m_scale, float* v_scale, const void* g, void* out, std::size_t count, float* tm,
+                          float* tv) {
+  const V::F dm = V::set(*in.m_scale / 127.0f), dv = V::set(*in.v_scale);
+  const auto* mq_in = static_cast<const std::int8_t*>(in.m);
+  const auto* vq_in = static_cast<const std::uint8_t*>(in.v);
   V::F mmax = V::set(0.0f), vmax = V::set(0.0f);
   V::F mv, vv;
-  auto lanes = [&](float* pp, const std::int8_t* mc, const std::uint8_t* vc, const void* gg, void* oo, std::size_t i,
-                   float* m_out, float* v_out) {
-    V::F pv = V::load(pp + i);
+  auto lanes = [&](const float* p_in, float* pp, const std::int8_t* mc, const std::uint8_t* vc, const void* gg,
+                   void* oo, std::size_t i, float* m_out, float* v_out) {
+    V::F pv = V::load(p_in + i);
     mv = V::mul(V::load_i8(mc + i), dm);
     vv = V::mul(V::load_e5m3(vc + i), dv);
     adam_math<L2>(b, load_grad<G>(gg, i), pv, mv, vv);
@@ -258,7 +331,7 @@ inline void adam_q8_block(const Broadcast& b, float* p, std::int8_t* mq, std::ui
   };
   std::size_t i = 0;
   for (; i + V::lanes <= count; i += V::lanes) {
-    lanes(p, mq, vq, g, out, i, tm + i, tv + i);
+    lanes(in.p, p, mq_in, vq_in, g, out, i, tm + i, tv + i);
     mmax = V::max(V::abs(mv), mmax);
     vmax = V::max(vv, vmax);
   }
@@ -269,11 +342,11 @@ inline void adam_q8_block(const Broadcast& b, float* p, std::int8_t* mq, std::ui
     alignas(64) std::uint8_t sv[V::lanes] = {};
     alignas(64) unsigned char sg[V::lanes * 4] = {};
     alignas(64) std::uint16_t so[V::lanes] = {};
-    copy_bytes(sp, p + i, tail * 4);
-    copy_bytes(sm, mq + i, tail);
-    copy_bytes(sv, vq + i, tail);
+    copy_bytes(sp, in.p + i, tail * 4);
+    copy_bytes(sm, mq_in + i, tail);
+    copy_bytes(sv, vq_in + i, tail);
     copy_bytes(sg, static_cast<const unsigned char*>(g) + i * elem_bytes(G), tail * elem_bytes(G));
-    lanes(sp, sm, sv, sg, so, 0, tm + i, tv + i);
+    lanes(sp, sp, sm, sv, sg, so, 0, tm + i, tv + i);
     copy_bytes(p + i, sp, tail * 4);
     if constexpr (O != kOutNone) copy_bytes(static_cast<unsigned char*>(out) + i * out_bytes(O), so, tail * out_bytes(O));
   }
@@ -283,8 +356,8 @@ inline void adam_q8_block(const Broadcast& b, float* p, std::int8_t* mq, std::ui
 }
 
 template <int G, int O>
-void adam_q8(const AdamConstants& c, float* p, std::int8_t* m, std::uint8_t* v, float* m_scale, float* v_scale,
-             const void* g, void* out, std::size_t n) {
+void adam_q8(const AdamConstants& c, const StateIn& in, float* p, std::int8_t* m, std::uint8_t* v, float* m_scale,
+             float* v_scale, const void* g, void* out, std::size_t n) {
   // Room for a whole last vector: a short block's tail is written there as a full vector.
   alignas(64) float tm[kQuantBlock + V::lanes], tv[kQuantBlock + V::lanes];
   const Broadcast b(c);
@@ -292,18 +365,22 @@ void adam_q8(const AdamConstants& c, float* p, std::int8_t* m, std::uint8_t* v, 
     const std::size_t count = n - start < kQuantBlock ? n - start : kQuantBlock;
     const void* gj = static_cast<const unsigned char*>(g) + start * elem_bytes(G);
     void* oj = O == kOutNone ? nullptr : static_cast<unsigned char*>(out) + start * out_bytes(O);
+    const StateIn block{in.p + start, static_cast<const std::int8_t*>(in.m) + start,
+                        static_cast<const std::uint8_t*>(in.v) + start, in.m_scale + j, in.v_scale + j};
     if (c.l2 != 0.0f) {  // as adam(): AdamW and weight_decay = 0 never compute 0 * p
-      adam_q8_block<G, O, true>(b, p + start, m + start, v + start, m_scale + j, v_scale + j, gj, oj, count, tm, tv);
+      adam_q8_block<G, O, true>(b, block, p + start, m + start, v + start, m_scale + j, v_scale + j, gj, oj, count,
+                                tm, tv);
     } else {
-      adam_q8_block<G, O, false>(b, p + start, m + start, v + start, m_scale + j, v_scale + j, gj, oj, count, tm, tv);
+      adam_q8_block<G, O, false>(b, block, p + start, m + start, v + start, m_scale + j, v_scale + j, gj, oj, count,
+                                 tm, tv);
     }
   }
 }
 
 template <int G, int O>
-void streams_q8(const AdamConstants& c, float* p, std::int8_t* m, std::uint8_t* v, float*, float*, const void* g,
-                void* out, std::size_t n) {
-  run<G, O, kStateInt8, false, StreamsLanes>(c, p, m, v, g, out, n);
+void streams_q8(const AdamConstants& c, const StateIn& in, float* p, std::int8_t* m, std::uint8_t* v, float*, float*,
+                const void* g, void* out, std::size_t n) {
+  run<G, O, kStateInt8, false, StreamsLanes>(c, in, p, m, v, g, out, n);
 }
 
 void encode_q8(const float* m, const float* v, std::size_t n, std::int8_t* mq, std::uint8_t* vq, float* m_scale,

@@ -46,13 +46,26 @@ struct AdamConstants {
   float grad_scale;
 };
 
-// p: fp32 master weights; m, v: moments of the table's state type, all updated in place; g: gradients of
-// the table's grad type; out: copy of the new p.
-using AdamFn = void (*)(const AdamConstants& c, float* p, void* m, void* v, const void* g, void* out,
-                        std::size_t n);
-// The same with 8-bit moments (codes m, v and a scale per kQuantBlock elements of each, updated in place).
-using AdamQ8Fn = void (*)(const AdamConstants& c, float* p, std::int8_t* m, std::uint8_t* v, float* m_scale,
-                          float* v_scale, const void* g, void* out, std::size_t n);
+// The state a step reads: fp32 master weights p, moments m and v of the table's state type and, for 8-bit
+// moments, their block scales (null otherwise).
+struct StateIn {
+  const float* p;
+  const void* m;
+  const void* v;
+  const float* m_scale;
+  const float* v_scale;
+};
+
+// in: the state read; p: fp32 master weights, m, v: moments of the table's state type, written; g: gradients
+// of the table's grad type; out: copy of the new p. Each of p, m, v is either in's array itself (a step in
+// place: sync, delayed) or does not overlap it (a step into the other state set, which leaves the state it
+// read as it was: the overlap schedule's speculation).
+using AdamFn = void (*)(const AdamConstants& c, const StateIn& in, float* p, void* m, void* v, const void* g,
+                        void* out, std::size_t n);
+// The same with 8-bit moments (codes m, v and a scale per kQuantBlock elements of each; in.m_scale and
+// in.v_scale are read, m_scale and v_scale written, under the same rule).
+using AdamQ8Fn = void (*)(const AdamConstants& c, const StateIn& in, float* p, std::int8_t* m, std::uint8_t* v,
+                          float* m_scale, float* v_scale, const void* g, void* out, std::size_t n);
 // Whole blocks of fp32 moments to codes and scales, and back (n elements; the last block may be shorter).
 using EncodeQ8Fn = void (*)(const float* m, const float* v, std::size_t n, std::int8_t* mq, std::uint8_t* vq,
                             float* m_scale, float* v_scale);

@@ -1,4 +1,3 @@
-#include <emmintrin.h>  // SSE2 streaming stores (copy_streaming)
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/parallel_for.h>
 #include <oneapi/tbb/partitioner.h>
@@ -115,24 +114,23 @@ Status check_tensors(std::span<const AdamTensor> tensors) {
       const auto begin = reinterpret_cast<std::uintptr_t>(a.ptr);
       ranges.push_back({begin, begin + a.bytes * t.n, i, a.what, a.output});
     }
-    if (t.undo.param == nullptr) continue;
     const std::size_t scale_bytes = t.state_dtype == DType::i8 ? 4 * moment_blocks(t.n) : 0;
-    const struct {
-      const void* ptr;
-      std::size_t bytes;
-      const char* what;
-      bool needed;
-    } undo[] = {{t.undo.param, 4 * t.n, "undo.param", true},
-                {t.undo.exp_avg, state * t.n, "undo.exp_avg", true},
-                {t.undo.exp_avg_sq, state * t.n, "undo.exp_avg_sq", true},
-                {t.undo.out, dtype_size(t.out_dtype) * t.n, "undo.out", t.out != nullptr},
-                {t.undo.exp_avg_scale, scale_bytes, "undo.exp_avg_scale", scale_bytes > 0},
-                {t.undo.exp_avg_sq_scale, scale_bytes, "undo.exp_avg_sq_scale", scale_bytes > 0}};
-    for (const auto& a : undo) {
-      if (!a.needed) continue;
-      if (a.ptr == nullptr) return invalid_argument(name + ": " + a.what + " is null while undo.param is set");
-      const auto begin = reinterpret_cast<std::uintptr_t>(a.ptr);
-      ranges.push_back({begin, begin + a.bytes, i, a.what, true});
+    if (t.from.param != nullptr) {
+      const struct {
+        const void* ptr;
+        std::size_t bytes;
+        const char* what;
+      } from[] = {{t.from.param, 4 * t.n, "from.param"},
+                  {t.from.exp_avg, state * t.n, "from.exp_avg"},
+                  {t.from.exp_avg_sq, state * t.n, "from.exp_avg_sq"},
+                  {t.from.exp_avg_scale, scale_bytes, "from.exp_avg_scale"},
+                  {t.from.exp_avg_sq_scale, scale_bytes, "from.exp_avg_sq_scale"}};
+      for (const auto& a : from) {
+        if (a.bytes == 0) continue;
+        if (a.ptr == nullptr) return invalid_argument(name + ": " + a.what + " is null while from.param is set");
+        const auto begin = reinterpret_cast<std::uintptr_t>(a.ptr);
+        ranges.push_back({begin, begin + a.bytes, i, a.what, false});
+      }
     }
   }
   return check_overlaps(ranges, tensors.size());
@@ -163,59 +161,24 @@ int accumulate_mode(const AccumulateOptions& options) {
   return (options.first ? simd::kAccumulateFirst : 0) | (options.zero_source ? simd::kAccumulateZeroSource : 0);
 }
 
-// A copy whose stores bypass the cache (SSE2 streaming stores, in every x86-64 CPU): the undo copy is read
-// only if the step is taken back, and a cached store would first read its destination from memory — the
-// copy would then cost as much memory traffic as the Adam step itself (measured: 2.0x the step's time with
-// memcpy, on the 2-core development VM).
-void copy_streaming(void* dst, const void* src, std::size_t bytes) {
-  auto* d = static_cast<unsigned char*>(dst);
-  const auto* s = static_cast<const unsigned char*>(src);
-  const std::size_t head = std::min(bytes, (16 - reinterpret_cast<std::uintptr_t>(d) % 16) % 16);
-  std::memcpy(d, s, head);
-  std::size_t i = head;
-  for (; i + 64 <= bytes; i += 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
-    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
-  }
-  for (; i + 16 <= bytes; i += 16) {
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
-  }
-  std::memcpy(d + i, s + i, bytes - i);
-}
-
-// Elements [begin, end) of what a step changes, copied to the tensor's undo arrays (tensor.undo).
-void save_undo(const AdamTensor& t, std::size_t begin, std::size_t end) {
-  const std::size_t n = end - begin, ssize = dtype_size(t.state_dtype);
-  copy_streaming(t.undo.param + begin, t.param + begin, n * 4);
-  copy_streaming(static_cast<unsigned char*>(t.undo.exp_avg) + begin * ssize,
-                 static_cast<const unsigned char*>(t.exp_avg) + begin * ssize, n * ssize);
-  copy_streaming(static_cast<unsigned char*>(t.undo.exp_avg_sq) + begin * ssize,
-                 static_cast<const unsigned char*>(t.exp_avg_sq) + begin * ssize, n * ssize);
-  if (t.out != nullptr) {
-    const std::size_t osize = dtype_size(t.out_dtype);
-    copy_streaming(static_cast<unsigned char*>(t.undo.out) + begin * osize,
-                   static_cast<const unsigned char*>(t.out) + begin * osize, n * osize);
-  }
-  if (t.state_dtype == DType::i8) {  // begin is a block's first element
-    const std::size_t b = begin / kMomentBlock, blocks = moment_blocks(end) - b;
-    std::memcpy(t.undo.exp_avg_scale + b, t.exp_avg_scale + b, blocks * 4);
-    std::memcpy(t.undo.exp_avg_sq_scale + b, t.exp_avg_sq_scale + b, blocks * 4);
-  }
-  _mm_sfence();  // streaming stores are weakly ordered: visible before the task ends
+// The state the step reads from element `offset` (block `block` of the scales): the tensor's own arrays, or
+// `from` (AdamSource).
+simd::StateIn state_in(const AdamTensor& t, std::size_t offset, std::size_t block) {
+  const std::size_t ssize = dtype_size(t.state_dtype);
+  const bool own = t.from.param == nullptr;
+  const float* ms = own ? t.exp_avg_scale : t.from.exp_avg_scale;
+  const float* vs = own ? t.exp_avg_sq_scale : t.from.exp_avg_sq_scale;
+  return simd::StateIn{(own ? t.param : t.from.param) + offset,
+                       static_cast<const unsigned char*>(own ? t.exp_avg : t.from.exp_avg) + offset * ssize,
+                       static_cast<const unsigned char*>(own ? t.exp_avg_sq : t.from.exp_avg_sq) + offset * ssize,
+                       ms == nullptr ? nullptr : ms + block, vs == nullptr ? nullptr : vs + block};
 }
 
 void run_adam(AdamFn fn, const simd::AdamConstants& c, const AdamTensor& t, std::size_t offset, std::size_t count) {
-  if (t.undo.param != nullptr) save_undo(t, offset, offset + count);
   const std::size_t gsize = dtype_size(t.grad_dtype);
   const std::size_t osize = t.out == nullptr ? 0 : dtype_size(t.out_dtype);
   const std::size_t ssize = dtype_size(t.state_dtype);
-  fn(c, t.param + offset, static_cast<unsigned char*>(t.exp_avg) + offset * ssize,
+  fn(c, state_in(t, offset, 0), t.param + offset, static_cast<unsigned char*>(t.exp_avg) + offset * ssize,
      static_cast<unsigned char*>(t.exp_avg_sq) + offset * ssize,
      static_cast<const unsigned char*>(t.grad) + offset * gsize,
      t.out == nullptr ? nullptr : static_cast<unsigned char*>(t.out) + offset * osize, count);
@@ -228,11 +191,10 @@ void run_adam_q8(simd::AdamQ8Fn fn, const simd::AdamConstants& c, const AdamTens
   const std::size_t first = moment_blocks(offset) * kMomentBlock;
   if (first >= offset + count) return;
   const std::size_t end = std::min(t.n, moment_blocks(offset + count) * kMomentBlock);
-  if (t.undo.param != nullptr) save_undo(t, first, end);
   const std::size_t gsize = dtype_size(t.grad_dtype);
   const std::size_t osize = t.out == nullptr ? 0 : dtype_size(t.out_dtype);
-  fn(c, t.param + first, static_cast<std::int8_t*>(t.exp_avg) + first, static_cast<std::uint8_t*>(t.exp_avg_sq) + first,
-     t.exp_avg_scale + first / kMomentBlock, t.exp_avg_sq_scale + first / kMomentBlock,
+  fn(c, state_in(t, first, first / kMomentBlock), t.param + first, static_cast<std::int8_t*>(t.exp_avg) + first,
+     static_cast<std::uint8_t*>(t.exp_avg_sq) + first, t.exp_avg_scale + first / kMomentBlock, t.exp_avg_sq_scale + first / kMomentBlock,
      static_cast<const unsigned char*>(t.grad) + first * gsize,
      t.out == nullptr ? nullptr : static_cast<unsigned char*>(t.out) + first * osize, end - first);
 }

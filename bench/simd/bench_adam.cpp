@@ -43,7 +43,8 @@ void kernel_bench(benchmark::State& state, const simd::KernelTable* table, bool 
   const simd::AdamConstants c{0.9f, 0.1f, 0.999f, 0.001f, -1e-3f, 1.0f, 1e-8f, 1.0f, 0.0f, 1.0f};
   const simd::AdamFn fn = streams ? table->streams[grad][out][simd::kStateF32] : table->adam[grad][out][simd::kStateF32];
   for (auto _ : state) {
-    fn(c, a.p.as<float>(), a.m.as<float>(), a.v.as<float>(), a.g.data(), a.out.data(), n);
+    const simd::StateIn in{a.p.as<float>(), a.m.as<float>(), a.v.as<float>(), nullptr, nullptr};
+    fn(c, in, a.p.as<float>(), a.m.as<float>(), a.v.as<float>(), a.g.data(), a.out.data(), n);
     benchmark::ClobberMemory();
   }
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * n * bytes_per_param(grad, out)));

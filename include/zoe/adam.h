@@ -31,18 +31,17 @@ struct AdamHyper {
   bool maximize = false;
 };
 
-// Where a step first copies what it is about to change: an undo copy, for a step that may have to be taken
-// back (the overlap schedule's speculation). Each array has the layout of the one it copies — param,
-// exp_avg, exp_avg_sq, out (needed when out is set) and, for state dtype i8, the block scales. The step
-// copies tile by tile, each just before stepping it, so the step reads that tile from cache: one more write
-// per byte, where a separate copy first would read all of it from memory once more. param null: no copy.
-struct AdamUndo {
-  float* param = nullptr;
-  void* exp_avg = nullptr;
-  void* exp_avg_sq = nullptr;
-  void* out = nullptr;
-  float* exp_avg_scale = nullptr;
-  float* exp_avg_sq_scale = nullptr;
+// Where a step reads the state when that is not where it writes it: the overlap schedule's speculative step
+// reads the current state set and writes the other one (ping-pong), so the current set stays as it was and a
+// discarded speculation has nothing to copy back. Each array has the layout of the one it stands for —
+// param, exp_avg, exp_avg_sq and, for state dtype i8, the block scales — is only read, and must not overlap
+// any output. param null: the step reads the tensor's own arrays (in place).
+struct AdamSource {
+  const float* param = nullptr;
+  const void* exp_avg = nullptr;
+  const void* exp_avg_sq = nullptr;
+  const float* exp_avg_scale = nullptr;
+  const float* exp_avg_sq_scale = nullptr;
 };
 
 // One tensor's state. Gradients may be any DType; `out`, when not null, receives the updated weights in
@@ -65,7 +64,7 @@ struct AdamTensor {
   std::size_t n = 0;
   float* exp_avg_scale = nullptr;  // state dtype i8: one per kMomentBlock elements (moment_blocks(n))
   float* exp_avg_sq_scale = nullptr;
-  AdamUndo undo{};  // outputs too: they must not overlap anything else
+  AdamSource from{};  // the state read, where it is not param, exp_avg, exp_avg_sq (and their scales)
 };
 
 // Elements per block of 8-bit moments (one fp32 scale per block and moment).

@@ -113,8 +113,7 @@ struct OffloadOptions {
   // A NaN/Inf gradient without fp16 loss scaling (where it is an overflow, skipped): true refuses the step —
   // step() returns an error naming the parameter and no state changes; false lets it propagate into the
   // state, as torch.optim does. Refusing costs a pass over the gradients (their statistics: on the device
-  // with a GPU; in place, on the CPU Adam engine's threads at memory speed), and in the overlap schedule an
-  // undo copy of what is stepped speculatively.
+  // with a GPU; in place, on the CPU Adam engine's threads at memory speed).
   bool refuse_non_finite = true;
   // Gradient accumulation: micro-batches per step (DeepSpeed: gradient_accumulation_steps). With k > 1 the
   // trainer calls grad_ready(i) once per micro-batch for every parameter (all schedules); the first k-1 add
@@ -335,9 +334,10 @@ class OffloadOptimizer {
   // gathered (step() or load() does that).
   Status write_state(std::size_t param, const float* master, const float* exp_avg, const float* exp_avg_sq);
   // Tier ram with fp32 moments: the address of parameter `param`'s exp_avg (which = 1) or exp_avg_sq (2),
-  // p.n floats, for views that read and write the optimizer's own state (as torch's state[p] tensors are);
-  // valid while the optimizer lives (load() keeps them). Null for any other tier or moment dtype, or a bad
-  // argument. Call wait() before reading them.
+  // p.n floats, for views that read and write the optimizer's own state (as torch's state[p] tensors are),
+  // in the parameter's current state set. The overlap schedule's kept step makes the other set current, and
+  // load() the first: take the address again after a step() or load() (before them it shows the state
+  // before them). Null for any other tier or moment dtype, or a bad argument. Call wait() before reading.
   float* moments_of(std::size_t param, int which);
   // Sets the number of steps applied (Adam's bias correction continues from it), as after load(): of the
   // optimizer and of every parameter.

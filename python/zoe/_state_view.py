@@ -15,7 +15,8 @@ class StateView(collections.abc.MutableMapping):
     """``opt.state`` as torch's optimizers have it: ``state[p]`` is ``{"step", "exp_avg", "exp_avg_sq"}`` for each
     parameter stepped at least once (``{}`` for the others, as torch's defaultdict gives). The moments are
     views of zoe's own memory where it keeps them as fp32 in RAM (tier ram, ``state_dtype="fp32"``, one rank):
-    reading and writing them reads and writes the optimizer's state. Elsewhere (bf16 or int8 moments, tier
+    reading and writing them reads and writes the optimizer's state until the next step (the overlap schedule
+    steps into a second set of arrays and makes it current: take ``opt.state[p]`` again). Elsewhere (bf16 or int8 moments, tier
     nvme, a partitioned optimizer: this rank's piece, flat; FSDP2: the local shard) they are fp32 copies
     decoded when asked for —
     writing them changes nothing. Built on access; the engine's work in flight is waited for first. Keys that

@@ -363,8 +363,8 @@ float* OffloadOptimizer::moments_of(std::size_t param, int which) {
   const std::lock_guard serial(impl_->calls);
   Impl& m = *impl_;
   if (param >= m.params.size() || (which != 1 && which != 2)) return nullptr;
-  const float* flat = m.tier->flat(which);
-  return flat == nullptr ? nullptr : const_cast<float*>(flat) + m.offsets[param];
+  // The parameter's current state set (the overlap schedule switches sets at each kept step).
+  return m.tier->moments(param, which);
 }
 
 std::int64_t OffloadOptimizer::param_step_count(std::size_t param) const {

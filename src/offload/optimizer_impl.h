@@ -61,11 +61,12 @@ class StateTier {
   virtual Status initialize() = 0;
   // One Adam step (a multi-tensor step per param group) over the pieces `which`, with the gradients of
   // staging set `set`. A tier that does not hold pieces in RAM steps every piece at once: `which` must then
-  // be all of them, and `undo` empty. `undo`, where given, says where each piece's state and weights are
-  // copied before they change (AdamUndo): the overlap schedule's speculative steps.
-  using UndoOf = std::function<AdamUndo(const Piece&)>;
+  // be all of them, and `aside` false. `aside` (tier ram, after allocate_second_set(): the overlap schedule's
+  // speculative steps) reads each piece's current state set and writes the other one, with its weights
+  // (Impl::weights_aside, master_aside): the current set stays as it was until Impl::keep_aside() makes the
+  // other one current, so a speculation that was wrong has nothing to put back.
   virtual Status step(const std::vector<std::size_t>& which, float grad_scale, int set,
-                      const std::vector<ParamGroup>& hyper, const UndoOf& undo) = 0;
+                      const std::vector<ParamGroup>& hyper, bool aside) = 0;
   // [offset, offset + count) of the flattened p, m, v, wherever they live; a null array is skipped.
   virtual Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v) = 0;
   virtual Status write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v) = 0;
@@ -73,12 +74,18 @@ class StateTier {
   virtual Status load(const CheckpointReader& reader, const std::string& path, std::int64_t step) = 0;
   // Makes the state as durable as the tier can (tier nvme: fdatasync and tile table); save() calls it.
   virtual Status flush() { return Status::success(); }
-  // Tier ram: a piece's state in RAM, which the overlap schedule steps one piece at a time and can undo.
+  // Tier ram: a piece's state in RAM, which the overlap schedule steps one piece at a time, aside.
   virtual bool in_ram() const = 0;
+  // A piece's current state (Impl::set_of), and the other set's (the one a step aside writes).
   virtual PieceState piece(const Piece&) { return {nullptr, nullptr, nullptr}; }
+  virtual PieceState piece_aside(const Piece&) { return {nullptr, nullptr, nullptr}; }
+  // Tier ram: the second state set, which steps aside write (the overlap schedule's speculation).
+  virtual Status allocate_second_set() { return Status(StatusCode::unsupported, "this tier keeps one state set"); }
   // Tier ram: array `which` (0 p, 1 m, 2 v) as one contiguous fp32 array, or null (in place, p is not;
-  // bf16 moments are not fp32).
+  // bf16 moments are not fp32; a parameter's current set is the second).
   virtual const float* flat(int) const { return nullptr; }
+  // Tier ram, fp32 moments: parameter i's exp_avg (1) or exp_avg_sq (2) in its current set; null otherwise.
+  virtual float* moments(std::size_t /*i*/, int /*which*/) { return nullptr; }
   // State dtype i8: the codes and scales as they are kept, added to a checkpoint so that it holds them exactly
   // (their fp32 values are written too, for readers that convert). Every tier writes the same blobs:
   // kQ8Blobs, the codes in flat order and each parameter's block scales in parameter order.
@@ -87,6 +94,9 @@ class StateTier {
   // The master weights of f32 parameter i, where the device's copy is sent from: tier ram's own master;
   // tier nvme's device-copyable copy of it, which each step writes (the master itself is in the store).
   virtual float* master(std::size_t) { return nullptr; }
+  // Tier ram: where a step aside writes parameter i's master (in place, an f32 parameter's too: its current
+  // master is the device's weights, which Impl::keep_aside() then sets).
+  virtual float* master_aside(std::size_t) { return nullptr; }
   // Streamed (tier nvme): the 16-bit weights of the parameters marked in `which` (every one: null) rounded
   // from the masters in the store and sent (Impl::send_weights16): after a load, a write_state, or a send
   // that failed.
@@ -320,8 +330,22 @@ struct OffloadOptimizer::Impl {
   void* weights_of(std::size_t i) {
     if (in_place) return params[i].device_weights;
     if (streamed) return nullptr;  // in a window only while its step runs (step_windows.cpp)
-    return static_cast<unsigned char*>(weight_staging) + weight_offsets[i];
+    return static_cast<unsigned char*>(set_of(i) == 0 ? weight_staging : weight_aside) + weight_offsets[i];
   }
+  // Two state sets (tier ram with the overlap schedule: allocate_second_set()). current_set[i]: which one
+  // holds parameter i's state in the tier and, staged, its 16-bit weights in weight_staging (0) or
+  // weight_aside (1). A speculative step writes the other set (weights_aside, master_aside); keep_aside(i)
+  // makes it current, in place by copying into the device's weights, which stay where the model has them.
+  std::vector<char> current_set;
+  void* weight_aside = nullptr;
+  int set_of(std::size_t i) const { return current_set.empty() ? 0 : current_set[i]; }
+  Status allocate_second_set();
+  void* weights_aside(std::size_t i) {
+    const bool second = in_place || set_of(i) == 0;  // in place, weight_aside is the scratch
+    return static_cast<unsigned char*>(second ? weight_aside : weight_staging) + weight_offsets[i];
+  }
+  float* master_aside(std::size_t i) { return tier->master_aside(i); }
+  void keep_aside(std::size_t i);
   // Streamed: 16-bit parameters whose new weights did not reach their place (a failed tier write): sent
   // again from the masters by send_all_weights().
   std::vector<char> unsent;
@@ -350,7 +374,8 @@ struct OffloadOptimizer::Impl {
   // engine's threads (no copy to enqueue).
   Status grad_stats_in_place(int set);
   Status enqueue_h2d(std::size_t i);
-  Status enqueue_h2d(const Piece& k);
+  // Piece k's weights of its current set, or (aside) of the other one, just written by a step aside.
+  Status enqueue_h2d(const Piece& k, bool aside = false);
   // The compute stream (the next forward) waits for every weight sent so far; returns the event after which
   // the weight staging may be rewritten.
   Result<EventId> weights_sent();

@@ -69,9 +69,9 @@ Status OffloadOptimizer::save(const std::string& path, bool record_names) {
     if (!s.ok()) return s;
   }
   if (Status s = m.tier->save_q8(writer.value()); !s.ok()) return s;
-  // In place, the 16-bit weights are the device's own.
+  // In place, the 16-bit weights are the device's own; with two state sets, in each parameter's current one.
   std::vector<unsigned char> weights16;
-  if (m.in_place) {
+  if (m.in_place || !m.current_set.empty()) {
     weights16.resize(m.weight_offsets.back());
     for (std::size_t i = 0; i < m.params.size(); ++i) {
       const std::size_t bytes = m.weight_offsets[i + 1] - m.weight_offsets[i];
@@ -89,7 +89,7 @@ Status OffloadOptimizer::save(const std::string& path, bool record_names) {
     if (!s.ok()) return s;
     return writer->commit(manifest.dump());
   }
-  const void* w16 = m.in_place ? static_cast<const void*>(weights16.data()) : m.weight_staging;
+  const void* w16 = !weights16.empty() ? static_cast<const void*>(weights16.data()) : m.weight_staging;
   if (Status s = writer->add("weights16", w16, m.weight_offsets.back()); !s.ok()) return s;
   return writer->commit(manifest.dump());
 }
@@ -141,6 +141,7 @@ void place_weights(Impl& m, const AlignedBuffer& weights) {
       }
     }
   } else if (m.weight_offsets.back() > 0) {
+    // Into the first set, which the tier's load made current for every parameter.
     std::memcpy(m.weight_staging, weights.data(), m.weight_offsets.back());
   }
 }

@@ -42,7 +42,7 @@ OffloadOptimizer::Impl::~Impl() {
   (void)device.synchronize();
   spill.reset();  // its file goes while the store's owner lock, which covers the name, is still held
   tier.reset();
-  for (void* h : {grad_staging[0], grad_staging[1], weight_staging}) device.free_host(h);
+  for (void* h : {grad_staging[0], grad_staging[1], weight_staging, weight_aside}) device.free_host(h);
   if (partition) partition->release(device);
 }
 
@@ -227,12 +227,13 @@ Status OffloadOptimizer::Impl::enqueue_h2d(std::size_t i) {
   return device.copy_to_device(p.device_weights, src, staging_bytes(p), Stream::h2d);
 }
 
-Status OffloadOptimizer::Impl::enqueue_h2d(const Piece& k) {
+Status OffloadOptimizer::Impl::enqueue_h2d(const Piece& k, bool aside) {
   const ParamSpec& p = params[k.param];
   if (in_place) return Status::success();
   const std::size_t elem = dtype_size(p.dtype), at = k.begin * elem, bytes = k.n * elem;
-  const void* src = p.dtype == DType::f32 ? static_cast<const void*>(master_of(k.param) + k.begin)
-                                          : static_cast<const unsigned char*>(weights_of(k.param)) + at;
+  const void* src = p.dtype == DType::f32
+                        ? static_cast<const void*>((aside ? master_aside(k.param) : master_of(k.param)) + k.begin)
+                        : static_cast<const unsigned char*>(aside ? weights_aside(k.param) : weights_of(k.param)) + at;
   if (p.tier != nullptr) return Status::success();  // written whole once the step is decided
   count_bytes(stats_.h2d_bytes, bytes);
   return device.copy_to_device(static_cast<unsigned char*>(p.device_weights) + at, src, bytes, Stream::h2d);
@@ -265,10 +266,39 @@ Status OffloadOptimizer::Impl::staging_writable() {
   return sent ? device.synchronize(*sent) : Status::success();
 }
 
+Status OffloadOptimizer::Impl::allocate_second_set() {
+  if (Status s = tier->allocate_second_set(); !s.ok()) return s;
+  // Staged, the device's copies are sent from it; in place, the scratch of the weights a step aside writes.
+  Result<void*> w = device.allocate_host(std::max<std::size_t>(weight_offsets.back(), 1));
+  if (!w.ok()) return w.status();
+  weight_aside = w.value();
+  current_set.assign(params.size(), 0);
+  return Status::success();
+}
+
+// Parameter i's state and weights written aside become current. Staged, the sets switch: the device
+// already received the weights from the set that is now current. In place, the device's weights are the
+// model's own and stay where they are: the new ones are copied into them (an f32 parameter's master
+// included: in place it is those weights), on all of the engine's threads.
+void OffloadOptimizer::Impl::keep_aside(std::size_t i) {
+  const ParamSpec& p = params[i];
+  if (in_place && p.n > 0) {
+    constexpr std::size_t kChunk = 1 << 18;  // bytes per task
+    const std::size_t bytes = p.n * dtype_size(p.dtype);
+    auto* dst = static_cast<unsigned char*>(p.device_weights);
+    const auto* src = p.dtype == DType::f32 ? reinterpret_cast<const unsigned char*>(master_aside(i))
+                                            : static_cast<const unsigned char*>(weights_aside(i));
+    adam.parallel_for((bytes + kChunk - 1) / kChunk, [&](std::size_t c) {
+      std::memcpy(dst + c * kChunk, src + c * kChunk, std::min(kChunk, bytes - c * kChunk));
+    });
+  }
+  current_set[i] ^= 1;
+}
+
 Status OffloadOptimizer::Impl::step_all(float grad_scale, int set, const std::vector<ParamGroup>& hyper) {
   std::vector<std::size_t> all(pieces.size());
   for (std::size_t k = 0; k < all.size(); ++k) all[k] = k;
-  return tier->step(all, grad_scale, set, hyper, {});
+  return tier->step(all, grad_scale, set, hyper, false);
 }
 
 // From the gradients' statistics, summed in parameter order: skip (fp16 overflow), and the grad_scale that

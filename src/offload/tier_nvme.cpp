@@ -80,8 +80,8 @@ class NvmeTier final : public StateTier {
 
   // Every parameter in one streamed pass: the store cannot step pieces one at a time.
   Status step(const std::vector<std::size_t>& which, float grad_scale, int set,
-              const std::vector<ParamGroup>& hyper, const UndoOf& undo) override {
-    if (undo) return invalid_argument("tier nvme keeps no undo copy: it speculates in the swap store (speculate())");
+              const std::vector<ParamGroup>& hyper, bool aside) override {
+    if (aside) return invalid_argument("tier nvme keeps no second state set in RAM: it speculates in the swap store (speculate())");
     if (which.size() != m_.pieces.size()) {
       return invalid_argument("tier nvme steps every piece at once (" + std::to_string(which.size()) + " of " +
                               std::to_string(m_.pieces.size()) + " asked)");

@@ -1,6 +1,7 @@
 // Tier ram: the fp32 master weights and the moments (fp32, bf16 or i8, OffloadOptions::state_dtype) of the
 // flattened parameters in three host arrays; i8 adds two arrays of block scales, each parameter's blocks
-// counted from its first element.
+// counted from its first element. With the overlap schedule a second set of the same arrays holds what the
+// speculative steps write (ping-pong): each parameter's state is in the set Impl::set_of names.
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -19,28 +20,13 @@ class RamTier final : public StateTier {
   explicit RamTier(Impl& m) : m_(m) {}
 
   Status allocate() {
-    const std::size_t total = m_.offsets.back();
-    for (AlignedBuffer* b : {&master_, &exp_avg_, &exp_avg_sq_}) {
-      const std::size_t bytes = total * (b == &master_ ? 4 : m_.moment_bytes());
-      Result<AlignedBuffer> r = AlignedBuffer::allocate(bytes);
-      if (!r.ok()) return r.status();
-      *b = std::move(r).value();
-      // In place, f32 parameters keep their master on the device: their part of `master` is never touched
-      // (glibc maps large allocations lazily, so untouched pages cost no memory); the rest is written at start-up.
-      // All-zero bytes are +0 in fp32 and bf16 alike.
-      if (total > 0 && !(m_.in_place && b == &master_)) std::memset(b->data(), 0, bytes);
-    }
-    if (!q8()) return Status::success();
     scale_offsets_.assign(m_.params.size() + 1, 0);
     for (std::size_t i = 0; i < m_.params.size(); ++i) scale_offsets_[i + 1] = scale_offsets_[i] + moment_blocks(m_.params[i].n);
-    for (AlignedBuffer* b : {&m_scale_, &v_scale_}) {
-      Result<AlignedBuffer> r = AlignedBuffer::allocate(scale_offsets_.back() * 4);
-      if (!r.ok()) return r.status();
-      *b = std::move(r).value();
-      if (scale_offsets_.back() > 0) std::memset(b->data(), 0, scale_offsets_.back() * 4);  // zero codes, scales: m = v = 0
-    }
-    return Status::success();
+    return allocate_set(sets_[0], false);
   }
+
+  // The second set starts as zeros too: a step aside writes every byte it later reads of it.
+  Status allocate_second_set() override { return allocate_set(sets_[1], true); }
 
   Status initialize() override {
     for (std::size_t i = 0; i < m_.params.size(); ++i) {
@@ -56,7 +42,10 @@ class RamTier final : public StateTier {
   // One CpuAdam call per param group and step count over the given pieces (a multi-tensor step); pieces of
   // parameters without a gradient this iteration are left as they are.
   Status step(const std::vector<std::size_t>& which, float grad_scale, int set,
-              const std::vector<ParamGroup>& hyper, const UndoOf& undo) override {
+              const std::vector<ParamGroup>& hyper, bool aside) override {
+    if (aside && sets_[1].master.data() == nullptr && m_.offsets.back() > 0) {
+      return Status(StatusCode::internal, "a step aside without a second state set (allocate_second_set)");
+    }
     const auto start = std::chrono::steady_clock::now();
     struct Call {
       std::size_t group;
@@ -71,8 +60,7 @@ class RamTier final : public StateTier {
       const std::int64_t t = m_.bias_step(i);
       auto c = std::find_if(calls.begin(), calls.end(), [&](const Call& x) { return x.group == g && x.step == t; });
       if (c == calls.end()) c = calls.insert(calls.end(), Call{g, t, {}});
-      c->tensors.push_back(tensor(m_.pieces[k], set));
-      if (undo) c->tensors.back().undo = undo(m_.pieces[k]);
+      c->tensors.push_back(tensor(m_.pieces[k], set, aside));
     }
     std::sort(calls.begin(), calls.end(), [](const Call& a, const Call& b) { return a.group < b.group; });
     for (const Call& c : calls) {
@@ -88,19 +76,15 @@ class RamTier final : public StateTier {
   Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v) override {
     if (q8()) {
       if (m != nullptr || v != nullptr) q8_blocks(offset, count, m, v, false);
-    } else {
-      if (m != nullptr) moments_out(exp_avg_, offset, count, m);
-      if (v != nullptr) moments_out(exp_avg_sq_, offset, count, v);
     }
-    if (p == nullptr || count == 0) return Status::success();
-    // The master, parameter by parameter: in place, an f32 parameter's is on the device.
-    const std::vector<std::size_t>& offsets = m_.offsets;
-    std::size_t i = static_cast<std::size_t>(std::upper_bound(offsets.begin(), offsets.end(), offset) - offsets.begin()) - 1;
-    for (std::size_t done = 0; done < count; ++i) {
-      const std::size_t at = offset + done - offsets[i], n = std::min(count - done, m_.params[i].n - at);
-      std::memcpy(p + done, m_.master_of(i) + at, n * 4);
-      done += n;
-    }
+    // Parameter by parameter: each one's current set; in place, an f32 parameter's master is on the device.
+    for_each_param(offset, count, [&](std::size_t i, std::size_t at, std::size_t n, std::size_t done) {
+      if (!q8()) {
+        if (m != nullptr) moments_out(moment_at(i, 1, set_of(i)) + at * m_.moment_bytes(), n, m + done);
+        if (v != nullptr) moments_out(moment_at(i, 2, set_of(i)) + at * m_.moment_bytes(), n, v + done);
+      }
+      if (p != nullptr) std::memcpy(p + done, m_.master_of(i) + at, n * 4);
+    });
     return Status::success();
   }
 
@@ -108,19 +92,19 @@ class RamTier final : public StateTier {
   Status write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v) override {
     if (q8()) {
       if (m != nullptr || v != nullptr) q8_blocks(offset, count, const_cast<float*>(m), const_cast<float*>(v), true);
-    } else {
-      if (m != nullptr) moments_in(m, offset, count, exp_avg_);
-      if (v != nullptr) moments_in(v, offset, count, exp_avg_sq_);
     }
-    if (p != nullptr && count > 0) {
-      const std::vector<std::size_t>& offsets = m_.offsets;
-      const std::size_t i = static_cast<std::size_t>(std::upper_bound(offsets.begin(), offsets.end(), offset) - offsets.begin()) - 1;
-      std::memcpy(m_.master_of(i) + (offset - offsets[i]), p, count * 4);
-    }
+    for_each_param(offset, count, [&](std::size_t i, std::size_t at, std::size_t n, std::size_t done) {
+      if (!q8()) {
+        if (m != nullptr) moments_in(m + done, n, moment_at(i, 1, set_of(i)) + at * m_.moment_bytes());
+        if (v != nullptr) moments_in(v + done, n, moment_at(i, 2, set_of(i)) + at * m_.moment_bytes());
+      }
+      if (p != nullptr) std::memcpy(m_.master_of(i) + at, p + done, n * 4);
+    });
     return Status::success();
   }
 
-  // Read whole into new arrays first: a corrupt checkpoint leaves the state as it was.
+  // Read whole into new arrays first: a corrupt checkpoint leaves the state as it was. The loaded state is
+  // the first set's, current for every parameter (the caller puts the weights in the first set too).
   Status load(const CheckpointReader& reader, const std::string&, std::int64_t) override {
     const std::size_t total = m_.offsets.back();
     const char* names[3] = {"master", "exp_avg", "exp_avg_sq"};
@@ -131,17 +115,21 @@ class RamTier final : public StateTier {
       loaded[k] = std::move(b).value();
       if (Status s = reader.read(names[k], loaded[k].data(), total * 4); !s.ok()) return s;
     }
-    if (q8()) return load_q8(reader, loaded);
+    if (q8()) {
+      if (Status s = load_q8(reader, loaded); !s.ok()) return s;
+      std::fill(m_.current_set.begin(), m_.current_set.end(), 0);
+      return Status::success();
+    }
     // Checkpoints hold fp32 moments: bf16 ones are rounded from them here (exact for a bf16 run's own).
     for (int k = 1; k < 3 && m_.options.state_dtype != DType::f32; ++k) {
       Result<AlignedBuffer> b = AlignedBuffer::allocate(total * 2);
       if (!b.ok()) return b.status();
       AlignedBuffer narrow = std::move(b).value();
-      moments_in(loaded[k].as<float>(), 0, total, narrow);
+      moments_in(loaded[k].as<float>(), total, narrow.as<unsigned char>());
       loaded[k] = std::move(narrow);
     }
-    // Into the arrays in place: their addresses are handed out (moments_of) and stay valid.
-    AlignedBuffer* arrays[3] = {&master_, &exp_avg_, &exp_avg_sq_};
+    // Into the arrays in place, which keeps the first set's pages where they are.
+    AlignedBuffer* arrays[3] = {&sets_[0].master, &sets_[0].exp_avg, &sets_[0].exp_avg_sq};
     for (int k = 0; k < 3; ++k) {
       if (k == 0 && m_.in_place) {
         *arrays[k] = std::move(loaded[k]);  // read by the in-place load from master(i), never handed out
@@ -149,44 +137,118 @@ class RamTier final : public StateTier {
         std::memcpy(arrays[k]->data(), loaded[k].data(), total * (k == 0 ? 4 : m_.moment_bytes()));
       }
     }
+    std::fill(m_.current_set.begin(), m_.current_set.end(), 0);
     return Status::success();
   }
 
   bool in_ram() const override { return true; }
 
-  PieceState piece(const Piece& k) override {
-    const std::size_t off = (m_.offsets[k.param] + k.begin) * m_.moment_bytes();
-    PieceState st{m_.master_of(k.param) + k.begin, exp_avg_.as<unsigned char>() + off, exp_avg_sq_.as<unsigned char>() + off};
-    if (q8()) {
-      st.scale_index = scale_offsets_[k.param] + k.begin / kMomentBlock;
-      st.m_scale = m_scale_.as<float>() + st.scale_index;
-      st.v_scale = v_scale_.as<float>() + st.scale_index;
-    }
-    return st;
-  }
+  PieceState piece(const Piece& k) override { return piece_in(k, set_of(k.param), false); }
+  // The other set; an f32 parameter's master in place goes to the second set's (master_aside).
+  PieceState piece_aside(const Piece& k) override { return piece_in(k, 1 - set_of(k.param), true); }
 
+  // The codes and scales of the current sets, gathered parameter by parameter into one flat array each.
   Status save_q8(CheckpointWriter& writer) override {
     if (!q8()) return Status::success();
     const std::size_t total = m_.offsets.back(), scales = scale_offsets_.back() * 4;
-    const AlignedBuffer* arrays[4] = {&exp_avg_, &exp_avg_sq_, &m_scale_, &v_scale_};
+    if (std::find(m_.current_set.begin(), m_.current_set.end(), 1) == m_.current_set.end()) {
+      const AlignedBuffer* arrays[4] = {&sets_[0].exp_avg, &sets_[0].exp_avg_sq, &sets_[0].m_scale, &sets_[0].v_scale};
+      for (int k = 0; k < 4; ++k) {
+        if (Status s = writer.add(kQ8Blobs[k], arrays[k]->data(), k < 2 ? total : scales); !s.ok()) return s;
+      }
+      return Status::success();
+    }
     for (int k = 0; k < 4; ++k) {
-      if (Status s = writer.add(kQ8Blobs[k], arrays[k]->data(), k < 2 ? total : scales); !s.ok()) return s;
+      const bool codes = k < 2;
+      Result<AlignedBuffer> b = AlignedBuffer::allocate(codes ? total : scales);
+      if (!b.ok()) return b.status();
+      AlignedBuffer flat_copy = std::move(b).value();
+      for (std::size_t i = 0; i < m_.params.size(); ++i) {
+        const Set& st = sets_[set_of(i)];
+        const std::size_t at = codes ? m_.offsets[i] : scale_offsets_[i] * 4;
+        const std::size_t bytes = codes ? m_.params[i].n : moment_blocks(m_.params[i].n) * 4;
+        const AlignedBuffer& from = k == 0 ? st.exp_avg : k == 1 ? st.exp_avg_sq : k == 2 ? st.m_scale : st.v_scale;
+        if (bytes > 0) std::memcpy(flat_copy.as<unsigned char>() + at, from.as<unsigned char>() + at, bytes);
+      }
+      if (Status s = writer.add(kQ8Blobs[k], flat_copy.data(), codes ? total : scales); !s.ok()) return s;
     }
     return Status::success();
   }
 
+  // Contiguous only while every parameter's state is in the first set; save() otherwise reads it through read().
   const float* flat(int which) const override {
-    if (which == 0) return m_.in_place ? nullptr : master_.as<float>();
+    if (std::find(m_.current_set.begin(), m_.current_set.end(), 1) != m_.current_set.end()) return nullptr;
+    if (which == 0) return m_.in_place ? nullptr : sets_[0].master.as<float>();
     if (m_.options.state_dtype != DType::f32) return nullptr;
-    return (which == 1 ? exp_avg_ : exp_avg_sq_).as<float>();
+    return (which == 1 ? sets_[0].exp_avg : sets_[0].exp_avg_sq).as<float>();
   }
 
-  float* master(std::size_t i) override { return master_.as<float>() + m_.offsets[i]; }
+  float* moments(std::size_t i, int which) override {
+    if (m_.options.state_dtype != DType::f32) return nullptr;
+    return reinterpret_cast<float*>(moment_at(i, which, set_of(i)));
+  }
+
+  float* master(std::size_t i) override { return sets_[set_of(i)].master.as<float>() + m_.offsets[i]; }
+  float* master_aside(std::size_t i) override {
+    const bool device_master = m_.in_place && m_.params[i].dtype == DType::f32;
+    return sets_[device_master ? 1 : 1 - set_of(i)].master.as<float>() + m_.offsets[i];
+  }
 
  private:
-  AdamTensor tensor(const Piece& k, int set) {
+  struct Set {
+    AlignedBuffer master, exp_avg, exp_avg_sq;
+    AlignedBuffer m_scale, v_scale;  // i8: the block scales
+  };
+
+  Status allocate_set(Set& st, bool second) {
+    const std::size_t total = m_.offsets.back();
+    for (AlignedBuffer* b : {&st.master, &st.exp_avg, &st.exp_avg_sq}) {
+      const std::size_t bytes = total * (b == &st.master ? 4 : m_.moment_bytes());
+      Result<AlignedBuffer> r = AlignedBuffer::allocate(bytes);
+      if (!r.ok()) return r.status();
+      *b = std::move(r).value();
+      // In place, f32 parameters keep their master on the device: their part of the first set's master is
+      // never touched (glibc maps large allocations lazily, so untouched pages cost no memory); the rest is
+      // written at start-up. All-zero bytes are +0 in fp32 and bf16 alike.
+      if (total > 0 && !(m_.in_place && !second && b == &st.master)) std::memset(b->data(), 0, bytes);
+    }
+    if (!q8()) return Status::success();
+    for (AlignedBuffer* b : {&st.m_scale, &st.v_scale}) {
+      Result<AlignedBuffer> r = AlignedBuffer::allocate(scale_offsets_.back() * 4);
+      if (!r.ok()) return r.status();
+      *b = std::move(r).value();
+      if (scale_offsets_.back() > 0) std::memset(b->data(), 0, scale_offsets_.back() * 4);  // zero codes, scales: m = v = 0
+    }
+    return Status::success();
+  }
+
+  int set_of(std::size_t i) const { return m_.set_of(i); }
+
+  // Parameter i's exp_avg (1) or exp_avg_sq (2) in set `s`, from its first element.
+  unsigned char* moment_at(std::size_t i, int which, int s) {
+    const AlignedBuffer& b = which == 1 ? sets_[s].exp_avg : sets_[s].exp_avg_sq;
+    return b.as<unsigned char>() + m_.offsets[i] * m_.moment_bytes();
+  }
+
+  // Piece k's state in set `s` (its current one, or the other: `aside`), the master where master_of or
+  // master_aside puts it.
+  PieceState piece_in(const Piece& k, int s, bool aside) {
+    const std::size_t off = (m_.offsets[k.param] + k.begin) * m_.moment_bytes();
+    float* p = aside ? master_aside(k.param) : m_.master_of(k.param);
+    PieceState st{p + k.begin, sets_[s].exp_avg.as<unsigned char>() + off, sets_[s].exp_avg_sq.as<unsigned char>() + off};
+    if (q8()) {
+      st.scale_index = scale_offsets_[k.param] + k.begin / kMomentBlock;
+      st.m_scale = sets_[s].m_scale.as<float>() + st.scale_index;
+      st.v_scale = sets_[s].v_scale.as<float>() + st.scale_index;
+    }
+    return st;
+  }
+
+  // Piece k as a tensor of CpuAdam: stepped in its current set, or (aside) from it into the other set, with
+  // the 16-bit weights written where Impl::weights_aside says.
+  AdamTensor tensor(const Piece& k, int set, bool aside) {
     const ParamSpec& p = m_.params[k.param];
-    const PieceState st = piece(k);
+    const PieceState st = aside ? piece_aside(k) : piece(k);
     AdamTensor t;
     t.param = st.p;
     t.exp_avg = st.m;
@@ -194,49 +256,70 @@ class RamTier final : public StateTier {
     t.state_dtype = m_.options.state_dtype;
     t.exp_avg_scale = st.m_scale;
     t.exp_avg_sq_scale = st.v_scale;
+    if (aside) {
+      const PieceState cur = piece(k);
+      t.from = AdamSource{cur.p, cur.m, cur.v, cur.m_scale, cur.v_scale};
+    }
     t.grad = static_cast<const unsigned char*>(m_.step_grad(k.param, set, &t.grad_dtype)) + k.begin * dtype_size(t.grad_dtype);
-    t.out = p.dtype == DType::f32 ? nullptr : static_cast<unsigned char*>(m_.weights_of(k.param)) + k.begin * 2;
+    void* weights = p.dtype == DType::f32 ? nullptr : aside ? m_.weights_aside(k.param) : m_.weights_of(k.param);
+    t.out = weights == nullptr ? nullptr : static_cast<unsigned char*>(weights) + k.begin * 2;
     t.out_dtype = p.dtype == DType::f32 ? DType::bf16 : p.dtype;
     t.n = k.n;
     return t;
   }
 
-  // Moments [offset, offset + count) widened to fp32 into `out`, and fp32 values stored into them.
-  void moments_out(const AlignedBuffer& b, std::size_t offset, std::size_t count, float* out) const {
-    if (m_.options.state_dtype == DType::f32) {
-      std::memcpy(out, b.as<float>() + offset, count * 4);
-      return;
+  // Calls f(param, first element in it, count, elements done before it) over the flat range
+  // [offset, offset + count), parameter by parameter.
+  template <typename F>
+  void for_each_param(std::size_t offset, std::size_t count, F f) {
+    const std::vector<std::size_t>& offsets = m_.offsets;
+    std::size_t i = static_cast<std::size_t>(std::upper_bound(offsets.begin(), offsets.end(), offset) - offsets.begin()) - 1;
+    for (std::size_t done = 0; done < count; ++i) {
+      const std::size_t at = offset + done - offsets[i], n = std::min(count - done, m_.params[i].n - at);
+      f(i, at, n, done);
+      done += n;
     }
-    const std::uint16_t* src = b.as<std::uint16_t>() + offset;
-    for (std::size_t k = 0; k < count; ++k) out[k] = bf16_to_float(src[k]);
   }
-  void moments_in(const float* in, std::size_t offset, std::size_t count, AlignedBuffer& b) const {
+
+  // `count` moments (fp32 or bf16 bytes at `src`) widened to fp32 into `out`, and fp32 values stored into them.
+  void moments_out(const unsigned char* src, std::size_t count, float* out) const {
     if (m_.options.state_dtype == DType::f32) {
-      std::memcpy(b.as<float>() + offset, in, count * 4);
+      std::memcpy(out, src, count * 4);
       return;
     }
-    std::uint16_t* dst = b.as<std::uint16_t>() + offset;
-    for (std::size_t k = 0; k < count; ++k) dst[k] = float_to_bf16(in[k]);
+    const auto* s16 = reinterpret_cast<const std::uint16_t*>(src);
+    for (std::size_t k = 0; k < count; ++k) out[k] = bf16_to_float(s16[k]);
+  }
+  void moments_in(const float* in, std::size_t count, unsigned char* dst) const {
+    if (m_.options.state_dtype == DType::f32) {
+      std::memcpy(dst, in, count * 4);
+      return;
+    }
+    auto* d16 = reinterpret_cast<std::uint16_t*>(dst);
+    for (std::size_t k = 0; k < count; ++k) d16[k] = float_to_bf16(in[k]);
   }
 
   bool q8() const { return m_.options.state_dtype == DType::i8; }
 
   // 8-bit moments [offset, offset + count) (flat elements) out to fp32 arrays, or in from them (`in`): block by
-  // block of each parameter, decoded, and for `in` the covered part replaced (a null array keeps its moment)
-  // and encoded again with new scales.
+  // block of each parameter in its current set, decoded, and for `in` the covered part replaced (a null array
+  // keeps its moment) and encoded again with new scales.
   void q8_blocks(std::size_t offset, std::size_t count, float* m, float* v, bool in) {
     const std::vector<std::size_t>& offsets = m_.offsets;
     std::vector<float> tm(kMomentBlock), tv(kMomentBlock);
-    auto* mq = exp_avg_.as<std::int8_t>();
-    auto* vq = exp_avg_sq_.as<std::uint8_t>();
     std::size_t i = static_cast<std::size_t>(std::upper_bound(offsets.begin(), offsets.end(), offset) - offsets.begin()) - 1;
     for (; i < m_.params.size() && offsets[i] < offset + count; ++i) {
+      Set& st = sets_[set_of(i)];
+      auto* mq = st.exp_avg.as<std::int8_t>();
+      auto* vq = st.exp_avg_sq.as<std::uint8_t>();
       const std::size_t a = std::max(offset, offsets[i]) - offsets[i];
       const std::size_t z = std::min(offset + count, offsets[i + 1]) - offsets[i];
       for (std::size_t j = a / kMomentBlock; j * kMomentBlock < z; ++j) {
         const std::size_t start = j * kMomentBlock, nb = std::min(kMomentBlock, m_.params[i].n - start);
         const std::size_t at = offsets[i] + start, scale = scale_offsets_[i] + j;
-        decode_moments(mq + at, vq + at, m_scale_.as<float>() + scale, v_scale_.as<float>() + scale, nb, tm.data(), tv.data());
+        float* ms = st.m_scale.as<float>() + scale;
+        float* vs = st.v_scale.as<float>() + scale;
+        decode_moments(mq + at, vq + at, ms, vs, nb, tm.data(), tv.data());
         const std::size_t lo = std::max(a, start), hi = std::min(z, start + nb);  // within the parameter
         for (std::size_t x = lo; x < hi; ++x) {
           const std::size_t outside = offsets[i] + x - offset;
@@ -248,7 +331,7 @@ class RamTier final : public StateTier {
             if (v != nullptr) v[outside] = tv[x - start];
           }
         }
-        if (in) encode_moments(tm.data(), tv.data(), nb, mq + at, vq + at, m_scale_.as<float>() + scale, v_scale_.as<float>() + scale);
+        if (in) encode_moments(tm.data(), tv.data(), nb, mq + at, vq + at, ms, vs);
       }
     }
   }
@@ -277,18 +360,17 @@ class RamTier final : public StateTier {
                        scale[1].as<float>() + sc);
       }
     }
-    master_ = std::move(loaded[0]);
-    exp_avg_ = std::move(codes[0]);
-    exp_avg_sq_ = std::move(codes[1]);
-    m_scale_ = std::move(scale[0]);
-    v_scale_ = std::move(scale[1]);
+    sets_[0].master = std::move(loaded[0]);
+    sets_[0].exp_avg = std::move(codes[0]);
+    sets_[0].exp_avg_sq = std::move(codes[1]);
+    sets_[0].m_scale = std::move(scale[0]);
+    sets_[0].v_scale = std::move(scale[1]);
     return Status::success();
   }
 
   Impl& m_;
-  AlignedBuffer master_, exp_avg_, exp_avg_sq_;
-  std::vector<std::size_t> scale_offsets_;  // i8: each parameter's first block in m_scale_ / v_scale_
-  AlignedBuffer m_scale_, v_scale_;
+  std::vector<std::size_t> scale_offsets_;  // i8: each parameter's first block in a set's m_scale / v_scale
+  Set sets_[2];  // the second allocated only for steps aside (allocate_second_set)
 };
 
 }  // namespace

@@ -150,43 +150,34 @@ TEST_P(EngineIsa, Int8MomentsBitIdenticalForAnyThreadCountAndTile) {
   EXPECT_NE(s.message().find("exp_avg_sq_scale is null"), std::string::npos) << s.to_string();
 }
 
-// An undo copy taken by the step (AdamUndo: the overlap schedule's speculation) holds, byte for byte, the
-// state and weights as they were before that step, and the step's own result is unchanged by taking it —
-// for every moment dtype and tilings that cut 8-bit blocks and vectors anywhere.
-TEST_P(EngineIsa, UndoCopyHoldsTheStateBeforeTheStep) {
+// A step that reads one state set and writes the other (AdamSource: the overlap schedule's speculation)
+// writes the bits the step in place writes, and leaves the set it read byte for byte as it was — for every
+// moment dtype and tilings that cut 8-bit blocks and vectors anywhere.
+TEST_P(EngineIsa, StepIntoTheOtherSetEqualsTheStepInPlace) {
   const std::vector<std::size_t> sizes = {100'003, 77, 4096};
   for (DType state : {DType::f32, DType::bf16, DType::i8}) {
-    CpuAdam one = make_engine(isa(), 1, 1 << 20);
-    Model base(sizes, DType::bf16, true, 1, state);
-    const auto before = run_steps(one, base, 2);
     for (std::size_t tile : {std::size_t(7), std::size_t(1000), std::size_t(65536)}) {
       CpuAdam engine = make_engine(isa(), 2, tile);
-      Model model(sizes, DType::bf16, true, 1, state);
-      Model undo(sizes, DType::bf16, true, 9, state);  // its arrays are the undo copy; they start as other values
-      ASSERT_EQ(run_steps(engine, model, 2), before);
-      Model again(sizes, DType::bf16, true, 1, state);
-      (void)run_steps(engine, again, 2);
+      Model current(sizes, DType::bf16, true, 1, state), in_place(sizes, DType::bf16, true, 1, state);
+      Model other(sizes, DType::bf16, true, 9, state);  // the second set: other values before the step
+      const auto before = run_steps(engine, current, 2);
+      ASSERT_EQ(run_steps(engine, in_place, 2), before);
       for (std::size_t i = 0; i < sizes.size(); ++i) {
-        AdamUndo& u = model.tensors[i].undo;
-        u.param = undo.p[i].data();
-        u.exp_avg = undo.m[i].data();
-        u.exp_avg_sq = undo.v[i].data();
-        u.out = undo.out[i].data();
-        if (state == DType::i8) {
-          u.exp_avg_scale = undo.ms[i].data();
-          u.exp_avg_sq_scale = undo.vs[i].data();
-        }
+        AdamTensor& t = other.tensors[i];
+        t.grad = current.tensors[i].grad;
+        t.from = AdamSource{current.p[i].data(), current.m[i].data(), current.v[i].data(),
+                            state == DType::i8 ? current.ms[i].data() : nullptr,
+                            state == DType::i8 ? current.vs[i].data() : nullptr};
       }
       AdamHyper h;
       h.weight_decay = 0.01f;
       StepOptions o;
       o.step = 3;
       o.grad_scale = 0.5f;
-      ASSERT_TRUE(engine.step(h, o, model.tensors).ok());
-      ASSERT_TRUE(engine.step(h, o, again.tensors).ok());
-      EXPECT_EQ(undo.bytes(), before) << dtype_name(state) << ", tile " << tile;
-      EXPECT_EQ(model.bytes(), again.bytes()) << dtype_name(state) << ", tile " << tile;
-      EXPECT_NE(model.bytes(), before);
+      ASSERT_TRUE(engine.step(h, o, other.tensors).ok());
+      ASSERT_TRUE(engine.step(h, o, in_place.tensors).ok());
+      EXPECT_EQ(current.bytes(), before) << dtype_name(state) << ", tile " << tile;
+      EXPECT_EQ(other.bytes(), in_place.bytes()) << dtype_name(state) << ", tile " << tile;
     }
   }
 }
@@ -384,17 +375,14 @@ TEST_F(EngineErrors, OutputOverlapsAnotherTensorsGradient) {
   expect_refused("overlaps");
 }
 
-TEST_F(EngineErrors, UndoCopyNeedsEveryArrayAndItsOwnMemory) {
-  std::vector<float> p(1000);
-  model.tensors[0].undo.param = p.data();
-  expect_refused("tensor 0: undo.exp_avg is null while undo.param is set");
-  std::vector<float> m(1000), v(1000);
-  std::vector<std::uint16_t> out(1000);
-  model.tensors[0].undo.exp_avg = m.data();
-  model.tensors[0].undo.exp_avg_sq = v.data();
-  expect_refused("undo.out is null");
-  model.tensors[0].undo.out = out.data();
-  model.tensors[0].undo.exp_avg_sq = model.tensors[1].param;
+TEST_F(EngineErrors, SourceNeedsEveryArrayAndMayNotOverlapAnOutput) {
+  std::vector<float> p(1000), m(1000), v(1000);
+  model.tensors[0].from.param = p.data();
+  expect_refused("tensor 0: from.exp_avg is null while from.param is set");
+  model.tensors[0].from.exp_avg = m.data();
+  model.tensors[0].from.exp_avg_sq = v.data();
+  EXPECT_TRUE(engine.step(hyper, options, model.tensors).ok());
+  model.tensors[0].from.exp_avg_sq = model.tensors[1].exp_avg;
   expect_refused("overlaps");
 }
 

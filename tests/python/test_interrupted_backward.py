@@ -2,7 +2,7 @@
 torch's AdamW allows (zero_grad(), then the iteration again) gives the uninterrupted run's bits (issue 49).
 
 Backward is interrupted after the last layers' gradients were reported to zoe — the overlap schedule has
-stepped them speculatively (on tier ram, into the model's weights), the delayed schedule has sent them the
+stepped them speculatively (on tier ram, into its second state set), the delayed schedule has sent them the
 previous step's weights — and before the first layer's. Every run reads the state at the same point before
 iteration K + 1: reading it waits for the delayed schedule's background step, whose weights then go up at
 once, so the runs compared must read it alike."""

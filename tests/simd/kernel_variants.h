@@ -30,4 +30,10 @@ inline std::string skip_reason(const Variant& v) {
   return {};
 }
 
+// The state a kernel reads when it steps in place: the arrays it writes.
+inline simd::StateIn in_place(const float* p, const void* m, const void* v, const float* m_scale = nullptr,
+                              const float* v_scale = nullptr) {
+  return simd::StateIn{p, m, v, m_scale, v_scale};
+}
+
 }  // namespace zoe::test

@@ -74,7 +74,8 @@ class AdamKernel : public ::testing::TestWithParam<Param> {
       o.step = step;
       o.grad_scale = grad_scale;
       const AdamConstants c = constants_of(h, step, grad_scale);
-      table.adam[int(grad_dtype())][out_elem()][kStateF32](c, p.data() + offset, m.data() + offset, v.data() + offset,
+      table.adam[int(grad_dtype())][out_elem()][kStateF32](c, test::in_place(p.data() + offset, m.data() + offset, v.data() + offset),
+                                                p.data() + offset, m.data() + offset, v.data() + offset,
                                                 test::grad_ptr(g, grad_dtype(), offset),
                                                 out_elem() == kOutNone ? nullptr : out.data() + offset, n);
       test::reference_step(h, o, ref, g.values);
@@ -150,8 +151,10 @@ TEST_P(AdamKernel, AgreesWithScalarKernel) {
   AdamConstants c{0.9f, 0.1f, 0.999f, 0.001f, -0.0123f, 1.3f, 1e-8f, 0.9999f, 0.0f, 0.5f};
   std::vector<std::uint16_t> o1(n), o2(n);
   const int out = out_elem();
-  table.adam[int(grad_dtype())][out][kStateF32](c, p.data(), m.data(), v.data(), g.bytes.data(), o1.data(), n);
-  scalar::table().adam[int(grad_dtype())][out][kStateF32](c, p2.data(), m2.data(), v2.data(), g.bytes.data(), o2.data(), n);
+  table.adam[int(grad_dtype())][out][kStateF32](c, test::in_place(p.data(), m.data(), v.data()), p.data(), m.data(), v.data(),
+                                                g.bytes.data(), o1.data(), n);
+  scalar::table().adam[int(grad_dtype())][out][kStateF32](c, test::in_place(p2.data(), m2.data(), v2.data()), p2.data(),
+                                                          m2.data(), v2.data(), g.bytes.data(), o2.data(), n);
   for (std::size_t i = 0; i < n; ++i) {
     constexpr double kUlps = 8 * 6e-8;
     ASSERT_NEAR(p[i], p2[i], kUlps * 1.0) << i;
@@ -207,13 +210,14 @@ TEST_P(AdamKernelBf16State, EachStepMatchesFloat64FromItsOwnRoundedState) {
       ref.v[i] = bf16_to_float(v[i]);
     }
     const AdamConstants c = constants_of(h, step, 1.0f);
-    table.adam[int(grad_dtype())][kOutBF16][kStateBF16](c, p.data(), m.data(), v.data(),
+    table.adam[int(grad_dtype())][kOutBF16][kStateBF16](c, test::in_place(p.data(), m.data(), v.data()), p.data(), m.data(), v.data(),
                                                          test::grad_ptr(g, grad_dtype(), 0), out.data(), n);
     const AdamFn fn = table.adam[int(grad_dtype())][kOutBF16][kStateBF16];
     const auto* gb = static_cast<const unsigned char*>(test::grad_ptr(g, grad_dtype(), 0));
-    fn(c, p_split.data(), m_split.data(), v_split.data(), gb, out_split.data(), cut);
-    fn(c, p_split.data() + cut, m_split.data() + cut, v_split.data() + cut, gb + cut * dtype_size(grad_dtype()),
-       out_split.data() + cut, n - cut);
+    fn(c, test::in_place(p_split.data(), m_split.data(), v_split.data()), p_split.data(), m_split.data(),
+       v_split.data(), gb, out_split.data(), cut);
+    fn(c, test::in_place(p_split.data() + cut, m_split.data() + cut, v_split.data() + cut), p_split.data() + cut,
+       m_split.data() + cut, v_split.data() + cut, gb + cut * dtype_size(grad_dtype()), out_split.data() + cut, n - cut);
     test::reference_step(h, o, ref, g.values);
     for (std::size_t i = 0; i < n; ++i) {
       ASSERT_TRUE(test::kParamTol.accepts(p[i], ref.p[i])) << "p[" << i << "] at step " << step;
@@ -255,7 +259,8 @@ TEST_P(KernelTableTest, NonFiniteGradientsPropagateAsInTorch) {
   g[1] = NAN;
   g[n - 1] = INFINITY;
   AdamConstants c{0.9f, 0.1f, 0.999f, 0.001f, -0.01f, 1.0f, 1e-8f, 1.0f, 0.0f, 1.0f};
-  table.adam[kF32][kOutNone][kStateF32](c, p.data(), m.data(), v.data(), g.data(), nullptr, n);
+  table.adam[kF32][kOutNone][kStateF32](c, test::in_place(p.data(), m.data(), v.data()), p.data(), m.data(), v.data(),
+                                        g.data(), nullptr, n);
   EXPECT_TRUE(std::isnan(p[1]));
   EXPECT_TRUE(std::isnan(m[1]));
   EXPECT_TRUE(std::isnan(p[n - 1]));  // inf / inf in the update, as torch computes it

@@ -99,10 +99,15 @@ TEST_P(AdamKernelInt8State, EachStepMatchesFloat64FromItsOwnDecodedState) {
     }
     const AdamConstants c = constants_of(h, step);
     const void* gp = test::grad_ptr(g, grad_dtype(), 0);
-    fn(c, p.data(), q.m.data(), q.v.data(), q.ms.data(), q.vs.data(), gp, out.data(), n);
-    fn(c, p_split.data(), q_split.m.data(), q_split.v.data(), q_split.ms.data(), q_split.vs.data(), gp,
+    fn(c, test::in_place(p.data(), q.m.data(), q.v.data(), q.ms.data(), q.vs.data()), p.data(), q.m.data(),
+       q.v.data(), q.ms.data(), q.vs.data(), gp, out.data(), n);
+    fn(c, test::in_place(p_split.data(), q_split.m.data(), q_split.v.data(), q_split.ms.data(), q_split.vs.data()),
+       p_split.data(), q_split.m.data(), q_split.v.data(), q_split.ms.data(), q_split.vs.data(), gp,
        out_split.data(), kQuantBlock);
-    fn(c, p_split.data() + kQuantBlock, q_split.m.data() + kQuantBlock, q_split.v.data() + kQuantBlock,
+    fn(c,
+       test::in_place(p_split.data() + kQuantBlock, q_split.m.data() + kQuantBlock, q_split.v.data() + kQuantBlock,
+                      q_split.ms.data() + 1, q_split.vs.data() + 1),
+       p_split.data() + kQuantBlock, q_split.m.data() + kQuantBlock, q_split.v.data() + kQuantBlock,
        q_split.ms.data() + 1, q_split.vs.data() + 1,
        static_cast<const unsigned char*>(gp) + kQuantBlock * dtype_size(grad_dtype()), out_split.data() + kQuantBlock,
        n - kQuantBlock);
@@ -192,8 +197,8 @@ TEST_P(Int8Codes, StreamsCeilingTouchesOnlyItsRange) {
   std::vector<std::int8_t> m(n + 1, 3);
   std::vector<std::uint8_t> v(n + 1, 3);
   std::vector<std::uint16_t> out(n + 1, 0);
-  table.streams_q8[kF32][kOutBF16](AdamConstants{}, p.data(), m.data(), v.data(), ms.data(), vs.data(), g.data(),
-                                   out.data(), n);
+  table.streams_q8[kF32][kOutBF16](AdamConstants{}, test::in_place(p.data(), m.data(), v.data(), ms.data(), vs.data()),
+                                   p.data(), m.data(), v.data(), ms.data(), vs.data(), g.data(), out.data(), n);
   EXPECT_EQ(p[n], 1.0f);
   EXPECT_EQ(m[n], 3);
   EXPECT_EQ(v[n], 3);
