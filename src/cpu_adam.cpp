@@ -1,4 +1,6 @@
+#if defined(__x86_64__)
 #include <emmintrin.h>  // SSE2 streaming stores (copy_streaming)
+#endif
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/parallel_for.h>
 #include <oneapi/tbb/partitioner.h>
@@ -166,7 +168,9 @@ int accumulate_mode(const AccumulateOptions& options) {
 // A copy whose stores bypass the cache (SSE2 streaming stores, in every x86-64 CPU): the undo copy is read
 // only if the step is taken back, and a cached store would first read its destination from memory — the
 // copy would then cost as much memory traffic as the Adam step itself (measured: 2.0x the step's time with
-// memcpy, on the 2-core development VM).
+// memcpy, on the 2-core development VM). On AArch64 a plain memcpy until an Arm machine measures whether
+// non-temporal pairs (STNP) pay there.
+#if defined(__x86_64__)
 void copy_streaming(void* dst, const void* src, std::size_t bytes) {
   auto* d = static_cast<unsigned char*>(dst);
   const auto* s = static_cast<const unsigned char*>(src);
@@ -189,6 +193,13 @@ void copy_streaming(void* dst, const void* src, std::size_t bytes) {
   std::memcpy(d + i, s + i, bytes - i);
 }
 
+void store_fence() { _mm_sfence(); }
+#else
+void copy_streaming(void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); }
+
+void store_fence() {}
+#endif
+
 // Elements [begin, end) of what a step changes, copied to the tensor's undo arrays (tensor.undo).
 void save_undo(const AdamTensor& t, std::size_t begin, std::size_t end) {
   const std::size_t n = end - begin, ssize = dtype_size(t.state_dtype);
@@ -207,7 +218,7 @@ void save_undo(const AdamTensor& t, std::size_t begin, std::size_t end) {
     std::memcpy(t.undo.exp_avg_scale + b, t.exp_avg_scale + b, blocks * 4);
     std::memcpy(t.undo.exp_avg_sq_scale + b, t.exp_avg_sq_scale + b, blocks * 4);
   }
-  _mm_sfence();  // streaming stores are weakly ordered: visible before the task ends
+  store_fence();  // streaming stores are weakly ordered: visible before the task ends
 }
 
 void run_adam(AdamFn fn, const simd::AdamConstants& c, const AdamTensor& t, std::size_t offset, std::size_t count) {
