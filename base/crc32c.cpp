@@ -3,6 +3,11 @@
 #include <array>
 #include <cstring>
 
+#if defined(__aarch64__)
+#include <arm_acle.h>
+#include <sys/auxv.h>
+#endif
+
 namespace zoe {
 namespace {
 
@@ -36,27 +41,45 @@ std::uint64_t load_le64(const unsigned char* p) {
 
 std::uint64_t load64(const unsigned char* p) {
   std::uint64_t v;
-  std::memcpy(&v, p, 8);  // x86 is little-endian: the bytes in stream order, as crc32q consumes them
+  std::memcpy(&v, p, 8);  // little-endian (x86-64, AArch64 Linux): the bytes in stream order, as crc32 consumes them
   return v;
 }
 
+// The CRC-32C instructions: SSE4.2's crc32 on x86-64, the CRC extension's crc32c on AArch64 (optional before
+// Armv8.1, so both are checked at run time). The same function of the same bits.
+#if defined(__x86_64__)
+#define ZOE_CRC_TARGET __attribute__((target("sse4.2")))
+ZOE_CRC_TARGET inline std::uint64_t crc_step64(std::uint64_t c, std::uint64_t v) {
+  return __builtin_ia32_crc32di(c, v);
+}
+ZOE_CRC_TARGET inline std::uint32_t crc_step8(std::uint32_t c, unsigned char b) { return __builtin_ia32_crc32qi(c, b); }
+#elif defined(__aarch64__)
+#define ZOE_CRC_TARGET __attribute__((target("+crc")))
+ZOE_CRC_TARGET inline std::uint64_t crc_step64(std::uint64_t c, std::uint64_t v) {
+  return __crc32cd(static_cast<std::uint32_t>(c), v);
+}
+ZOE_CRC_TARGET inline std::uint32_t crc_step8(std::uint32_t c, unsigned char b) { return __crc32cb(c, b); }
+#else
+#error "zoe builds for x86-64 and AArch64"
+#endif
+
 // The ~crc pre- and post-conditioning matches the software path, so partial results chain the same way.
-__attribute__((target("sse4.2"))) std::uint32_t crc_hw(const unsigned char* p, std::size_t n, std::uint32_t crc) {
+ZOE_CRC_TARGET std::uint32_t crc_hw(const unsigned char* p, std::size_t n, std::uint32_t crc) {
   std::uint64_t c = ~crc;
-  for (; n >= 8; n -= 8, p += 8) c = __builtin_ia32_crc32di(c, load64(p));
+  for (; n >= 8; n -= 8, p += 8) c = crc_step64(c, load64(p));
   auto c32 = static_cast<std::uint32_t>(c);
-  for (; n > 0; --n, ++p) c32 = __builtin_ia32_crc32qi(c32, *p);
+  for (; n > 0; --n, ++p) c32 = crc_step8(c32, *p);
   return ~c32;
 }
 
-__attribute__((target("sse4.2"))) void crc_hw_x3(const unsigned char* a, const unsigned char* b,
-                                                 const unsigned char* c, std::size_t n, std::uint32_t out[3]) {
+ZOE_CRC_TARGET void crc_hw_x3(const unsigned char* a, const unsigned char* b, const unsigned char* c, std::size_t n,
+                              std::uint32_t out[3]) {
   std::uint64_t ca = 0xFFFFFFFFu, cb = 0xFFFFFFFFu, cc = 0xFFFFFFFFu;
   std::size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    ca = __builtin_ia32_crc32di(ca, load64(a + i));
-    cb = __builtin_ia32_crc32di(cb, load64(b + i));
-    cc = __builtin_ia32_crc32di(cc, load64(c + i));
+    ca = crc_step64(ca, load64(a + i));
+    cb = crc_step64(cb, load64(b + i));
+    cc = crc_step64(cc, load64(c + i));
   }
   out[0] = crc_hw(a + i, n - i, ~static_cast<std::uint32_t>(ca));
   out[1] = crc_hw(b + i, n - i, ~static_cast<std::uint32_t>(cb));
@@ -88,7 +111,7 @@ std::uint32_t shift_factor(std::uint64_t bytes) {
 
 // One long buffer as three interleaved chains over its thirds, joined: the crc32 instruction's latency is
 // three times its issue interval, so one chain runs at a third of the unit's rate. Same value as crc_hw.
-__attribute__((target("sse4.2"))) std::uint32_t crc_hw_long(const unsigned char* p, std::size_t n, std::uint32_t crc) {
+ZOE_CRC_TARGET std::uint32_t crc_hw_long(const unsigned char* p, std::size_t n, std::uint32_t crc) {
   const std::size_t third = n / 3 / 8 * 8;
   std::uint32_t parts[3];
   crc_hw_x3(p, p + third, p + 2 * third, third, parts);
@@ -102,8 +125,13 @@ __attribute__((target("sse4.2"))) std::uint32_t crc_hw_long(const unsigned char*
 constexpr std::size_t kLongBuffer = 64 * 1024;
 
 bool detect_hardware() {
+#if defined(__x86_64__)
   __builtin_cpu_init();  // may run before the libgcc constructor that fills the CPU model
   return __builtin_cpu_supports("sse4.2");
+#else
+  constexpr unsigned long kHwcapCrc32 = 1ul << 7;  // asm/hwcap.h
+  return (getauxval(AT_HWCAP) & kHwcapCrc32) != 0;
+#endif
 }
 
 const bool kHardware = detect_hardware();

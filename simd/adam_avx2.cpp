@@ -14,6 +14,7 @@ namespace {
 struct V {
   using F = __m256;
   static constexpr std::size_t lanes = 8;
+  static constexpr std::size_t max_lanes = lanes;
   static F set(float x) { return _mm256_set1_ps(x); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, F x) { _mm256_storeu_ps(p, x); }

@@ -20,6 +20,7 @@ namespace {
 struct V {
   using F = __m512;
   static constexpr std::size_t lanes = 16;
+  static constexpr std::size_t max_lanes = lanes;
   static F set(float x) { return _mm512_set1_ps(x); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, F x) { _mm512_storeu_ps(p, x); }

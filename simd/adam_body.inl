@@ -1,13 +1,17 @@
 // The Adam kernels, written once over a vector-ops struct `V` that each ISA translation unit defines before
 // including this file inside its own namespace (zoe::simd::<isa>), so template instances never mix ISAs.
 //
-// V provides: type F; constexpr std::size_t lanes; F set(float); F load(const float*); void store(float*, F);
+// V provides: type F; lanes, the fp32 lanes of F (a std::size_t constant, or for SVE an object that converts to
+// the count the CPU has, read at run time); constexpr std::size_t max_lanes >= lanes (the stack buffers' size);
+// F set(float); F load(const float*); void store(float*, F);
 // F load_f16(const std::uint16_t*); F load_bf16(const std::uint16_t*); void store_f16(std::uint16_t*, F);
 // void store_bf16(std::uint16_t*, F); F add(F, F); F sub(F, F); F mul(F, F); F div(F, F); F sqrt(F);
 // F fma(F a, F b, F c) = a * b + c; for 8-bit moments F abs(F); F max(F, F) (x86 maxps: the second operand
 // when either is NaN); F load_i8(const std::int8_t*), void store_i8(std::int8_t*, F) (round to nearest even,
 // saturated); F load_e5m3(const std::uint8_t*), void store_e5m3(std::uint8_t*, F) (kernels.h's v code).
 //
+// F may be sizeless (SVE's svfloat32_t): the body keeps vectors only in locals, parameters and references,
+// never in struct members or arrays (docs/architecture.md, "Kernels and ISAs").
 // Optional in V: void stream(float*, F), a store that bypasses the cache (its pointer aligned to a whole
 // vector), and void stream_fence(), which orders such stores before every later one. A step out of place
 // writes its fp32 state with them: a plain store to a line not in cache first reads it (12 more bytes per
@@ -64,19 +68,9 @@ inline void store_state(void* s, std::size_t i, V::F x) {
   if constexpr (S == kStateInt8) V::store_i8(static_cast<std::int8_t*>(s) + i, x);
 }
 
-struct Broadcast {
-  V::F one_minus_beta1, beta2, one_minus_beta2, neg_step_size, inv_bc2_sqrt, eps, decay, l2, grad_scale;
-  explicit Broadcast(const AdamConstants& c)
-      : one_minus_beta1(V::set(c.one_minus_beta1)),
-        beta2(V::set(c.beta2)),
-        one_minus_beta2(V::set(c.one_minus_beta2)),
-        neg_step_size(V::set(c.neg_step_size)),
-        inv_bc2_sqrt(V::set(c.inv_bc2_sqrt)),
-        eps(V::set(c.eps)),
-        decay(V::set(c.decay)),
-        l2(V::set(c.l2)),
-        grad_scale(V::set(c.grad_scale)) {}
-};
+// The step's scalars, a local copy of the constants; adam_math broadcasts them where it uses them (a struct
+// cannot hold SVE vectors), and the compiler keeps the broadcasts out of the loops.
+using Broadcast = AdamConstants;
 
 // One vector of elements starting at i. The operation order mirrors torch's single-tensor Adam:
 //   g = g * scale (+ wd * p for Adam);  m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g;
@@ -86,13 +80,13 @@ struct Broadcast {
 // moment storage (fp32, bf16, 8-bit blocks) runs this one body.
 template <bool L2>
 inline void adam_math(const Broadcast& b, V::F gv, V::F& pv, V::F& mv, V::F& vv) {
-  gv = V::mul(gv, b.grad_scale);
-  if constexpr (L2) gv = V::fma(b.l2, pv, gv);
-  mv = V::fma(b.one_minus_beta1, V::sub(gv, mv), mv);
-  vv = V::fma(V::mul(b.one_minus_beta2, gv), gv, V::mul(vv, b.beta2));
-  const V::F denom = V::fma(V::sqrt(vv), b.inv_bc2_sqrt, b.eps);
-  pv = V::mul(pv, b.decay);
-  pv = V::fma(b.neg_step_size, V::div(mv, denom), pv);
+  gv = V::mul(gv, V::set(b.grad_scale));
+  if constexpr (L2) gv = V::fma(V::set(b.l2), pv, gv);
+  mv = V::fma(V::set(b.one_minus_beta1), V::sub(gv, mv), mv);
+  vv = V::fma(V::mul(V::set(b.one_minus_beta2), gv), gv, V::mul(vv, V::set(b.beta2)));
+  const V::F denom = V::fma(V::sqrt(vv), V::set(b.inv_bc2_sqrt), V::set(b.eps));
+  pv = V::mul(pv, V::set(b.decay));
+  pv = V::fma(V::set(b.neg_step_size), V::div(mv, denom), pv);
 }
 
 template <typename W>
@@ -146,8 +140,8 @@ inline void copy_bytes(void* dst, const void* src, std::size_t bytes) { __builti
 template <int G, int O, int S, bool L2, template <int, int, int, bool, bool> class Lanes>
 inline void staged(const Broadcast& b, const StateIn& in, float* p, void* m, void* v, const void* g, void* out,
                    std::size_t i, std::size_t tail) {
-  alignas(64) float tp[V::lanes] = {}, tm[V::lanes] = {}, tv[V::lanes] = {}, tg[V::lanes] = {};
-  alignas(64) std::uint16_t to[V::lanes] = {};
+  alignas(64) float tp[V::max_lanes] = {}, tm[V::max_lanes] = {}, tv[V::max_lanes] = {}, tg[V::max_lanes] = {};
+  alignas(64) std::uint16_t to[V::max_lanes] = {};
   copy_bytes(tp, in.p + i, tail * 4);
   copy_bytes(tm, static_cast<const unsigned char*>(in.m) + i * state_bytes(S), tail * state_bytes(S));
   copy_bytes(tv, static_cast<const unsigned char*>(in.v) + i * state_bytes(S), tail * state_bytes(S));
@@ -241,8 +235,8 @@ inline void decode_block(const std::int8_t* mq, const std::uint8_t* vq, float m_
     V::store(v + i, V::mul(V::load_e5m3(vq + i), dv));
   }
   if (i == count) return;
-  alignas(64) std::int8_t tm[V::lanes] = {};
-  alignas(64) std::uint8_t tv[V::lanes] = {};
+  alignas(64) std::int8_t tm[V::max_lanes] = {};
+  alignas(64) std::uint8_t tv[V::max_lanes] = {};
   copy_bytes(tm, mq + i, count - i);
   copy_bytes(tv, vq + i, count - i);
   V::store(m + i, V::mul(V::load_i8(tm), dm));
@@ -252,10 +246,10 @@ inline void decode_block(const std::int8_t* mq, const std::uint8_t* vq, float m_
 // The largest of `acc`'s lanes and of x[0, count) (|x| when `absolute`); 0 for none. A NaN is never taken
 // (the vector max keeps its second operand, the scalar loop compares), so the order changes nothing.
 inline float max_of(V::F acc, const float* x, std::size_t count, bool absolute) {
-  alignas(64) float lanes[V::lanes];
+  alignas(64) float lanes[V::max_lanes];
   V::store(lanes, acc);
   float out = 0.0f;
-  for (float e : lanes) out = e > out ? e : out;
+  for (std::size_t k = 0; k < V::lanes; ++k) out = lanes[k] > out ? lanes[k] : out;
   for (std::size_t i = 0; i < count; ++i) {
     const float e = absolute ? __builtin_fabsf(x[i]) : x[i];
     out = e > out ? e : out;
@@ -265,14 +259,17 @@ inline float max_of(V::F acc, const float* x, std::size_t count, bool absolute) 
 
 // Four accumulators: one chain of max would wait on its own latency.
 inline float block_max(const float* x, std::size_t count, bool absolute) {
-  V::F acc[4] = {V::set(0.0f), V::set(0.0f), V::set(0.0f), V::set(0.0f)};
+  V::F acc0 = V::set(0.0f), acc1 = V::set(0.0f), acc2 = V::set(0.0f), acc3 = V::set(0.0f);
   auto at = [&](std::size_t i) { return absolute ? V::abs(V::load(x + i)) : V::load(x + i); };
   std::size_t i = 0;
   for (; i + 4 * V::lanes <= count; i += 4 * V::lanes) {
-    for (std::size_t k = 0; k < 4; ++k) acc[k] = V::max(at(i + k * V::lanes), acc[k]);
+    acc0 = V::max(at(i), acc0);
+    acc1 = V::max(at(i + V::lanes), acc1);
+    acc2 = V::max(at(i + 2 * V::lanes), acc2);
+    acc3 = V::max(at(i + 3 * V::lanes), acc3);
   }
-  for (; i + V::lanes <= count; i += V::lanes) acc[0] = V::max(at(i), acc[0]);
-  return max_of(V::max(V::max(acc[0], acc[1]), V::max(acc[2], acc[3])), x + i, count - i, absolute);
+  for (; i + V::lanes <= count; i += V::lanes) acc0 = V::max(at(i), acc0);
+  return max_of(V::max(V::max(acc0, acc1), V::max(acc2, acc3)), x + i, count - i, absolute);
 }
 
 // fp32 m[] and v[] of one block (room for whole vectors) to codes with the block's scales ms = max |m|,
@@ -286,9 +283,9 @@ inline void encode_with(const float* m, const float* v, std::size_t count, float
     V::store_e5m3(vq + i, V::mul(V::load(v + i), qv));
   }
   if (i == count) return;
-  alignas(64) float tm[V::lanes] = {}, tv[V::lanes] = {};
-  alignas(64) std::int8_t cm[V::lanes];
-  alignas(64) std::uint8_t cv[V::lanes];
+  alignas(64) float tm[V::max_lanes] = {}, tv[V::max_lanes] = {};
+  alignas(64) std::int8_t cm[V::max_lanes];
+  alignas(64) std::uint8_t cv[V::max_lanes];
   copy_bytes(tm, m + i, (count - i) * 4);
   copy_bytes(tv, v + i, (count - i) * 4);
   V::store_i8(cm, V::mul(V::load(tm), qm));
@@ -337,11 +334,11 @@ inline void adam_q8_block(const Broadcast& b, const StateIn& in, float* p, std::
   }
   const std::size_t tail = count - i;
   if (tail > 0) {
-    alignas(64) float sp[V::lanes] = {};
-    alignas(64) std::int8_t sm[V::lanes] = {};
-    alignas(64) std::uint8_t sv[V::lanes] = {};
-    alignas(64) unsigned char sg[V::lanes * 4] = {};
-    alignas(64) std::uint16_t so[V::lanes] = {};
+    alignas(64) float sp[V::max_lanes] = {};
+    alignas(64) std::int8_t sm[V::max_lanes] = {};
+    alignas(64) std::uint8_t sv[V::max_lanes] = {};
+    alignas(64) unsigned char sg[V::max_lanes * 4] = {};
+    alignas(64) std::uint16_t so[V::max_lanes] = {};
     copy_bytes(sp, in.p + i, tail * 4);
     copy_bytes(sm, mq_in + i, tail);
     copy_bytes(sv, vq_in + i, tail);
@@ -359,7 +356,7 @@ template <int G, int O>
 void adam_q8(const AdamConstants& c, const StateIn& in, float* p, std::int8_t* m, std::uint8_t* v, float* m_scale,
              float* v_scale, const void* g, void* out, std::size_t n) {
   // Room for a whole last vector: a short block's tail is written there as a full vector.
-  alignas(64) float tm[kQuantBlock + V::lanes], tv[kQuantBlock + V::lanes];
+  alignas(64) float tm[kQuantBlock + V::max_lanes], tv[kQuantBlock + V::max_lanes];
   const Broadcast b(c);
   for (std::size_t start = 0, j = 0; start < n; start += kQuantBlock, ++j) {
     const std::size_t count = n - start < kQuantBlock ? n - start : kQuantBlock;
@@ -459,23 +456,28 @@ double sum_squares(const void* g, std::size_t n, std::uint64_t* non_finite) {
     double sum = 0;
     if (bad == 0) {
       // Four accumulators: the fma latency, not the loads, would otherwise set the pace.
-      V::F acc[4] = {V::set(0.0f), V::set(0.0f), V::set(0.0f), V::set(0.0f)};
+      V::F acc0 = V::set(0.0f), acc1 = V::set(0.0f), acc2 = V::set(0.0f), acc3 = V::set(0.0f);
+      auto square_add = [&](std::size_t at, V::F& acc) {
+        const V::F x = load_grad<G>(block, at);
+        acc = V::fma(x, x, acc);
+      };
       std::size_t i = 0;
       for (; i + 4 * V::lanes <= count; i += 4 * V::lanes) {
-        for (std::size_t k = 0; k < 4; ++k) {
-          const V::F x = load_grad<G>(block, i + k * V::lanes);
-          acc[k] = V::fma(x, x, acc[k]);
-        }
+        square_add(i, acc0);
+        square_add(i + V::lanes, acc1);
+        square_add(i + 2 * V::lanes, acc2);
+        square_add(i + 3 * V::lanes, acc3);
       }
-      for (; i + V::lanes <= count; i += V::lanes) {
-        const V::F x = load_grad<G>(block, i);
-        acc[0] = V::fma(x, x, acc[0]);
-      }
-      alignas(64) float lanes[V::lanes];
-      for (const V::F& a : acc) {
+      for (; i + V::lanes <= count; i += V::lanes) square_add(i, acc0);
+      alignas(64) float lanes[V::max_lanes];
+      auto add_lanes = [&](V::F a) {
         V::store(lanes, a);
         for (std::size_t k = 0; k < V::lanes; ++k) sum += lanes[k];
-      }
+      };
+      add_lanes(acc0);
+      add_lanes(acc1);
+      add_lanes(acc2);
+      add_lanes(acc3);
       for (; i < count; ++i) {
         const double x = scalar_grad<G>(block, i);
         sum += x * x;
@@ -533,7 +535,7 @@ void accumulate_run(float* acc, void* g, std::size_t n) {
   for (; i + V::lanes <= n; i += V::lanes) accumulate_lanes<Load, G, Mode>(acc, g, i);
   const std::size_t tail = n - i;
   if (tail == 0) return;
-  alignas(64) float ta[V::lanes] = {}, tg[V::lanes] = {};  // tg holds lanes values of any grad type
+  alignas(64) float ta[V::max_lanes] = {}, tg[V::max_lanes] = {};  // tg holds lanes values of any grad type
   unsigned char* gi = static_cast<unsigned char*>(g) + i * elem_bytes(G);
   if constexpr ((Mode & kAccumulateFirst) == 0) copy_bytes(ta, acc + i, tail * 4);
   copy_bytes(tg, gi, tail * elem_bytes(G));
@@ -567,6 +569,8 @@ void accumulate_streams(float* acc, void* g, std::size_t n, int mode) {
   accumulate_modes<ShiftGrad, G>(acc, g, n, mode);
 }
 
+// A template so that SVE's instance, whose lanes are read at run time, is simply not constexpr.
+template <int = 0>
 constexpr KernelTable make_table(const char* name, bool native_bf16) {
   return KernelTable{
       name,

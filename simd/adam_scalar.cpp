@@ -12,6 +12,7 @@ namespace {
 struct V {
   using F = float;
   static constexpr std::size_t lanes = 1;
+  static constexpr std::size_t max_lanes = lanes;
   static F set(float x) { return x; }
   static F load(const float* p) { return *p; }
   static void store(float* p, F x) { *p = x; }

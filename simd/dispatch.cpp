@@ -1,6 +1,11 @@
 #include "simd/dispatch.h"
 
+#if defined(__x86_64__)
 #include <cpuid.h>
+#elif defined(__aarch64__)
+#include <sys/auxv.h>
+#include <sys/prctl.h>
+#endif
 
 #include <cstdint>
 #include <cstdlib>
@@ -9,6 +14,10 @@
 namespace zoe::simd {
 namespace {
 
+// The ISAs zoe knows, best first: one architecture's run on its CPUs, the other's never.
+constexpr Isa kIsas[] = {Isa::avx512, Isa::avx2, Isa::sve, Isa::neon, Isa::scalar};
+
+#if defined(__x86_64__)
 std::uint64_t read_xcr0() {
   std::uint32_t eax = 0, edx = 0;
   __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
@@ -44,6 +53,29 @@ CpuFeatures detect() {
   }
   return f;
 }
+#elif defined(__aarch64__)
+// The kernel's HWCAP bits (asm/hwcap.h): Advanced SIMD, and SVE. The vector length this thread runs with
+// comes from prctl (PR_SVE_GET_VL: bytes in the low 16 bits), without an SVE instruction.
+constexpr unsigned long kHwcapAsimd = 1ul << 1;
+constexpr unsigned long kHwcapSve = 1ul << 22;
+constexpr int kPrSveGetVl = 51;
+
+unsigned sve_vector_bits() {
+  const int vl = prctl(kPrSveGetVl, 0, 0, 0, 0);
+  return vl < 0 ? 0 : static_cast<unsigned>(vl & 0xffff) * 8;
+}
+
+CpuFeatures detect() {
+  CpuFeatures f;
+  const unsigned long hwcap = getauxval(AT_HWCAP);
+  f.asimd = (hwcap & kHwcapAsimd) != 0;
+  f.sve = (hwcap & kHwcapSve) != 0;
+  if (f.sve) f.sve_bits = sve_vector_bits();
+  return f;
+}
+#else
+CpuFeatures detect() { return {}; }
+#endif
 
 std::string supported_list() {
   std::string s;
@@ -59,8 +91,8 @@ Result<Isa> checked_isa(std::string_view source, std::string_view name) {
   const std::optional<Isa> isa = parse_isa(name);
   if (!isa) {
     return invalid_argument(std::string(source) + "=" + std::string(name) +
-                            " is not an ISA zoe knows; use auto, scalar, avx2 or avx512 (this CPU supports " +
-                            supported_list() + ")");
+                            " is not an ISA zoe knows; use auto, scalar, avx2, avx512, neon or sve (this CPU "
+                            "supports " + supported_list() + ")");
   }
   if (!isa_supported(*isa)) {
     return Status(StatusCode::unsupported, std::string(source) + "=" + std::string(name) +
@@ -85,12 +117,16 @@ bool isa_supported(Isa isa) {
       return f.avx2 && f.fma && f.f16c;
     case Isa::avx512:
       return f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.f16c;
+    case Isa::neon:
+      return f.asimd;
+    case Isa::sve:
+      return f.asimd && f.sve;
   }
   return false;
 }
 
 std::optional<Isa> parse_isa(std::string_view name) {
-  for (Isa isa : {Isa::avx512, Isa::avx2, Isa::scalar}) {
+  for (Isa isa : kIsas) {
     if (name == isa_name(isa)) return isa;
   }
   return std::nullopt;
@@ -110,13 +146,21 @@ Result<Isa> choose_isa(std::string_view requested) {
   return from_env ? *from_env : supported_isas().front();
 }
 
+// Each architecture's build links its own kernels only; isa_supported never admits the other's.
 const KernelTable& kernel_table(Isa isa) {
   switch (isa) {
+#if defined(__x86_64__)
     case Isa::avx512:
       return cpu_features().avx512bf16 ? avx512bf16::table() : avx512::table();
     case Isa::avx2:
       return avx2::table();
-    case Isa::scalar:
+#elif defined(__aarch64__)
+    case Isa::sve:
+      return sve::table();
+    case Isa::neon:
+      return neon::table();
+#endif
+    default:
       break;
   }
   return scalar::table();
@@ -134,13 +178,17 @@ std::string_view isa_name(Isa isa) {
       return "avx2";
     case Isa::scalar:
       return "scalar";
+    case Isa::sve:
+      return "sve";
+    case Isa::neon:
+      return "neon";
   }
   return "invalid";
 }
 
 std::vector<Isa> supported_isas() {
   std::vector<Isa> isas;
-  for (Isa isa : {Isa::avx512, Isa::avx2, Isa::scalar}) {
+  for (Isa isa : simd::kIsas) {
     if (simd::isa_supported(isa)) isas.push_back(isa);
   }
   return isas;

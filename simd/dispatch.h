@@ -1,4 +1,5 @@
-// Picks the kernel table once at run time from CPUID + XCR0, honouring ZOE_ISA.
+// Picks the kernel table once at run time from CPUID + XCR0 (x86-64) or the HWCAP bits (AArch64), honouring
+// ZOE_ISA.
 #pragma once
 
 #include <string_view>
@@ -13,6 +14,8 @@ struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;                   // with the OS saving YMM state
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;  // with the OS saving ZMM state
   bool avx512bf16 = false;
+  bool asimd = false, sve = false;  // AArch64: Advanced SIMD (NEON) and SVE, from getauxval(AT_HWCAP)
+  unsigned sve_bits = 0;            // SVE's vector length on this CPU, in bits
 };
 
 const CpuFeatures& cpu_features();

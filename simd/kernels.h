@@ -87,8 +87,8 @@ constexpr int kAccumulateModeMask = kAccumulateFirst | kAccumulateZeroSource;
 using AccumulateFn = void (*)(float* acc, void* g, std::size_t n, int mode);
 
 struct KernelTable {
-  const char* name;         // the ISA token: "scalar", "avx2", "avx512"
-  std::size_t lanes;        // fp32 lanes per vector
+  const char* name;         // the ISA token: "scalar", "avx2", "avx512", "neon", "sve"
+  std::size_t lanes;        // fp32 lanes per vector (sve: this CPU's vector length)
   bool native_bf16;         // bf16 rounding done by a hardware instruction
   AdamFn adam[kElems][kElems][kStates];     // [grad Elem][OutElem][StateElem]
   AdamFn streams[kElems][kElems][kStates];  // the bandwidth ceiling: same loads/stores, trivial arithmetic
@@ -106,5 +106,8 @@ namespace scalar { const KernelTable& table(); }
 namespace avx2 { const KernelTable& table(); }
 namespace avx512 { const KernelTable& table(); }
 namespace avx512bf16 { const KernelTable& table(); }  // avx512 with AVX512_BF16 rounding instructions
+// AArch64 builds only (and x86 builds only the three above): simd/meson.build compiles each host's own.
+namespace neon { const KernelTable& table(); }
+namespace sve { const KernelTable& table(); }  // vector-length agnostic; call only where the CPU runs SVE
 
 }  // namespace zoe::simd

@@ -39,7 +39,7 @@ struct Texts {
 std::array<Option, 9> options_of(Texts& t) {
   return {{
       {"n", &t.n, nullptr, "parameters per pass, 1 to 1T (K, M, G, T suffixes are powers of 1024)"},
-      {"isa", &t.isa, nullptr, "comma list of auto, scalar, avx2, avx512"},
+      {"isa", &t.isa, nullptr, "comma list of auto, scalar, avx2, avx512, neon, sve"},
       {"grad", &t.grad, nullptr, "comma list of gradient dtypes: f32, f16, bf16"},
       {"mode", &t.mode, nullptr, "comma list of add, add_zero, first, first_zero"},
       {"threads", &t.threads, nullptr, "worker threads, 0 to 1024 (0: all CPUs; ZOE_THREADS caps)"},
@@ -172,7 +172,7 @@ Result<Settings> settings(const Texts& text) {
   cfg.reps = text.reps.empty() ? default_reps(cfg.n) : static_cast<int>(reps.value());
   cfg.isas = split_list(text.isa);
   const std::vector<std::string> grads = split_list(text.grad), modes = split_list(text.mode);
-  for (const Status& s : {require_items(cfg.isas, "--isa", "auto, scalar, avx2, avx512"),
+  for (const Status& s : {require_items(cfg.isas, "--isa", "auto, scalar, avx2, avx512, neon, sve"),
                           require_items(grads, "--grad", "f32, f16, bf16"),
                           require_items(modes, "--mode", "add, add_zero, first, first_zero")}) {
     if (!s.ok()) return s;

@@ -132,7 +132,7 @@ std::array<Option, 11> options_of(Texts& t) {
   return {{
       {"n", &t.n, nullptr, "parameters per step, 1 to 1T (K, M, G, T suffixes are powers of 1024)"},
       {"tensors", &t.tensors, nullptr, "split the parameters into this many separately allocated tensors, 1 to 1M (at most --n)"},
-      {"isa", &t.isa, nullptr, "comma list of auto, scalar, avx2, avx512"},
+      {"isa", &t.isa, nullptr, "comma list of auto, scalar, avx2, avx512, neon, sve"},
       {"grad", &t.grad, nullptr, "comma list of gradient dtypes: f32, f16, bf16"},
       {"out", &t.out, nullptr, "comma list of weight-copy dtypes: none, f16, bf16"},
       {"state", &t.state, nullptr, "comma list of moment dtypes: fp32, bf16, int8"},
@@ -191,7 +191,7 @@ Status read_lists(const Texts& text, Settings& cfg) {
   cfg.isas = split_list(text.isa);
   cfg.outs = split_list(text.out);
   const std::vector<std::string> grad_names = split_list(text.grad), state_names = split_list(text.state);
-  for (const Status& s : {require_items(cfg.isas, "--isa", "auto, scalar, avx2, avx512"),
+  for (const Status& s : {require_items(cfg.isas, "--isa", "auto, scalar, avx2, avx512, neon, sve"),
                           require_items(grad_names, "--grad", "f32, f16, bf16"),
                           require_items(cfg.outs, "--out", "none, f16, bf16"),
                           require_items(state_names, "--state", "fp32, bf16, int8")}) {

@@ -98,13 +98,14 @@ struct AccumulateOptions {
   bool zero_source = false;  // also set grad to +0 (in its dtype) in the same pass, ready for the next one
 };
 
-// Instruction sets with an Adam kernel, in priority order (best first).
-enum class Isa { avx512, avx2, scalar };
+// Instruction sets with an Adam kernel: x86-64's in priority order (best first), then AArch64's (sve before
+// neon); scalar runs everywhere. A build has the kernels of its own architecture only.
+enum class Isa { avx512, avx2, scalar, sve, neon };
 std::string_view isa_name(Isa isa);
 std::vector<Isa> supported_isas();  // what this CPU and OS can run, best first
 
 struct CpuAdamOptions {
-  std::string isa = "auto";    // auto | scalar | avx2 | avx512; ZOE_ISA replaces auto, never an explicit name
+  std::string isa = "auto";    // auto | scalar | avx2 | avx512 | neon | sve; ZOE_ISA replaces auto, never an explicit name
   int threads = 0;             // 0: every CPU this process may run on; ZOE_THREADS caps it
   std::size_t tile = 1 << 16;  // elements per unit of parallel work
   bool pin_threads = true;     // bind worker threads to cores (hwloc)

@@ -397,8 +397,8 @@ Status Parser::zoe_section(const Json& section) {
   if (const auto it = section.find("isa"); it != section.end()) {
     // Whether this CPU runs the ISA is checked where the kernels are chosen (CpuAdam::create).
     const std::string v = it->is_string() ? it->get<std::string>() : std::string();
-    if (v != "auto" && v != "scalar" && v != "avx2" && v != "avx512") {
-      return bad(p + ".isa", *it, "need \"auto\", \"scalar\", \"avx2\" or \"avx512\"");
+    if (v != "auto" && v != "scalar" && v != "avx2" && v != "avx512" && v != "neon" && v != "sve") {
+      return bad(p + ".isa", *it, "need \"auto\", \"scalar\", \"avx2\", \"avx512\", \"neon\" or \"sve\"");
     }
     o.cpu.isa = v;
   }

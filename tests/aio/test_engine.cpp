@@ -270,7 +270,7 @@ TEST(AioCrc32c, FastMatchesSoftwareAtEveryLengthAndOffset) {
   std::vector<unsigned char> data(4096 + 64);
   std::mt19937 rng(3);
   for (auto& b : data) b = static_cast<unsigned char>(rng());
-  std::printf("crc32c hardware path: %s\n", crc32c_hardware() ? "yes (sse4.2)" : "no (software)");
+  std::printf("crc32c hardware path: %s\n", crc32c_hardware() ? "yes (SSE4.2 or Arm CRC32)" : "no (software)");
   EXPECT_EQ(crc32c("123456789", 9), 0xE3069283u);
   for (std::size_t off : {0, 1, 5}) {
     for (std::size_t len : {0, 1, 7, 8, 9, 63, 64, 1000, 4096}) {

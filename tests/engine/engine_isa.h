@@ -32,6 +32,13 @@ class EngineIsa : public ::testing::TestWithParam<Isa> {
   std::string isa() const { return std::string(isa_name(GetParam())); }
 };
 
+// The ISAs of the build's architecture (the engine suites run once per ISA).
+#if defined(__aarch64__)
+inline constexpr Isa kBuildIsas[] = {Isa::scalar, Isa::neon, Isa::sve};
+#else
+inline constexpr Isa kBuildIsas[] = {Isa::scalar, Isa::avx2, Isa::avx512};
+#endif
+
 inline std::string isa_test_name(const ::testing::TestParamInfo<Isa>& i) { return std::string(isa_name(i.param)); }
 
 }  // namespace zoe::test

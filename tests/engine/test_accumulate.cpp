@@ -133,7 +133,7 @@ TEST_P(AccumulateIsa, StreamsPassCoversTheSameElements) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Isas, AccumulateIsa, ::testing::Values(Isa::scalar, Isa::avx2, Isa::avx512),
+INSTANTIATE_TEST_SUITE_P(Isas, AccumulateIsa, ::testing::ValuesIn(test::kBuildIsas),
                          test::isa_test_name);
 
 TEST(Accumulate, NanAndInfPropagateAsIeeeAddition) {

@@ -76,7 +76,7 @@ std::string config_violation(const LoadedConfig& c) {
   if (o.nvme.block_size < 4096 || o.nvme.block_size > (std::size_t(1) << 30) || o.nvme.block_size % 4096 != 0) return "block_size";
   if (o.nvme.queue_depth < 1 || o.nvme.queue_depth > 4096) return "queue_depth";
   if (o.tile < 1 || o.cpu.tile < 1 || o.cpu.threads < 0 || o.delayed_warmup_steps < 0) return "tile, cpu_tile, threads or warm-up";
-  const std::set<std::string> isas{"auto", "scalar", "avx2", "avx512"};
+  const std::set<std::string> isas{"auto", "scalar", "avx2", "avx512", "neon", "sve"};
   if (isas.count(o.cpu.isa) == 0) return "isa";
   return "";
 }

@@ -1,4 +1,5 @@
-// The kernel tables the simd suites test: each ISA, and for avx512 both bf16 variants where the CPU runs them.
+// The kernel tables the simd suites test: each ISA of the build's architecture, and for avx512 both bf16
+// variants where the CPU runs them.
 #pragma once
 
 #include <string>
@@ -15,11 +16,17 @@ struct Variant {
   bool needs_native_bf16;
 };
 
+// Each architecture's own kernels: the build links no other.
 inline constexpr Variant kVariants[] = {
     {"scalar", Isa::scalar, simd::scalar::table, false},
+#if defined(__aarch64__)
+    {"neon", Isa::neon, simd::neon::table, false},
+    {"sve", Isa::sve, simd::sve::table, false},
+#else
     {"avx2", Isa::avx2, simd::avx2::table, false},
     {"avx512", Isa::avx512, simd::avx512::table, false},
     {"avx512bf16", Isa::avx512, simd::avx512bf16::table, true},
+#endif
 };
 inline constexpr int kVariantCount = sizeof kVariants / sizeof kVariants[0];
 
