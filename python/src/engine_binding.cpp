@@ -180,6 +180,7 @@ std::unique_ptr<PyEngine> make_engine(nb::object device_obj, std::vector<nb::dic
                                        get("bias_correction", defaults.bias_correction),
                                        get("maximize", defaults.maximize))});
   }
+  const OffloadOptions o = to_options(options);
   auto engine = std::make_unique<PyEngine>();
   std::vector<char> is_tiered(params.size(), 0);
   for (const auto& t : tiered) {
@@ -199,7 +200,7 @@ std::unique_ptr<PyEngine> make_engine(nb::object device_obj, std::vector<nb::dic
       engine->arrays.push_back(param_array(weights, device, n, p.dtype, what + " weights"));
       p.device_weights = engine->arrays.back().data();
     }
-    if (!grads.is_none()) {  // None: spill_grads, each gradient given with its report (spill_grad)
+    if (!grads.is_none() || !o.spill_grads) {  // None: spilled, each gradient given with its report (spill_grad)
       engine->arrays.push_back(param_array(grads, device, n, p.dtype, what + " gradients"));
       p.device_grads = engine->arrays.back().data();
     }
@@ -220,7 +221,6 @@ std::unique_ptr<PyEngine> make_engine(nb::object device_obj, std::vector<nb::dic
       ++nb::cast<PyParamTier&>(tier_obj).engines;
     }
   }
-  const OffloadOptions o = to_options(options);
   engine->device_owner = device_obj;
   if (!collectives.is_none()) engine->collectives = std::make_unique<PyCollectives>(collectives, *device.device);
   Result<OffloadOptimizer> made = Status(StatusCode::internal, "not created");
