@@ -1,6 +1,8 @@
 // Scalar fp16/bf16 conversions, round-to-nearest-even, no intrinsics: usable in any translation unit.
 #pragma once
 
+#include "base/private.h"
+
 #include <cstdint>
 
 

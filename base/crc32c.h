@@ -4,6 +4,8 @@
 // values are the same either way.
 #pragma once
 
+#include "base/private.h"
+
 #include <cstddef>
 #include <cstdint>
 

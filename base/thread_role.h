@@ -3,6 +3,8 @@
 // for users in zoe/device.h too; defined once, in base/thread_role.cpp.
 #pragma once
 
+#include "base/private.h"
+
 namespace zoe {
 
 void mark_worker_thread() noexcept;  // the calling thread is one of zoe's own from now on

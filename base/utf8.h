@@ -3,6 +3,8 @@
 // and bytes that are not UTF-8 must not be copied through as they are.
 #pragma once
 
+#include "base/private.h"
+
 #include <cstddef>
 #include <cstdio>
 #include <string>

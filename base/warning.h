@@ -3,6 +3,8 @@
 // refused). Each goes to stderr as "zoe: warning: <message>" unless a program installs a sink of its own.
 #pragma once
 
+#include "base/private.h"
+
 #include <functional>
 #include <string_view>
 

@@ -2,6 +2,8 @@
 // background step. drain() returns once everything enqueued before it has run.
 #pragma once
 
+#include "base/private.h"
+
 #include <condition_variable>
 #include <deque>
 #include <functional>

@@ -15,6 +15,8 @@
 // then.
 #pragma once
 
+#include "cuda/private.h"
+
 #include <cuda_runtime.h>
 
 #include <array>

@@ -2,6 +2,8 @@
 // and returns the launch's own error; nothing here allocates or synchronizes.
 #pragma once
 
+#include "cuda/private.h"
+
 #include <cuda_runtime.h>
 
 #include <cstddef>

@@ -2,6 +2,8 @@
 // `reason` says why, so that callers and tests can skip cleanly; any other CUDA failure is an error.
 #pragma once
 
+#include "cuda/private.h"
+
 #include <string>
 
 #include "zoe/status.h"

@@ -3,6 +3,8 @@
 // create() and make_unique_id() return unsupported.
 #pragma once
 
+#include "cuda/private.h"
+
 #include <array>
 #include <cstddef>
 #include <memory>

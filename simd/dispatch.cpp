@@ -8,6 +8,7 @@
 #endif
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -192,6 +193,18 @@ std::vector<Isa> supported_isas() {
     if (simd::isa_supported(isa)) isas.push_back(isa);
   }
   return isas;
+}
+
+std::string cpu_features_text() {
+  const simd::CpuFeatures& f = simd::cpu_features();
+  char text[200];
+#if defined(__aarch64__)
+  std::snprintf(text, sizeof text, "asimd=%d sve=%d sve_bits=%u", f.asimd, f.sve, f.sve_bits);
+#else
+  std::snprintf(text, sizeof text, "avx2=%d fma=%d f16c=%d avx512f=%d avx512bw=%d avx512vl=%d avx512dq=%d avx512bf16=%d",
+                f.avx2, f.fma, f.f16c, f.avx512f, f.avx512bw, f.avx512vl, f.avx512dq, f.avx512bf16);
+#endif
+  return text;
 }
 
 }  // namespace zoe

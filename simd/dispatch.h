@@ -2,6 +2,8 @@
 // ZOE_ISA.
 #pragma once
 
+#include "simd/private.h"
+
 #include <string_view>
 
 #include "simd/kernels.h"

@@ -2,6 +2,8 @@
 // included by translation units compiled with wide-ISA flags.
 #pragma once
 
+#include "simd/private.h"
+
 #include <cstddef>
 #include <cstdint>
 

@@ -2,6 +2,8 @@
 // with hwloc. The arena owns its observer and topology; callers run work inside it with execute().
 #pragma once
 
+#include "src/private.h"
+
 #include <memory>
 #include <type_traits>
 

@@ -9,8 +9,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 
-#include "base/unique_fd.h"
 
 namespace zoe::cli {
 
@@ -141,13 +141,14 @@ Status require_memory(std::uint64_t bytes, std::string_view option, std::string_
 
 Result<std::string> read_small_file(const std::string& path, std::string_view option, std::uint64_t max_bytes) {
   // O_NONBLOCK: opening a FIFO would otherwise wait for a writer before fstat could refuse it.
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
-  if (!fd.valid()) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
     return Status(StatusCode::invalid_argument,
                   std::string(option) + ": cannot read " + path + ": " + std::strerror(errno), errno);
   }
+  const std::unique_ptr<const int, void (*)(const int*)> closed_on_return(&fd, [](const int* f) { ::close(*f); });
   struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) {
+  if (::fstat(fd, &st) != 0) {
     return Status(StatusCode::invalid_argument, std::string(option) + ": cannot stat " + path, errno);
   }
   if (!S_ISREG(st.st_mode)) {
@@ -163,7 +164,7 @@ Result<std::string> read_small_file(const std::string& path, std::string_view op
   std::string text(static_cast<std::size_t>(max_bytes) + 1, '\0');
   std::size_t got = 0;
   while (got < text.size()) {
-    const ssize_t r = ::read(fd.get(), text.data() + got, text.size() - got);
+    const ssize_t r = ::read(fd, text.data() + got, text.size() - got);
     if (r < 0 && errno == EINTR) continue;
     if (r < 0) return Status(StatusCode::io_error, std::string(option) + ": reading " + path + " failed", errno);
     if (r == 0) break;

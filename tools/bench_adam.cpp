@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "base/aligned_buffer.h"
+#include "zoe/aligned_buffer.h"
 #include "tools/args.h"
 #include "tools/bench_stats.h"
 #include "tools/commands.h"

@@ -25,7 +25,7 @@
 #ifdef ZOE_HAVE_AIO
 #include "aio/files.h"
 #include "aio/io_engine.h"
-#include "base/aligned_buffer.h"
+#include "zoe/aligned_buffer.h"
 #endif
 
 namespace zoe::cli {

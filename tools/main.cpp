@@ -4,9 +4,9 @@
 #include <exception>
 #include <new>
 #include <span>
+#include <string>
 #include <string_view>
 
-#include "simd/dispatch.h"
 #include "tools/commands.h"
 #include "zoe/adam.h"
 
@@ -21,15 +21,9 @@ struct Command {
 };
 
 int info(std::span<char* const>) {
-  const auto& f = zoe::simd::cpu_features();
   std::printf("zoe %s\nISAs this CPU runs (best first):", ZOE_VERSION);
   for (zoe::Isa isa : zoe::supported_isas()) std::printf(" %s", std::string(zoe::isa_name(isa)).c_str());
-#if defined(__aarch64__)
-  std::printf("\nCPU features: asimd=%d sve=%d sve_bits=%u\n", f.asimd, f.sve, f.sve_bits);
-#else
-  std::printf("\nCPU features: avx2=%d fma=%d f16c=%d avx512f=%d avx512bw=%d avx512vl=%d avx512dq=%d avx512bf16=%d\n",
-              f.avx2, f.fma, f.f16c, f.avx512f, f.avx512bw, f.avx512vl, f.avx512dq, f.avx512bf16);
-#endif
+  std::printf("\nCPU features: %s\n", zoe::cpu_features_text().c_str());
   return 0;
 }
 

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "base/aligned_buffer.h"
+#include "zoe/aligned_buffer.h"
 #include "tools/args.h"
 #include "tools/commands.h"
 #include "tools/report.h"

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "src/plan/plan.h"
+#include "zoe/plan.h"
 
 namespace zoe::cli::planning {
 

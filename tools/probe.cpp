@@ -13,7 +13,7 @@
 #include "aio/files.h"
 #include "aio/io_engine.h"
 #include "src/nvme/swap_inventory.h"
-#include "base/aligned_buffer.h"
+#include "zoe/aligned_buffer.h"
 #include "tools/args.h"
 #include "tools/commands.h"
 #include "tools/probe.h"

@@ -9,7 +9,7 @@
 
 #include "simd/dispatch.h"
 #include "simd/kernels.h"
-#include "base/aligned_buffer.h"
+#include "zoe/aligned_buffer.h"
 #include "zoe/adam.h"
 
 namespace zoe {

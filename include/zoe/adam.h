@@ -103,6 +103,8 @@ struct AccumulateOptions {
 enum class Isa { avx512, avx2, scalar, sve, neon };
 std::string_view isa_name(Isa isa);
 std::vector<Isa> supported_isas();  // what this CPU and OS can run, best first
+// The CPU features the choice of kernels reads, as "name=value" pairs separated by spaces (`zoe info`).
+std::string cpu_features_text();
 
 struct CpuAdamOptions {
   std::string isa = "auto";    // auto | scalar | avx2 | avx512 | neon | sve; ZOE_ISA replaces auto, never an explicit name

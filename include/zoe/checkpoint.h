@@ -1,9 +1,10 @@
-// Reading a run's optimizer checkpoints (OffloadOptimizer::save, one file per rank) as one: every rank's
+// Reading zoe's checkpoints: one file (CheckpointReader), and a run's optimizer checkpoints (OffloadOptimizer::save, one file per rank) as one: every rank's
 // partition joined into whole parameters, by name. What `zoe export` writes as safetensors.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -13,6 +14,43 @@
 #include "zoe/status.h"
 
 namespace zoe {
+
+// One checkpoint file (OffloadOptimizer::save writes them: a header, blobs, an index and the manifest)
+// opened, its header, trailer and index checked; each blob's CRC-32C is checked when it is read. Move-only;
+// holds the file open.
+class CheckpointReader {
+ public:
+  static Result<CheckpointReader> open(const std::string& path);
+  CheckpointReader(CheckpointReader&&) noexcept;
+  CheckpointReader& operator=(CheckpointReader&&) noexcept;
+  ~CheckpointReader();
+
+  const std::string& path() const;
+  const std::string& manifest() const;
+  std::uint32_t major_version() const;
+  std::uint32_t minor_version() const;
+  bool has(const std::string& name) const;
+  std::vector<std::string> names() const;  // sorted
+  Result<std::size_t> size(const std::string& name) const;
+  // Where the blob's bytes start in the file (blobs are stored whole, aligned): a reader holding the file
+  // in memory can view an array in place.
+  Result<std::uint64_t> offset(const std::string& name) const;
+  // Reads the whole blob into `dst`, which must hold exactly `bytes` = the blob's size. On a CRC mismatch
+  // the contents of `dst` are unspecified and the error names the blob, the file and both checksums.
+  Status read(const std::string& name, void* dst, std::size_t bytes) const;
+  // The same in slices of `slice_bytes` (read into `buffer`, or a buffer of its own when null), each handed
+  // to consume(offset, slice, n) as it arrives. The checksum is known only after the last slice: a consumer
+  // that must not act on damaged data verifies first (a pass whose consumer does nothing).
+  using Consumer = std::function<Status(std::size_t offset, const void* slice, std::size_t n)>;
+  Status read_streamed(const std::string& name, std::size_t bytes, std::size_t slice_bytes, const Consumer& consume,
+                       void* buffer = nullptr) const;
+
+  struct Impl;
+
+ private:
+  explicit CheckpointReader(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
 
 // A parameter of the checkpoint: its name ("param.<i>" where the run recorded none), its shape (one
 // dimension of n where none was recorded) and its element count.
@@ -56,5 +94,12 @@ class PartitionedCheckpoint {
   explicit PartitionedCheckpoint(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// `zoe export`: the joined fp32 array `blob` ("master", "exp_avg" or "exp_avg_sq") of every parameter, by
+// name, as the safetensors file `name` in the folder `dir` (made when missing). Written beside the file and
+// renamed over it, or not at all; what killed exports of this host and PID namespace left there is removed
+// first. Returns the file's path.
+Result<std::string> export_safetensors(const PartitionedCheckpoint& checkpoint, const char* blob, const std::string& dir,
+                                       const std::string& name);
 
 }  // namespace zoe

@@ -4,8 +4,7 @@
 #include <algorithm>
 
 #include "python/src/binding.h"
-#include "src/offload/checkpoint.h"
-#include "src/offload/config.h"
+#include "zoe/config.h"
 #include "zoe/checkpoint.h"
 
 namespace zoe::python {

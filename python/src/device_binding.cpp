@@ -3,7 +3,7 @@
 #include <malloc.h>
 
 #include "python/src/binding.h"
-#include "src/offload/host_device.h"
+#include "zoe/host_device.h"
 
 namespace zoe::python {
 namespace {

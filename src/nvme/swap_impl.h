@@ -3,6 +3,8 @@
 // other calls built on the pipeline).
 #pragma once
 
+#include "src/private.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -15,7 +17,7 @@
 
 #include "aio/files.h"
 #include "aio/io_engine.h"
-#include "base/aligned_buffer.h"
+#include "zoe/aligned_buffer.h"
 #include "zoe/swap.h"
 
 namespace zoe {

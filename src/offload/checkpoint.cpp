@@ -23,10 +23,12 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <optional>
 
 #include "base/crc32c.h"
 #include "base/process_identity.h"
+#include "base/unique_fd.h"
 
 namespace zoe {
 namespace {
@@ -270,13 +272,40 @@ Status CheckpointWriter::commit(const std::string& manifest_json) {
 
 // ---- reader ----
 
+// The open file and what its index says.
+struct CheckpointReader::Impl {
+  struct Blob {
+    std::uint64_t offset, size;
+    std::uint32_t crc;
+  };
+  Status load(const std::string& path);
+  Status parse_index(const std::string& index, std::uint64_t data_end);
+
+  std::string path_;
+  UniqueFd fd_;
+  std::uint32_t major_ = 0, minor_ = 0;
+  std::map<std::string, Blob> blobs_;
+  std::string manifest_;
+};
+
+CheckpointReader::CheckpointReader(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CheckpointReader::CheckpointReader(CheckpointReader&&) noexcept = default;
+CheckpointReader& CheckpointReader::operator=(CheckpointReader&&) noexcept = default;
+CheckpointReader::~CheckpointReader() = default;
+
+const std::string& CheckpointReader::path() const { return impl_->path_; }
+const std::string& CheckpointReader::manifest() const { return impl_->manifest_; }
+std::uint32_t CheckpointReader::major_version() const { return impl_->major_; }
+std::uint32_t CheckpointReader::minor_version() const { return impl_->minor_; }
+bool CheckpointReader::has(const std::string& name) const { return impl_->blobs_.count(name) != 0; }
+
 Result<CheckpointReader> CheckpointReader::open(const std::string& path) {
-  CheckpointReader r;
-  if (Status s = r.load(path); !s.ok()) return s;
-  return r;
+  auto impl = std::make_unique<Impl>();
+  if (Status s = impl->load(path); !s.ok()) return s;
+  return CheckpointReader(std::move(impl));
 }
 
-Status CheckpointReader::load(const std::string& path) {
+Status CheckpointReader::Impl::load(const std::string& path) {
   path_ = path;
   // O_NONBLOCK: a FIFO given as a checkpoint is refused below, not waited on for a writer (it changes
   // nothing for the regular file read after the check).
@@ -357,7 +386,7 @@ Status CheckpointReader::load(const std::string& path) {
 
 // The index passed its checksum, so a failure here means a writer bug or a crafted file; every length is
 // still checked against what remains so that nothing reads out of bounds.
-Status CheckpointReader::parse_index(const std::string& index, std::uint64_t data_end) {
+Status CheckpointReader::Impl::parse_index(const std::string& index, std::uint64_t data_end) {
   std::size_t at = 0;
   auto take = [&](std::size_t n) -> const char* {
     if (index.size() - at < n) return nullptr;
@@ -398,25 +427,25 @@ Status CheckpointReader::parse_index(const std::string& index, std::uint64_t dat
 
 std::vector<std::string> CheckpointReader::names() const {
   std::vector<std::string> out;
-  out.reserve(blobs_.size());
-  for (const auto& [name, blob] : blobs_) out.push_back(name);
+  out.reserve(impl_->blobs_.size());
+  for (const auto& [name, blob] : impl_->blobs_) out.push_back(name);
   return out;
 }
 
 Result<std::size_t> CheckpointReader::size(const std::string& name) const {
-  const auto it = blobs_.find(name);
-  if (it == blobs_.end()) return invalid_argument("checkpoint " + path_ + " has no blob '" + name + "'");
+  const auto it = impl_->blobs_.find(name);
+  if (it == impl_->blobs_.end()) return invalid_argument("checkpoint " + impl_->path_ + " has no blob '" + name + "'");
   return static_cast<std::size_t>(it->second.size);
 }
 
 Result<std::uint64_t> CheckpointReader::offset(const std::string& name) const {
-  const auto it = blobs_.find(name);
-  if (it == blobs_.end()) return invalid_argument("checkpoint " + path_ + " has no blob '" + name + "'");
+  const auto it = impl_->blobs_.find(name);
+  if (it == impl_->blobs_.end()) return invalid_argument("checkpoint " + impl_->path_ + " has no blob '" + name + "'");
   return it->second.offset;
 }
 
 Status CheckpointReader::read(const std::string& name, void* dst, std::size_t bytes) const {
-  if (bytes != 0 && dst == nullptr) return invalid_argument("checkpoint " + path_ + ": null destination for blob '" + name + "'");
+  if (bytes != 0 && dst == nullptr) return invalid_argument("checkpoint " + impl_->path_ + ": null destination for blob '" + name + "'");
   return read_streamed(name, bytes, bytes, [dst](std::size_t, const void* slice, std::size_t n) {
     // A whole-blob read is one slice, already in place.
     if (slice != dst) std::memcpy(dst, slice, n);
@@ -426,16 +455,16 @@ Status CheckpointReader::read(const std::string& name, void* dst, std::size_t by
 
 Status CheckpointReader::read_streamed(const std::string& name, std::size_t bytes, std::size_t slice_bytes,
                                        const Consumer& consume, void* buffer) const {
-  const auto it = blobs_.find(name);
-  if (it == blobs_.end()) return invalid_argument("checkpoint " + path_ + " has no blob '" + name + "'");
-  const Blob& b = it->second;
+  const auto it = impl_->blobs_.find(name);
+  if (it == impl_->blobs_.end()) return invalid_argument("checkpoint " + impl_->path_ + " has no blob '" + name + "'");
+  const Impl::Blob& b = it->second;
   if (bytes != b.size) {
     return Status(StatusCode::corrupt, "checkpoint " + path() + ": blob '" + name + "' holds " +
                                            std::to_string(b.size) + " bytes, the caller expects " +
                                            std::to_string(bytes) + " (a checkpoint of a different model?)");
   }
   if (bytes == 0) return Status::success();
-  if (slice_bytes == 0) return invalid_argument("checkpoint " + path_ + ": slice size 0 for blob '" + name + "'");
+  if (slice_bytes == 0) return invalid_argument("checkpoint " + impl_->path_ + ": slice size 0 for blob '" + name + "'");
   std::vector<char> own;
   if (buffer == nullptr) {
     own.resize(std::min(slice_bytes, bytes));
@@ -444,13 +473,13 @@ Status CheckpointReader::read_streamed(const std::string& name, std::size_t byte
   std::uint32_t computed = 0;
   for (std::size_t done = 0; done < bytes;) {
     const std::size_t n = std::min(slice_bytes, bytes - done);
-    if (Status s = pread_all(fd_.get(), buffer, n, b.offset + done, path_); !s.ok()) return s;
+    if (Status s = pread_all(impl_->fd_.get(), buffer, n, b.offset + done, impl_->path_); !s.ok()) return s;
     computed = crc32c(buffer, n, computed);
     if (Status s = consume(done, buffer, n); !s.ok()) return s;
     done += n;
   }
   if (computed != b.crc) {
-    return corrupt(path_, "blob '" + name + "' (" + std::to_string(bytes) + " bytes at offset " +
+    return corrupt(impl_->path_, "blob '" + name + "' (" + std::to_string(bytes) + " bytes at offset " +
                               std::to_string(b.offset) + ") fails its checksum: stored CRC-32C " + hex32(b.crc) +
                               ", computed " + hex32(computed) + "; the data is damaged");
   }

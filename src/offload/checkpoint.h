@@ -3,6 +3,8 @@
 // blob and of the index). The format is described at the top of checkpoint.cpp.
 #pragma once
 
+#include "src/private.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -14,7 +16,7 @@
 #include <vector>
 
 #include "base/files.h"
-#include "base/unique_fd.h"
+#include "zoe/checkpoint.h"
 #include "zoe/status.h"
 
 namespace zoe {
@@ -71,48 +73,6 @@ class CheckpointWriter {
   std::unordered_set<std::string> names_;
   bool committed_ = false;
   bool failed_ = false;
-};
-
-// Opens a checkpoint and checks its header, trailer and index; each blob's CRC-32C is checked when it is
-// read. Move-only; holds the file open.
-class CheckpointReader {
- public:
-  static Result<CheckpointReader> open(const std::string& path);
-
-  const std::string& path() const { return path_; }
-  const std::string& manifest() const { return manifest_; }
-  std::uint32_t major_version() const { return major_; }
-  std::uint32_t minor_version() const { return minor_; }
-  bool has(const std::string& name) const { return blobs_.count(name) != 0; }
-  std::vector<std::string> names() const;  // sorted
-  Result<std::size_t> size(const std::string& name) const;
-  // Where the blob's bytes start in the file (blobs are stored whole, aligned): a reader holding the file
-  // in memory can view an array in place.
-  Result<std::uint64_t> offset(const std::string& name) const;
-  // Reads the whole blob into `dst`, which must hold exactly `bytes` = the blob's size. On a CRC mismatch
-  // the contents of `dst` are unspecified and the error names the blob, the file and both checksums.
-  Status read(const std::string& name, void* dst, std::size_t bytes) const;
-  // The same in slices of `slice_bytes` (read into `buffer`, or a buffer of its own when null), each handed
-  // to consume(offset, slice, n) as it arrives. The checksum is known only after the last slice: a consumer
-  // that must not act on damaged data verifies first (a pass whose consumer does nothing).
-  using Consumer = std::function<Status(std::size_t offset, const void* slice, std::size_t n)>;
-  Status read_streamed(const std::string& name, std::size_t bytes, std::size_t slice_bytes, const Consumer& consume,
-                       void* buffer = nullptr) const;
-
- private:
-  struct Blob {
-    std::uint64_t offset, size;
-    std::uint32_t crc;
-  };
-  CheckpointReader() = default;
-  Status load(const std::string& path);
-  Status parse_index(const std::string& index, std::uint64_t data_end);
-
-  std::string path_;
-  UniqueFd fd_;
-  std::uint32_t major_ = 0, minor_ = 0;
-  std::map<std::string, Blob> blobs_;
-  std::string manifest_;
 };
 
 }  // namespace zoe

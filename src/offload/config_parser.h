@@ -2,6 +2,8 @@
 // each DeepSpeed section and zoe's own), shared by the files it is split over.
 #pragma once
 
+#include "src/private.h"
+
 #include <cstdint>
 #include <initializer_list>
 #include <string>

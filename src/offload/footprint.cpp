@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <string>
 
-#include "base/aligned_buffer.h"
+#include "zoe/aligned_buffer.h"
 #include "src/offload/grad_spill.h"
 #include "zoe/param_tier.h"
 

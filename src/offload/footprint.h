@@ -5,6 +5,8 @@
 // place), and tests/offload/test_space.cpp compares the sum with what the allocations take.
 #pragma once
 
+#include "src/private.h"
+
 #include <cstddef>
 #include <vector>
 

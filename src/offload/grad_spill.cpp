@@ -5,7 +5,7 @@
 #include <cstring>
 #include <utility>
 
-#include "base/aligned_buffer.h"
+#include "zoe/aligned_buffer.h"
 #include "base/files.h"
 #include "zoe/dtype.h"
 #ifdef ZOE_HAVE_AIO

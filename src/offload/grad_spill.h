@@ -12,6 +12,8 @@
 // write() returns) while the other's write is in flight.
 #pragma once
 
+#include "src/private.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <memory>

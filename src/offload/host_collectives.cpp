@@ -7,7 +7,7 @@
 #include <mutex>
 #include <vector>
 
-#include "src/offload/host_device.h"
+#include "zoe/host_device.h"
 #include "zoe/partition.h"
 
 namespace zoe {

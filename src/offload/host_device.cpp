@@ -15,7 +15,7 @@
 #include <type_traits>
 
 #include "simd/dispatch.h"
-#include "base/aligned_buffer.h"
+#include "zoe/aligned_buffer.h"
 #include "src/offload/host_device.h"
 #include "base/work_queue.h"
 #include "zoe/device.h"

@@ -2,6 +2,8 @@
 // produced with, and its update after each step from whether the gradients overflowed.
 #pragma once
 
+#include "src/private.h"
+
 #include <cstdint>
 
 #include "zoe/offload.h"

@@ -7,6 +7,8 @@
 // optimizer_io.cpp.
 #pragma once
 
+#include "src/private.h"
+
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -18,7 +20,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "base/aligned_buffer.h"
+#include "zoe/aligned_buffer.h"
 #include "src/offload/grad_spill.h"
 #include "src/offload/loss_scaler.h"
 #include "base/work_queue.h"

@@ -6,7 +6,7 @@
 #include <mutex>
 #include <string>
 
-#include "base/aligned_buffer.h"
+#include "zoe/aligned_buffer.h"
 #include "src/offload/checkpoint.h"
 #include "src/offload/optimizer_impl.h"
 #include "src/offload/optimizer_manifest.h"

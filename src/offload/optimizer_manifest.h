@@ -3,6 +3,8 @@
 // (zoe/checkpoint.h), which `zoe export` and Python's consolidate_state_dicts use.
 #pragma once
 
+#include "src/private.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <string>

@@ -6,6 +6,8 @@
 // tier nvme in one call of the swap store (schedule_overlap_store.cpp).
 #pragma once
 
+#include "src/private.h"
+
 #include <atomic>
 #include <memory>
 #include <vector>

@@ -7,9 +7,9 @@
 #include <tuple>
 #include <utility>
 
-#include "base/aligned_buffer.h"
+#include "zoe/aligned_buffer.h"
 #include "src/offload/footprint.h"
-#include "src/plan/plan.h"
+#include "zoe/plan.h"
 #include "zoe/dtype.h"
 #include "zoe/param_tier.h"
 

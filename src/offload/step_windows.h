@@ -13,6 +13,8 @@
 // failed) they are rounded again from the masters in the store: they are the bits the step sent.
 #pragma once
 
+#include "src/private.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <memory>

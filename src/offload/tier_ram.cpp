@@ -7,7 +7,7 @@
 #include <cstring>
 #include <vector>
 
-#include "base/aligned_buffer.h"
+#include "zoe/aligned_buffer.h"
 #include "src/offload/checkpoint.h"
 #include "src/offload/footprint.h"
 #include "src/offload/optimizer_impl.h"

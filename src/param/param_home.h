@@ -3,6 +3,8 @@
 // at `offsets`, each aligned — so that bringing it to the device is one copy.
 #pragma once
 
+#include "src/private.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <memory>

@@ -14,7 +14,7 @@
 #include "aio/files.h"
 #include "aio/io_engine.h"
 #include "src/nvme/swap_inventory.h"
-#include "base/aligned_buffer.h"
+#include "zoe/aligned_buffer.h"
 #include "base/crc32c.h"
 #include "src/param/param_home.h"
 

@@ -7,7 +7,7 @@
 #include <string_view>
 #include <vector>
 
-#include "base/aligned_buffer.h"
+#include "zoe/aligned_buffer.h"
 #include "src/param/param_home.h"
 #include "zoe/param_tier.h"
 

@@ -4,7 +4,7 @@
 #include <string>
 #include <utility>
 
-#include "base/aligned_buffer.h"
+#include "zoe/aligned_buffer.h"
 #include "src/param/param_home.h"
 
 namespace zoe {

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "src/plan/plan.h"
+#include "zoe/plan.h"
 
 namespace zoe::plan {
 namespace {

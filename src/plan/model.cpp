@@ -1,6 +1,6 @@
 // zoe plan's inputs (plan.h): the number parsers, and the model — a bare parameter count given an assumed
 // GPT-like shape, or a Hugging Face-style config counted tensor by tensor.
-#include "src/plan/plan.h"
+#include "zoe/plan.h"
 
 #include <algorithm>
 #include <cctype>

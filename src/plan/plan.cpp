@@ -1,6 +1,6 @@
 // zoe plan's arithmetic (plan.h): the ZeRO memory formulas per placement with what zoe and the trainer
 // hold, the fit check, the placement order, the step estimate and the DeepSpeed-style config.
-#include "src/plan/plan.h"
+#include "zoe/plan.h"
 
 #include <algorithm>
 #include <string>

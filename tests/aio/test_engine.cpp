@@ -12,7 +12,7 @@
 
 #include "aio/files.h"
 #include "aio/io_engine.h"
-#include "base/aligned_buffer.h"
+#include "zoe/aligned_buffer.h"
 #include "base/crc32c.h"
 #include "tests/aio/aio_test_util.h"
 

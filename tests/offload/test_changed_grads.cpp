@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "src/offload/host_device.h"
+#include "zoe/host_device.h"
 #include "tests/offload/trainer.h"
 #include "tests/reference.h"
 #include "zoe/offload.h"

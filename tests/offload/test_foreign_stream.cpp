@@ -11,7 +11,7 @@
 #include <thread>
 #include <vector>
 
-#include "src/offload/host_device.h"
+#include "zoe/host_device.h"
 #include "tests/offload/trainer.h"
 #include "zoe/offload.h"
 #include "zoe/param_tier.h"

@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "src/offload/host_device.h"
+#include "zoe/host_device.h"
 #include "tests/offload/trainer.h"
 
 namespace zoe {

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "base/aligned_buffer.h"
+#include "zoe/aligned_buffer.h"
 #include "src/offload/footprint.h"
 #include "tests/offload/trainer.h"
 #include "tests/tools/cli_runner.h"

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "base/aligned_buffer.h"
+#include "zoe/aligned_buffer.h"
 #include "tests/param/param_test_device.h"
 #include "zoe/param_tier.h"
 #include "zoe/space.h"

@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "src/plan/plan.h"
+#include "zoe/plan.h"
 #include "base/utf8.h"
 #include "tests/fuzz.h"
 

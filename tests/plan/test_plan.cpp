@@ -5,7 +5,7 @@
 #include <string>
 #include <utility>
 
-#include "src/plan/plan.h"
+#include "zoe/plan.h"
 #include "zoe/config.h"
 
 namespace zoe::plan {

@@ -1,0 +1,13 @@
+// Included first by every private header of base/: those are the zoe library's own (every layer of it). Outside
+// the library only include/zoe/ is included; each layer's library is compiled with its ZOE_LAYER_<NAME>, and
+// tests and benchmarks, which look inside, with ZOE_WHITE_BOX (docs/architecture.md, "Layers and folders").
+#pragma once
+
+#if !defined(ZOE_LAYER_BASE) \
+    && !defined(ZOE_LAYER_SIMD) \
+    && !defined(ZOE_LAYER_AIO) \
+    && !defined(ZOE_LAYER_CUDA) \
+    && !defined(ZOE_LAYER_SRC) \
+    && !defined(ZOE_WHITE_BOX)
+#error "a private header of base/ is included from outside its layer: include only include/zoe/ (docs/architecture.md, \"Layers and folders\")"
+#endif
