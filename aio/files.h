@@ -6,6 +6,8 @@
 // allocate and sync on demand.
 #pragma once
 
+#include "aio/private.h"
+
 #include <cstdint>
 #include <string>
 #include <utility>

@@ -5,6 +5,8 @@
 // the file, offset and length; the job's remaining requests are not issued.
 #pragma once
 
+#include "aio/private.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <memory>

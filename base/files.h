@@ -4,6 +4,8 @@
 // The NVMe tier's own file handling (O_DIRECT, preallocation, filesystems) is aio/files.h.
 #pragma once
 
+#include "base/private.h"
+
 #include <sys/types.h>
 
 #include <cstddef>

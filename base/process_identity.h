@@ -5,6 +5,8 @@
 // both, and a writer from another scope is never judged — only its own scope can say it is gone.
 #pragma once
 
+#include "base/private.h"
+
 #include <cstdint>
 #include <string>
 

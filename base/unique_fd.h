@@ -1,6 +1,8 @@
 // The one owner of a POSIX file descriptor in zoe (checkpoints, swap files): closes it on destruction.
 #pragma once
 
+#include "base/private.h"
+
 #include <unistd.h>
 
 #include <cerrno>

@@ -4,8 +4,6 @@
 // iteration, for each prefetch depth asked. The fetch bandwidth (loads with no compute in the way) is
 // reported against plain copies to the device and, for the NVMe home, against raw O_DIRECT reads of as many
 // bytes of the same files, in the same run.
-#include <fcntl.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -22,11 +20,6 @@
 #include "tools/commands.h"
 #include "tools/report.h"
 #include "zoe/param_tier.h"
-#ifdef ZOE_HAVE_AIO
-#include "aio/files.h"
-#include "aio/io_engine.h"
-#include "zoe/aligned_buffer.h"
-#endif
 
 namespace zoe::cli {
 namespace {
@@ -122,65 +115,6 @@ class CopyCeiling {
   void* device_memory_ = nullptr;
 };
 
-#ifdef ZOE_HAVE_AIO
-// Raw O_DIRECT reads of `bytes` from the start of each file, spread evenly, with the tier's request size
-// and queue depth: the ceiling of what a fetch can read. Written once, every entry's valid copy is in the
-// first half of its file, back to back: these are the very bytes the fetches read.
-class RawReader {
- public:
-  static Result<RawReader> open(const std::vector<std::string>& files, std::uint64_t bytes, const ParamTierOptions& o) {
-    RawReader r;
-    r.request_bytes_ = o.request_bytes;
-    r.engine_options_.queue_depth = static_cast<unsigned>(o.queue_depth);
-    r.engine_options_.request_bytes = o.request_bytes;
-    for (const std::string& f : files) {
-      aio::FileHandle fd(::open(f.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC));
-      if (fd.get() < 0) return Status(StatusCode::io_error, "cannot open " + f + " with O_DIRECT", errno);
-      r.files_.push_back({f, std::move(fd)});
-    }
-    r.per_file_ = (bytes / files.size() + o.request_bytes - 1) / o.request_bytes * o.request_bytes;
-    // Memory of the kind the tier's bounces are (huge pages where the kernel gives them), touched before
-    // the clock starts as theirs are: the ceiling is the disk's, not first-touch page faults'. Every file
-    // reads into the same buffer; the bytes are not looked at.
-    Result<AlignedBuffer> buffer = AlignedBuffer::allocate_for_io(r.per_file_, 4096);
-    if (!buffer.ok()) return buffer.status();
-    std::memset(buffer->data(), 0, buffer->size());
-    r.buffer_ = std::move(buffer).value();
-    return r;
-  }
-
-  Result<double> pass() {
-    Result<std::unique_ptr<aio::IoEngine>> engine = aio::IoEngine::create(engine_options_);
-    if (!engine.ok()) return engine.status();
-    std::vector<int> ids;
-    for (const auto& [path, fd] : files_) ids.push_back(engine.value()->add_file(fd.get(), path));
-    Status s;
-    const double seconds = time_seconds([&] {
-      std::vector<aio::IoEngine::Ticket> tickets;
-      for (std::size_t k = 0; k < ids.size() && s.ok(); ++k) {
-        for (std::uint64_t at = 0; at < per_file_ && s.ok(); at += request_bytes_) {
-          Result<aio::IoEngine::Ticket> t =
-              engine.value()->submit(IoOp::read, ids[k], at, buffer_.as<unsigned char>() + at, request_bytes_);
-          if (!t.ok()) s = t.status();
-          else tickets.push_back(t.value());
-        }
-      }
-      for (aio::IoEngine::Ticket t : tickets) {
-        if (Status w = engine.value()->wait(t); !w.ok() && s.ok()) s = w;
-      }
-    });
-    if (!s.ok()) return s;
-    return seconds;
-  }
-
- private:
-  aio::EngineOptions engine_options_;
-  std::size_t request_bytes_ = 0;
-  std::vector<std::pair<std::string, aio::FileHandle>> files_;
-  std::uint64_t per_file_ = 0;
-  AlignedBuffer buffer_;
-};
-#endif
 
 // The command line as given, with the defaults.
 struct Texts {
@@ -271,9 +205,9 @@ Result<FetchResult> measure_fetch(Device& device, const Settings& cfg) {
   if (!copies.ok()) return copies.status();
   double fetch_s = 1e30, copy = 1e30, raw = 1e30;
 #ifdef ZOE_HAVE_AIO
-  std::optional<RawReader> raw_reader;
+  std::optional<RawReadCeiling> raw_reader;
   if (cfg.base.home == ParamHome::nvme) {
-    Result<RawReader> r = RawReader::open(tier->files(), cfg.bytes * cfg.layers, o);
+    Result<RawReadCeiling> r = RawReadCeiling::open(tier->files(), cfg.bytes * cfg.layers, o);
     if (!r.ok()) return r.status();
     raw_reader.emplace(std::move(r).value());
   }

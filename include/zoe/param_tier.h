@@ -145,4 +145,27 @@ class ParamTier {
   std::unique_ptr<Impl> impl_;
 };
 
+// The ceiling of the NVMe home's fetches (zoe bench step --offload-param nvme reports against it): raw
+// O_DIRECT reads of `bytes` in all, spread evenly over `files` from the start of each, with the tier's
+// request size and queue depth. Its buffer is allocated and touched when opened, as the tier's bounces
+// are: pass() times the disk, not first-touch page faults. Defined only in builds with libaio (ZOE_HAVE_AIO),
+// as the NVMe home is.
+class RawReadCeiling {
+ public:
+  static Result<RawReadCeiling> open(const std::vector<std::string>& files, std::uint64_t bytes,
+                                     const ParamTierOptions& options);
+  RawReadCeiling(RawReadCeiling&&) noexcept;
+  RawReadCeiling& operator=(RawReadCeiling&&) noexcept;
+  ~RawReadCeiling();
+
+  // One pass over the bytes: its seconds.
+  Result<double> pass();
+
+  struct Impl;
+
+ private:
+  explicit RawReadCeiling(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
 }  // namespace zoe

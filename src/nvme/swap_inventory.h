@@ -14,6 +14,8 @@
 //    run and, in this scope, says whether it still runs.
 #pragma once
 
+#include "src/private.h"
+
 #include <cstdint>
 #include <optional>
 #include <string>
