@@ -12,6 +12,8 @@
 #include <string>
 #include <string_view>
 
+#include "base/thread_role.h"
+
 namespace zoe {
 namespace {
 
@@ -47,8 +49,8 @@ struct HwlocTopology {
 };
 
 // Binds each thread entering the arena to one core of the process's allowed set, by arena slot, so a
-// thread keeps its core (and its NUMA node's memory) across steps. The calling thread gets its original
-// binding back when it leaves the arena.
+// thread keeps its core (and its NUMA node's memory) across steps. A trainer's thread that calls in gets its
+// original binding back when it leaves the arena; zoe's own threads keep theirs.
 class PinningObserver final : public tbb::task_scheduler_observer {
  public:
   PinningObserver(tbb::task_arena& arena, hwloc_topology_t topology)
@@ -70,21 +72,26 @@ class PinningObserver final : public tbb::task_scheduler_observer {
     const int slot = tbb::this_task_arena::current_thread_index();
     const int count = hwloc_bitmap_weight(cores_);
     if (slot < 0 || count <= 0) return;
-    if (!is_worker) {
+    int index = -1;
+    for (int i = 0; i <= slot % count; ++i) index = hwloc_bitmap_next(cores_, index);
+    // zoe's own threads (the overlap schedule's worker, which enters once per piece) keep their core: the
+    // binding and its undoing would cost two sched_setaffinity calls and a migration per entry.
+    const bool own = !is_worker && on_worker_thread();
+    if (own && kept_core_ == index) return;
+    if (!is_worker && !own) {
       saved_ = hwloc_bitmap_alloc();
       if (hwloc_get_cpubind(topology_, saved_, HWLOC_CPUBIND_THREAD) != 0) {
         hwloc_bitmap_free(saved_);
         saved_ = nullptr;
       }
     }
-    int index = -1;
-    for (int i = 0; i <= slot % count; ++i) index = hwloc_bitmap_next(cores_, index);
     hwloc_bitmap_t one = hwloc_bitmap_alloc();
     hwloc_bitmap_only(one, static_cast<unsigned>(index));
-    hwloc_set_cpubind(topology_, one, HWLOC_CPUBIND_THREAD);  // best effort: a refusal only costs locality
+    // Best effort: a refusal only costs locality.
+    const bool bound = hwloc_set_cpubind(topology_, one, HWLOC_CPUBIND_THREAD) == 0;
     hwloc_bitmap_free(one);
+    if (own) kept_core_ = bound ? index : -1;
   }
-
   void on_scheduler_exit(bool is_worker) override {
     if (is_worker || saved_ == nullptr) return;
     hwloc_set_cpubind(topology_, saved_, HWLOC_CPUBIND_THREAD);
@@ -95,10 +102,12 @@ class PinningObserver final : public tbb::task_scheduler_observer {
  private:
   hwloc_topology_t topology_;
   hwloc_bitmap_t cores_ = nullptr;
-  static thread_local hwloc_bitmap_t saved_;
+  static thread_local hwloc_bitmap_t saved_;  // a trainer's thread: its binding before it entered
+  static thread_local int kept_core_;         // zoe's own thread: the core it stays bound to (-1: none yet)
 };
 
 thread_local hwloc_bitmap_t PinningObserver::saved_ = nullptr;
+thread_local int PinningObserver::kept_core_ = -1;
 
 }  // namespace
 

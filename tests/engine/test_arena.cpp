@@ -1,0 +1,67 @@
+// The engine's threads and the caller's core binding (src/arena.cpp): a trainer's thread that steps gets its
+// own binding back; zoe's own threads (the overlap schedule's worker) stay on the core they were given.
+#include <gtest/gtest.h>
+#include <sched.h>
+
+#include <thread>
+#include <vector>
+
+#include "base/thread_role.h"
+#include "zoe/adam.h"
+
+namespace zoe {
+namespace {
+
+cpu_set_t binding() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  EXPECT_EQ(sched_getaffinity(0, sizeof set, &set), 0);
+  return set;
+}
+
+// One small step on an engine of `threads` threads that pins them.
+void step_once(CpuAdam& adam) {
+  std::vector<float> p(1024, 1.0f), m(1024, 0.0f), v(1024, 0.0f), g(1024, 0.5f);
+  AdamTensor t;
+  t.param = p.data();
+  t.exp_avg = m.data();
+  t.exp_avg_sq = v.data();
+  t.grad = g.data();
+  t.n = p.size();
+  ASSERT_TRUE(adam.step(AdamHyper{}, StepOptions{}, t).ok());
+}
+
+TEST(Arena, TheTrainersThreadGetsItsBindingBack) {
+  const cpu_set_t allowed = binding();
+  if (CPU_COUNT(&allowed) < 2) GTEST_SKIP() << "one CPU: every binding is the same";
+  Result<CpuAdam> adam = CpuAdam::create(CpuAdamOptions{});
+  ASSERT_TRUE(adam.ok()) << adam.status().to_string();
+  std::thread trainer([&] {
+    const cpu_set_t before = binding();
+    step_once(*adam);
+    step_once(*adam);
+    const cpu_set_t after = binding();
+    EXPECT_TRUE(CPU_EQUAL(&before, &after)) << "the step left the caller bound to " << CPU_COUNT(&after) << " CPU(s)";
+  });
+  trainer.join();
+}
+
+TEST(Arena, ZoesOwnThreadKeepsOneCore) {
+  const cpu_set_t allowed = binding();
+  if (CPU_COUNT(&allowed) < 2) GTEST_SKIP() << "one CPU: every binding is the same";
+  Result<CpuAdam> adam = CpuAdam::create(CpuAdamOptions{});
+  ASSERT_TRUE(adam.ok()) << adam.status().to_string();
+  std::thread worker([&] {
+    mark_worker_thread();
+    step_once(*adam);
+    const cpu_set_t first = binding();
+    EXPECT_EQ(CPU_COUNT(&first), 1) << "zoe's own thread is bound to one core while and after it steps";
+    step_once(*adam);
+    const cpu_set_t second = binding();
+    EXPECT_TRUE(CPU_EQUAL(&first, &second)) << "and to the same one at its next step";
+  });
+  worker.join();
+}
+
+}  // namespace
+}  // namespace zoe
