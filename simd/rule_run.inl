@@ -2,7 +2,7 @@
 // amsgrad_body.inl), written once over V as adam_body.inl's run() is: whole vectors, the tail staged through
 // zero-padded lane buffers (the same vector code, so the same bits for any split into calls), and a step out
 // of place with fp32 state written by streaming stores where V has them. Included after adam_body.inl, whose
-// loads, stores and staging helpers it uses.
+// loads, stores and staging helpers it uses. Unlike run(), the loop prefetches ahead (kPrefetchAhead).
 //
 // A rule is a struct with
 //   static constexpr int kStates;          its state arrays (StepArrays<kStates>, kernels.h)
@@ -21,6 +21,26 @@ inline void store_state_as(void* s, std::size_t i, V::F x) {
   } else {
     store_state<S>(s, i, x);
   }
+}
+
+// A software prefetch this many elements ahead of every array the loop reads (p, each state array, the
+// gradient), once per vector. With Lion's and Adagrad's one state array the hardware prefetchers alone left
+// bandwidth unused: on a shared 2-core AVX-512 VM, zoe bench adam --optimizer lion at 64M fp32 ran at 0.93 of
+// the plain streams loop without it and 1.09 with it, and 4 to 28% faster in interleaved runs of the two
+// builds. The streams ceiling runs through this loop too, so it gets the same prefetches and ratio compares
+// like with like. A prefetch never faults, so one past an array's end is harmless; its address is computed as
+// an integer, so no pointer leaves its array. (Adam's run() does not prefetch: not measured there yet.)
+constexpr std::size_t kPrefetchAhead = 512;
+
+template <int G, int S, int K>
+inline void prefetch_ahead(const StepArrays<K>& a, std::size_t i) {
+  auto ahead = [i](const void* base, std::size_t elem_size) {
+    const std::uintptr_t at = reinterpret_cast<std::uintptr_t>(base) + (i + kPrefetchAhead) * elem_size;
+    __builtin_prefetch(reinterpret_cast<const void*>(at));
+  };
+  ahead(a.p_in, 4);
+  for (int k = 0; k < K; ++k) ahead(a.state_in[k], state_bytes(S));
+  ahead(a.g, elem_bytes(G));
 }
 
 // Elements [i, i + count) (count <= lanes) through lane-sized buffers: a tail, or the head before the
@@ -73,7 +93,10 @@ inline std::size_t rule_run_streamed(const typename Rule::Constants& c, const St
     }
     if (head > 0) rule_staged<Rule, G, O, S, Variant>(c, a, 0, head);
     std::size_t i = head;
-    for (; i + W::lanes <= n; i += W::lanes) Rule::template lanes<G, O, S, Variant, true>(c, a, i);
+    for (; i + W::lanes <= n; i += W::lanes) {
+      prefetch_ahead<G, S, Rule::kStates>(a, i);
+      Rule::template lanes<G, O, S, Variant, true>(c, a, i);
+    }
     W::stream_fence();
     if (i < n) rule_staged<Rule, G, O, S, Variant>(c, a, i, n - i);
     return n;
@@ -84,7 +107,10 @@ template <typename Rule, int G, int O, int S, bool Variant>
 inline void rule_run(const typename Rule::Constants& c, const StepArrays<Rule::kStates>& a, std::size_t n) {
   if (rule_run_streamed<Rule, G, O, S, Variant>(c, a, n) != 0) return;
   std::size_t i = 0;
-  for (; i + V::lanes <= n; i += V::lanes) Rule::template lanes<G, O, S, Variant, false>(c, a, i);
+  for (; i + V::lanes <= n; i += V::lanes) {
+    prefetch_ahead<G, S, Rule::kStates>(a, i);
+    Rule::template lanes<G, O, S, Variant, false>(c, a, i);
+  }
   if (i < n) rule_staged<Rule, G, O, S, Variant>(c, a, i, n - i);
 }
 
