@@ -51,6 +51,11 @@ struct V {
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F abs(F a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
   static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F sign(F a) {
+    const F zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+    return _mm256_sub_ps(_mm256_and_ps(_mm256_cmp_ps(a, zero, _CMP_GT_OQ), one),
+                         _mm256_and_ps(_mm256_cmp_ps(a, zero, _CMP_LT_OQ), one));
+  }
   static F load_i8(const std::int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
@@ -72,7 +77,7 @@ struct V {
   }
 };
 
-#include "simd/adam_body.inl"
+#include "simd/kernel_bodies.inl"
 
 constexpr KernelTable kTable = make_table("avx2", false);
 

@@ -62,6 +62,11 @@ struct V {
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F abs(F a) { return _mm512_abs_ps(a); }
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F sign(F a) {
+    const F zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    return _mm512_sub_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, zero, _CMP_GT_OQ), one),
+                         _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, zero, _CMP_LT_OQ), one));
+  }
   static F load_i8(const std::int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
@@ -79,7 +84,7 @@ struct V {
   }
 };
 
-#include "simd/adam_body.inl"
+#include "simd/kernel_bodies.inl"
 
 #ifdef ZOE_NATIVE_BF16
 constexpr KernelTable kTable = make_table("avx512", true);

@@ -8,7 +8,8 @@
 // void store_bf16(std::uint16_t*, F); F add(F, F); F sub(F, F); F mul(F, F); F div(F, F); F sqrt(F);
 // F fma(F a, F b, F c) = a * b + c; for 8-bit moments F abs(F); F max(F, F) (x86 maxps: the second operand
 // when either is NaN); F load_i8(const std::int8_t*), void store_i8(std::int8_t*, F) (round to nearest even,
-// saturated); F load_e5m3(const std::uint8_t*), void store_e5m3(std::uint8_t*, F) (kernels.h's v code).
+// saturated); F load_e5m3(const std::uint8_t*), void store_e5m3(std::uint8_t*, F) (kernels.h's v code);
+// for Lion F sign(F) = (x > 0) - (x < 0) as torch.sign: +1, -1, or +0 for +-0 and NaN.
 //
 // F may be sizeless (SVE's svfloat32_t): the body keeps vectors only in locals, parameters and references,
 // never in struct members or arrays (docs/architecture.md, "Kernels and ISAs").
@@ -18,7 +19,8 @@
 // element for p, m and v, which a step in place has just read anyway), and the set written is read again
 // only at the next step, from memory.
 //
-// Also the gradient-accumulation kernels (acc += g over micro-batches), below the Adam ones.
+// Also the gradient-accumulation kernels (acc += g over micro-batches), below the Adam ones. The other rules
+// (Lion, Adagrad, AMSGrad) run through rule_run.inl; kernel_bodies.inl includes them all in order.
 //
 // Every element goes through the same vector code, the tail included (it is staged through a lane-sized
 // buffer), so results are bit-identical whatever the split of a tensor into calls.
@@ -78,15 +80,26 @@ using Broadcast = AdamConstants;
 // With bf16 moments the step uses the fp32 m and v it computed; only what is stored is rounded.
 // The update itself, on a vector of loaded values (the gradient as stored, before its scale): every
 // moment storage (fp32, bf16, 8-bit blocks) runs this one body.
+// AMSGrad (amsgrad_body.inl) runs the same two halves with its running maximum of v between them.
 template <bool L2>
-inline void adam_math(const Broadcast& b, V::F gv, V::F& pv, V::F& mv, V::F& vv) {
+inline void adam_moments(const Broadcast& b, V::F gv, const V::F& pv, V::F& mv, V::F& vv) {
   gv = V::mul(gv, V::set(b.grad_scale));
   if constexpr (L2) gv = V::fma(V::set(b.l2), pv, gv);
   mv = V::fma(V::set(b.one_minus_beta1), V::sub(gv, mv), mv);
   vv = V::fma(V::mul(V::set(b.one_minus_beta2), gv), gv, V::mul(vv, V::set(b.beta2)));
-  const V::F denom = V::fma(V::sqrt(vv), V::set(b.inv_bc2_sqrt), V::set(b.eps));
+}
+
+// p's update from m and the second moment its denominator uses (v, or AMSGrad's max of v).
+inline void adam_param(const Broadcast& b, const V::F& mv, const V::F& second, V::F& pv) {
+  const V::F denom = V::fma(V::sqrt(second), V::set(b.inv_bc2_sqrt), V::set(b.eps));
   pv = V::mul(pv, V::set(b.decay));
   pv = V::fma(V::set(b.neg_step_size), V::div(mv, denom), pv);
+}
+
+template <bool L2>
+inline void adam_math(const Broadcast& b, V::F gv, V::F& pv, V::F& mv, V::F& vv) {
+  adam_moments<L2>(b, gv, pv, mv, vv);
+  adam_param(b, mv, vv, pv);
 }
 
 template <typename W>
@@ -567,44 +580,4 @@ void accumulate(float* acc, void* g, std::size_t n, int mode) {
 template <int G>
 void accumulate_streams(float* acc, void* g, std::size_t n, int mode) {
   accumulate_modes<ShiftGrad, G>(acc, g, n, mode);
-}
-
-// A template so that SVE's instance, whose lanes are read at run time, is simply not constexpr.
-template <int = 0>
-constexpr KernelTable make_table(const char* name, bool native_bf16) {
-  return KernelTable{
-      name,
-      V::lanes,
-      native_bf16,
-      {{{adam<kF32, kOutNone, kStateF32>, adam<kF32, kOutNone, kStateBF16>},
-        {adam<kF32, kOutF16, kStateF32>, adam<kF32, kOutF16, kStateBF16>},
-        {adam<kF32, kOutBF16, kStateF32>, adam<kF32, kOutBF16, kStateBF16>}},
-       {{adam<kF16, kOutNone, kStateF32>, adam<kF16, kOutNone, kStateBF16>},
-        {adam<kF16, kOutF16, kStateF32>, adam<kF16, kOutF16, kStateBF16>},
-        {adam<kF16, kOutBF16, kStateF32>, adam<kF16, kOutBF16, kStateBF16>}},
-       {{adam<kBF16, kOutNone, kStateF32>, adam<kBF16, kOutNone, kStateBF16>},
-        {adam<kBF16, kOutF16, kStateF32>, adam<kBF16, kOutF16, kStateBF16>},
-        {adam<kBF16, kOutBF16, kStateF32>, adam<kBF16, kOutBF16, kStateBF16>}}},
-      {{{streams<kF32, kOutNone, kStateF32>, streams<kF32, kOutNone, kStateBF16>},
-        {streams<kF32, kOutF16, kStateF32>, streams<kF32, kOutF16, kStateBF16>},
-        {streams<kF32, kOutBF16, kStateF32>, streams<kF32, kOutBF16, kStateBF16>}},
-       {{streams<kF16, kOutNone, kStateF32>, streams<kF16, kOutNone, kStateBF16>},
-        {streams<kF16, kOutF16, kStateF32>, streams<kF16, kOutF16, kStateBF16>},
-        {streams<kF16, kOutBF16, kStateF32>, streams<kF16, kOutBF16, kStateBF16>}},
-       {{streams<kBF16, kOutNone, kStateF32>, streams<kBF16, kOutNone, kStateBF16>},
-        {streams<kBF16, kOutF16, kStateF32>, streams<kBF16, kOutF16, kStateBF16>},
-        {streams<kBF16, kOutBF16, kStateF32>, streams<kBF16, kOutBF16, kStateBF16>}}},
-      {{adam_q8<kF32, kOutNone>, adam_q8<kF32, kOutF16>, adam_q8<kF32, kOutBF16>},
-       {adam_q8<kF16, kOutNone>, adam_q8<kF16, kOutF16>, adam_q8<kF16, kOutBF16>},
-       {adam_q8<kBF16, kOutNone>, adam_q8<kBF16, kOutF16>, adam_q8<kBF16, kOutBF16>}},
-      {{streams_q8<kF32, kOutNone>, streams_q8<kF32, kOutF16>, streams_q8<kF32, kOutBF16>},
-       {streams_q8<kF16, kOutNone>, streams_q8<kF16, kOutF16>, streams_q8<kF16, kOutBF16>},
-       {streams_q8<kBF16, kOutNone>, streams_q8<kBF16, kOutF16>, streams_q8<kBF16, kOutBF16>}},
-      encode_q8,
-      decode_q8,
-      {count_non_finite<kF32>, count_non_finite<kF16>, count_non_finite<kBF16>},
-      {sum_squares<kF32>, sum_squares<kF16>, sum_squares<kBF16>},
-      {accumulate<kF32>, accumulate<kF16>, accumulate<kBF16>},
-      {accumulate_streams<kF32>, accumulate_streams<kF16>, accumulate_streams<kBF16>},
-  };
 }

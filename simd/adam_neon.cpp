@@ -53,6 +53,12 @@ struct V {
   static F abs(F a) { return vabsq_f32(a); }
   // x86 maxps: a where a > b, else b (so b when either is NaN). FMAX would return the NaN.
   static F max(F a, F b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
+  static F sign(F a) {
+    const uint32x4_t one = vreinterpretq_u32_f32(vdupq_n_f32(1.0f));
+    const float32x4_t zero = vdupq_n_f32(0.0f);
+    return vsubq_f32(vreinterpretq_f32_u32(vandq_u32(vcgtq_f32(a, zero), one)),
+                     vreinterpretq_f32_u32(vandq_u32(vcltq_f32(a, zero), one)));
+  }
   static F load_i8(const std::int8_t* p) {
     const int16x8_t w = vmovl_s8(vreinterpret_s8_u8(load4_u8(p)));
     return vcvtq_f32_s32(vmovl_s16(vget_low_s16(w)));
@@ -77,7 +83,7 @@ struct V {
   }
 };
 
-#include "simd/adam_body.inl"
+#include "simd/kernel_bodies.inl"
 
 constexpr KernelTable kTable = make_table("neon", false);
 

@@ -28,6 +28,7 @@ struct V {
   static F fma(F a, F b, F c) { return a * b + c; }
   static F abs(F a) { return __builtin_fabsf(a); }
   static F max(F a, F b) { return a > b ? a : b; }
+  static F sign(F a) { return static_cast<float>((a > 0.0f) - (a < 0.0f)); }
   static F load_i8(const std::int8_t* p) { return static_cast<float>(*p); }
   static void store_i8(std::int8_t* p, F x) {
     // As cvtps2dq then a saturating pack: NaN and values out of range saturate (NaN to -128).
@@ -41,7 +42,7 @@ struct V {
   }
 };
 
-#include "simd/adam_body.inl"
+#include "simd/kernel_bodies.inl"
 
 constexpr KernelTable kTable = make_table("scalar", false);
 

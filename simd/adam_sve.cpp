@@ -58,6 +58,11 @@ struct V {
   static F abs(F a) { return svabs_f32_x(all(), a); }
   // x86 maxps: a where a > b, else b (so b when either is NaN). FMAX would return the NaN.
   static F max(F a, F b) { return svsel_f32(svcmpgt_f32(all(), a, b), a, b); }
+  static F sign(F a) {
+    const F zero = svdup_n_f32(0.0f), one = svdup_n_f32(1.0f);
+    return svsub_f32_x(all(), svsel_f32(svcmpgt_n_f32(all(), a, 0.0f), one, zero),
+                       svsel_f32(svcmplt_n_f32(all(), a, 0.0f), one, zero));
+  }
   static F load_i8(const std::int8_t* p) { return svcvt_f32_s32_x(all(), svld1sb_s32(all(), p)); }
   static void store_i8(std::int8_t* p, F x) {
     // Round to nearest even (FRINTN, then an exact FCVTZS that saturates), clamp to 8 bits; NaN to -128 as
@@ -79,7 +84,7 @@ struct V {
   }
 };
 
-#include "simd/adam_body.inl"
+#include "simd/kernel_bodies.inl"
 
 }  // namespace
 

@@ -88,6 +88,53 @@ constexpr int kAccumulateModeMask = kAccumulateFirst | kAccumulateZeroSource;
 // acc: fp32 accumulator; g: gradients of the table's grad type, written only with kAccumulateZeroSource.
 using AccumulateFn = void (*)(float* acc, void* g, std::size_t n, int mode);
 
+// ---- The rules beside Adam: Lion, Adagrad, and Adam with AMSGrad (simd/rule_run.inl and each rule's body) ----
+
+// Lion's per-step scalars (Chen et al. 2023, arXiv 2302.06675).
+struct LionConstants {
+  float beta1;            // the update's interpolation: u = sign(beta1 * m + (1 - beta1) * g)
+  float one_minus_beta1;
+  float beta2;            // the moment's: m = beta2 * m + (1 - beta2) * g
+  float one_minus_beta2;
+  float neg_lr;           // -lr
+  float decay;            // 1 - lr * weight_decay
+  float grad_scale;       // negated for maximize
+};
+
+// Adagrad's per-step scalars (torch.optim.Adagrad).
+struct AdagradConstants {
+  float neg_clr;          // -lr / (1 + (step - 1) * lr_decay)
+  float eps;
+  float l2;               // weight_decay, added to the gradient (a separate instantiation when not 0)
+  float grad_scale;       // negated for maximize
+};
+
+// The arrays of one call of a rule that keeps `States` state arrays per parameter (Lion's exp_avg and
+// Adagrad's sum: 1; AMSGrad's exp_avg, exp_avg_sq and max_exp_avg_sq: 3, in that order), each of the table's
+// state type. StateIn's convention: read from p_in and state_in, written to p and state, which are either
+// the same arrays (a step in place) or do not overlap them; g: gradients of the table's grad type; out: the
+// copy of the new p (null without one).
+template <int States>
+struct StepArrays {
+  const float* p_in;
+  const void* state_in[States];
+  float* p;
+  void* state[States];
+  const void* g;
+  void* out;
+};
+
+using LionFn = void (*)(const LionConstants& c, const StepArrays<1>& a, std::size_t n);
+using AdagradFn = void (*)(const AdagradConstants& c, const StepArrays<1>& a, std::size_t n);
+using AmsgradFn = void (*)(const AdamConstants& c, const StepArrays<3>& a, std::size_t n);
+
+// One rule's kernels and their bandwidth ceiling (the same loads and stores, one addition each).
+template <typename Fn>
+struct RuleKernels {
+  Fn step[kElems][kElems][kStates];     // [grad Elem][OutElem][StateElem]
+  Fn streams[kElems][kElems][kStates];
+};
+
 struct KernelTable {
   const char* name;         // the ISA token: "scalar", "avx2", "avx512", "neon", "sve"
   std::size_t lanes;        // fp32 lanes per vector (sve: this CPU's vector length)
@@ -102,6 +149,9 @@ struct KernelTable {
   SumSquaresFn sum_squares[kElems];
   AccumulateFn accumulate[kElems];          // [grad Elem]
   AccumulateFn accumulate_streams[kElems];  // its ceiling: the same loads and stores, g widened by a shift
+  RuleKernels<AmsgradFn> amsgrad;           // Adam/AdamW with amsgrad (fp32 and bf16 moments)
+  RuleKernels<LionFn> lion;
+  RuleKernels<AdagradFn> adagrad;
 };
 
 namespace scalar { const KernelTable& table(); }

@@ -1,54 +1,53 @@
-#include <oneapi/tbb/blocked_range.h>
-#include <oneapi/tbb/parallel_for.h>
-#include <oneapi/tbb/partitioner.h>
+#include "src/cpu_engine.h"
 
-#include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
 
-#include "simd/dispatch.h"
-#include "src/arena.h"
-#include "zoe/adam.h"
-
-namespace zoe {
-namespace {
-
-using simd::AdamFn;
-using simd::KernelTable;
+namespace zoe::cpu_engine {
 
 std::string tensor_name(std::size_t index, std::size_t count) {
   return count == 1 ? std::string("tensor") : "tensor " + std::to_string(index);
 }
 
-struct ByteRange {
-  std::uintptr_t begin, end;
-  std::size_t tensor;
-  const char* what;
-  bool output;
-};
+Status bad_value(const char* name, double value, const char* want) {
+  return invalid_argument(std::string(name) + " = " + std::to_string(value) + " is invalid: " + want);
+}
 
-Status check_hyper(const AdamHyper& h, const StepOptions& o) {
-  auto bad = [](const char* name, double value, const char* want) {
-    return invalid_argument(std::string(name) + " = " + std::to_string(value) + " is invalid: " + want);
-  };
-  if (o.step < 1) return invalid_argument("step = " + std::to_string(o.step) + " is invalid: steps count from 1");
-  if (!(h.lr >= 0.0f) || !std::isfinite(h.lr)) return bad("lr", h.lr, "need a finite value >= 0");
-  if (!(h.eps >= 0.0f) || !std::isfinite(h.eps)) return bad("eps", h.eps, "need a finite value >= 0");
-  if (!(h.beta1 >= 0.0f && h.beta1 < 1.0f)) return bad("beta1", h.beta1, "need 0 <= beta1 < 1");
-  if (!(h.beta2 >= 0.0f && h.beta2 < 1.0f)) return bad("beta2", h.beta2, "need 0 <= beta2 < 1");
-  if (!(h.weight_decay >= 0.0f) || !std::isfinite(h.weight_decay)) {
-    return bad("weight_decay", h.weight_decay, "need a finite value >= 0");
-  }
-  if (!std::isfinite(o.grad_scale)) return bad("grad_scale", o.grad_scale, "need a finite value");
+Status require_non_negative(const char* name, float value) {
+  if (!(value >= 0.0f) || !std::isfinite(value)) return bad_value(name, value, "need a finite value >= 0");
   return Status::success();
 }
 
-// Overlaps between an output and any other array, across all `count` tensors: ranges sorted by start, each
-// compared with the furthest-reaching range before it.
+Status require_beta(const char* name, float value) {
+  if (!(value >= 0.0f && value < 1.0f)) {
+    return bad_value(name, value, (std::string("need 0 <= ") + name + " < 1").c_str());
+  }
+  return Status::success();
+}
+
+Status check_step_options(const StepOptions& o) {
+  if (o.step < 1) return invalid_argument("step = " + std::to_string(o.step) + " is invalid: steps count from 1");
+  if (!std::isfinite(o.grad_scale)) return bad_value("grad_scale", o.grad_scale, "need a finite value");
+  return Status::success();
+}
+
+Status add_arrays(std::vector<ByteRange>& ranges, const std::string& name, std::size_t tensor,
+                  std::initializer_list<ArrayRef> arrays, const std::string& why) {
+  for (const ArrayRef& a : arrays) {
+    if (a.ptr == nullptr) {
+      if (a.optional) continue;
+      return invalid_argument(name + ": " + a.what + " is null " + why);
+    }
+    const auto begin = reinterpret_cast<std::uintptr_t>(a.ptr);
+    ranges.push_back({begin, begin + a.bytes, tensor, a.what, a.output});
+  }
+  return Status::success();
+}
+
+// Ranges sorted by start, each compared with the furthest-reaching range before it.
 Status check_overlaps(std::vector<ByteRange>& ranges, std::size_t count) {
   std::sort(ranges.begin(), ranges.end(), [](const ByteRange& a, const ByteRange& b) { return a.begin < b.begin; });
   // Among the ranges seen so far, the one reaching furthest, and the furthest-reaching output.
@@ -67,71 +66,98 @@ Status check_overlaps(std::vector<ByteRange>& ranges, std::size_t count) {
   return Status::success();
 }
 
-// Null pointers, invalid dtypes, and overlaps between an output (p, m, v, out) and anything else.
-Status check_tensors(std::span<const AdamTensor> tensors) {
+Status check_dtypes(const std::string& name, DType grad, const void* out, DType out_dtype, DType state,
+                    bool allow_i8, const char* state_rule) {
+  if (!dtype_valid(grad)) {
+    return invalid_argument(name + ": grad dtype " + std::to_string(int(grad)) + " is not f32, f16 or bf16");
+  }
+  if (out != nullptr && out_dtype != DType::f16 && out_dtype != DType::bf16) {
+    return invalid_argument(name + ": out dtype " + std::string(dtype_name(out_dtype)) +
+                            " is invalid: the weight copy is f16 or bf16 (or no copy: out = nullptr)");
+  }
+  if (state != DType::f32 && state != DType::bf16 && !(allow_i8 && state == DType::i8)) {
+    return invalid_argument(name + ": state dtype " + std::string(dtype_name(state)) + " is invalid: " + state_rule);
+  }
+  return Status::success();
+}
+
+}  // namespace zoe::cpu_engine
+
+namespace zoe {
+namespace {
+
+using simd::AdamFn;
+using simd::KernelTable;
+using namespace cpu_engine;
+
+Status check_hyper(const AdamHyper& h, const StepOptions& o) {
+  if (Status s = check_step_options(o); !s.ok()) return s;
+  for (const auto& [name, value] : {std::pair<const char*, float>{"lr", h.lr}, {"eps", h.eps}}) {
+    if (Status s = require_non_negative(name, value); !s.ok()) return s;
+  }
+  if (Status s = require_beta("beta1", h.beta1); !s.ok()) return s;
+  if (Status s = require_beta("beta2", h.beta2); !s.ok()) return s;
+  return require_non_negative("weight_decay", h.weight_decay);
+}
+
+// Which tensors carry max_exp_avg_sq: every one (a step with amsgrad), none (without), or those that set it
+// (the streams ceiling, which counts the array where it is given).
+enum class MaxSq { none, every, where_set };
+
+// One tensor's arrays: null pointers, the dtypes, and their byte ranges for the overlap check.
+Status check_tensor(const AdamTensor& t, std::size_t i, std::size_t count, MaxSq max_sq,
+                    std::vector<ByteRange>& ranges) {
+  const std::string name = tensor_name(i, count);
+  if (Status s = check_dtypes(name, t.grad_dtype, t.out, t.out_dtype, t.state_dtype, true,
+                              "the moments are stored as f32, bf16 or i8");
+      !s.ok()) {
+    return s;
+  }
+  const bool with_max = max_sq == MaxSq::every || (max_sq == MaxSq::where_set && t.max_exp_avg_sq != nullptr);
+  if (with_max && t.state_dtype == DType::i8) {
+    return invalid_argument(name + ": amsgrad with state dtype i8 is not supported; use f32 or bf16 moments");
+  }
+  if (t.n == 0) return Status::success();
+  const std::size_t state = dtype_size(t.state_dtype) * t.n;
+  const std::size_t scales = t.state_dtype == DType::i8 ? 4 * moment_blocks(t.n) : 0;
+  const bool q8 = t.state_dtype == DType::i8;
+  const std::string with_n = "with n = " + std::to_string(t.n);
+  if (q8) {
+    if (Status s = add_arrays(ranges, name, i, {{t.exp_avg_scale, scales, "exp_avg_scale", true},
+                                                {t.exp_avg_sq_scale, scales, "exp_avg_sq_scale", true}},
+                              "with state dtype i8");
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (Status s = add_arrays(ranges, name, i,
+                            {{t.param, 4 * t.n, "param", true},
+                             {t.exp_avg, state, "exp_avg", true},
+                             {t.exp_avg_sq, state, "exp_avg_sq", true},
+                             {t.max_exp_avg_sq, state, "max_exp_avg_sq", true, !with_max},
+                             {t.grad, dtype_size(t.grad_dtype) * t.n, "grad", false},
+                             {t.out, dtype_size(t.out_dtype) * t.n, "out", true, true}},
+                            with_max ? with_n + " and amsgrad" : with_n);
+      !s.ok()) {
+    return s;
+  }
+  if (t.from.param == nullptr) return Status::success();
+  return add_arrays(ranges, name, i,
+                    {{t.from.param, 4 * t.n, "from.param", false},
+                     {t.from.exp_avg, state, "from.exp_avg", false},
+                     {t.from.exp_avg_sq, state, "from.exp_avg_sq", false},
+                     {t.from.exp_avg_scale, scales, "from.exp_avg_scale", false, !q8},
+                     {t.from.exp_avg_sq_scale, scales, "from.exp_avg_sq_scale", false, !q8},
+                     {t.from.max_exp_avg_sq, state, "from.max_exp_avg_sq", false, !with_max}},
+                    "while from.param is set");
+}
+
+// Null pointers, invalid dtypes, and overlaps between an output (p, m, v, v_max, out) and anything else.
+Status check_tensors(std::span<const AdamTensor> tensors, MaxSq max_sq) {
   std::vector<ByteRange> ranges;
-  ranges.reserve(tensors.size() * 5);
+  ranges.reserve(tensors.size() * 6);
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const AdamTensor& t = tensors[i];
-    const std::string name = [&] { return tensor_name(i, tensors.size()); }();
-    if (!dtype_valid(t.grad_dtype)) {
-      return invalid_argument(name + ": grad dtype " + std::to_string(int(t.grad_dtype)) + " is not f32, f16 or bf16");
-    }
-    if (t.out != nullptr && t.out_dtype != DType::f16 && t.out_dtype != DType::bf16) {
-      return invalid_argument(name + ": out dtype " + std::string(dtype_name(t.out_dtype)) +
-                              " is invalid: the weight copy is f16 or bf16 (or no copy: out = nullptr)");
-    }
-    if (t.state_dtype != DType::f32 && t.state_dtype != DType::bf16 && t.state_dtype != DType::i8) {
-      return invalid_argument(name + ": state dtype " + std::string(dtype_name(t.state_dtype)) +
-                              " is invalid: the moments are stored as f32, bf16 or i8");
-    }
-    if (t.n == 0) continue;
-    const std::size_t state = dtype_size(t.state_dtype);
-    if (t.state_dtype == DType::i8) {
-      const std::size_t scale_bytes = 4 * moment_blocks(t.n);
-      for (const auto& [ptr, what] : {std::pair<const float*, const char*>{t.exp_avg_scale, "exp_avg_scale"},
-                                      {t.exp_avg_sq_scale, "exp_avg_sq_scale"}}) {
-        if (ptr == nullptr) return invalid_argument(name + ": " + what + " is null with state dtype i8");
-        const auto begin = reinterpret_cast<std::uintptr_t>(ptr);
-        ranges.push_back({begin, begin + scale_bytes, i, what, true});
-      }
-    }
-    const struct {
-      const void* ptr;
-      std::size_t bytes;
-      const char* what;
-      bool output;
-    } arrays[] = {{t.param, 4, "param", true},
-                  {t.exp_avg, state, "exp_avg", true},
-                  {t.exp_avg_sq, state, "exp_avg_sq", true},
-                  {t.grad, dtype_size(t.grad_dtype), "grad", false},
-                  {t.out, dtype_size(t.out_dtype), "out", true}};
-    for (const auto& a : arrays) {
-      if (a.ptr == nullptr) {
-        if (a.what == std::string_view("out")) continue;
-        return invalid_argument(name + ": " + a.what + " is null with n = " + std::to_string(t.n));
-      }
-      const auto begin = reinterpret_cast<std::uintptr_t>(a.ptr);
-      ranges.push_back({begin, begin + a.bytes * t.n, i, a.what, a.output});
-    }
-    const std::size_t scale_bytes = t.state_dtype == DType::i8 ? 4 * moment_blocks(t.n) : 0;
-    if (t.from.param != nullptr) {
-      const struct {
-        const void* ptr;
-        std::size_t bytes;
-        const char* what;
-      } from[] = {{t.from.param, 4 * t.n, "from.param"},
-                  {t.from.exp_avg, state * t.n, "from.exp_avg"},
-                  {t.from.exp_avg_sq, state * t.n, "from.exp_avg_sq"},
-                  {t.from.exp_avg_scale, scale_bytes, "from.exp_avg_scale"},
-                  {t.from.exp_avg_sq_scale, scale_bytes, "from.exp_avg_sq_scale"}};
-      for (const auto& a : from) {
-        if (a.bytes == 0) continue;
-        if (a.ptr == nullptr) return invalid_argument(name + ": " + a.what + " is null while from.param is set");
-        const auto begin = reinterpret_cast<std::uintptr_t>(a.ptr);
-        ranges.push_back({begin, begin + a.bytes, i, a.what, false});
-      }
-    }
+    if (Status s = check_tensor(tensors[i], i, tensors.size(), max_sq, ranges); !s.ok()) return s;
   }
   return check_overlaps(ranges, tensors.size());
 }
@@ -219,85 +245,37 @@ simd::AdamConstants constants(const AdamHyper& h, const StepOptions& o) {
   return c;
 }
 
-int out_index(const AdamTensor& t) {
-  if (t.out == nullptr) return simd::kOutNone;
-  return t.out_dtype == DType::f16 ? simd::kOutF16 : simd::kOutBF16;
-}
+int out_index(const AdamTensor& t) { return cpu_engine::out_index(t.out, t.out_dtype); }
+int state_index(const AdamTensor& t) { return cpu_engine::state_index(t.state_dtype); }
 
-int state_index(const AdamTensor& t) { return t.state_dtype == DType::bf16 ? simd::kStateBF16 : simd::kStateF32; }
+// AMSGrad: Adam's arrays and max_exp_avg_sq, read from `from` where it is set (AdamSource).
+void run_amsgrad(simd::AmsgradFn fn, const simd::AdamConstants& c, const AdamTensor& t, std::size_t offset,
+                 std::size_t count) {
+  const std::size_t ssize = dtype_size(t.state_dtype);
+  const simd::StateIn in = state_in(t, offset, 0);
+  const void* max_in = t.from.param == nullptr ? t.max_exp_avg_sq : t.from.max_exp_avg_sq;
+  const simd::StepArrays<3> a{in.p,
+                              {in.m, in.v, at(max_in, offset, ssize)},
+                              t.param + offset,
+                              {at(t.exp_avg, offset, ssize), at(t.exp_avg_sq, offset, ssize),
+                               at(t.max_exp_avg_sq, offset, ssize)},
+                              at(t.grad, offset, dtype_size(t.grad_dtype)),
+                              at(t.out, offset, dtype_size(t.out_dtype))};
+  fn(c, a, count);
+}
 
 }  // namespace
 
-struct CpuAdam::Impl {
-  Isa isa;
-  const KernelTable* table;
-  std::size_t tile;
-  PinnedArena arena;
-
-  // Calls piece(tensor, offset, count) over every element of every tensor: the elements are numbered across
-  // the tensors in order and cut into tiles of `tile` elements, so many small tensors share a tile and a
-  // large one is split. Elements are independent, which makes the result independent of the cut.
-  template <typename Tensor, typename Piece>
-  void for_each_tile(std::span<const Tensor> tensors, Piece piece) {
-    std::vector<std::size_t> starts(tensors.size() + 1, 0);
-    for (std::size_t i = 0; i < tensors.size(); ++i) starts[i + 1] = starts[i] + tensors[i].n;
-    const std::size_t total = starts.back();
-    if (total == 0) return;
-    // Written so that no sum can wrap: a tile of up to SIZE_MAX elements (an option) is one tile, not zero.
-    const std::size_t tiles = total / tile + (total % tile != 0 ? 1 : 0);
-    auto body = [&](const tbb::blocked_range<std::size_t>& r) {
-      for (std::size_t k = r.begin(); k != r.end(); ++k) {
-        std::size_t begin = k * tile;
-        const std::size_t end = begin + std::min(tile, total - begin);
-        std::size_t i = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
-        while (begin < end) {
-          const std::size_t count = std::min(end, starts[i + 1]) - begin;
-          if (count != 0) piece(tensors[i], begin - starts[i], count);
-          begin += count;
-          ++i;
-        }
-      }
-    };
-    arena.execute([&] { tbb::parallel_for(tbb::blocked_range<std::size_t>(0, tiles, 1), body, tbb::simple_partitioner()); });
-  }
-
-  // `kernels` is the table's accumulate or accumulate_streams row.
-  Status accumulate(std::span<const AccumulateTensor> tensors, const AccumulateOptions& options,
-                    const simd::AccumulateFn (&kernels)[simd::kElems]) {
-    if (Status s = check_accumulate_tensors(tensors, options); !s.ok()) return s;
-    const int mode = accumulate_mode(options);
-    for_each_tile(tensors, [&](const AccumulateTensor& t, std::size_t offset, std::size_t count) {
-      kernels[int(t.grad_dtype)](t.acc + offset, static_cast<unsigned char*>(t.grad) + offset * dtype_size(t.grad_dtype),
-                                 count, mode);
-    });
-    return Status::success();
-  }
-
-  // Counts NaN/Inf gradients over all tensors in parallel; returns an error naming the first one found.
-  Status check_finite(std::span<const AdamTensor> tensors) {
-    std::atomic<std::size_t> bad_tensor{tensors.size()};
-    std::atomic<std::size_t> bad_count{0};
-    std::vector<std::size_t> first(tensors.size(), 0);
-    arena.execute([&] {
-      tbb::parallel_for(std::size_t(0), tensors.size(), [&](std::size_t i) {
-        const AdamTensor& t = tensors[i];
-        if (t.n == 0) return;
-        const std::size_t count = table->count_non_finite[int(t.grad_dtype)](t.grad, t.n, &first[i]);
-        if (count == 0) return;
-        bad_count += count;
-        std::size_t seen = bad_tensor.load();
-        while (i < seen && !bad_tensor.compare_exchange_weak(seen, i)) {
-        }
-      });
-    });
-    if (bad_count == 0) return Status::success();
-    const std::size_t i = bad_tensor.load();
-    return Status(StatusCode::non_finite,
-                  std::to_string(bad_count.load()) + " NaN/Inf gradient value(s); the first in " +
-                      tensor_name(i, tensors.size()) + " at element " + std::to_string(first[i]) +
-                      "; nothing was changed");
-  }
-};
+Status CpuAdam::Impl::accumulate(std::span<const AccumulateTensor> tensors, const AccumulateOptions& options,
+                                const simd::AccumulateFn (&kernels)[simd::kElems]) {
+  if (Status s = check_accumulate_tensors(tensors, options); !s.ok()) return s;
+  const int mode = accumulate_mode(options);
+  for_each_tile(tensors, [&](const AccumulateTensor& t, std::size_t offset, std::size_t count) {
+    kernels[int(t.grad_dtype)](t.acc + offset, static_cast<unsigned char*>(t.grad) + offset * dtype_size(t.grad_dtype),
+                               count, mode);
+  });
+  return Status::success();
+}
 
 Result<CpuAdam> CpuAdam::create(const CpuAdamOptions& options) {
   Result<Isa> isa = simd::choose_isa(options.isa);
@@ -324,15 +302,17 @@ std::size_t CpuAdam::tile() const { return impl_->tile; }
 
 Status CpuAdam::step(const AdamHyper& hyper, const StepOptions& options, std::span<const AdamTensor> tensors) {
   if (Status s = check_hyper(hyper, options); !s.ok()) return s;
-  if (Status s = check_tensors(tensors); !s.ok()) return s;
+  if (Status s = check_tensors(tensors, hyper.amsgrad ? MaxSq::every : MaxSq::none); !s.ok()) return s;
   if (options.check_finite) {
-    if (Status s = impl_->check_finite(tensors); !s.ok()) return s;
+    if (Status s = impl_->check_finite<AdamTensor>(tensors); !s.ok()) return s;
   }
   const KernelTable& table = *impl_->table;
   const simd::AdamConstants c = constants(hyper, options);
   impl_->for_each_tile(tensors, [&](const AdamTensor& t, std::size_t offset, std::size_t count) {
     if (t.state_dtype == DType::i8) {
       run_adam_q8(table.adam_q8[int(t.grad_dtype)][out_index(t)], c, t, offset, count);
+    } else if (hyper.amsgrad) {
+      run_amsgrad(table.amsgrad.step[int(t.grad_dtype)][out_index(t)][state_index(t)], c, t, offset, count);
     } else {
       run_adam(table.adam[int(t.grad_dtype)][out_index(t)][state_index(t)], c, t, offset, count);
     }
@@ -350,11 +330,14 @@ void CpuAdam::parallel_for(std::size_t n, const std::function<void(std::size_t)>
 }
 
 Status CpuAdam::streams_pass(std::span<const AdamTensor> tensors) {
-  if (Status s = check_tensors(tensors); !s.ok()) return s;
+  if (Status s = check_tensors(tensors, MaxSq::where_set); !s.ok()) return s;
   const KernelTable& table = *impl_->table;
   impl_->for_each_tile(tensors, [&](const AdamTensor& t, std::size_t offset, std::size_t count) {
     if (t.state_dtype == DType::i8) {
       run_adam_q8(table.streams_q8[int(t.grad_dtype)][out_index(t)], simd::AdamConstants{}, t, offset, count);
+    } else if (t.max_exp_avg_sq != nullptr) {
+      run_amsgrad(table.amsgrad.streams[int(t.grad_dtype)][out_index(t)][state_index(t)], simd::AdamConstants{}, t,
+                  offset, count);
     } else {
       run_adam(table.streams[int(t.grad_dtype)][out_index(t)][state_index(t)], simd::AdamConstants{}, t, offset, count);
     }

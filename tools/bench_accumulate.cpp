@@ -6,12 +6,12 @@
 #include <string>
 #include <vector>
 
-#include "zoe/aligned_buffer.h"
 #include "tools/args.h"
 #include "tools/bench_stats.h"
 #include "tools/commands.h"
 #include "tools/report.h"
 #include "zoe/adam.h"
+#include "zoe/aligned_buffer.h"
 
 namespace zoe::cli {
 namespace {

@@ -1,29 +1,46 @@
-// zoe bench adam: CPU Adam step throughput against a streams loop with the same loads and stores, measured
-// alternately in the same run (BENCHMARKING.md).
-#include <cstdio>
+// zoe bench adam: CPU optimizer step throughput (Adam, AdamW, AMSGrad, Lion, Adagrad) against a streams loop
+// with the same loads and stores, measured alternately in the same run (BENCHMARKING.md).
+#include <algorithm>
 #include <array>
+#include <cstdio>
 #include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include "zoe/aligned_buffer.h"
 #include "tools/args.h"
 #include "tools/bench_stats.h"
 #include "tools/commands.h"
 #include "tools/report.h"
 #include "zoe/adam.h"
+#include "zoe/aligned_buffer.h"
 
 namespace zoe::cli {
 namespace {
 
 const char* state_label(DType state) { return state == DType::f32 ? "fp32" : state == DType::bf16 ? "bf16" : "int8"; }
 
+// The rules the engine steps, with the state arrays each keeps per parameter (what its bytes count).
+enum class Optimizer { adamw, adam, amsgrad, lion, adagrad };
+struct OptimizerInfo {
+  const char* name;
+  Optimizer id;
+  int states;
+};
+constexpr OptimizerInfo kOptimizers[] = {{"adamw", Optimizer::adamw, 2},
+                                         {"adam", Optimizer::adam, 2},
+                                         {"amsgrad", Optimizer::amsgrad, 3},
+                                         {"lion", Optimizer::lion, 1},
+                                         {"adagrad", Optimizer::adagrad, 1}};
+constexpr const char* kOptimizerList = "adamw, adam, amsgrad, lion, adagrad";
+
 // The buffers of one benchmark case: `tensors` separately allocated tensors sharing n elements.
 class Workload {
  public:
+  // `states` state arrays per tensor (kOptimizers); both views of the tensors are made: AdamTensor (exp_avg,
+  // exp_avg_sq and, with three, max_exp_avg_sq) and OneStateTensor (the first array).
   static Result<Workload> make(std::uint64_t n, std::uint64_t count, DType grad, bool has_out, DType out,
-                               DType state) {
+                               DType state, int states) {
     Workload w;
     std::uint32_t seed = 12345;
     auto uniform = [&seed] {  // [-1, 1)
@@ -41,13 +58,17 @@ class Workload {
       if (!p.ok()) return p.status();
       t.param = p->as<float>();
       w.buffers_.push_back(std::move(p).value());
-      for (void** moment : {&t.exp_avg, &t.exp_avg_sq}) {
+      void* arrays[3] = {};
+      for (int a = 0; a < states; ++a) {
         Result<AlignedBuffer> b = AlignedBuffer::allocate(elems * dtype_size(state));
         if (!b.ok()) return b.status();
-        std::memset(b->data(), 0, elems * dtype_size(state));  // zero moments in every dtype
-        *moment = b->data();
+        std::memset(b->data(), 0, elems * dtype_size(state));  // zero state in every dtype
+        arrays[a] = b->data();
         w.buffers_.push_back(std::move(b).value());
       }
+      t.exp_avg = arrays[0];
+      t.exp_avg_sq = arrays[1];
+      t.max_exp_avg_sq = arrays[2];
       if (state == DType::i8) {
         for (float** scale : {&t.exp_avg_scale, &t.exp_avg_sq_scale}) {
           Result<AlignedBuffer> b = AlignedBuffer::allocate(moment_blocks(elems) * 4);
@@ -80,32 +101,62 @@ class Workload {
       }
       w.buffers_.push_back(std::move(g).value());
       w.tensors_.push_back(t);
+      w.one_state_.push_back(OneStateTensor{t.param, t.exp_avg, state, t.grad, grad, t.out, out, elems, {}});
     }
     return w;
   }
   std::span<const AdamTensor> tensors() const { return tensors_; }
+  std::span<const OneStateTensor> one_state() const { return one_state_; }
 
  private:
   std::vector<AlignedBuffer> buffers_;
   std::vector<AdamTensor> tensors_;
+  std::vector<OneStateTensor> one_state_;
 };
+
+// One step of the rule over the workload, with the hyper-parameters of a typical run (weight decay on), and
+// its streams ceiling.
+Status step_once(CpuAdam& engine, Optimizer rule, const Workload& w, const StepOptions& options) {
+  switch (rule) {
+    case Optimizer::lion: {
+      LionHyper hyper;
+      hyper.weight_decay = 0.01f;
+      return engine.step(hyper, options, w.one_state());
+    }
+    case Optimizer::adagrad: {
+      AdagradHyper hyper;
+      hyper.weight_decay = 0.01f;
+      return engine.step(hyper, options, w.one_state());
+    }
+    default: {
+      AdamHyper hyper;
+      hyper.weight_decay = 0.01f;
+      hyper.adamw = rule != Optimizer::adam;
+      hyper.amsgrad = rule == Optimizer::amsgrad;
+      return engine.step(hyper, options, w.tensors());
+    }
+  }
+}
+
+Status streams_once(CpuAdam& engine, Optimizer rule, const Workload& w) {
+  if (rule == Optimizer::lion || rule == Optimizer::adagrad) return engine.streams_pass(w.one_state());
+  return engine.streams_pass(w.tensors());  // max_exp_avg_sq is set for amsgrad's workload only
+}
 
 struct Measured {
   TimeSummary adam, streams;
 };
 
-// Warm-up, then the Adam step and the streams pass alternately, so that both see the same machine state.
-Result<Measured> measure(CpuAdam& engine, const Workload& w, int reps) {
-  AdamHyper hyper;
-  hyper.weight_decay = 0.01f;
+// Warm-up, then the step and the streams pass alternately, so that both see the same machine state.
+Result<Measured> measure(CpuAdam& engine, Optimizer rule, const Workload& w, int reps) {
   StepOptions options;
   std::vector<double> adam_s, streams_s;
   for (int r = -2; r < reps; ++r) {
     Status s;
-    const double ta = time_seconds([&] { s = engine.step(hyper, options, w.tensors()); });
+    const double ta = time_seconds([&] { s = step_once(engine, rule, w, options); });
     if (!s.ok()) return s;
     ++options.step;
-    const double ts = time_seconds([&] { s = engine.streams_pass(w.tensors()); });
+    const double ts = time_seconds([&] { s = streams_once(engine, rule, w); });
     if (!s.ok()) return s;
     if (r >= 0) {
       adam_s.push_back(ta);
@@ -124,12 +175,13 @@ int default_reps(std::uint64_t n) {
 // The command line as given, with the defaults.
 struct Texts {
   std::string n = "64M", tensors = "1", isa = "auto", grad = "f32", out = "none", state = "fp32", threads = "0", reps,
-              tile = std::to_string(CpuAdamOptions{}.tile);
+              tile = std::to_string(CpuAdamOptions{}.tile), optimizer = "adamw";
   bool json = false, help = false;
 };
 
-std::array<Option, 11> options_of(Texts& t) {
+std::array<Option, 12> options_of(Texts& t) {
   return {{
+      {"optimizer", &t.optimizer, nullptr, "comma list of rules: adamw, adam (L2 decay), amsgrad (AdamW's), lion, adagrad"},
       {"n", &t.n, nullptr, "parameters per step, 1 to 1T (K, M, G, T suffixes are powers of 1024)"},
       {"tensors", &t.tensors, nullptr, "split the parameters into this many separately allocated tensors, 1 to 1M (at most --n)"},
       {"isa", &t.isa, nullptr, "comma list of auto, scalar, avx2, avx512, neon, sve"},
@@ -155,6 +207,7 @@ struct Settings {
   std::size_t tile = 0;
   std::vector<std::string> isas, outs;
   std::vector<DType> grads, states;
+  std::vector<OptimizerInfo> optimizers;
 };
 
 // The counts after parse_options, checked: nothing here may be zero.
@@ -169,9 +222,14 @@ Status read_counts(const Texts& text, Settings& cfg) {
   }
   cfg.n = n.value();
   cfg.tensors = tensors.value();
-  // Per parameter at most 4 (p) + 2 x 4 (m, v) + 4 (gradient) + 2 (weight copy) bytes and int8's scales;
-  // with --tensors > 1 the one-array workload is made beside the split one.
-  if (Status s = require_memory(cfg.n * 19 * (cfg.tensors > 1 ? 2 : 1), "--n", text.n); !s.ok()) return s;
+  // Per parameter at most 4 (p) + 4 per state array + 4 (gradient) + 2 (weight copy) bytes and int8's scales
+  // (read_lists, run first, gave the rules); with --tensors > 1 the one-array workload is made beside the split one.
+  int states = 0;
+  for (const OptimizerInfo& o : cfg.optimizers) states = std::max(states, o.states);
+  const std::uint64_t bytes_per_param = 11 + 4 * static_cast<std::uint64_t>(states);
+  if (Status s = require_memory(cfg.n * bytes_per_param * (cfg.tensors > 1 ? 2 : 1), "--n", text.n); !s.ok()) {
+    return s;
+  }
   cfg.threads = static_cast<int>(threads.value());
   cfg.tile = tile.value();
   if (cfg.tensors == 0 || cfg.tensors > cfg.n) {
@@ -186,16 +244,36 @@ Status read_counts(const Texts& text, Settings& cfg) {
   return Status::success();
 }
 
+// 8-bit state is Adam's (two moments in blocks); the other rules keep fp32 or bf16 state.
+Status check_int8_rules(const Settings& cfg) {
+  if (std::find(cfg.states.begin(), cfg.states.end(), DType::i8) == cfg.states.end()) return Status::success();
+  for (const OptimizerInfo& o : cfg.optimizers) {
+    if (o.id != Optimizer::adamw && o.id != Optimizer::adam) {
+      return invalid_argument(std::string("--state int8 is adamw's and adam's only: --optimizer ") + o.name +
+                              " keeps fp32 or bf16 state");
+    }
+  }
+  return Status::success();
+}
+
 // The comma lists, checked: none may be empty, every item must be a known one.
 Status read_lists(const Texts& text, Settings& cfg) {
   cfg.isas = split_list(text.isa);
   cfg.outs = split_list(text.out);
   const std::vector<std::string> grad_names = split_list(text.grad), state_names = split_list(text.state);
+  const std::vector<std::string> optimizer_names = split_list(text.optimizer);
   for (const Status& s : {require_items(cfg.isas, "--isa", "auto, scalar, avx2, avx512, neon, sve"),
                           require_items(grad_names, "--grad", "f32, f16, bf16"),
                           require_items(cfg.outs, "--out", "none, f16, bf16"),
-                          require_items(state_names, "--state", "fp32, bf16, int8")}) {
+                          require_items(state_names, "--state", "fp32, bf16, int8"),
+                          require_items(optimizer_names, "--optimizer", kOptimizerList)}) {
     if (!s.ok()) return s;
+  }
+  for (const std::string& name : optimizer_names) {
+    const auto* known = std::find_if(std::begin(kOptimizers), std::end(kOptimizers),
+                                     [&](const OptimizerInfo& o) { return name == o.name; });
+    if (known == std::end(kOptimizers)) return invalid_argument("--optimizer " + name + " is not " + kOptimizerList);
+    cfg.optimizers.push_back(*known);
   }
   for (const std::string& st : state_names) {
     const auto d = st == "int8" || st == "i8" ? std::optional<DType>(DType::i8) : parse_dtype(st);
@@ -210,21 +288,23 @@ Status read_lists(const Texts& text, Settings& cfg) {
   for (const std::string& o : cfg.outs) {
     if (o != "none" && o != "f16" && o != "bf16") return invalid_argument("--out " + o + " is not none, f16 or bf16");
   }
-  return Status::success();
+  return check_int8_rules(cfg);
 }
 
-// One case of the grid: the dtypes of the gradient, the weight copy and the moments.
+// One case of the grid: the rule and the dtypes of the gradient, the weight copy and the state.
 struct Case {
+  OptimizerInfo rule;
   DType grad;
   std::string out;
   DType state;
 
   bool has_out() const { return out != "none"; }
   DType out_dtype() const { return out == "f16" ? DType::f16 : DType::bf16; }
+  // p read and written, each state array read and written, the gradient read, the copy written.
   double bytes_per_param() const {
     const double scale_bytes = state == DType::i8 ? 2.0 * 2.0 * 4.0 / kMomentBlock : 0.0;
-    return 8.0 + 4.0 * static_cast<double>(dtype_size(state)) + scale_bytes + static_cast<double>(dtype_size(grad)) +
-           (has_out() ? 2.0 : 0.0);
+    return 8.0 + 2.0 * rule.states * static_cast<double>(dtype_size(state)) + scale_bytes +
+           static_cast<double>(dtype_size(grad)) + (has_out() ? 2.0 : 0.0);
   }
 };
 
@@ -236,16 +316,16 @@ struct CaseResult {
 };
 
 Result<CaseResult> run_case(CpuAdam& engine, const Settings& cfg, const Case& c) {
-  Result<Workload> w = Workload::make(cfg.n, cfg.tensors, c.grad, c.has_out(), c.out_dtype(), c.state);
+  Result<Workload> w = Workload::make(cfg.n, cfg.tensors, c.grad, c.has_out(), c.out_dtype(), c.state, c.rule.states);
   if (!w.ok()) return w.status();
-  Result<Measured> m = measure(engine, *w, cfg.reps);
+  Result<Measured> m = measure(engine, c.rule.id, *w, cfg.reps);
   if (!m.ok()) return m.status();
   CaseResult r{std::string(isa_name(engine.isa())), engine.threads(), *m, 0};
   // Many tensors: the same parameters as one array, in the same run, for the ratio between the two.
   if (cfg.tensors > 1) {
-    Result<Workload> single = Workload::make(cfg.n, 1, c.grad, c.has_out(), c.out_dtype(), c.state);
+    Result<Workload> single = Workload::make(cfg.n, 1, c.grad, c.has_out(), c.out_dtype(), c.state, c.rule.states);
     if (!single.ok()) return single.status();
-    Result<Measured> ms = measure(engine, *single, cfg.reps);
+    Result<Measured> ms = measure(engine, c.rule.id, *single, cfg.reps);
     if (!ms.ok()) return ms.status();
     r.single_params_per_s = static_cast<double>(cfg.n) / ms->adam.median;
   }
@@ -258,13 +338,14 @@ void report_case(Report& report, const Settings& cfg, const Case& c, const CaseR
   const double gbps = params * bytes_per_param / r.m.adam.median / 1e9;
   const double ceiling = params * bytes_per_param / r.m.streams.median / 1e9;
   JsonLine line;
-  line.add("bench", "adam").add("isa", r.isa).add("n", cfg.n).add("grad", dtype_name(c.grad)).add("out", c.out)
+  line.add("bench", "adam").add("optimizer", c.rule.name).add("isa", r.isa).add("n", cfg.n).add("grad", dtype_name(c.grad)).add("out", c.out)
       .add("state", state_label(c.state))
       .add("threads", r.threads).add("bytes_per_param", bytes_per_param)
       .add("median_s", r.m.adam.median).add("min_s", r.m.adam.min).add("max_s", r.m.adam.max)
       .add("params_per_s", params_per_s).add("gbps", gbps).add("ceiling_gbps", ceiling)
       .add("ratio", gbps / ceiling).add("tensors", cfg.tensors).add("reps", cfg.reps);
-  std::string row = format("%-7s %-5s %-5s %-5s %12llu %8llu %4d %10.3f %10.1f %8.1f %8.1f %6.3f", r.isa.c_str(),
+  std::string row = format("%-8s %-7s %-5s %-5s %-5s %12llu %8llu %4d %10.3f %10.1f %8.1f %8.1f %6.3f", c.rule.name,
+                           r.isa.c_str(),
                            std::string(dtype_name(c.grad)).c_str(), c.out.c_str(), state_label(c.state),
                            static_cast<unsigned long long>(cfg.n), static_cast<unsigned long long>(cfg.tensors),
                            r.threads, r.m.adam.median * 1e3, params_per_s / 1e6, gbps, ceiling, gbps / ceiling);
@@ -278,7 +359,8 @@ void report_case(Report& report, const Settings& cfg, const Case& c, const CaseR
 
 // Every case of the grid, each reported as soon as it is measured.
 Status run(const Settings& cfg, Report& report) {
-  report.header(format("%-7s %-5s %-5s %-5s %12s %8s %4s %10s %10s %8s %8s %6s%s\n", "isa", "grad", "out", "state", "n",
+  report.header(format("%-8s %-7s %-5s %-5s %-5s %12s %8s %4s %10s %10s %8s %8s %6s%s\n", "optimizer", "isa", "grad",
+                       "out", "state", "n",
                        "tensors", "thr", "median ms", "Mparam/s", "GB/s", "ceil GB/s", "ratio",
                        cfg.tensors > 1 ? "  vs 1 array" : ""));
   for (const std::string& isa : cfg.isas) {
@@ -288,13 +370,15 @@ Status run(const Settings& cfg, Report& report) {
     engine_options.tile = cfg.tile;
     Result<CpuAdam> engine = CpuAdam::create(engine_options);
     if (!engine.ok()) return engine.status();
-    for (DType grad : cfg.grads) {
-      for (const std::string& out : cfg.outs) {
-        for (DType state : cfg.states) {
-          const Case c{grad, out, state};
-          Result<CaseResult> r = run_case(*engine, cfg, c);
-          if (!r.ok()) return r.status();
-          report_case(report, cfg, c, *r);
+    for (const OptimizerInfo& rule : cfg.optimizers) {
+      for (DType grad : cfg.grads) {
+        for (const std::string& out : cfg.outs) {
+          for (DType state : cfg.states) {
+            const Case c{rule, grad, out, state};
+            Result<CaseResult> r = run_case(*engine, cfg, c);
+            if (!r.ok()) return r.status();
+            report_case(report, cfg, c, *r);
+          }
         }
       }
     }
@@ -311,14 +395,15 @@ int bench_adam(std::span<char* const> args) {
   if (Status s = parse_options(args, options); !s.ok()) return fail_message(kCommand, s);
   if (text.help) {
     print_help("usage: zoe bench adam [options]\n\n", options,
-               "\nEach case runs the Adam step and a streams loop with the same loads and stores alternately;\n"
-               "ratio = Adam GB/s / streams GB/s. Bytes per parameter: p read and written (8), m and v read and\n"
-               "written (16 in fp32, 8 in bf16, 4 in int8 plus 16 bytes of scales per 2048), the gradient read and\n"
-               "the weight copy written.\n");
+               "\nEach case runs the optimizer's step and a streams loop with the same loads and stores\n"
+               "alternately; ratio = step GB/s / streams GB/s. Bytes per parameter: p read and written (8), each\n"
+               "state array read and written (adamw, adam: m and v; amsgrad: m, v and max v; lion: m; adagrad: the\n"
+               "sum; 8 each in fp32, 4 in bf16, 2 in int8 plus 16 bytes of scales per 2048 for m and v), the\n"
+               "gradient read and the weight copy written. int8 state is adamw's and adam's only.\n");
     return 0;
   }
   Settings cfg;
-  for (auto read : {read_counts, read_lists}) {
+  for (auto read : {read_lists, read_counts}) {
     if (Status s = read(text, cfg); !s.ok()) return fail(kCommand, s);
   }
   Report report(kCommand, text.json);

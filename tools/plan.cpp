@@ -13,10 +13,10 @@
 #include <string>
 #include <vector>
 
-#include "zoe/aligned_buffer.h"
 #include "tools/args.h"
 #include "tools/commands.h"
 #include "tools/report.h"
+#include "zoe/aligned_buffer.h"
 #ifdef ZOE_HAVE_AIO
 #include "tools/probe.h"
 #endif

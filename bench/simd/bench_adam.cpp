@@ -9,8 +9,8 @@
 
 #include "simd/dispatch.h"
 #include "simd/kernels.h"
-#include "zoe/aligned_buffer.h"
 #include "zoe/adam.h"
+#include "zoe/aligned_buffer.h"
 
 namespace zoe {
 namespace {

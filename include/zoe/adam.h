@@ -1,7 +1,8 @@
 // CPU Adam/AdamW over fp32 master weights and fp32 moments, with fp32/fp16/bf16 gradients and an optional
 // fp16/bf16 copy of the updated weights written in the same pass. Numerics follow torch.optim.Adam/AdamW
 // (bias correction, eps added after the square root, decoupled weight decay: Loshchilov & Hutter,
-// arXiv 1711.05101).
+// arXiv 1711.05101), with torch's amsgrad. The same engine steps Lion and Adagrad (LionHyper, AdagradHyper),
+// which keep one state array per parameter (OneStateTensor).
 #pragma once
 
 #include <cstddef>
@@ -29,6 +30,9 @@ struct AdamHyper {
   // torch's maximize: ascend, stepping with the negated gradient (negated before Adam's L2 term is added;
   // AdamW's decoupled decay is unchanged). The kernels take it as a negated gradient scale: exact.
   bool maximize = false;
+  // torch's amsgrad (Reddi, Kale & Kumar 2018): a third state array, max_exp_avg_sq = max(max_exp_avg_sq,
+  // exp_avg_sq) after exp_avg_sq's update, is the denominator's second moment. State dtype f32 or bf16.
+  bool amsgrad = false;
 };
 
 // Where a step reads the state when that is not where it writes it: the overlap schedule's speculative step
@@ -42,6 +46,7 @@ struct AdamSource {
   const void* exp_avg_sq = nullptr;
   const float* exp_avg_scale = nullptr;
   const float* exp_avg_sq_scale = nullptr;
+  const void* max_exp_avg_sq = nullptr;  // with amsgrad
 };
 
 // One tensor's state. Gradients may be any DType; `out`, when not null, receives the updated weights in
@@ -65,7 +70,59 @@ struct AdamTensor {
   float* exp_avg_scale = nullptr;  // state dtype i8: one per kMomentBlock elements (moment_blocks(n))
   float* exp_avg_sq_scale = nullptr;
   AdamSource from{};  // the state read, where it is not param, exp_avg, exp_avg_sq (and their scales)
+  // amsgrad only (read and written; ignored without it): the running maximum of exp_avg_sq, in state_dtype,
+  // exp_avg_sq's layout; the caller zeroes it before the first step, as torch does.
+  void* max_exp_avg_sq = nullptr;
 };
+
+// Lion (Chen et al. 2023, arXiv 2302.06675): u = sign(beta1 * m + (1 - beta1) * g);
+// p = p * (1 - lr * weight_decay) - lr * u; m = beta2 * m + (1 - beta2) * g, with g the scaled gradient and
+// sign(0) = 0 as torch.sign. The weight decay is decoupled, applied as AdamW applies it. One state array per
+// parameter, the moment m (torch's exp_avg, zero before the first step). The step count is not used.
+struct LionHyper {
+  float lr = 1e-4f;
+  float beta1 = 0.9f;
+  float beta2 = 0.99f;
+  float weight_decay = 0.0f;
+  bool maximize = false;  // ascend: the gradient negated, as AdamHyper's
+};
+
+// Adagrad as torch.optim.Adagrad (Duchi, Hazan & Singer 2011): g = g + weight_decay * p (when weight_decay is
+// not 0); clr = lr / (1 + (step - 1) * lr_decay); sum = sum + g * g; p = p - clr * g / (sqrt(sum) + eps). One
+// state array per parameter, sum, which the caller fills before the first step with torch's
+// initial_accumulator_value (0 by default).
+struct AdagradHyper {
+  float lr = 1e-2f;
+  float lr_decay = 0.0f;
+  float weight_decay = 0.0f;
+  float eps = 1e-10f;
+  bool maximize = false;  // ascend: the gradient negated before the weight decay is added, as torch does
+};
+
+// AdamSource for a rule with one state array: where the step reads, when that is not where it writes.
+// param null: the step reads the tensor's own arrays (in place).
+struct OneStateSource {
+  const float* param = nullptr;
+  const void* state = nullptr;
+};
+
+// One tensor of a rule with one state array per parameter: Lion's exp_avg, Adagrad's sum. One type for
+// both, since the engine treats them alike (the hyper-parameters say which rule runs); the rest is as
+// AdamTensor: the state in state_dtype f32 or bf16 (stepped in fp32, stored rounded to nearest even), the
+// gradient in any DType, the optional f16/bf16 copy of the weights, outputs that overlap nothing.
+struct OneStateTensor {
+  float* param = nullptr;
+  void* state = nullptr;
+  DType state_dtype = DType::f32;
+  const void* grad = nullptr;
+  DType grad_dtype = DType::f32;
+  void* out = nullptr;
+  DType out_dtype = DType::bf16;
+  std::size_t n = 0;
+  OneStateSource from{};  // the state read, where it is not param and state
+};
+using LionTensor = OneStateTensor;
+using AdagradTensor = OneStateTensor;
 
 // Elements per block of 8-bit moments (one fp32 scale per block and moment).
 constexpr std::size_t kMomentBlock = 2048;
@@ -128,9 +185,23 @@ class CpuAdam {
     return step(hyper, options, std::span<const AdamTensor>(&tensor, 1));
   }
 
+  // Lion and Adagrad, under the same contract as Adam's step (a refused call changes nothing; results
+  // bit-identical for any thread count and tile).
+  Status step(const LionHyper& hyper, const StepOptions& options, std::span<const OneStateTensor> tensors);
+  Status step(const LionHyper& hyper, const StepOptions& options, const OneStateTensor& tensor) {
+    return step(hyper, options, std::span<const OneStateTensor>(&tensor, 1));
+  }
+  Status step(const AdagradHyper& hyper, const StepOptions& options, std::span<const OneStateTensor> tensors);
+  Status step(const AdagradHyper& hyper, const StepOptions& options, const OneStateTensor& tensor) {
+    return step(hyper, options, std::span<const OneStateTensor>(&tensor, 1));
+  }
+
   // The bandwidth ceiling of `step`: the same loads and stores per element over the same tensors, threads
   // and tiles, with trivial arithmetic. It overwrites the tensors' state; benchmarks compare against it.
+  // Tensors with max_exp_avg_sq set count it as AMSGrad's step does (not with int8 moments).
   Status streams_pass(std::span<const AdamTensor> tensors);
+  // The ceiling of Lion's and Adagrad's step (the same loads and stores: one state array).
+  Status streams_pass(std::span<const OneStateTensor> tensors);
 
   // Gradient accumulation: acc[i] = acc[i] + float(grad[i]), one fp32 addition rounded once, exactly what
   // fp32 `acc += grad` gives (or acc[i] = float(grad[i]) for the first micro-batch), tiled over this
@@ -150,6 +221,8 @@ class CpuAdam {
 
   // The checks step() applies to hyper-parameters, for callers that validate up front.
   static Status validate(const AdamHyper& hyper);
+  static Status validate(const LionHyper& hyper);
+  static Status validate(const AdagradHyper& hyper);
 
   Isa isa() const;
   // The name recorded in the kernel table this engine calls: proof of which ISA's code runs.

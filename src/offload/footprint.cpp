@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <string>
 
-#include "zoe/aligned_buffer.h"
 #include "src/offload/grad_spill.h"
+#include "zoe/aligned_buffer.h"
 #include "zoe/param_tier.h"
 
 namespace zoe {

@@ -5,8 +5,8 @@
 #include <cstring>
 #include <utility>
 
-#include "zoe/aligned_buffer.h"
 #include "base/files.h"
+#include "zoe/aligned_buffer.h"
 #include "zoe/dtype.h"
 #ifdef ZOE_HAVE_AIO
 #include "aio/files.h"

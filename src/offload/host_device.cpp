@@ -14,10 +14,10 @@
 #include <thread>
 #include <type_traits>
 
-#include "simd/dispatch.h"
-#include "zoe/aligned_buffer.h"
-#include "src/offload/host_device.h"
 #include "base/work_queue.h"
+#include "simd/dispatch.h"
+#include "src/offload/host_device.h"
+#include "zoe/aligned_buffer.h"
 #include "zoe/device.h"
 
 namespace zoe {

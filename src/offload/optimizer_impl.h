@@ -20,10 +20,10 @@
 #include <unordered_map>
 #include <vector>
 
-#include "zoe/aligned_buffer.h"
+#include "base/work_queue.h"
 #include "src/offload/grad_spill.h"
 #include "src/offload/loss_scaler.h"
-#include "base/work_queue.h"
+#include "zoe/aligned_buffer.h"
 #include "zoe/offload.h"
 #include "zoe/param_tier.h"
 #include "zoe/partition.h"

@@ -6,10 +6,10 @@
 #include <mutex>
 #include <string>
 
-#include "zoe/aligned_buffer.h"
 #include "src/offload/checkpoint.h"
 #include "src/offload/optimizer_impl.h"
 #include "src/offload/optimizer_manifest.h"
+#include "zoe/aligned_buffer.h"
 
 namespace zoe {
 

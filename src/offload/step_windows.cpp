@@ -7,11 +7,11 @@
 #include <tuple>
 #include <utility>
 
-#include "zoe/aligned_buffer.h"
 #include "src/offload/footprint.h"
-#include "zoe/plan.h"
+#include "zoe/aligned_buffer.h"
 #include "zoe/dtype.h"
 #include "zoe/param_tier.h"
+#include "zoe/plan.h"
 
 namespace zoe {
 

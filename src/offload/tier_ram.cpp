@@ -7,10 +7,10 @@
 #include <cstring>
 #include <vector>
 
-#include "zoe/aligned_buffer.h"
 #include "src/offload/checkpoint.h"
 #include "src/offload/footprint.h"
 #include "src/offload/optimizer_impl.h"
+#include "zoe/aligned_buffer.h"
 
 namespace zoe {
 namespace {

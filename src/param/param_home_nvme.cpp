@@ -13,10 +13,10 @@
 
 #include "aio/files.h"
 #include "aio/io_engine.h"
-#include "src/nvme/swap_inventory.h"
-#include "zoe/aligned_buffer.h"
 #include "base/crc32c.h"
+#include "src/nvme/swap_inventory.h"
 #include "src/param/param_home.h"
+#include "zoe/aligned_buffer.h"
 
 namespace zoe {
 namespace {

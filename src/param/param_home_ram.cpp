@@ -7,8 +7,8 @@
 #include <string_view>
 #include <vector>
 
-#include "zoe/aligned_buffer.h"
 #include "src/param/param_home.h"
+#include "zoe/aligned_buffer.h"
 #include "zoe/param_tier.h"
 
 namespace zoe {

@@ -4,8 +4,8 @@
 #include <string>
 #include <utility>
 
-#include "zoe/aligned_buffer.h"
 #include "src/param/param_home.h"
+#include "zoe/aligned_buffer.h"
 
 namespace zoe {
 

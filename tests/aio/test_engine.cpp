@@ -12,9 +12,9 @@
 
 #include "aio/files.h"
 #include "aio/io_engine.h"
-#include "zoe/aligned_buffer.h"
 #include "base/crc32c.h"
 #include "tests/aio/aio_test_util.h"
+#include "zoe/aligned_buffer.h"
 
 namespace zoe {
 namespace {

@@ -15,10 +15,10 @@
 #include <string>
 #include <vector>
 
-#include "zoe/aligned_buffer.h"
 #include "src/offload/footprint.h"
 #include "tests/offload/trainer.h"
 #include "tests/tools/cli_runner.h"
+#include "zoe/aligned_buffer.h"
 #include "zoe/space.h"
 
 namespace zoe {

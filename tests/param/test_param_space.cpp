@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "zoe/aligned_buffer.h"
 #include "tests/param/param_test_device.h"
+#include "zoe/aligned_buffer.h"
 #include "zoe/param_tier.h"
 #include "zoe/space.h"
 #ifdef ZOE_HAVE_AIO

@@ -67,7 +67,7 @@ class CliFuzz : public ::testing::Test {
         {"bench adam",
          {"bench", "adam", "--n", "4K", "--reps", "1", "--threads", "1"},
          {{"n", true}, {"tensors", true}, {"threads", true}, {"reps", true}, {"tile", true}, {"isa", false},
-          {"grad", false}, {"out", false}, {"state", false}}},
+          {"grad", false}, {"out", false}, {"state", false}, {"optimizer", false}}},
         {"bench accumulate",
          {"bench", "accumulate", "--n", "4K", "--reps", "1", "--threads", "1"},
          {{"n", true}, {"threads", true}, {"reps", true}, {"tile", true}, {"isa", false}, {"grad", false},

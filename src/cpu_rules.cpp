@@ -1,0 +1,148 @@
+// Lion and Adagrad on CpuAdam's threads: the rules that keep one state array per parameter (OneStateTensor).
+// The checks, tiling and contract are Adam's (cpu_adam.cpp); the kernels are simd/lion_body.inl and
+// simd/adagrad_body.inl.
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "src/cpu_engine.h"
+
+namespace zoe {
+namespace {
+
+using namespace cpu_engine;
+
+// Ranges as torch's constructors check them, and finite.
+Status check_hyper(const LionHyper& h) {
+  if (Status s = require_non_negative("lr", h.lr); !s.ok()) return s;
+  if (Status s = require_beta("beta1", h.beta1); !s.ok()) return s;
+  if (Status s = require_beta("beta2", h.beta2); !s.ok()) return s;
+  return require_non_negative("weight_decay", h.weight_decay);
+}
+
+Status check_hyper(const AdagradHyper& h) {
+  for (const auto& [name, value] : {std::pair<const char*, float>{"lr", h.lr},
+                                    {"lr_decay", h.lr_decay},
+                                    {"weight_decay", h.weight_decay},
+                                    {"eps", h.eps}}) {
+    if (Status s = require_non_negative(name, value); !s.ok()) return s;
+  }
+  return Status::success();
+}
+
+// Null pointers, invalid dtypes, and overlaps between an output (p, state, out) and anything else.
+Status check_tensors(std::span<const OneStateTensor> tensors) {
+  std::vector<ByteRange> ranges;
+  ranges.reserve(tensors.size() * 4);
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const OneStateTensor& t = tensors[i];
+    const std::string name = tensor_name(i, tensors.size());
+    if (Status s = check_dtypes(name, t.grad_dtype, t.out, t.out_dtype, t.state_dtype, false,
+                                "Lion's and Adagrad's state is stored as f32 or bf16");
+        !s.ok()) {
+      return s;
+    }
+    if (t.n == 0) continue;
+    const std::size_t state = dtype_size(t.state_dtype) * t.n;
+    if (Status s = add_arrays(ranges, name, i,
+                              {{t.param, 4 * t.n, "param", true},
+                               {t.state, state, "state", true},
+                               {t.grad, dtype_size(t.grad_dtype) * t.n, "grad", false},
+                               {t.out, dtype_size(t.out_dtype) * t.n, "out", true, true}},
+                              "with n = " + std::to_string(t.n));
+        !s.ok()) {
+      return s;
+    }
+    if (t.from.param == nullptr) continue;
+    if (Status s = add_arrays(ranges, name, i,
+                              {{t.from.param, 4 * t.n, "from.param", false}, {t.from.state, state, "from.state", false}},
+                              "while from.param is set");
+        !s.ok()) {
+      return s;
+    }
+  }
+  return check_overlaps(ranges, tensors.size());
+}
+
+simd::LionConstants constants(const LionHyper& h, const StepOptions& o) {
+  simd::LionConstants c{};
+  c.beta1 = h.beta1;
+  c.one_minus_beta1 = 1.0f - h.beta1;
+  c.beta2 = h.beta2;
+  c.one_minus_beta2 = 1.0f - h.beta2;
+  c.neg_lr = -h.lr;
+  c.decay = static_cast<float>(1.0 - static_cast<double>(h.lr) * h.weight_decay);
+  // maximize: -g, as for Adam; negation is exact, so -(g * s) is (-g) * s.
+  c.grad_scale = h.maximize ? -o.grad_scale : o.grad_scale;
+  return c;
+}
+
+simd::AdagradConstants constants(const AdagradHyper& h, const StepOptions& o) {
+  // torch computes clr in Python floats (double) and rounds it once, to the tensor's float, in addcdiv_.
+  const double clr = static_cast<double>(h.lr) / (1.0 + static_cast<double>(o.step - 1) * h.lr_decay);
+  simd::AdagradConstants c{};
+  c.neg_clr = static_cast<float>(-clr);
+  c.eps = h.eps;
+  c.l2 = h.weight_decay;
+  c.grad_scale = h.maximize ? -o.grad_scale : o.grad_scale;  // negated before the L2 term, as torch does
+  return c;
+}
+
+// Elements [offset, offset + count) of one tensor, read from `from` where it is set (OneStateSource).
+template <typename Fn, typename Constants>
+void run_one_state(Fn fn, const Constants& c, const OneStateTensor& t, std::size_t offset, std::size_t count) {
+  const std::size_t ssize = dtype_size(t.state_dtype);
+  const bool own = t.from.param == nullptr;
+  const simd::StepArrays<1> a{(own ? t.param : t.from.param) + offset,
+                              {at(own ? t.state : t.from.state, offset, ssize)},
+                              t.param + offset,
+                              {at(t.state, offset, ssize)},
+                              at(t.grad, offset, dtype_size(t.grad_dtype)),
+                              at(t.out, offset, dtype_size(t.out_dtype))};
+  fn(c, a, count);
+}
+
+// What the engine runs on each tile: the rule's kernel (or its ceiling) for the tensor's dtypes.
+template <typename Fn, typename Constants>
+auto tile_piece(const simd::RuleKernels<Fn>& kernels, bool streams, const Constants& c) {
+  return [&kernels, streams, c](const OneStateTensor& t, std::size_t offset, std::size_t count) {
+    const int g = int(t.grad_dtype), o = out_index(t.out, t.out_dtype), s = state_index(t.state_dtype);
+    run_one_state(streams ? kernels.streams[g][o][s] : kernels.step[g][o][s], c, t, offset, count);
+  };
+}
+
+}  // namespace
+
+Status CpuAdam::validate(const LionHyper& hyper) { return check_hyper(hyper); }
+Status CpuAdam::validate(const AdagradHyper& hyper) { return check_hyper(hyper); }
+
+Status CpuAdam::step(const LionHyper& hyper, const StepOptions& options, std::span<const OneStateTensor> tensors) {
+  for (const Status& s : {check_hyper(hyper), check_step_options(options), check_tensors(tensors)}) {
+    if (!s.ok()) return s;
+  }
+  if (options.check_finite) {
+    if (Status s = impl_->check_finite<OneStateTensor>(tensors); !s.ok()) return s;
+  }
+  impl_->for_each_tile(tensors, tile_piece(impl_->table->lion, false, constants(hyper, options)));
+  return Status::success();
+}
+
+Status CpuAdam::step(const AdagradHyper& hyper, const StepOptions& options, std::span<const OneStateTensor> tensors) {
+  for (const Status& s : {check_hyper(hyper), check_step_options(options), check_tensors(tensors)}) {
+    if (!s.ok()) return s;
+  }
+  if (options.check_finite) {
+    if (Status s = impl_->check_finite<OneStateTensor>(tensors); !s.ok()) return s;
+  }
+  impl_->for_each_tile(tensors, tile_piece(impl_->table->adagrad, false, constants(hyper, options)));
+  return Status::success();
+}
+
+// Lion's and Adagrad's loads and stores are the same; Lion's table row serves both.
+Status CpuAdam::streams_pass(std::span<const OneStateTensor> tensors) {
+  if (Status s = check_tensors(tensors); !s.ok()) return s;
+  impl_->for_each_tile(tensors, tile_piece(impl_->table->lion, true, simd::LionConstants{}));
+  return Status::success();
+}
+
+}  // namespace zoe
