@@ -12,10 +12,11 @@
 #include <string>
 #include <string_view>
 
-#include "base/thread_role.h"
 
 namespace zoe {
 namespace {
+
+thread_local bool keeps_core = false;  // keep_core_binding_on_this_thread()
 
 Result<int> threads_from_env(int requested) {
   const char* env = std::getenv("ZOE_THREADS");
@@ -50,7 +51,7 @@ struct HwlocTopology {
 
 // Binds each thread entering the arena to one core of the process's allowed set, by arena slot, so a
 // thread keeps its core (and its NUMA node's memory) across steps. A trainer's thread that calls in gets its
-// original binding back when it leaves the arena; zoe's own threads keep theirs.
+// original binding back when it leaves the arena; a thread marked to keep its core keeps it.
 class PinningObserver final : public tbb::task_scheduler_observer {
  public:
   PinningObserver(tbb::task_arena& arena, hwloc_topology_t topology)
@@ -74,9 +75,10 @@ class PinningObserver final : public tbb::task_scheduler_observer {
     if (slot < 0 || count <= 0) return;
     int index = -1;
     for (int i = 0; i <= slot % count; ++i) index = hwloc_bitmap_next(cores_, index);
-    // zoe's own threads (the overlap schedule's worker, which enters once per piece) keep their core: the
-    // binding and its undoing would cost two sched_setaffinity calls and a migration per entry.
-    const bool own = !is_worker && on_worker_thread();
+    // A thread that keeps its binding (keep_core_binding_on_this_thread: the overlap schedule's worker,
+    // which enters once per piece) is bound once: binding and undoing would cost two sched_setaffinity
+    // calls and a migration per entry.
+    const bool own = !is_worker && keeps_core;
     if (own && kept_core_ == index) return;
     if (!is_worker && !own) {
       saved_ = hwloc_bitmap_alloc();
@@ -103,13 +105,15 @@ class PinningObserver final : public tbb::task_scheduler_observer {
   hwloc_topology_t topology_;
   hwloc_bitmap_t cores_ = nullptr;
   static thread_local hwloc_bitmap_t saved_;  // a trainer's thread: its binding before it entered
-  static thread_local int kept_core_;         // zoe's own thread: the core it stays bound to (-1: none yet)
+  static thread_local int kept_core_;         // a thread that keeps its core: that core (-1: none yet)
 };
 
 thread_local hwloc_bitmap_t PinningObserver::saved_ = nullptr;
 thread_local int PinningObserver::kept_core_ = -1;
 
 }  // namespace
+
+void keep_core_binding_on_this_thread() noexcept { keeps_core = true; }
 
 int available_cpus() {
   cpu_set_t set;

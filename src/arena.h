@@ -38,4 +38,10 @@ class PinnedArena {
 // The number of CPUs this process may run on (its affinity mask).
 int available_cpus();
 
+// The calling thread, one of zoe's own that enters an arena again and again (the overlap schedule's worker,
+// once per piece), keeps the core an arena binds it to instead of having its binding restored each time it
+// leaves: two sched_setaffinity calls and a migration per entry saved. Every other thread that calls in (a
+// trainer's, a stream's) gets its own binding back.
+void keep_core_binding_on_this_thread() noexcept;
+
 }  // namespace zoe

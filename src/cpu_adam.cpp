@@ -41,6 +41,7 @@ Status add_arrays(std::vector<ByteRange>& ranges, const std::string& name, std::
       if (a.optional) continue;
       return invalid_argument(name + ": " + a.what + " is null " + why);
     }
+    if (a.bytes == 0) continue;  // an empty array shares no memory with anything
     const auto begin = reinterpret_cast<std::uintptr_t>(a.ptr);
     ranges.push_back({begin, begin + a.bytes, tensor, a.what, a.output});
   }
@@ -134,7 +135,8 @@ Status check_tensor(const AdamTensor& t, std::size_t i, std::size_t count, MaxSq
                             {{t.param, 4 * t.n, "param", true},
                              {t.exp_avg, state, "exp_avg", true},
                              {t.exp_avg_sq, state, "exp_avg_sq", true},
-                             {t.max_exp_avg_sq, state, "max_exp_avg_sq", true, !with_max},
+                             // Ignored without amsgrad, as adam.h says: not checked either.
+                             {with_max ? t.max_exp_avg_sq : nullptr, state, "max_exp_avg_sq", true, !with_max},
                              {t.grad, dtype_size(t.grad_dtype) * t.n, "grad", false},
                              {t.out, dtype_size(t.out_dtype) * t.n, "out", true, true}},
                             with_max ? with_n + " and amsgrad" : with_n);
@@ -146,9 +148,9 @@ Status check_tensor(const AdamTensor& t, std::size_t i, std::size_t count, MaxSq
                     {{t.from.param, 4 * t.n, "from.param", false},
                      {t.from.exp_avg, state, "from.exp_avg", false},
                      {t.from.exp_avg_sq, state, "from.exp_avg_sq", false},
-                     {t.from.exp_avg_scale, scales, "from.exp_avg_scale", false, !q8},
-                     {t.from.exp_avg_sq_scale, scales, "from.exp_avg_sq_scale", false, !q8},
-                     {t.from.max_exp_avg_sq, state, "from.max_exp_avg_sq", false, !with_max}},
+                     {q8 ? t.from.exp_avg_scale : nullptr, scales, "from.exp_avg_scale", false, !q8},
+                     {q8 ? t.from.exp_avg_sq_scale : nullptr, scales, "from.exp_avg_sq_scale", false, !q8},
+                     {with_max ? t.from.max_exp_avg_sq : nullptr, state, "from.max_exp_avg_sq", false, !with_max}},
                     "while from.param is set");
 }
 

@@ -52,20 +52,21 @@ std::vector<char*> split_paths(std::span<char* const> args, Args& a) {
 // written and reported in turn.
 Status run(const Args& a, Report& report) {
   const char* blobs[3] = {"master", "exp_avg", "exp_avg_sq"};
-  const char* outputs[3] = {"model.safetensors", "exp_avg.safetensors", "exp_avg_sq.safetensors"};
+  const ExportFile outputs[3] = {{"master", "model.safetensors"}, {"exp_avg", "exp_avg.safetensors"},
+                                 {"exp_avg_sq", "exp_avg_sq.safetensors"}};
   const std::size_t count = a.moments ? 3 : 1;
   Result<PartitionedCheckpoint> checkpoint = PartitionedCheckpoint::open(a.paths);
   if (!checkpoint.ok()) return checkpoint.status();
   if (Status s = checkpoint->verify(std::span<const char* const>(blobs, count)); !s.ok()) return s;
   const std::size_t params = checkpoint->params().size(), files = checkpoint->files();
-  for (std::size_t k = 0; k < count; ++k) {
-    Result<std::string> path = export_safetensors(*checkpoint, blobs[k], a.out, outputs[k]);
-    if (!path.ok()) return path.status();
-    report.lines(format("wrote %s: %zu tensors (%s of %zu parameters, step %lld, from %zu checkpoint%s)\n", path->c_str(),
-                        params, k == 0 ? "fp32 master weights" : blobs[k], params,
-                        static_cast<long long>(checkpoint->step()), files, files == 1 ? "" : "s"));
-  }
-  return Status::success();
+  return export_safetensors(*checkpoint, std::span<const ExportFile>(outputs, count), a.out,
+                            [&](const std::string& path, std::size_t k) {
+                              report.lines(format("wrote %s: %zu tensors (%s of %zu parameters, step %lld, from %zu "
+                                                  "checkpoint%s)\n", path.c_str(), params,
+                                                  k == 0 ? "fp32 master weights" : blobs[k], params,
+                                                  static_cast<long long>(checkpoint->step()), files,
+                                                  files == 1 ? "" : "s"));
+                            });
 }
 
 }  // namespace

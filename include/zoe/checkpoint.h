@@ -17,7 +17,7 @@ namespace zoe {
 
 // One checkpoint file (OffloadOptimizer::save writes them: a header, blobs, an index and the manifest)
 // opened, its header, trailer and index checked; each blob's CRC-32C is checked when it is read. Move-only;
-// holds the file open.
+// holds the file open. A moved-from reader may only be assigned to or destroyed.
 class CheckpointReader {
  public:
   static Result<CheckpointReader> open(const std::string& path);
@@ -95,11 +95,18 @@ class PartitionedCheckpoint {
   std::unique_ptr<Impl> impl_;
 };
 
-// `zoe export`: the joined fp32 array `blob` ("master", "exp_avg" or "exp_avg_sq") of every parameter, by
-// name, as the safetensors file `name` in the folder `dir` (made when missing). Written beside the file and
-// renamed over it, or not at all; what killed exports of this host and PID namespace left there is removed
-// first. Returns the file's path.
-Result<std::string> export_safetensors(const PartitionedCheckpoint& checkpoint, const char* blob, const std::string& dir,
-                                       const std::string& name);
+// One file `zoe export` writes: the joined fp32 array `blob` ("master", "exp_avg" or "exp_avg_sq") of every
+// parameter, by name, as the safetensors file `name`.
+struct ExportFile {
+  const char* blob;
+  std::string name;
+};
+
+// `zoe export`: each of `files` in the folder `dir` (made when missing, then opened once: every file is
+// written through that one descriptor, wherever the path leads meanwhile). Each file is written beside
+// itself and renamed over it, or not at all; what killed exports of this host and PID namespace left there
+// is removed first. `written(path, k)` is called as files[k] lands; the first failure stops the export.
+Status export_safetensors(const PartitionedCheckpoint& checkpoint, std::span<const ExportFile> files,
+                          const std::string& dir, const std::function<void(const std::string&, std::size_t)>& written);
 
 }  // namespace zoe

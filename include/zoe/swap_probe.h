@@ -39,7 +39,7 @@ struct SwapPathProbe {
   std::vector<SwapStoreFound> stores;    // empty where the path could not be looked into
 };
 
-// Writes then reads `bytes` (a multiple of 1 MiB) in a scratch file of `path` that nobody can guess, created
+// Writes then reads `bytes` (rounded up to whole MiB) in a scratch file of `path` that nobody can guess, created
 // exclusively and removed after, through the libaio engine (1 MiB requests, queue depth 8), and looks at the
 // stores already there. Never fails: an unusable path says why in `verdict`. Builds without libaio have no
 // NVMe tier and no probe.

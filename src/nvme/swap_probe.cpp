@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -137,6 +138,9 @@ void warn_about_stores(SwapPathProbe& p) {
 }  // namespace
 
 SwapPathProbe probe_swap_path(const std::string& path, std::size_t bytes) {
+  // Whole MiB, which every O_DIRECT alignment divides; at least one.
+  constexpr std::size_t kMiB = std::size_t(1) << 20;
+  bytes = std::max(kMiB, (std::min(bytes, SIZE_MAX - kMiB) + kMiB - 1) / kMiB * kMiB);
   SwapPathProbe p = probe_one(path, bytes);
   warn_about_stores(p);
   return p;

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <functional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -70,18 +72,21 @@ Status write_safetensors(const Folder& folder, const std::string& name, const st
 
 }  // namespace
 
-Result<std::string> export_safetensors(const PartitionedCheckpoint& checkpoint, const char* blob, const std::string& dir,
-                                       const std::string& name) {
+Status export_safetensors(const PartitionedCheckpoint& checkpoint, std::span<const ExportFile> files,
+                          const std::string& dir, const std::function<void(const std::string&, std::size_t)>& written) {
   if (::mkdir(dir.c_str(), 0777) != 0 && errno != EEXIST) {
     const int e = errno;
     return Status(StatusCode::io_error, "cannot create " + dir + ": " + std::strerror(e), e);
   }
-  Result<Folder> folder = Folder::open(dir);  // opened once: the file is written through it
+  Result<Folder> folder = Folder::open(dir);  // opened once: every file below is written through it
   if (!folder.ok()) return folder.status();
-  Result<std::vector<std::vector<float>>> data = checkpoint.join(blob);
-  if (!data.ok()) return data.status();
-  if (Status s = write_safetensors(*folder, name, checkpoint.params(), *data); !s.ok()) return s;
-  return folder->path_of(name);
+  for (std::size_t k = 0; k < files.size(); ++k) {
+    Result<std::vector<std::vector<float>>> data = checkpoint.join(files[k].blob);
+    if (!data.ok()) return data.status();
+    if (Status s = write_safetensors(*folder, files[k].name, checkpoint.params(), *data); !s.ok()) return s;
+    if (written) written(folder->path_of(files[k].name), k);
+  }
+  return Status::success();
 }
 
 }  // namespace zoe

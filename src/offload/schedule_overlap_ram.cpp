@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "src/arena.h"
 #include "src/offload/schedule_overlap.h"
 
 namespace zoe {
@@ -56,6 +57,7 @@ class RamOverlap final : public OverlapSchedule {
 
 Status RamOverlap::step_piece_when_down(std::size_t k, EventId copied) {
   worker_->enqueue([this, k, copied, speculative_scale = speculation_scale()] {
+    keep_core_binding_on_this_thread();  // it enters the engine's arena once per piece (src/arena.h)
     if (!worker_status_.ok()) return;
     if (Status s = m_.device.synchronize(copied); !s.ok()) {
       worker_status_ = s;
