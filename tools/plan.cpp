@@ -301,7 +301,7 @@ Result<Request> request(const Texts& t) {
 }
 
 // The rates not given, measured here when a shown placement needs them.
-Status measure_rates(const Request& r, PlanResult& p, const Report& report) {
+Status measure_rates([[maybe_unused]] const Request& r, PlanResult& p, const Report& report) {
   auto needs = [&p](auto pred) {
     return pred(p.shown.placement) || (p.find(p.cheapest) && pred(p.all[p.cheapest].placement)) ||
            (p.find(p.zoe_cheapest) && pred(p.all[p.zoe_cheapest].placement));

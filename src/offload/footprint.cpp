@@ -58,7 +58,9 @@ Result<SpaceNeed> optimizer_footprint(const Device& device, const std::vector<Pa
     Result<SpaceNeed> store = nvme_tier_footprint(params, options, store_name);
     if (!store.ok()) return store.status();
     need += store.value();
+#ifdef ZOE_HAVE_AIO  // a build without libaio has no tier nvme: nvme_tier_footprint refused it above
     if (rule.streamed) need += step_windows_footprint(params, options, nvme_store_shape(params, options).tile, rule.grads_in_place);
+#endif
     if (options.spill_grads) need += GradSpill::footprint(params, options, store_name);
   }
   if (options.schedule == Schedule::overlap) need += overlap_footprint(params, options);
