@@ -1,4 +1,5 @@
 #include "src/cpu_engine.h"
+#include "zoe/optimizers.h"
 
 #include <cmath>
 #include <cstdint>
@@ -93,12 +94,7 @@ using namespace cpu_engine;
 
 Status check_hyper(const AdamHyper& h, const StepOptions& o) {
   if (Status s = check_step_options(o); !s.ok()) return s;
-  for (const auto& [name, value] : {std::pair<const char*, float>{"lr", h.lr}, {"eps", h.eps}}) {
-    if (Status s = require_non_negative(name, value); !s.ok()) return s;
-  }
-  if (Status s = require_beta("beta1", h.beta1); !s.ok()) return s;
-  if (Status s = require_beta("beta2", h.beta2); !s.ok()) return s;
-  return require_non_negative("weight_decay", h.weight_decay);
+  return validate_hyper(OptimizerHyper(h));  // the ranges of the optimizer table's fields
 }
 
 // Which tensors carry max_exp_avg_sq: every one (a step with amsgrad), none (without), or those that set it

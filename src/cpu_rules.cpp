@@ -6,29 +6,16 @@
 #include <vector>
 
 #include "src/cpu_engine.h"
+#include "zoe/optimizers.h"
 
 namespace zoe {
 namespace {
 
 using namespace cpu_engine;
 
-// Ranges as torch's constructors check them, and finite.
-Status check_hyper(const LionHyper& h) {
-  if (Status s = require_non_negative("lr", h.lr); !s.ok()) return s;
-  if (Status s = require_beta("beta1", h.beta1); !s.ok()) return s;
-  if (Status s = require_beta("beta2", h.beta2); !s.ok()) return s;
-  return require_non_negative("weight_decay", h.weight_decay);
-}
-
-Status check_hyper(const AdagradHyper& h) {
-  for (const auto& [name, value] : {std::pair<const char*, float>{"lr", h.lr},
-                                    {"lr_decay", h.lr_decay},
-                                    {"weight_decay", h.weight_decay},
-                                    {"eps", h.eps}}) {
-    if (Status s = require_non_negative(name, value); !s.ok()) return s;
-  }
-  return Status::success();
-}
+// Ranges as torch's constructors check them, and finite: the optimizer table's (zoe/optimizers.h).
+Status check_hyper(const LionHyper& h) { return validate_hyper(OptimizerHyper(h)); }
+Status check_hyper(const AdagradHyper& h) { return validate_hyper(OptimizerHyper(h)); }
 
 // Null pointers, invalid dtypes, and overlaps between an output (p, state, out) and anything else.
 Status check_tensors(std::span<const OneStateTensor> tensors) {

@@ -47,7 +47,7 @@ struct Measured {
 // its gradients in a reused host buffer, so that host RAM does not grow with n.
 Status one_step(SwapStore& store, const Config& cfg, std::int64_t step, std::vector<std::uint16_t>& grads,
                 std::vector<float>& grads32, std::vector<std::uint16_t>& out, SwapStats& sum) {
-  AdamHyper hyper;
+  OptimizerHyper hyper;  // AdamW
   hyper.weight_decay = 0.01f;
   StepOptions options;
   options.step = step;

@@ -28,7 +28,7 @@ struct Args {
 std::array<Option, 3> options_of(Args& a) {
   return {{
       {"out", &a.out, nullptr, "folder for model.safetensors (and the moments)"},
-      {"moments", nullptr, &a.moments, "also exp_avg.safetensors and exp_avg_sq.safetensors"},
+      {"moments", nullptr, &a.moments, "also each state array: exp_avg.safetensors and exp_avg_sq.safetensors (Adam), exp_avg.safetensors (Lion), sum.safetensors (Adagrad)"},
       {"help", nullptr, &a.help, "this text"},
   }};
 }
@@ -51,15 +51,20 @@ std::vector<char*> split_paths(std::span<char* const> args, Args& a) {
 // Every blob to be exported is checked against its checksum before any file is written; then each is joined,
 // written and reported in turn.
 Status run(const Args& a, Report& report) {
-  const char* blobs[3] = {"master", "exp_avg", "exp_avg_sq"};
-  const ExportFile outputs[3] = {{"master", "model.safetensors"}, {"exp_avg", "exp_avg.safetensors"},
-                                 {"exp_avg_sq", "exp_avg_sq.safetensors"}};
-  const std::size_t count = a.moments ? 3 : 1;
   Result<PartitionedCheckpoint> checkpoint = PartitionedCheckpoint::open(a.paths);
   if (!checkpoint.ok()) return checkpoint.status();
-  if (Status s = checkpoint->verify(std::span<const char* const>(blobs, count)); !s.ok()) return s;
+  // The master as model.safetensors, and with --moments each state array of the run's optimizer as
+  // <state>.safetensors (Adam: exp_avg, exp_avg_sq; Lion: exp_avg; Adagrad: sum).
+  std::vector<std::string> names = {"master"};
+  std::vector<ExportFile> outputs = {{"master", "model.safetensors"}};
+  for (std::string_view state : optimizer_rule(checkpoint->rule()).states) names.emplace_back(state);
+  for (std::size_t k = 1; k < names.size(); ++k) outputs.push_back({names[k].c_str(), names[k] + ".safetensors"});
+  std::vector<const char*> blobs;
+  for (const std::string& n : names) blobs.push_back(n.c_str());
+  const std::size_t count = a.moments ? names.size() : 1;
+  if (Status s = checkpoint->verify(std::span<const char* const>(blobs.data(), count)); !s.ok()) return s;
   const std::size_t params = checkpoint->params().size(), files = checkpoint->files();
-  return export_safetensors(*checkpoint, std::span<const ExportFile>(outputs, count), a.out,
+  return export_safetensors(*checkpoint, std::span<const ExportFile>(outputs.data(), count), a.out,
                             [&](const std::string& path, std::size_t k) {
                               report.lines(format("wrote %s: %zu tensors (%s of %zu parameters, step %lld, from %zu "
                                                   "checkpoint%s)\n", path.c_str(), params,

@@ -94,12 +94,12 @@ const char* kUsage =
 // The command line as given, with the defaults.
 struct Texts {
   std::string params, model, gpus = "1", nodes = "1", gpu_mem, host_ram, nvme_capacity, stage, offload_opt, offload_param,
-      state_dtype = "fp32", prefetch = "2", grad_accum = "1", micro_batch, seq_len, adam_rate, nvme_gbps, pcie_gbps;
+      state_dtype = "fp32", optimizer = "adam", prefetch = "2", grad_accum = "1", micro_batch, seq_len, adam_rate, nvme_gbps, pcie_gbps;
   bool json = false, checkpointing = false, grads_on_host = false, spill_grads = false, help = false;
   std::vector<std::string> nvme_paths;
 };
 
-std::array<Option, 23> options_of(Texts& t) {
+std::array<Option, 24> options_of(Texts& t) {
   return {{
       {"params", &t.params, nullptr, "parameter count, 1 to 100T (350M, 7.5B, 1T)"},
       {"model", &t.model, nullptr, "a Hugging Face-style config.json instead of --params"},
@@ -112,6 +112,7 @@ std::array<Option, 23> options_of(Texts& t) {
       {"offload-optimizer", &t.offload_opt, nullptr, "none, cpu or nvme"},
       {"offload-param", &t.offload_param, nullptr, "none, cpu or nvme (needs stage 3)"},
       {"state-dtype", &t.state_dtype, nullptr, "the moments: fp32, bf16 or int8 (the master stays fp32)"},
+      {"optimizer", &t.optimizer, nullptr, "adam (AdamW), lion or adagrad: its state arrays (Adam 2, Lion and Adagrad 1)"},
       {"prefetch", &t.prefetch, nullptr, "modules fetched ahead, 0 to 32 (stage 3, parameter offload)"},
       {"grad-accum", &t.grad_accum, nullptr, "micro-batches per step, 1 to 64K (> 1: zoe's fp32 sums on the host)"},
       {"micro-batch", &t.micro_batch, nullptr, "sequences per GPU per micro-batch, 1 to 64K (activation estimate)"},
@@ -207,6 +208,13 @@ Status read_training(const Texts& t, Inputs& in) {
   Result<DType> sd = plan::parse_state_dtype(t.state_dtype);
   if (!sd.ok()) return sd.status();
   tr.state = *sd;
+  const OptimizerRule* rule = find_optimizer_rule(t.optimizer);
+  if (rule == nullptr) return invalid_argument("--optimizer " + t.optimizer + " is not one zoe runs: give adam, lion or adagrad");
+  if (tr.state == DType::i8 && !rule->int8_state) {
+    return invalid_argument("--state-dtype int8 with --optimizer " + t.optimizer + ": " + std::string(rule->name) +
+                            " keeps its state as fp32 or bf16");
+  }
+  tr.optimizer = rule->rule;
   return Status::success();
 }
 

@@ -151,8 +151,10 @@ std::string summary_text(const Request& r, const PlanResult& p) {
     out += format("NVMe path %s: %s (%s)\n", c.nvme_paths[i].c_str(), human(c.nvme_capacity[i]).c_str(),
                   r.in.capacity_how.c_str());
   }
-  out += format("optimizer state: fp32 master + %s moments (%.2f bytes per parameter)%s\n",
-                state_dtype_name(t.state).data(), 4 + moment_bytes(1 << 20, t.state) / double(1 << 20),
+  const OptimizerRule& rule = optimizer_rule(t.optimizer);
+  out += format("optimizer state (%s): fp32 master + %zu %s state array%s (%.2f bytes per parameter)%s\n",
+                rule.name.data(), rule.states.size(), state_dtype_name(t.state).data(), rule.states.size() == 1 ? "" : "s",
+                4 + moment_bytes(1 << 20, t.state, rule.states.size()) / double(1 << 20),
                 t.spill_grads     ? "; stage 3's gradient shards spilled to NVMe (spill_grads)"
                 : t.grads_on_host ? "; stage 3's gradient shards in host RAM (CPUOffloadPolicy)"
                                   : "");
@@ -227,6 +229,7 @@ std::string plan_json(const Request& r, const PlanResult& p) {
            {"nvme_paths", c.nvme_paths},
            {"nvme_capacity_bytes", c.nvme_capacity},
            {"state_dtype", state_dtype_name(r.in.training.state)},
+           {"optimizer", optimizer_rule(r.in.training.optimizer).name},
            {"grads_on_host", r.in.training.grads_on_host},
            {"spill_grads", r.in.training.spill_grads},
            {"requested", r.requested}};

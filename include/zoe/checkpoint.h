@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "zoe/offload.h"
+#include "zoe/optimizers.h"
 #include "zoe/status.h"
 
 namespace zoe {
@@ -79,10 +80,13 @@ class PartitionedCheckpoint {
   std::int64_t step() const;
   std::size_t files() const;
   LossScaleState loss_scale() const;  // the run's fp16 loss scaler (every rank holds the same)
+  // The optimizer whose state the files hold (every rank's the same): its state arrays are the blobs beside
+  // "master", by the optimizer table's names (zoe/optimizers.h).
+  Rule rule() const;
   // What file `file` (in the order open() was given them) holds: its state arrays' pieces of params(), in
   // their order.
   const std::vector<CheckpointPiece>& pieces(std::size_t file) const;
-  // Checks every file's blobs ("master", "exp_avg", "exp_avg_sq") against their checksums, reading them
+  // Checks every file's blobs ("master" and the rule's states) against their checksums, reading them
   // without keeping them.
   Status verify(std::span<const char* const> blobs) const;
   // One blob of every rank joined: each parameter's fp32 elements, whole, in params()' order.
@@ -95,7 +99,7 @@ class PartitionedCheckpoint {
   std::unique_ptr<Impl> impl_;
 };
 
-// One file `zoe export` writes: the joined fp32 array `blob` ("master", "exp_avg" or "exp_avg_sq") of every
+// One file `zoe export` writes: the joined fp32 array `blob` ("master" or a state's name) of every
 // parameter, by name, as the safetensors file `name`.
 struct ExportFile {
   const char* blob;

@@ -2,7 +2,8 @@
 // (optimizer, scheduler, gradient_clipping, fp16/bf16, zero_optimization.offload_optimizer and offload_param,
 // aio) plus
 // zoe's own "zoe"
-// section, and turns them into OffloadOptions and AdamHyper. Keys zoe has no use for are reported in
+// section, and turns them into OffloadOptions and a param group's OptimizerHyper (optimizer.type: each rule of the
+// optimizer table, zoe/optimizers.h, by its DeepSpeed names). Keys zoe has no use for are reported in
 // `notes`, never dropped silently; invalid values are errors naming the key and the file.
 // docs/config.md lists the mapping and where zoe's defaults differ from DeepSpeed's.
 #pragma once
@@ -14,6 +15,7 @@
 #include "zoe/adam.h"
 #include "zoe/lr_schedule.h"
 #include "zoe/offload.h"
+#include "zoe/optimizers.h"
 #include "zoe/param_tier.h"
 #include "zoe/status.h"
 
@@ -21,7 +23,7 @@ namespace zoe {
 
 struct LoadedConfig {
   OffloadOptions options;
-  AdamHyper hyper;
+  OptimizerHyper hyper;
   // zero_optimization.offload_param: the 16-bit weights in a parameter tier (zoe/param_tier.h). device
   // cpu|nvme, nvme_path, buffer_count (prefetch = buffer_count - 1) and buffer_size (budget = buffer_count x
   // buffer_size) are read; the aio section's block_size and queue_depth apply to it too.

@@ -16,6 +16,7 @@
 #include "zoe/device.h"
 #include "zoe/dtype.h"
 #include "zoe/io_fault.h"
+#include "zoe/optimizers.h"
 #include "zoe/status.h"
 
 namespace zoe {
@@ -170,8 +171,10 @@ struct OptionField {
 std::span<const OptionField> option_fields();
 
 // A param group: parameters sharing hyper-parameters (as in torch.optim).
+// Its rule and hyper-parameters (zoe/optimizers.h): every group of one optimizer runs the same rule, which
+// fixes the state arrays each parameter keeps.
 struct ParamGroup {
-  AdamHyper hyper;
+  OptimizerHyper hyper;
 };
 
 // One parameter as the device holds it.
@@ -305,8 +308,8 @@ class OffloadOptimizer {
   Status save(const std::string& path, bool record_names = true);
   Status load(const std::string& path);
 
-  // Hyper-parameters may change between steps (learning-rate schedules).
-  AdamHyper& group_hyper(std::size_t group);
+  // Hyper-parameters may change between steps (learning-rate schedules); the rule may not (step() refuses).
+  OptimizerHyper& group_hyper(std::size_t group);
   float loss_scale() const;
   // The loss scaler's state (what save() records; the delayed schedule's background step updates it: read it
   // after wait()), and its replacement (state taken over from another front-end's checkpoint): refused,

@@ -18,6 +18,7 @@
 #include "zoe/adam.h"
 #include "zoe/dtype.h"
 #include "zoe/offload.h"
+#include "zoe/optimizers.h"
 #include "zoe/status.h"
 
 namespace zoe::plan {
@@ -100,6 +101,7 @@ std::string zoe_gap(const Placement& p);
 
 struct Training {
   DType state = DType::f32;  // of the moments: f32, bf16 or i8
+  Rule optimizer = Rule::adam;  // its state arrays (zoe/optimizers.h): Adam's two moments, Lion's or Adagrad's one
   std::uint64_t prefetch = 2;        // modules fetched ahead of the one computing (parameter offload, stage 3)
   std::uint64_t grad_accumulation = 1;
   std::uint64_t buffer_count = 4;    // NVMe tier: tile buffers per rank
@@ -155,9 +157,9 @@ struct Usage {
   Bytes per_gpu, per_host, per_nvme_path;
 };
 
-// Bytes of the two moments of `elements` parameters in the state dtype (int8: one byte each, plus an fp32
-// scale per block of each).
-std::uint64_t moment_bytes(std::uint64_t elements, DType d);
+// Bytes of the state arrays (`arrays`: Adam's two moments, Lion's or Adagrad's one) of `elements` parameters in
+// the state dtype (int8, Adam's only: one byte each, plus an fp32 scale per block of each).
+std::uint64_t moment_bytes(std::uint64_t elements, DType d, std::uint64_t arrays = 2);
 
 // What one rank allocates beyond the model's states, from the code that allocates it (layout.cpp names
 // each source); usage(), the step estimate and the report's explanation read it. Where the placement has

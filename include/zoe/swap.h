@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "zoe/adam.h"
+#include "zoe/optimizers.h"
 #include "zoe/dtype.h"
 #include "zoe/io_fault.h"
 #include "zoe/offload.h"
@@ -67,6 +68,10 @@ struct SwapOptions {
   // on a block. The kernel steps them as AdamTensor::state_dtype. Recorded in the manifest: open() refuses
   // another.
   DType state_dtype = DType::f32;
+  // State arrays per element beside the master (zoe/optimizers.h, state_arrays()): 2, Adam's m and v; 1, Lion's
+  // or Adagrad's (a slot is then [p | m], and read/write take no v). Every segment's rule must keep as many.
+  // Recorded in the manifest: open() refuses another.
+  std::size_t state_arrays = 2;
   // When every tile has a buffer (tiles <= buffer_count), the tiles stay in their buffers between calls: a
   // call reads none it holds, and with durability next_call / on_flush its writes finish after it returns.
   // The next call waits for them before it touches a buffer and rewrites from RAM any that failed, so a
@@ -84,7 +89,7 @@ struct SwapOptions {
 struct SwapSegment {
   std::size_t offset = 0;  // first element, in the store's range
   std::size_t n = 0;
-  const AdamHyper* hyper = nullptr;
+  const OptimizerHyper* hyper = nullptr;  // the rule and its hyper-parameters
   const void* grad = nullptr;
   DType grad_dtype = DType::f32;
   void* out = nullptr;

@@ -2,6 +2,7 @@
 // hyper-parameters to and from Python.
 #include "python/src/binding.h"
 
+#include <algorithm>
 #include <cstdio>
 
 namespace zoe::python {
@@ -55,17 +56,69 @@ AdamHyper make_hyper(float lr, float beta1, float beta2, float eps, float weight
   return h;
 }
 
-nb::dict hyper_dict(const AdamHyper& h) {
+OptimizerHyper hyper_from_dict(const nb::dict& d, const std::string& where, const OptimizerHyper& base) {
+  OptimizerHyper h = base;
+  if (d.contains("optimizer")) {
+    std::string name;
+    const OptimizerRule* r = nb::try_cast<std::string>(d["optimizer"], name) ? find_optimizer_rule(name) : nullptr;
+    if (r == nullptr) {
+      throw std::invalid_argument(where + ": optimizer must name one of zoe's rules (adam, lion, adagrad)");
+    }
+    if (r->rule != base.rule) h = hyper_defaults(r->rule);
+  }
+  const OptimizerRule& rule = optimizer_rule(h.rule);
+  for (auto [key_obj, value] : d) {
+    std::string key;
+    if (!nb::try_cast<std::string>(key_obj, key)) throw std::invalid_argument(where + ": keys must be strings");
+    if (key == "optimizer") continue;
+    const auto f = std::find_if(rule.fields.begin(), rule.fields.end(), [&](const HyperField& x) { return x.name == key; });
+    if (f == rule.fields.end()) {
+      throw std::invalid_argument(where + ": " + key + " is not a hyper-parameter of " + std::string(rule.name));
+    }
+    const bool ok = f->number != nullptr ? nb::try_cast<float>(value, h.*f->number) &&
+                                               !nb::isinstance<nb::bool_>(value)
+                                         : nb::isinstance<nb::bool_>(value) && nb::try_cast<bool>(value, h.*f->flag);
+    if (!ok) {
+      nb::object shown = nb::steal(PyObject_ASCII(value.ptr()));
+      if (!shown.is_valid()) throw nb::python_error();
+      throw std::invalid_argument(where + ": " + key + " = " + nb::borrow<nb::str>(shown).c_str() +
+                                  " is invalid: need " + (f->number != nullptr ? "a number" : "True or False"));
+    }
+  }
+  return h;
+}
+
+nb::dict hyper_dict(const OptimizerHyper& h) {
   nb::dict d;
-  d["lr"] = h.lr;
-  d["beta1"] = h.beta1;
-  d["beta2"] = h.beta2;
-  d["eps"] = h.eps;
-  d["weight_decay"] = h.weight_decay;
-  d["adamw"] = h.adamw;
-  d["bias_correction"] = h.bias_correction;
-  d["maximize"] = h.maximize;
+  const OptimizerRule& rule = optimizer_rule(h.rule);
+  d["optimizer"] = std::string(rule.name);
+  for (const HyperField& f : rule.fields) {
+    const std::string key(f.name);
+    if (f.number != nullptr) {
+      d[key.c_str()] = h.*f.number;
+    } else {
+      d[key.c_str()] = h.*f.flag;
+    }
+  }
   return d;
+}
+
+nb::list optimizer_table() {
+  nb::list out;
+  for (const OptimizerRule& r : optimizer_rules()) {
+    nb::dict e;
+    e["name"] = std::string(r.name);
+    e["torch_class"] = std::string(r.torch_class);
+    nb::list types, states;
+    for (std::string_view t : r.deepspeed_types) types.append(std::string(t));
+    for (std::string_view s : r.states) states.append(std::string(s));
+    e["deepspeed_types"] = types;
+    e["states"] = states;
+    e["defaults"] = hyper_dict(hyper_defaults(r.rule));
+    e["int8_state"] = r.int8_state;
+    out.append(e);
+  }
+  return out;
 }
 
 }  // namespace zoe::python

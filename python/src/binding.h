@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "zoe/adam.h"
+#include "zoe/optimizers.h"
 #include "zoe/device.h"
 #include "zoe/dtype.h"
 #include "zoe/offload.h"
@@ -100,7 +101,13 @@ auto memory_of(const Array& a, const std::string& what) {
 DType parse_dtype_or_throw(const std::string& name);
 AdamHyper make_hyper(float lr, float beta1, float beta2, float eps, float weight_decay, bool adamw,
                      bool bias_correction, bool maximize = false);
-nb::dict hyper_dict(const AdamHyper& h);
+// A param group's hyper-parameters by the optimizer table's field names (zoe/optimizers.h), with "optimizer"
+// naming the rule: read from a dict over `base` (its rule when the dict names none; the named rule's defaults
+// when it names another), and written back as one. A key the rule does not have is refused, naming `where`.
+OptimizerHyper hyper_from_dict(const nb::dict& d, const std::string& where, const OptimizerHyper& base);
+nb::dict hyper_dict(const OptimizerHyper& h);
+// The optimizer table as Python values: per rule its names, fields with their defaults, and state arrays.
+nb::list optimizer_table();
 
 struct PyDevice {
   explicit PyDevice(std::unique_ptr<Device> d, int type = nb::device::cpu::value, int id = 0)

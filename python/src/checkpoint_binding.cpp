@@ -131,6 +131,8 @@ void bind_checkpoint_config(nb::module_& m) {
         "Every rank's optimizer checkpoint of one run joined, as zoe export does: {step, loss_scale, params: "
         "[(name, shape, n)], pieces: [each file's [(param, begin, n)]], master/exp_avg/exp_avg_sq: [fp32 array per "
         "param]}.");
+  m.def("optimizer_table", &optimizer_table,
+        "The optimizers zoe steps: per rule its name, torch class, DeepSpeed types, defaults and state arrays.");
   m.def("parse_config",
         [](const nb::str& text, const nb::str& source) {
           return config_dict(take(parse_config(utf8_arg(text, "text"), utf8_arg(source, "source"))));

@@ -160,25 +160,8 @@ std::unique_ptr<PyEngine> make_engine(nb::object device_obj, std::vector<nb::dic
   PyDevice& device = nb::cast<PyDevice&>(device_obj);
   std::vector<ParamGroup> gs;
   for (nb::dict& g : groups) {
-    auto get = [&g, &gs](const char* key, auto fallback) {
-      using T = decltype(fallback);
-      if (!g.contains(key)) return fallback;
-      T v{};
-      if (!nb::try_cast<T>(g[key], v)) {
-        nb::object shown = nb::steal(PyObject_ASCII(nb::object(g[key]).ptr()));
-        if (!shown.is_valid()) throw nb::python_error();
-        check(invalid_argument("group " + std::to_string(gs.size()) + ": " + key + " = " +
-                               nb::borrow<nb::str>(shown).c_str() + " is invalid: need " +
-                               (std::is_same_v<T, bool> ? "True or False" : "a number")));
-      }
-      return v;
-    };
-    const AdamHyper defaults;
-    gs.push_back(ParamGroup{make_hyper(get("lr", defaults.lr), get("beta1", defaults.beta1),
-                                       get("beta2", defaults.beta2), get("eps", defaults.eps),
-                                       get("weight_decay", defaults.weight_decay), get("adamw", defaults.adamw),
-                                       get("bias_correction", defaults.bias_correction),
-                                       get("maximize", defaults.maximize))});
+    // Each group's rule and fields by the optimizer table; Adam's defaults unless it names another rule.
+    gs.push_back(ParamGroup{hyper_from_dict(g, "group " + std::to_string(gs.size()), OptimizerHyper{})});
   }
   const OffloadOptions o = to_options(options);
   auto engine = std::make_unique<PyEngine>();
@@ -332,15 +315,13 @@ void bind_engine_settings(nb::class_<PyEngine>& engine) {
            },
            nb::arg("path"))
       .def("set_hyper",
-           [](PyEngine& e, std::size_t group, float lr, float beta1, float beta2, float eps, float weight_decay,
-              bool adamw, bool maximize) {
-             AdamHyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, adamw, true, maximize);
-             check(CpuAdam::validate(h));
-             AdamHyper& target = e.get().group_hyper(group);
+           [](PyEngine& e, std::size_t group, const nb::kwargs& fields) {
+             OptimizerHyper& target = e.get().group_hyper(group);
+             const OptimizerHyper h = hyper_from_dict(fields, "group " + std::to_string(group), target);
+             check(validate_hyper(h));
              target = h;
            },
-           nb::arg("group"), nb::arg("lr"), nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"),
-           nb::arg("weight_decay"), nb::arg("adamw"), nb::arg("maximize") = false)
+           "Sets fields of param group `group` by the optimizer table's names (lr=..., beta1=..., ...).")
       .def("hyper", [](PyEngine& e, std::size_t group) { return hyper_dict(e.get().group_hyper(group)); })
       .def_prop_ro("loss_scale", [](PyEngine& e) { return e.get().loss_scale(); })
       .def_prop_ro("loss_scale_state",

@@ -1,6 +1,6 @@
 // The swap store's private state, shared by swap_store.cpp (files, manifest), swap_table.cpp (the tile
-// table's file), swap_pipeline.cpp (the tile pipeline) and swap_step.cpp (the Adam step, read/write and the
-// other calls built on the pipeline).
+// table's file), swap_pipeline.cpp (the tile pipeline), swap_step.cpp (the step, read/write and the other
+// calls built on the pipeline) and swap_segments.cpp (a step's checks).
 #pragma once
 
 #include "src/private.h"
@@ -43,7 +43,8 @@ struct TileTask {
   bool speculative = false;  // its new entry goes to Impl::speculated, not the table (SwapStore::speculate)
 };
 
-// A tile's arrays in its buffer (and slot): [p | m | v | m_scale | v_scale]. m and v are in the store's state
+// A tile's arrays in its buffer (and slot): [p | m | v | m_scale | v_scale], v only with two state arrays
+// (SwapOptions::state_arrays; null otherwise). m and v are in the store's state
 // dtype (moment_bytes each); the scales exist for i8 moments only (one fp32 per kMomentBlock elements of the
 // tile, blocks counted from the tile's first element, which is also a block boundary of the store's range).
 struct TileArrays {
@@ -82,6 +83,7 @@ struct SwapStore::Impl {
   std::size_t n = 0, tile = 0, ntiles = 0, alignment = 4096;
   std::size_t tile_bytes = 0;  // the master p of a tile: tile * 4
   std::size_t moment_bytes = 4;  // per element of m and of v (SwapOptions::state_dtype)
+  std::size_t state_arrays = 2;  // m and v, or m alone (SwapOptions::state_arrays)
   std::size_t scale_count = 0;   // i8: block scales per tile and moment (tile / kMomentBlock); else 0
   std::size_t slot_bytes = 0;  // p, m, v (and scales) of a tile, rounded up to the alignment
   std::vector<PathFile> files;
@@ -173,12 +175,13 @@ struct SwapStore::Impl {
   TileArrays arrays(std::size_t b) {
     unsigned char* base = buffers[b].as<unsigned char>();
     unsigned char* m = base + tile * 4;
-    unsigned char* v = m + tile * moment_bytes;
-    float* m_scale = scale_count == 0 ? nullptr : reinterpret_cast<float*>(v + tile * moment_bytes);
+    unsigned char* after = m + state_arrays * tile * moment_bytes;
+    unsigned char* v = state_arrays > 1 ? m + tile * moment_bytes : nullptr;
+    float* m_scale = scale_count == 0 ? nullptr : reinterpret_cast<float*>(after);
     return {reinterpret_cast<float*>(base), m, v, m_scale, m_scale == nullptr ? nullptr : m_scale + scale_count};
   }
   // Bytes of one slot for the store's shape and state dtype, before rounding up to the alignment.
-  std::size_t slot_payload() const { return tile * (4 + 2 * moment_bytes) + 2 * scale_count * 4; }
+  std::size_t slot_payload() const { return tile * (4 + state_arrays * moment_bytes) + 2 * scale_count * 4; }
   // The last tile's padding (elements count..tile, and their blocks' scales) set to zeros, so that no stale
   // buffer bytes are ever written.
   void zero_padding(const TileArrays& a, std::size_t count) const;
@@ -200,7 +203,17 @@ struct SwapStore::Impl {
 Status step_tiles(SwapStore::Impl& im, std::span<const SwapSegment> segments, const StepOptions& options,
                   const SwapStore::TileGate* gate, const SwapStore::TileRank* rank = nullptr);
 
+// Checks and the copy-out of a step (swap_segments.cpp).
 // Whether every gradient element is finite (f32, f16, bf16 bit patterns).
 bool all_finite(const void* grad, DType dtype, std::size_t n);
+// Elements [offset, offset + count) inside [0, n); `what` names the call.
+Status check_range(std::size_t offset, std::size_t count, std::size_t n, const char* what);
+// Sorted, disjoint segments inside the store, each starting a block with i8 moments (`blocks`), each with
+// valid hyper-parameters of a rule that keeps the store's `state_arrays`.
+Status check_segments(std::span<const SwapSegment> segments, std::size_t n, bool blocks, std::size_t state_arrays);
+// check_finite: every segment's gradient finite, else non_finite naming the first that is not.
+Status check_finite_grads(std::span<const SwapSegment> segments);
+// A stepped master out as the device's weights: f16/bf16 rounded, f32 copied.
+void copy_out(const float* p, void* out, DType dtype, std::size_t count);
 
 }  // namespace zoe

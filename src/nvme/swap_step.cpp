@@ -14,31 +14,7 @@ using Clock = std::chrono::steady_clock;
 
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-Status check_range(std::size_t offset, std::size_t count, std::size_t n, const char* what) {
-  if (offset > n || count > n - offset) {
-    return invalid_argument(std::string(what) + ": elements [" + std::to_string(offset) + ", " +
-                            std::to_string(offset) + " + " + std::to_string(count) + ") are outside the store's [0, " +
-                            std::to_string(n) + ")");
-  }
-  return Status::success();
-}
-
 }  // namespace
-
-bool all_finite(const void* grad, DType dtype, std::size_t n) {
-  // An exponent field of all ones is Inf or NaN in each of the three formats.
-  if (dtype == DType::f32) {
-    const auto* g = static_cast<const std::uint32_t*>(grad);
-    std::uint32_t bad = 0;
-    for (std::size_t i = 0; i < n; ++i) bad |= static_cast<std::uint32_t>((g[i] & 0x7F800000u) == 0x7F800000u);
-    return bad == 0;
-  }
-  const std::uint16_t mask = dtype == DType::f16 ? 0x7C00u : 0x7F80u;
-  const auto* g = static_cast<const std::uint16_t*>(grad);
-  std::uint32_t bad = 0;
-  for (std::size_t i = 0; i < n; ++i) bad |= static_cast<std::uint32_t>((g[i] & mask) == mask);
-  return bad == 0;
-}
 
 namespace {
 
@@ -46,7 +22,9 @@ namespace {
 // and zero codes with zero scales decode to +0.
 void zero_tile(const SwapStore::Impl& im, const TileArrays& a, std::size_t count) {
   std::memset(a.p, 0, count * 4);
-  for (unsigned char* x : {a.m, a.v}) std::memset(x, 0, count * im.moment_bytes);
+  for (unsigned char* x : {a.m, a.v}) {
+    if (x != nullptr) std::memset(x, 0, count * im.moment_bytes);
+  }
   for (float* x : {a.m_scale, a.v_scale}) {
     if (x != nullptr) std::memset(x, 0, moment_blocks(count) * 4);
   }
@@ -104,65 +82,6 @@ Status SwapStore::initialize(const std::function<Status(std::size_t, std::size_t
 }
 
 namespace {
-
-// i8 moments (`blocks`): a block's scales belong to one tensor, so every segment starts on a block boundary.
-Status check_segments(std::span<const SwapSegment> segments, std::size_t n, bool blocks) {
-  std::size_t end = 0;
-  for (std::size_t i = 0; i < segments.size(); ++i) {
-    const SwapSegment& s = segments[i];
-    const std::string name = "segment " + std::to_string(i);
-    if (Status r = check_range(s.offset, s.n, n, name.c_str()); !r.ok()) return r;
-    if (s.n == 0) continue;
-    if (blocks && s.offset % kMomentBlock != 0) {
-      return invalid_argument(name + " starts at " + std::to_string(s.offset) + ", not on a block of " +
-                              std::to_string(kMomentBlock) + " elements: with i8 moments each segment starts a block "
-                              "(pad the flattened range so every tensor does)");
-    }
-    if (i > 0 && s.offset < end) {
-      return invalid_argument(name + " starts at " + std::to_string(s.offset) +
-                              ", inside an earlier segment (ending at " + std::to_string(end) +
-                              "): segments must be sorted by offset and not overlap");
-    }
-    end = s.offset + s.n;
-    if (s.hyper == nullptr) return invalid_argument(name + ": hyper is null");
-    if (Status h = CpuAdam::validate(*s.hyper); !h.ok()) return invalid_argument(name + ": " + h.message());
-    if (s.grad == nullptr) return invalid_argument(name + ": grad is null with n = " + std::to_string(s.n));
-    if (!dtype_valid(s.grad_dtype)) return invalid_argument(name + ": grad dtype is not f32, f16 or bf16");
-    if (s.out != nullptr && !dtype_valid(s.out_dtype)) {
-      return invalid_argument(name + ": out dtype must be f32, f16 or bf16 (or out = nullptr)");
-    }
-  }
-  return Status::success();
-}
-
-void copy_out(const float* p, void* out, DType dtype, std::size_t count) {
-  if (dtype == DType::f32) {
-    std::memcpy(out, p, count * 4);
-    return;
-  }
-  auto* o = static_cast<std::uint16_t*>(out);
-  if (dtype == DType::f16) {
-    for (std::size_t i = 0; i < count; ++i) o[i] = float_to_f16(p[i]);
-  } else {
-    for (std::size_t i = 0; i < count; ++i) o[i] = float_to_bf16(p[i]);
-  }
-}
-
-}  // namespace
-
-namespace {
-
-Status check_finite_grads(std::span<const SwapSegment> segments) {
-  for (std::size_t i = 0; i < segments.size(); ++i) {
-    const SwapSegment& s = segments[i];
-    if (s.n > 0 && !all_finite(s.grad, s.grad_dtype, s.n)) {
-      return Status(StatusCode::non_finite, "segment " + std::to_string(i) + " (elements [" + std::to_string(s.offset) +
-                                                ", " + std::to_string(s.offset + s.n) +
-                                                ")) has a NaN or Inf gradient; nothing was changed");
-    }
-  }
-  return Status::success();
-}
 
 // The tiles a step touches, in order, each with the first segment touching it; `skipped` counts the tiles
 // already at the step (a retry), which are read only where a segment wants its copy-out refilled.
@@ -253,14 +172,14 @@ class TileStepper {
     gather(task, a, count);
     Status r;
     for (const Call& g : groups_) {
-      if (g.tensors.empty() || !r.ok()) continue;
+      if ((g.tensors.empty() && g.one_state.empty()) || !r.ok()) continue;
       StepOptions o = adam_options_;
       o.step = g.step;
-      r = im_.adam->step(*g.hyper, o, g.tensors);
+      r = step_rule(*im_.adam, *g.hyper, o, g.tensors, g.one_state);
     }
     for (std::size_t k = 0; r.ok() && k < f32_out_.size(); ++k) copy_out(f32_out_[k].p, f32_out_[k].out, DType::f32, f32_out_[k].n);
     adam_s_ += since(t0);
-    if (!r.ok()) return Status(r.code(), "Adam on " + im_.tile_name(task.tile) + ": " + r.message(), r.sys_errno());
+    if (!r.ok()) return Status(r.code(), "the step on " + im_.tile_name(task.tile) + ": " + r.message(), r.sys_errno());
     return r;
   }
 
@@ -269,9 +188,10 @@ class TileStepper {
 
  private:
   struct Call {
-    const AdamHyper* hyper;
+    const OptimizerHyper* hyper;
     std::int64_t step;
-    std::vector<AdamTensor> tensors;
+    std::vector<AdamTensor> tensors;        // Adam
+    std::vector<OneStateTensor> one_state;  // Lion, Adagrad
   };
   // An f32 `out` (an fp32 parameter's device weights are its master; the kernel writes 16-bit copies only):
   // the stepped master is copied there after the tile's Adam calls.
@@ -282,7 +202,10 @@ class TileStepper {
   void gather(const TileTask& task, const TileArrays& a, std::size_t count) {
     const std::size_t begin = im_.tile_begin(task.tile), end = begin + count;
     const std::size_t index = static_cast<std::size_t>(&task - plan_.tasks.data());
-    for (Call& g : groups_) g.tensors.clear();
+    for (Call& g : groups_) {
+      g.tensors.clear();
+      g.one_state.clear();
+    }
     f32_out_.clear();
     for (std::size_t si = plan_.first_segment[index]; si < segments_.size() && segments_[si].offset < end; ++si) {
       const SwapSegment& seg = segments_[si];
@@ -301,8 +224,14 @@ class TileStepper {
       const std::int64_t step = seg.step > 0 ? seg.step : options_.step;
       auto group = std::find_if(groups_.begin(), groups_.end(),
                                 [&](const Call& g) { return g.hyper == seg.hyper && g.step == step; });
-      if (group == groups_.end()) group = groups_.insert(groups_.end(), Call{seg.hyper, step, {}});
-      group->tensors.push_back(tensor(a, at, seg, from, out, hi - lo));
+      if (group == groups_.end()) group = groups_.insert(groups_.end(), Call{seg.hyper, step, {}, {}});
+      const AdamTensor t = tensor(a, at, seg, from, out, hi - lo);
+      if (a.v != nullptr) {
+        group->tensors.push_back(t);
+      } else {  // one state array: m
+        group->one_state.push_back(OneStateTensor{t.param, t.exp_avg, t.state_dtype, t.grad, t.grad_dtype, t.out,
+                                                  t.out_dtype, t.n, {}});
+      }
     }
   }
 
@@ -311,7 +240,7 @@ class TileStepper {
     AdamTensor t;
     t.param = a.p + at;
     t.exp_avg = a.m + at * im_.moment_bytes;
-    t.exp_avg_sq = a.v + at * im_.moment_bytes;
+    t.exp_avg_sq = a.v == nullptr ? nullptr : a.v + at * im_.moment_bytes;
     t.state_dtype = im_.options.state_dtype;
     if (a.m_scale != nullptr) {  // i8: `at` is a block boundary (check_segments, tile % kMomentBlock == 0)
       t.exp_avg_scale = a.m_scale + at / kMomentBlock;
@@ -342,7 +271,7 @@ Status step_tiles(SwapStore::Impl& im, std::span<const SwapSegment> segments, co
                   const SwapStore::TileGate* gate, const SwapStore::TileRank* rank) {
   if (options.step < 1) return invalid_argument("step = " + std::to_string(options.step) + ": steps count from 1");
   if (Status s = im.refuse_while_speculating(gate != nullptr ? "speculate()" : "step()"); !s.ok()) return s;
-  if (Status s = check_segments(segments, im.n, im.scale_count > 0); !s.ok()) return s;
+  if (Status s = check_segments(segments, im.n, im.scale_count > 0, im.state_arrays); !s.ok()) return s;
   if (options.check_finite && gate == nullptr) {
     if (Status s = check_finite_grads(segments); !s.ok()) return s;
   }
@@ -470,10 +399,17 @@ Result<std::vector<TileTask>> range_tasks(const SwapStore::Impl& im, std::size_t
   return tasks;
 }
 
+// A v for a store that keeps one state array.
+Status no_second_array(const SwapStore::Impl& im, const float* v, const char* what) {
+  if (v == nullptr || im.state_arrays > 1) return Status::success();
+  return invalid_argument(std::string(what) + ": swap store " + im.name + " keeps one state array (m): pass v = null");
+}
+
 }  // namespace
 
 Status SwapStore::read(std::size_t offset, std::size_t count, float* p, float* m, float* v) {
   Impl& im = *impl_;
+  if (Status s = no_second_array(im, v, "read"); !s.ok()) return s;
   Result<std::vector<TileTask>> tasks = range_tasks(im, offset, count, false, false, "read");
   if (!tasks.ok()) return tasks.status();
   if (count == 0) return Status::success();
@@ -496,7 +432,9 @@ Status SwapStore::read(std::size_t offset, std::size_t count, float* p, float* m
 
 Status SwapStore::write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v) {
   Impl& im = *impl_;
-  Result<std::vector<TileTask>> tasks = range_tasks(im, offset, count, true, p && m && v, "write");
+  if (Status s = no_second_array(im, v, "write"); !s.ok()) return s;
+  const bool whole = p != nullptr && m != nullptr && (v != nullptr || im.state_arrays == 1);
+  Result<std::vector<TileTask>> tasks = range_tasks(im, offset, count, true, whole, "write");
   if (!tasks.ok()) return tasks.status();
   if (count == 0) return Status::success();
   return streaming_call(im, true, [&] {

@@ -184,6 +184,13 @@ Result<std::unique_ptr<SwapStore::Impl>> make_impl(const SwapOptions& options, c
                             " is not a moment dtype (f32, bf16 or i8)");
   }
   const bool q8 = options.state_dtype == DType::i8;
+  if (options.state_arrays != 1 && options.state_arrays != 2) {
+    return invalid_argument("swap store " + name + ": state_arrays = " + std::to_string(options.state_arrays) +
+                            " is invalid: need 1 (Lion, Adagrad) or 2 (Adam)");
+  }
+  if (q8 && options.state_arrays != 2) {
+    return invalid_argument("swap store " + name + ": state_dtype i8 keeps Adam's two moments; state_arrays is 1");
+  }
   if (q8 && tile % kMomentBlock != 0) {
     return invalid_argument("swap store " + name + ": tile = " + std::to_string(tile) + " elements is not a multiple of " +
                             std::to_string(kMomentBlock) + ", the block of i8 moments (a block must lie in one tile)");
@@ -191,6 +198,7 @@ Result<std::unique_ptr<SwapStore::Impl>> make_impl(const SwapOptions& options, c
   auto impl = std::make_unique<SwapStore::Impl>();
   impl->options = options;
   impl->moment_bytes = dtype_size(options.state_dtype);
+  impl->state_arrays = options.state_arrays;
   impl->scale_count = q8 ? tile / kMomentBlock : 0;
   impl->name = name;
   impl->n = n;
@@ -294,6 +302,7 @@ nlohmann::json manifest_json(const SwapStore::Impl& impl, std::size_t k) {
           {"n", impl.n},
           {"tile", impl.tile},
           {"state_dtype", std::string(dtype_name(impl.options.state_dtype))},
+          {"state_arrays", impl.state_arrays},
           {"tiles", impl.ntiles},
           {"paths", paths},
           {"path_index", k},
@@ -302,7 +311,7 @@ nlohmann::json manifest_json(const SwapStore::Impl& impl, std::size_t k) {
           {"file_bytes", impl.files[k].bytes},
           {"slot_bytes", impl.slot_bytes},
           {"layout", "tile t on path t % len(paths); slot s of a tile at s * file_bytes / 2 + (t / len(paths)) * slot_bytes; "
-                     "a slot is [p | m | v], tile elements each, p fp32 and m, v in state_dtype (i8: then [m scales | v scales], "
+                     "a slot is [p | m | v] (v with state_arrays 2), tile elements each, p fp32 and m, v in state_dtype (i8: then [m scales | v scales], "
                      "one fp32 per 2048 elements), padded to the O_DIRECT alignment; the valid slot, step and CRC-32C per tile are in "
                      "<name>.zoe-swap.table under paths[0]"}};
 }
@@ -442,6 +451,12 @@ Result<SwapStore> SwapStore::open(const SwapOptions& options, const std::string&
                                          ? m.at("state_dtype").get<std::string>() : "f32";
     if (const std::string asked(dtype_name(options.state_dtype)); stored_state != asked) {
       return differs("state_dtype", stored_state, asked);
+    }
+    // Stores written before the field existed hold Adam's two moments.
+    const std::optional<std::uint64_t> stored_arrays = m.contains("state_arrays") ? manifest_count(m, "state_arrays")
+                                                                                   : std::optional<std::uint64_t>(2);
+    if (stored_arrays != std::uint64_t{options.state_arrays}) {
+      return differs("state_arrays", shown(stored_arrays), std::to_string(options.state_arrays));
     }
     const std::optional<std::vector<std::string>> stored_paths = manifest_strings(m, "paths");
     std::vector<std::string> asked_paths;

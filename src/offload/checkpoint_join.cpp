@@ -144,8 +144,9 @@ struct PartitionedCheckpoint::Impl {
       if (!by_rank.emplace(rank, f.path).second) {
         return invalid_argument(f.path + " and " + by_rank[rank] + " are both rank " + std::to_string(rank));
       }
-      if (!same_params(f.params(), files_[0].params()) || f.manifest.step != files_[0].manifest.step) {
-        return invalid_argument(f.path + " and " + files_[0].path + " are not of one run (their parameters or steps differ)");
+      if (!same_params(f.params(), files_[0].params()) || f.manifest.step != files_[0].manifest.step ||
+          f.manifest.rule != files_[0].manifest.rule) {
+        return invalid_argument(f.path + " and " + files_[0].path + " are not of one run (their parameters, steps or optimizers differ)");
       }
     }
     for (int r = 0; r < world; ++r) {
@@ -205,6 +206,7 @@ const std::vector<CheckpointPiece>& PartitionedCheckpoint::pieces(std::size_t fi
   return impl_->files_.at(file).pieces;
 }
 std::size_t PartitionedCheckpoint::files() const { return impl_->files_.size(); }
+Rule PartitionedCheckpoint::rule() const { return impl_->files_[0].manifest.rule; }
 Status PartitionedCheckpoint::verify(std::span<const char* const> blobs) const { return impl_->verify(blobs); }
 Result<std::vector<std::vector<float>>> PartitionedCheckpoint::join(const char* blob) const {
   return impl_->join(blob);

@@ -40,7 +40,7 @@ std::string show(const Json& v) {
   return s.size() > 60 ? std::string(utf8_prefix(s, 57)) + "..." : s;
 }
 
-void Parser::check_keys(const Json& obj, const std::string& prefix, std::initializer_list<std::string_view> mapped,
+void Parser::check_keys(const Json& obj, const std::string& prefix, const std::vector<std::string_view>& mapped,
                         std::initializer_list<Ignored> ignored) {
   for (const auto& [key, value] : obj.items()) {
     bool known = false;

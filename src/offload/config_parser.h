@@ -8,6 +8,7 @@
 #include <initializer_list>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -44,7 +45,7 @@ class Parser {
 
  private:
   Status optimizer(const Json& section);
-  Status optimizer_params(const Json& params, bool adamw_type);
+  Status optimizer_params(const Json& params, const OptimizerRule& rule, bool adamw_type);
   Status scheduler(const Json& section);
   Status scheduler_params(const Json& params, LrSchedule& l);
   Status fp16(const Json& section);
@@ -66,7 +67,11 @@ class Parser {
     return invalid_argument(std::move(m));
   }
   void check_keys(const Json& obj, const std::string& prefix, std::initializer_list<std::string_view> mapped,
-                  std::initializer_list<Ignored> ignored = {});
+                  std::initializer_list<Ignored> ignored = {}) {
+    check_keys(obj, prefix, std::vector<std::string_view>(mapped), ignored);
+  }
+  void check_keys(const Json& obj, const std::string& prefix, const std::vector<std::string_view>& mapped,
+                  std::initializer_list<Ignored> ignored);
   // Each reads obj[key] when present (else leaves *out as it is) and checks its type and range.
   Status section(const Json& obj, const std::string& prefix, const char* key, const Json** out) const;
   Status get(const Json& obj, const std::string& prefix, const char* key, bool* out) const;

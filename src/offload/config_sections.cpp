@@ -25,26 +25,44 @@
 
 namespace zoe::config_reader {
 
+namespace {
+
+// The DeepSpeed optimizer.type values of the optimizer table (zoe/optimizers.h), for messages.
+std::string optimizer_types() {
+  std::string all;
+  for (const OptimizerRule& r : optimizer_rules()) {
+    for (std::string_view t : r.deepspeed_types) all += (all.empty() ? "\"" : ", \"") + std::string(t) + "\"";
+  }
+  return all;
+}
+
+}  // namespace
+
 Status Parser::optimizer(const Json& section) {
   check_keys(section, "optimizer", {"type", "params"});
   const auto it = section.find("type");
-  if (it == section.end()) return invalid_argument("optimizer.type is missing in " + source_ + ": need \"Adam\" or \"AdamW\"");
-  if (!it->is_string()) return bad("optimizer.type", *it, "need \"Adam\" or \"AdamW\"");
-  // DeepSpeed compares optimizer names case-insensitively.
-  std::string type = it->get<std::string>();
-  for (char& c : type) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  if (type != "adam" && type != "adamw") {
+  const std::string want = "need one of " + optimizer_types();
+  if (it == section.end()) return invalid_argument("optimizer.type is missing in " + source_ + ": " + want);
+  if (!it->is_string()) return bad("optimizer.type", *it, want.c_str());
+  // DeepSpeed compares optimizer names case-insensitively; so does the table's lookup.
+  const std::string type = it->get<std::string>();
+  const OptimizerRule* rule = find_optimizer_rule(type);
+  if (rule == nullptr) {
     return Status(StatusCode::unsupported, "optimizer.type = " + show(*it) + " in " + source_ +
-                                               " is not supported: zoe runs Adam and AdamW");
+                                               " is not supported: zoe runs " + optimizer_types());
   }
   const Json* params = nullptr;
   if (Status s = this->section(section, "optimizer", "params", &params); !s.ok()) return s;
-  AdamHyper& h = out_->hyper;
-  h.adamw = type == "adamw";
+  OptimizerHyper& h = out_->hyper;
+  h = hyper_defaults(rule->rule);
+  std::string lower = type;
+  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  const bool adamw_type = lower == "adamw";  // Adam's rule, decoupled decay unless adam_w_mode says otherwise
+  if (rule->rule == Rule::adam) h.adamw = adamw_type;
   if (params != nullptr) {
-    if (Status s = optimizer_params(*params, h.adamw); !s.ok()) return s;
+    if (Status s = optimizer_params(*params, *rule, adamw_type); !s.ok()) return s;
   }
-  if (type == "adam" && (params == nullptr || !params->contains("adam_w_mode"))) {
+  if (rule->rule == Rule::adam && !adamw_type && (params == nullptr || !params->contains("adam_w_mode"))) {
     note("optimizer.type", std::string("\"Adam\" means L2 weight decay in zoe (torch.optim.Adam); DeepSpeed's CPU "
                                        "Adam defaults to decoupled decay. Set optimizer.params.adam_w_mode or use "
                                        "\"AdamW\" to choose") +
@@ -139,35 +157,44 @@ Status Parser::scheduler_params(const Json& params, LrSchedule& l) {
   return Status::success();
 }
 
-Status Parser::optimizer_params(const Json& params, bool adamw_type) {
+// The rule's fields by their DeepSpeed keys (the optimizer table): numbers in the field's range, flags, and
+// the pair `betas`.
+Status Parser::optimizer_params(const Json& params, const OptimizerRule& rule, bool adamw_type) {
   const std::string p = "optimizer.params";
-  check_keys(params, p, {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "amsgrad"},
-             {{"torch_adam", "zoe always runs its own CPU kernel"}});
-  AdamHyper& h = out_->hyper;
-  if (Status s = get(params, p, "lr", kNonNegative, &h.lr); !s.ok()) return s;
-  if (Status s = get(params, p, "eps", kNonNegative, &h.eps); !s.ok()) return s;
-  if (Status s = get(params, p, "weight_decay", kNonNegative, &h.weight_decay); !s.ok()) return s;
-  if (Status s = get(params, p, "bias_correction", &h.bias_correction); !s.ok()) return s;
-  if (const auto it = params.find("betas"); it != params.end()) {
-    const Json& b = *it;
-    const char* want = "need two numbers, each in [0, 1)";
-    if (!b.is_array() || b.size() != 2 || !b[0].is_number() || !b[1].is_number()) return bad(p + ".betas", b, want);
-    const double b1 = b[0].get<double>(), b2 = b[1].get<double>();
-    if (!kUnit.valid(b1) || !kUnit.valid(b2)) return bad(p + ".betas", b, want);
-    h.beta1 = static_cast<float>(b1);
-    h.beta2 = static_cast<float>(b2);
+  std::vector<std::string_view> keys;
+  for (const HyperField& f : rule.fields) {
+    if (!f.deepspeed.empty() && std::find(keys.begin(), keys.end(), f.deepspeed) == keys.end()) keys.push_back(f.deepspeed);
   }
-  bool amsgrad = false;
-  if (Status s = get(params, p, "amsgrad", &amsgrad); !s.ok()) return s;
-  if (amsgrad) return Status(StatusCode::unsupported, p + ".amsgrad = true in " + source_ + " is not supported by zoe");
-  if (params.contains("adam_w_mode")) {
-    bool mode = true;
-    if (Status s = get(params, p, "adam_w_mode", &mode); !s.ok()) return s;
-    if (adamw_type && !mode) {
-      return invalid_argument(p + ".adam_w_mode = false contradicts optimizer.type \"AdamW\" in " + source_ +
-                              ": use type \"Adam\" for L2 weight decay");
+  check_keys(params, p, keys, {{"torch_adam", "zoe always runs its own CPU kernel"}});
+  OptimizerHyper& h = out_->hyper;
+  for (const HyperField& f : rule.fields) {
+    if (f.deepspeed.empty() || f.pair_index > 0) continue;
+    const std::string key(f.deepspeed);
+    if (f.pair_index == 0) {  // betas: both fields of the pair
+      const auto it = params.find(key);
+      if (it == params.end()) continue;
+      const Json& b = *it;
+      const char* want = "need two numbers, each in [0, 1)";
+      if (!b.is_array() || b.size() != 2 || !b[0].is_number() || !b[1].is_number()) return bad(p + "." + key, b, want);
+      const double b1 = b[0].get<double>(), b2 = b[1].get<double>();
+      if (!kUnit.valid(b1) || !kUnit.valid(b2)) return bad(p + "." + key, b, want);
+      h.*f.number = static_cast<float>(b1);
+      h.*rule.fields[static_cast<std::size_t>(&f - rule.fields.data()) + 1].number = static_cast<float>(b2);
+    } else if (f.number != nullptr) {
+      if (Status s = get(params, p, key.c_str(), f.range == HyperRange::beta ? kUnit : kNonNegative, &(h.*f.number));
+          !s.ok()) {
+        return s;
+      }
+    } else if (Status s = get(params, p, key.c_str(), &(h.*f.flag)); !s.ok()) {
+      return s;
     }
-    h.adamw = mode;
+  }
+  if (h.rule == Rule::adam && h.amsgrad) {
+    return Status(StatusCode::unsupported, p + ".amsgrad = true in " + source_ + " is not supported by zoe");
+  }
+  if (h.rule == Rule::adam && adamw_type && !h.adamw) {
+    return invalid_argument(p + ".adam_w_mode = false contradicts optimizer.type \"AdamW\" in " + source_ +
+                            ": use type \"Adam\" for L2 weight decay");
   }
   return Status::success();
 }

@@ -37,11 +37,12 @@ bool steps_in_place(const Device& device, const std::vector<ParamSpec>& params, 
 }
 
 Result<SpaceNeed> optimizer_footprint(const Device& device, const std::vector<ParamSpec>& params,
-                                      const OffloadOptions& options, const char* store_name) {
+                                      const OffloadOptions& options, const char* store_name, Rule optimizer) {
   const StagingRule rule = staging_rule(device, params, options);
   const bool in_place = rule.in_place;
+  const std::size_t states = optimizer_rule(optimizer).states.size();
   SpaceNeed need;
-  if (options.tier == Tier::ram) need += ram_tier_footprint(params, options, in_place);
+  if (options.tier == Tier::ram) need += ram_tier_footprint(params, options, in_place, states);
   // Impl::allocate's staging, from device.allocate_host (the host devices' allocate_for_io): gradients (two
   // sets for delayed) and the 16-bit weights; one byte each in place.
   std::size_t grad_bytes = 0, weight_bytes = 0;
@@ -55,15 +56,15 @@ Result<SpaceNeed> optimizer_footprint(const Device& device, const std::vector<Pa
   need.add_ram("weight staging", AlignedBuffer::io_size(no_weights ? 1 : std::max<std::size_t>(weight_bytes, 1)));
   need += accumulation_footprint(params, options);
   if (options.tier == Tier::nvme) {
-    Result<SpaceNeed> store = nvme_tier_footprint(params, options, store_name);
+    Result<SpaceNeed> store = nvme_tier_footprint(params, options, store_name, states);
     if (!store.ok()) return store.status();
     need += store.value();
 #ifdef ZOE_HAVE_AIO  // a build without libaio has no tier nvme: nvme_tier_footprint refused it above
-    if (rule.streamed) need += step_windows_footprint(params, options, nvme_store_shape(params, options).tile, rule.grads_in_place);
+    if (rule.streamed) need += step_windows_footprint(params, options, nvme_store_shape(params, options, states).tile, rule.grads_in_place);
 #endif
     if (options.spill_grads) need += GradSpill::footprint(params, options, store_name);
   }
-  if (options.schedule == Schedule::overlap) need += overlap_footprint(params, options);
+  if (options.schedule == Schedule::overlap) need += overlap_footprint(params, options, states);
   if (options.schedule == Schedule::delayed) need += delayed_footprint(params);
   return need;
 }
@@ -72,7 +73,7 @@ namespace {
 
 // The `zoe plan` command that sizes this optimizer: its parameters, tier, state dtype, micro-batches, paths
 // and, for parameters in a parameter tier, that placement (stage 3 is where plan puts parameter offload).
-std::string plan_command(const std::vector<ParamSpec>& params, const OffloadOptions& options) {
+std::string plan_command(const std::vector<ParamSpec>& params, const OffloadOptions& options, Rule rule) {
   std::size_t n = 0;
   const ParamTier* tier = nullptr;
   for (const ParamSpec& p : params) {
@@ -82,6 +83,7 @@ std::string plan_command(const std::vector<ParamSpec>& params, const OffloadOpti
   std::string plan = "zoe plan --params " + plan_count(n) + " --offload-optimizer " +
                      (options.tier == Tier::nvme ? "nvme" : "cpu") + " --state-dtype " +
                      std::string(state_dtype_name(options.state_dtype));
+  if (rule != Rule::adam) plan += " --optimizer " + std::string(optimizer_rule(rule).name);
   if (options.gradient_accumulation_steps > 1) plan += " --grad-accum " + std::to_string(options.gradient_accumulation_steps);
   if (tier != nullptr) plan += std::string(" --stage 3 --offload-param ") + (tier->files().empty() ? "cpu" : "nvme");
   if (options.tier == Tier::nvme) plan += plan_nvme_paths(options.nvme.paths);
@@ -91,15 +93,16 @@ std::string plan_command(const std::vector<ParamSpec>& params, const OffloadOpti
 }  // namespace
 
 Status check_optimizer_space(const Device& device, const std::vector<ParamSpec>& params, const OffloadOptions& options,
-                             const char* store_name) {
-  Result<SpaceNeed> need = optimizer_footprint(device, params, options, store_name);
+                             const char* store_name, Rule rule) {
+  Result<SpaceNeed> need = optimizer_footprint(device, params, options, store_name, rule);
   if (!need.ok()) return need.status();
   std::size_t n = 0;
   for (const ParamSpec& p : params) n += p.n;
   const std::string what = "the optimizer (" + std::to_string(n) + " parameters, tier " +
                            std::string(tier_name(options.tier)) + ", " + std::string(schedule_name(options.schedule)) +
-                           " schedule, " + std::string(state_dtype_name(options.state_dtype)) + " moments)";
-  return check_space(need.value(), what, plan_command(params, options));
+                           " schedule, " + std::string(state_dtype_name(options.state_dtype)) + " state, " +
+                           std::string(optimizer_rule(rule).name) + ")";
+  return check_space(need.value(), what, plan_command(params, options, rule));
 }
 
 }  // namespace zoe

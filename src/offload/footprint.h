@@ -18,11 +18,12 @@
 namespace zoe {
 
 // OK when the optimizer fits what is free; else the refusal (zoe/space.h: check_space) with a `zoe plan`
-// command for these parameters and options. Impl::allocate calls it before its first allocation.
+// command for these parameters and options. Impl::allocate calls it before its first allocation. `rule`:
+// the optimizer's rule (zoe/optimizers.h), whose state arrays the tiers hold.
 Status check_optimizer_space(const Device& device, const std::vector<ParamSpec>& params, const OffloadOptions& options,
-                             const char* store_name);
+                             const char* store_name, Rule rule);
 Result<SpaceNeed> optimizer_footprint(const Device& device, const std::vector<ParamSpec>& params,
-                                      const OffloadOptions& options, const char* store_name);
+                                      const OffloadOptions& options, const char* store_name, Rule rule = Rule::adam);
 
 // Impl::allocate's rule for where the step reads gradients and writes weights (optimizer_impl.h: in_place,
 // streamed, grads_in_place), the one the footprint counts staging by.
@@ -35,12 +36,14 @@ StagingRule staging_rule(const Device& device, const std::vector<ParamSpec>& par
 bool steps_in_place(const Device& device, const std::vector<ParamSpec>& params, const OffloadOptions& options);
 
 // The parts, each beside its allocation.
-SpaceNeed ram_tier_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options, bool in_place);
+// `states`: state arrays per element beside the master (zoe/optimizers.h, state_arrays()).
+SpaceNeed ram_tier_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options, bool in_place,
+                             std::size_t states);
 SpaceNeed accumulation_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options);
-SpaceNeed overlap_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options);
+SpaceNeed overlap_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options, std::size_t states);
 SpaceNeed delayed_footprint(const std::vector<ParamSpec>& params);
 Result<SpaceNeed> nvme_tier_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options,
-                                      const char* name);
+                                      const char* name, std::size_t states);
 SpaceNeed step_windows_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options, std::size_t tile,
                                  bool grads_in_place);
 
@@ -50,6 +53,6 @@ struct NvmeStoreShape {
   std::vector<std::size_t> at;
   std::size_t tile = 0;
 };
-NvmeStoreShape nvme_store_shape(const std::vector<ParamSpec>& params, const OffloadOptions& options);
+NvmeStoreShape nvme_store_shape(const std::vector<ParamSpec>& params, const OffloadOptions& options, std::size_t states);
 
 }  // namespace zoe

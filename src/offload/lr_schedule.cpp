@@ -97,7 +97,7 @@ LrSchedule::Point LrSchedule::at(std::int64_t i, std::size_t group, double group
 void LrSchedule::apply(OffloadOptimizer& opt, const std::vector<double>& group_lrs) const {
   for (std::size_t g = 0; g < group_lrs.size(); ++g) {
     const Point p = for_next_step(opt.step_count(), g, group_lrs[g]);
-    AdamHyper& h = opt.group_hyper(g);
+    OptimizerHyper& h = opt.group_hyper(g);
     h.lr = static_cast<float>(p.lr);
     if (p.sets_betas) {
       h.beta1 = static_cast<float>(p.beta1);

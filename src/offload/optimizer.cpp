@@ -21,13 +21,31 @@ namespace zoe {
 
 namespace {
 
-// What the kernels run but the offload engine does not yet: AMSGrad keeps a third state array, which no tier
-// holds (issue 50). Refused by name before anything is allocated or stepped.
-Status offload_runs(const AdamHyper& h) {
-  if (h.amsgrad) {
+// A group's hyper-parameters as the engine can run them: valid, the optimizer's rule (every group runs the one
+// rule whose state arrays the tiers were made for), its state in a dtype the rule's kernels keep, and no
+// AMSGrad, whose third state array no tier holds yet (issue 50). Refused by name before anything changes.
+Status offload_runs(const OptimizerHyper& h, std::size_t group, Rule rule, DType state_dtype) {
+  const std::string where = "param group " + std::to_string(group);
+  if (Status s = validate_hyper(h); !s.ok()) return invalid_argument(where + ": " + s.message());
+  const OptimizerRule& r = optimizer_rule(h.rule);
+  if (h.rule != rule) {
+    return invalid_argument(where + " runs " + std::string(r.name) + ", the optimizer " +
+                            std::string(optimizer_rule(rule).name) + ": one optimizer steps one rule (its state arrays)");
+  }
+  if (h.rule == Rule::adam && h.amsgrad) {
     return Status(StatusCode::unsupported, "amsgrad = true is not supported by OffloadOptimizer yet: its tiers hold two moments");
   }
+  if (state_dtype == DType::i8 && !r.int8_state) {
+    return Status(StatusCode::unsupported, "state_dtype i8 is not supported for " + std::string(r.name) +
+                                               ": its kernels keep the state as f32 or bf16");
+  }
   return Status::success();
+}
+
+// read_state/write_state given a second state array that the rule does not keep.
+std::string one_state_only(const Impl& m) {
+  return std::string(optimizer_rule(m.rule).name) + " keeps one state array (" + m.state_blob(1) +
+         "): pass exp_avg_sq = null";
 }
 
 }  // namespace
@@ -128,10 +146,8 @@ Result<std::unique_ptr<StepSchedule>> make_schedule(Impl& m) {
 Result<OffloadOptimizer> OffloadOptimizer::create(Device& device, std::vector<ParamGroup> groups,
                                                   std::vector<ParamSpec> params, const OffloadOptions& options) {
   if (Status s = check_inputs(groups, params, options); !s.ok()) return s;
-  for (const ParamGroup& g : groups) {
-    // Validate each group's hyper-parameters once, as the kernel would.
-    if (Status s = CpuAdam::validate(g.hyper); !s.ok()) return s;
-    if (Status s = offload_runs(g.hyper); !s.ok()) return s;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    if (Status s = offload_runs(groups[g].hyper, g, groups[0].hyper.rule, options.state_dtype); !s.ok()) return s;
   }
   Result<CpuAdam> adam = CpuAdam::create(options.cpu);
   if (!adam.ok()) return adam.status();
@@ -233,8 +249,8 @@ Status OffloadOptimizer::step() {
   const std::lock_guard serial(impl_->calls);
   Impl& m = *impl_;
   const auto start = std::chrono::steady_clock::now();
-  for (const ParamGroup& g : m.groups) {  // group_hyper() may have changed them since
-    if (Status refused = offload_runs(g.hyper); !refused.ok()) return refused;
+  for (std::size_t g = 0; g < m.groups.size(); ++g) {  // group_hyper() may have changed them since
+    if (Status refused = offload_runs(m.groups[g].hyper, g, m.rule, m.options.state_dtype); !refused.ok()) return refused;
   }
   Status s;
   if (m.weights_pending) {
@@ -349,7 +365,7 @@ Status OffloadOptimizer::set_max_grad_norm(float max_norm) {
   return Status::success();
 }
 
-AdamHyper& OffloadOptimizer::group_hyper(std::size_t group) { return impl_->groups.at(group).hyper; }
+OptimizerHyper& OffloadOptimizer::group_hyper(std::size_t group) { return impl_->groups.at(group).hyper; }
 float OffloadOptimizer::loss_scale() const {
   const std::lock_guard serial(impl_->calls);
   return impl_->visible_scale;
@@ -410,6 +426,7 @@ Status OffloadOptimizer::read_state(std::size_t param, float* master, float* exp
   const std::lock_guard serial(impl_->calls);
   Impl& m = *impl_;
   if (param >= m.params.size()) return invalid_argument("read_state: parameter " + std::to_string(param) + " does not exist");
+  if (exp_avg_sq != nullptr && !m.two_states()) return invalid_argument("read_state: " + one_state_only(m));
   // A speculation or a background step in flight writes what is read: the state of a whole step is read.
   if (Status s = m.schedule->wait(); !s.ok()) return s;
   return m.tier->read(m.offsets[param], m.params[param].n, master, exp_avg, exp_avg_sq);
@@ -423,16 +440,17 @@ Status OffloadOptimizer::write_state(std::size_t param, const float* master, con
     return invalid_argument("write_state: parameter " + std::to_string(param) + " does not exist (" +
                             std::to_string(m.params.size()) + " parameters)");
   }
+  if (exp_avg_sq != nullptr && !m.two_states()) return invalid_argument("write_state: " + one_state_only(m));
   const ParamSpec& p = m.params[param];
-  const char* names[3] = {"master", "exp_avg", "exp_avg_sq"};
   const float* arrays[3] = {master, exp_avg, exp_avg_sq};
   for (int k = 0; k < 3; ++k) {
     if (arrays[k] == nullptr) continue;
+    const bool non_negative = k > 0 && (optimizer_rule(m.rule).non_negative_states >> (k - 1) & 1u) != 0;
     for (std::size_t j = 0; j < p.n; ++j) {
-      if (!std::isfinite(arrays[k][j]) || (k == 2 && arrays[k][j] < 0)) {
-        return invalid_argument("write_state: parameter " + std::to_string(param) + ": " + names[k] + "[" +
+      if (!std::isfinite(arrays[k][j]) || (non_negative && arrays[k][j] < 0)) {
+        return invalid_argument("write_state: parameter " + std::to_string(param) + ": " + m.state_blob(k) + "[" +
                                 std::to_string(j) + "] = " + std::to_string(arrays[k][j]) +
-                                (k == 2 ? " (need finite and >= 0)" : " (need finite)") + "; nothing changed");
+                                (non_negative ? " (need finite and >= 0)" : " (need finite)") + "; nothing changed");
       }
     }
   }

@@ -192,6 +192,13 @@ struct OffloadOptimizer::Impl {
   std::vector<ParamGroup> groups;
   std::vector<ParamSpec> params;
   CpuAdam adam;
+  // The rule every group runs (zoe/optimizers.h) and its state arrays beside the master, m and (Adam) v:
+  // PieceState::v, the tiers' second moment array and the checkpoint's blob of it exist only with two.
+  Rule rule = Rule::adam;
+  std::size_t state_count = 2;
+  bool two_states() const { return state_count > 1; }
+  // The checkpoint blobs of array k (0 the master, then the rule's states).
+  std::string state_blob(int k) const { return k == 0 ? "master" : std::string(optimizer_rule(rule).states[k - 1]); }
   std::size_t moment_bytes() const { return dtype_size(options.state_dtype); }  // per element of m or v
   LossScaler scaler;
   float visible_scale = 1.0f;  // the scale the trainer multiplies this iteration's loss by
@@ -367,6 +374,7 @@ struct OffloadOptimizer::Impl {
 
   Status allocate();
   Status load_initial_weights();
+  Status fill_initial_state();  // Adagrad's initial_accumulator_value
   // Called for each piece once its gradient copy is enqueued, with an event recorded after it.
   using PieceDown = std::function<Status(std::size_t piece, EventId copied)>;
   // Gradients of parameter i down into staging `set`, with their statistics; `on_piece` (overlap) steps

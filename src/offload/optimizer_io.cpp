@@ -28,6 +28,7 @@ Status OffloadOptimizer::save(const std::string& path, bool record_names) {
   manifest.loss_scale = m.scaler.state();
   manifest.rank = m.partition ? m.partition->comm->rank() : 0;
   manifest.world = m.partition ? m.partition->comm->world() : 1;
+  manifest.rule = m.rule;
   for (const ParamGroup& g : m.groups) manifest.groups.push_back(g.hyper);
   for (const ParamSpec& p : m.params) manifest.params.push_back(manifest_param(p, record_names));
   if (m.partition) {
@@ -45,18 +46,17 @@ Status OffloadOptimizer::save(const std::string& path, bool record_names) {
   Result<CheckpointWriter> writer = CheckpointWriter::create(path);
   if (!writer.ok()) return writer.status();
   const std::size_t total = m.offsets.back();
-  const char* names[3] = {"master", "exp_avg", "exp_avg_sq"};
-  // An array the tier does not hold contiguously in RAM (tier nvme; in place, the master) streams out a
-  // slice at a time.
+  // The master and the rule's state arrays by name (Impl::state_blob). An array the tier does not hold
+  // contiguously in RAM (tier nvme; in place, the master) streams out a slice at a time.
   AlignedBuffer slice;
-  for (int k = 0; k < 3; ++k) {
+  for (int k = 0; k <= static_cast<int>(m.state_count); ++k) {
     const float* contiguous = m.tier->flat(k);
     if (contiguous == nullptr && slice.data() == nullptr) {
       Result<AlignedBuffer> b = AlignedBuffer::allocate(CheckpointWriter::kStreamSlice);
       if (!b.ok()) return b.status();
       slice = std::move(b).value();
     }
-    const Status s = writer->add_streamed(names[k], total * 4, [&](std::size_t offset, std::size_t n, const void** out) {
+    const Status s = writer->add_streamed(m.state_blob(k), total * 4, [&](std::size_t offset, std::size_t n, const void** out) {
       if (contiguous != nullptr) {
         *out = reinterpret_cast<const unsigned char*>(contiguous) + offset;
         return Status::success();
@@ -102,6 +102,10 @@ Status refuse(const std::string& path, const std::string& why) {
 
 // The partition and the parameters, compared with this optimizer's.
 Status check_layout(const Impl& m, const OptimizerManifest& manifest, const std::string& path) {
+  if (manifest.rule != m.rule) {
+    return refuse(path, "it holds the state of " + std::string(optimizer_rule(manifest.rule).name) +
+                            " and this optimizer runs " + std::string(optimizer_rule(m.rule).name));
+  }
   const int my_rank = m.partition ? m.partition->comm->rank() : 0;
   const int my_world = m.partition ? m.partition->comm->world() : 1;
   if (manifest.rank != my_rank || manifest.world != my_world) {

@@ -106,20 +106,25 @@ Status read_params(const Json& list, const char* what, const std::string& path, 
   return Status::success();
 }
 
-Status read_groups(const Json& list, const std::string& path, std::vector<AdamHyper>& out) {
+// Each group's fields of the manifest's rule, by the optimizer table: every number is required; a flag may be
+// absent (the rule's default; Adam's maximize was written only when true).
+Status read_groups(const Json& list, const std::string& path, Rule rule, std::vector<OptimizerHyper>& out) {
   if (!list.is_array()) return corrupt(path, "its manifest lacks the params or groups list");
+  const OptimizerHyper defaults = hyper_defaults(rule);
   for (std::size_t g = 0; g < list.size(); ++g) {
-    AdamHyper h;
+    OptimizerHyper h = defaults;
     const Json& w = list[g];
-    if (!get(w, "lr", h.lr) || !get(w, "beta1", h.beta1) || !get(w, "beta2", h.beta2) || !get(w, "eps", h.eps) ||
-        !get(w, "weight_decay", h.weight_decay) || !get(w, "adamw", h.adamw) ||
-        !get(w, "bias_correction", h.bias_correction) ||
-        (w.contains("maximize") && !get(w, "maximize", h.maximize))) {  // absent: false (written when true)
-      return corrupt(path, "param group " + std::to_string(g) + " is malformed");
+    bool ok = w.is_object();
+    for (const HyperField& f : optimizer_rule(rule).fields) {
+      const std::string key(f.name);
+      if (f.number != nullptr) {
+        ok = ok && get(w, key.c_str(), h.*f.number);
+      } else if (ok && w.contains(key)) {
+        ok = get(w, key.c_str(), h.*f.flag);
+      }
     }
-    if (Status s = CpuAdam::validate(h); !s.ok()) {
-      return corrupt(path, "param group " + std::to_string(g) + ": " + s.message());
-    }
+    if (!ok) return corrupt(path, "param group " + std::to_string(g) + " is malformed");
+    if (Status s = validate_hyper(h); !s.ok()) return corrupt(path, "param group " + std::to_string(g) + ": " + s.message());
     out.push_back(h);
   }
   return Status::success();
@@ -192,7 +197,7 @@ ManifestParam manifest_param(const ParamSpec& p, bool record_name) {
 std::string OptimizerManifest::dump() const {
   Json j;
   j["format"] = kFormat;
-  j["version"] = kVersion;
+  j["version"] = 1;  // Adam's; a rule of version 2 sets it below
   j["step"] = step;
   if (!param_steps.empty()) j["param_steps"] = param_steps;
   j["loss_scale"] = {{"scale", loss_scale.scale},
@@ -200,10 +205,23 @@ std::string OptimizerManifest::dump() const {
                      {"hysteresis_left", loss_scale.hysteresis_left}};
   j["partition"] = {{"rank", rank}, {"world", world}};
   j["groups"] = Json::array();
-  for (const AdamHyper& h : groups) {
-    j["groups"].push_back({{"lr", h.lr}, {"beta1", h.beta1}, {"beta2", h.beta2}, {"eps", h.eps},
-                           {"weight_decay", h.weight_decay}, {"adamw", h.adamw}, {"bias_correction", h.bias_correction}});
-    if (h.maximize) j["groups"].back()["maximize"] = true;  // only then: other runs' manifests stay as they were
+  if (rule != Rule::adam) {
+    j["version"] = kVersion;
+    j["optimizer"] = std::string(optimizer_rule(rule).name);
+  }
+  // The rule's fields; a flag whose default is false only when true (Adam's manifests stay as they were).
+  const OptimizerHyper defaults = hyper_defaults(rule);
+  for (const OptimizerHyper& h : groups) {
+    Json w = Json::object();
+    for (const HyperField& f : optimizer_rule(rule).fields) {
+      const std::string key(f.name);
+      if (f.number != nullptr) {
+        w[key] = h.*f.number;
+      } else if (h.*f.flag || defaults.*f.flag) {
+        w[key] = h.*f.flag;
+      }
+    }
+    j["groups"].push_back(std::move(w));
   }
   j["params"] = Json::array();
   for (const ManifestParam& p : params) j["params"].push_back(param_json(p));
@@ -239,7 +257,13 @@ Result<OptimizerManifest> OptimizerManifest::parse(const std::string& text, cons
     return corrupt(path, "its manifest lacks the params or groups list");
   }
   if (Status s = read_params(member(j, "params"), "parameter", path, m.params); !s.ok()) return s;
-  if (Status s = read_groups(member(j, "groups"), path, m.groups); !s.ok()) return s;
+  if (j.contains("optimizer")) {
+    std::string name;
+    const OptimizerRule* r = get(j, "optimizer", name) ? find_optimizer_rule(name) : nullptr;
+    if (r == nullptr || r->name != name) return corrupt(path, "its optimizer is not one zoe has");
+    m.rule = r->rule;
+  }
+  if (Status s = read_groups(member(j, "groups"), path, m.rule, m.groups); !s.ok()) return s;
   if (Status s = read_counters(j, path, m); !s.ok()) return s;
   if (Status s = read_pieces(part, path, m); !s.ok()) return s;
   if (j.contains("tier") && !get(j, "tier", m.tier)) return corrupt(path, "its tier is malformed");

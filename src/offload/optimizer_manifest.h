@@ -13,6 +13,7 @@
 #include "zoe/adam.h"
 #include "zoe/checkpoint.h"
 #include "zoe/offload.h"
+#include "zoe/optimizers.h"
 #include "zoe/status.h"
 
 namespace zoe {
@@ -41,13 +42,16 @@ std::string shape_mismatch(const std::vector<std::int64_t>& shape, std::uint64_t
 
 struct OptimizerManifest {
   static constexpr const char* kFormat = "zoe-offload-optimizer";
-  static constexpr int kVersion = 1;
+  // Version 2: state of a rule other than Adam ("optimizer"), which a version-1 reader would take for Adam's.
+  // Adam's manifests stay version 1.
+  static constexpr int kVersion = 2;
 
   std::int64_t step = 0;
   std::vector<std::int64_t> param_steps;  // each parameter's step count; empty: all at `step`
   LossScaleState loss_scale;
   int rank = 0, world = 1;
-  std::vector<AdamHyper> groups;
+  Rule rule = Rule::adam;  // "optimizer": the rule every group runs; absent: adam
+  std::vector<OptimizerHyper> groups;
   std::vector<ManifestParam> params;  // the optimizer's own: this rank's pieces when partitioned
   // Partitioned: the trainer's parameters and where each of `params` lies in them (every rank's checkpoint
   // together holds each one whole). Checkpoints written before zoe recorded this have neither.

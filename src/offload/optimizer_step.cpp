@@ -34,7 +34,10 @@ std::size_t staging_bytes(const ParamSpec& p) { return p.n * dtype_size(p.dtype)
 
 OffloadOptimizer::Impl::Impl(Device& d, std::vector<ParamGroup> g, std::vector<ParamSpec> p, const OffloadOptions& o,
                              CpuAdam a)
-    : device(d), options(o), groups(std::move(g)), params(std::move(p)), adam(std::move(a)), scaler(o.loss_scale) {}
+    : device(d), options(o), groups(std::move(g)), params(std::move(p)), adam(std::move(a)), scaler(o.loss_scale) {
+  rule = groups.at(0).hyper.rule;
+  state_count = state_arrays(groups[0].hyper);
+}
 
 OffloadOptimizer::Impl::~Impl() {
   add_worker.reset();  // joins the queued micro-batch adds before the buffers they use go
@@ -47,7 +50,7 @@ OffloadOptimizer::Impl::~Impl() {
 }
 
 Status OffloadOptimizer::Impl::allocate() {
-  if (Status s = check_optimizer_space(device, params, options, kStoreName); !s.ok()) return s;
+  if (Status s = check_optimizer_space(device, params, options, kStoreName, rule); !s.ok()) return s;
   param_steps.assign(params.size(), 0);
   offsets.resize(params.size() + 1, 0);
   grad_offsets.resize(params.size() + 1, 0);
@@ -67,10 +70,10 @@ Status OffloadOptimizer::Impl::allocate() {
   }
   first_piece.back() = pieces.size();
   grad_down.assign(params.size(), 0);
-  const StagingRule rule = staging_rule(device, params, options);  // footprint.cpp, which counts by it
-  in_place = rule.in_place;
-  streamed = rule.streamed;
-  grads_in_place = rule.grads_in_place;
+  const StagingRule staging = staging_rule(device, params, options);  // footprint.cpp, which counts by it
+  in_place = staging.in_place;
+  streamed = staging.streamed;
+  grads_in_place = staging.grads_in_place;
   need_norm = !grads_in_place || options.max_grad_norm > 0 || options.loss_scale.enabled;
   need_stats = need_norm || options.refuse_non_finite;
   if (options.tier == Tier::ram) {
@@ -119,7 +122,22 @@ Status OffloadOptimizer::Impl::load_initial_weights() {
   if (!e.ok()) return e.status();
   if (Status s = device.synchronize(e.value()); !s.ok()) return s;
   visible_scale = scaler.scale();
-  return tier->initialize();
+  if (Status s = tier->initialize(); !s.ok()) return s;
+  return fill_initial_state();
+}
+
+// The tiers start the state at zero, which is every rule's start but Adagrad's with torch's
+// initial_accumulator_value: its sum starts at the group's value, written through the tier.
+Status OffloadOptimizer::Impl::fill_initial_state() {
+  if (rule != Rule::adagrad) return Status::success();
+  std::vector<float> values;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const float start = groups[static_cast<std::size_t>(params[i].group)].hyper.initial_accumulator_value;
+    if (start == 0.0f || params[i].n == 0) continue;
+    values.assign(params[i].n, start);
+    if (Status s = tier->write(offsets[i], params[i].n, nullptr, values.data(), nullptr); !s.ok()) return s;
+  }
+  return Status::success();
 }
 
 Status OffloadOptimizer::Impl::enqueue_d2h(std::size_t i, int set, const PieceDown& on_piece) {

@@ -64,12 +64,8 @@ Status OverlapSchedule::report_the_rest() {
 namespace {
 
 bool same_hyper(const std::vector<ParamGroup>& a, const std::vector<ParamGroup>& b) {
-  return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const ParamGroup& x, const ParamGroup& y) {
-    const AdamHyper &p = x.hyper, &q = y.hyper;
-    return p.lr == q.lr && p.beta1 == q.beta1 && p.beta2 == q.beta2 && p.eps == q.eps &&
-           p.weight_decay == q.weight_decay && p.adamw == q.adamw && p.bias_correction == q.bias_correction &&
-           p.maximize == q.maximize;
-  });
+  return std::equal(a.begin(), a.end(), b.begin(), b.end(),
+                    [](const ParamGroup& x, const ParamGroup& y) { return x.hyper == y.hyper; });
 }
 
 }  // namespace
@@ -82,7 +78,7 @@ bool OverlapSchedule::steps_as_sync(const Impl::Decision& d) const {
 // RamOverlap::allocate's second state set (Impl::allocate_second_set), where the tier steps in RAM
 // (tier ram): the tier's arrays once more, the master whole (in place, an f32 parameter's speculative master
 // is written there), and the 16-bit weights from device.allocate_host, as the weight staging.
-SpaceNeed overlap_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options) {
+SpaceNeed overlap_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options, std::size_t states) {
   SpaceNeed need;
   if (options.tier != Tier::ram) return need;
   std::size_t total = 0, weights = 0, blocks = 0;
@@ -91,7 +87,7 @@ SpaceNeed overlap_footprint(const std::vector<ParamSpec>& params, const OffloadO
     weights += p.dtype == DType::f32 ? 0 : p.n * 2;
     blocks += moment_blocks(p.n);
   }
-  const std::size_t moments = 2 * AlignedBuffer::size_for(total * dtype_size(options.state_dtype));
+  const std::size_t moments = states * AlignedBuffer::size_for(total * dtype_size(options.state_dtype));
   need.add_ram("overlap's second state set", AlignedBuffer::size_for(total * 4) + moments +
                                                  AlignedBuffer::io_size(std::max<std::size_t>(weights, 1)));
   if (options.state_dtype == DType::i8) need.add_ram("overlap's second state set", 2 * AlignedBuffer::size_for(blocks * 4));

@@ -130,11 +130,11 @@ class NvmeTier final : public StateTier {
     const std::size_t total = m_.offsets.back();
     // An i8 run's own codes and scales resume it exactly; fp32 moments (any other run) are encoded.
     const bool codes = q8() && reader.has(kQ8Blobs[0]);
-    std::vector<std::pair<const char*, std::size_t>> blobs = {{"master", total * 4}};
+    std::vector<std::pair<std::string, std::size_t>> blobs = {{"master", total * 4}};
     if (codes) {
       for (int k = 0; k < 4; ++k) blobs.push_back({kQ8Blobs[k], k < 2 ? total : blocks() * 4});
     } else {
-      blobs.insert(blobs.end(), {{"exp_avg", total * 4}, {"exp_avg_sq", total * 4}});
+      for (std::size_t k = 1; k <= m_.state_count; ++k) blobs.push_back({m_.state_blob(static_cast<int>(k)), total * 4});
     }
     for (const auto& [name, bytes] : blobs) {
       const Status s = reader.read_streamed(name, bytes, CheckpointWriter::kStreamSlice,
@@ -353,7 +353,7 @@ class NvmeTier final : public StateTier {
     });
   }
 
-  Status load_q8(const CheckpointReader& reader, const char* name, int k) {
+  Status load_q8(const CheckpointReader& reader, const std::string& name, int k) {
     const std::size_t bytes = k < 2 ? m_.offsets.back() : blocks() * 4;
     return reader.read_streamed(name, bytes, CheckpointWriter::kStreamSlice,
                                 [&](std::size_t offset, const void* data, std::size_t n) {
@@ -361,9 +361,9 @@ class NvmeTier final : public StateTier {
     });
   }
 
-  // fp32 array k (0 master, 1 exp_avg, 2 exp_avg_sq) into the store. With i8 moments each block must be encoded
+  // fp32 array k (0 master, then the rule's states: Adam's exp_avg, exp_avg_sq) into the store. With i8 moments each block must be encoded
   // once from all its values: a slice is written up to the last block boundary in it, the rest carried over.
-  Status load_fp32(const CheckpointReader& reader, const char* name, int k) {
+  Status load_fp32(const CheckpointReader& reader, const std::string& name, int k) {
     const std::size_t total = m_.offsets.back();
     std::vector<float> carry;
     std::size_t carry_at = 0;  // the flat element of carry[0]
@@ -401,11 +401,12 @@ class NvmeTier final : public StateTier {
 }  // namespace
 
 // The swap store of tier nvme, for make_nvme_tier and for the footprint checked before it (footprint.h).
-NvmeStoreShape nvme_store_shape(const std::vector<ParamSpec>& params, const OffloadOptions& options) {
+NvmeStoreShape nvme_store_shape(const std::vector<ParamSpec>& params, const OffloadOptions& options, std::size_t states) {
   NvmeStoreShape shape;
   SwapOptions& so = shape.options;
   so = SwapOptions::from(options.nvme);
   so.state_dtype = options.state_dtype;  // bf16 moments: slots of 8 bytes per element instead of 12; i8: 6 and scales
+  so.state_arrays = states;              // Lion, Adagrad: [p | m], 8 bytes per element in f32
   const bool q8 = so.state_dtype == DType::i8;
   std::vector<std::size_t>& at = shape.at;
   at.assign(params.size() + 1, 0);
@@ -418,8 +419,8 @@ NvmeStoreShape nvme_store_shape(const std::vector<ParamSpec>& params, const Offl
 }
 
 Result<SpaceNeed> nvme_tier_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options,
-                                      const char* name) {
-  NvmeStoreShape shape = nvme_store_shape(params, options);
+                                      const char* name, std::size_t states) {
+  NvmeStoreShape shape = nvme_store_shape(params, options, states);
   Result<SpaceNeed> need = SwapStore::footprint(shape.options, name, shape.at.back(), shape.tile);
   if (!need.ok()) return need;
   std::size_t f32 = 0;  // NvmeTier::allocate's copies of the f32 masters
@@ -429,7 +430,7 @@ Result<SpaceNeed> nvme_tier_footprint(const std::vector<ParamSpec>& params, cons
 }
 
 Result<std::unique_ptr<StateTier>> make_nvme_tier(Impl& m, const char* name) {
-  NvmeStoreShape shape = nvme_store_shape(m.params, m.options);
+  NvmeStoreShape shape = nvme_store_shape(m.params, m.options, m.state_count);
   SwapOptions& so = shape.options;
   so.adam = &m.adam;
   if (Status s = SwapStore::remove(so, name); !s.ok()) return s;
@@ -440,7 +441,7 @@ Result<std::unique_ptr<StateTier>> make_nvme_tier(Impl& m, const char* name) {
   return std::unique_ptr<StateTier>(std::move(tier));
 }
 #else
-Result<SpaceNeed> nvme_tier_footprint(const std::vector<ParamSpec>&, const OffloadOptions&, const char*) {
+Result<SpaceNeed> nvme_tier_footprint(const std::vector<ParamSpec>&, const OffloadOptions&, const char*, std::size_t) {
   return Status(StatusCode::unsupported, "tier nvme: this build of zoe has no libaio NVMe tier (-Daio=disabled)");
 }
 Result<std::unique_ptr<StateTier>> make_nvme_tier(Impl&, const char*) {

@@ -1,6 +1,6 @@
-// Tier ram: the fp32 master weights and the moments (fp32, bf16 or i8, OffloadOptions::state_dtype) of the
-// flattened parameters in three host arrays; i8 adds two arrays of block scales, each parameter's blocks
-// counted from its first element. With the overlap schedule a second set of the same arrays holds what the
+// Tier ram: the fp32 master weights and the rule's state arrays (fp32, bf16 or i8, OffloadOptions::state_dtype)
+// of the flattened parameters in host arrays: Adam's two moments m and v, Lion's m, Adagrad's sum (kept as m);
+// i8 (Adam) adds two arrays of block scales, each parameter's blocks counted from its first element. With the overlap schedule a second set of the same arrays holds what the
 // speculative steps write (ping-pong): each parameter's state is in the set Impl::set_of names.
 #include <algorithm>
 #include <chrono>
@@ -39,8 +39,8 @@ class RamTier final : public StateTier {
     return Status::success();
   }
 
-  // One CpuAdam call per param group and step count over the given pieces (a multi-tensor step); pieces of
-  // parameters without a gradient this iteration are left as they are.
+  // One CpuAdam call per param group and step count over the given pieces (a multi-tensor step) with the
+  // group's rule; pieces of parameters without a gradient this iteration are left as they are.
   Status step(const std::vector<std::size_t>& which, float grad_scale, int set,
               const std::vector<ParamGroup>& hyper, bool aside) override {
     if (aside && sets_[1].master.data() == nullptr && m_.offsets.back() > 0) {
@@ -50,7 +50,8 @@ class RamTier final : public StateTier {
     struct Call {
       std::size_t group;
       std::int64_t step;
-      std::vector<AdamTensor> tensors;
+      std::vector<AdamTensor> tensors;          // Adam
+      std::vector<OneStateTensor> one_state;    // Lion, Adagrad
     };
     std::vector<Call> calls;  // parameters usually share one step count: one call per group
     for (std::size_t k : which) {
@@ -59,15 +60,19 @@ class RamTier final : public StateTier {
       const std::size_t g = static_cast<std::size_t>(m_.params[i].group);
       const std::int64_t t = m_.bias_step(i);
       auto c = std::find_if(calls.begin(), calls.end(), [&](const Call& x) { return x.group == g && x.step == t; });
-      if (c == calls.end()) c = calls.insert(calls.end(), Call{g, t, {}});
-      c->tensors.push_back(tensor(m_.pieces[k], set, aside));
+      if (c == calls.end()) c = calls.insert(calls.end(), Call{g, t, {}, {}});
+      if (m_.two_states()) {
+        c->tensors.push_back(tensor(m_.pieces[k], set, aside));
+      } else {
+        c->one_state.push_back(one_state_tensor(m_.pieces[k], set, aside));
+      }
     }
     std::sort(calls.begin(), calls.end(), [](const Call& a, const Call& b) { return a.group < b.group; });
     for (const Call& c : calls) {
       StepOptions o;
       o.step = c.step;
       o.grad_scale = grad_scale;
-      if (Status s = m_.adam.step(hyper[c.group].hyper, o, c.tensors); !s.ok()) return s;
+      if (Status s = step_rule(m_.adam, hyper[c.group].hyper, o, c.tensors, c.one_state); !s.ok()) return s;
     }
     m_.stats_.adam_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return Status::success();
@@ -107,13 +112,13 @@ class RamTier final : public StateTier {
   // the first set's, current for every parameter (the caller puts the weights in the first set too).
   Status load(const CheckpointReader& reader, const std::string&, std::int64_t) override {
     const std::size_t total = m_.offsets.back();
-    const char* names[3] = {"master", "exp_avg", "exp_avg_sq"};
+    const int arrays = 1 + static_cast<int>(m_.state_count);
     AlignedBuffer loaded[3];
-    for (int k = 0; k < 3; ++k) {
+    for (int k = 0; k < arrays; ++k) {
       Result<AlignedBuffer> b = AlignedBuffer::allocate(total * 4);
       if (!b.ok()) return b.status();
       loaded[k] = std::move(b).value();
-      if (Status s = reader.read(names[k], loaded[k].data(), total * 4); !s.ok()) return s;
+      if (Status s = reader.read(m_.state_blob(k), loaded[k].data(), total * 4); !s.ok()) return s;
     }
     if (q8()) {
       if (Status s = load_q8(reader, loaded); !s.ok()) return s;
@@ -121,7 +126,7 @@ class RamTier final : public StateTier {
       return Status::success();
     }
     // Checkpoints hold fp32 moments: bf16 ones are rounded from them here (exact for a bf16 run's own).
-    for (int k = 1; k < 3 && m_.options.state_dtype != DType::f32; ++k) {
+    for (int k = 1; k < arrays && m_.options.state_dtype != DType::f32; ++k) {
       Result<AlignedBuffer> b = AlignedBuffer::allocate(total * 2);
       if (!b.ok()) return b.status();
       AlignedBuffer narrow = std::move(b).value();
@@ -129,12 +134,12 @@ class RamTier final : public StateTier {
       loaded[k] = std::move(narrow);
     }
     // Into the arrays in place, which keeps the first set's pages where they are.
-    AlignedBuffer* arrays[3] = {&sets_[0].master, &sets_[0].exp_avg, &sets_[0].exp_avg_sq};
-    for (int k = 0; k < 3; ++k) {
+    AlignedBuffer* into[3] = {&sets_[0].master, &sets_[0].exp_avg, &sets_[0].exp_avg_sq};
+    for (int k = 0; k < arrays; ++k) {
       if (k == 0 && m_.in_place) {
-        *arrays[k] = std::move(loaded[k]);  // read by the in-place load from master(i), never handed out
+        *into[k] = std::move(loaded[k]);  // read by the in-place load from master(i), never handed out
       } else if (total > 0) {
-        std::memcpy(arrays[k]->data(), loaded[k].data(), total * (k == 0 ? 4 : m_.moment_bytes()));
+        std::memcpy(into[k]->data(), loaded[k].data(), total * (k == 0 ? 4 : m_.moment_bytes()));
       }
     }
     std::fill(m_.current_set.begin(), m_.current_set.end(), 0);
@@ -179,12 +184,12 @@ class RamTier final : public StateTier {
   const float* flat(int which) const override {
     if (std::find(m_.current_set.begin(), m_.current_set.end(), 1) != m_.current_set.end()) return nullptr;
     if (which == 0) return m_.in_place ? nullptr : sets_[0].master.as<float>();
-    if (m_.options.state_dtype != DType::f32) return nullptr;
+    if (m_.options.state_dtype != DType::f32 || which > static_cast<int>(m_.state_count)) return nullptr;
     return (which == 1 ? sets_[0].exp_avg : sets_[0].exp_avg_sq).as<float>();
   }
 
   float* moments(std::size_t i, int which) override {
-    if (m_.options.state_dtype != DType::f32) return nullptr;
+    if (m_.options.state_dtype != DType::f32 || which > static_cast<int>(m_.state_count)) return nullptr;
     return reinterpret_cast<float*>(moment_at(i, which, set_of(i)));
   }
 
@@ -203,6 +208,7 @@ class RamTier final : public StateTier {
   Status allocate_set(Set& st, bool second) {
     const std::size_t total = m_.offsets.back();
     for (AlignedBuffer* b : {&st.master, &st.exp_avg, &st.exp_avg_sq}) {
+      if (b == &st.exp_avg_sq && !m_.two_states()) continue;  // Lion and Adagrad keep one state array
       const std::size_t bytes = total * (b == &st.master ? 4 : m_.moment_bytes());
       Result<AlignedBuffer> r = AlignedBuffer::allocate(bytes);
       if (!r.ok()) return r.status();
@@ -235,7 +241,8 @@ class RamTier final : public StateTier {
   PieceState piece_in(const Piece& k, int s, bool aside) {
     const std::size_t off = (m_.offsets[k.param] + k.begin) * m_.moment_bytes();
     float* p = aside ? master_aside(k.param) : m_.master_of(k.param);
-    PieceState st{p + k.begin, sets_[s].exp_avg.as<unsigned char>() + off, sets_[s].exp_avg_sq.as<unsigned char>() + off};
+    unsigned char* v = m_.two_states() ? sets_[s].exp_avg_sq.as<unsigned char>() + off : nullptr;
+    PieceState st{p + k.begin, sets_[s].exp_avg.as<unsigned char>() + off, v};
     if (q8()) {
       st.scale_index = scale_offsets_[k.param] + k.begin / kMomentBlock;
       st.m_scale = sets_[s].m_scale.as<float>() + st.scale_index;
@@ -265,6 +272,22 @@ class RamTier final : public StateTier {
     t.out = weights == nullptr ? nullptr : static_cast<unsigned char*>(weights) + k.begin * 2;
     t.out_dtype = p.dtype == DType::f32 ? DType::bf16 : p.dtype;
     t.n = k.n;
+    return t;
+  }
+
+  // Piece k as a tensor of a rule with one state array (m), as tensor() for Adam.
+  OneStateTensor one_state_tensor(const Piece& k, int set, bool aside) {
+    const AdamTensor a = tensor(k, set, aside);
+    OneStateTensor t;
+    t.param = a.param;
+    t.state = a.exp_avg;
+    t.state_dtype = a.state_dtype;
+    t.grad = a.grad;
+    t.grad_dtype = a.grad_dtype;
+    t.out = a.out;
+    t.out_dtype = a.out_dtype;
+    t.n = a.n;
+    if (aside) t.from = OneStateSource{a.from.param, a.from.exp_avg};
     return t;
   }
 
@@ -377,7 +400,8 @@ class RamTier final : public StateTier {
 
 // RamTier::allocate's arrays. In place, an f32 parameter's part of the master is allocated but never touched
 // (its master is the device's weights), so it takes no memory and is not counted.
-SpaceNeed ram_tier_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options, bool in_place) {
+SpaceNeed ram_tier_footprint(const std::vector<ParamSpec>& params, const OffloadOptions& options, bool in_place,
+                             std::size_t states) {
   std::size_t total = 0, untouched = 0, blocks = 0;
   for (const ParamSpec& p : params) {
     total += p.n;
@@ -386,7 +410,7 @@ SpaceNeed ram_tier_footprint(const std::vector<ParamSpec>& params, const Offload
   }
   SpaceNeed need;
   need.add_ram("fp32 master weights", AlignedBuffer::size_for((total - untouched) * 4));
-  need.add_ram("moments", 2 * AlignedBuffer::size_for(total * dtype_size(options.state_dtype)));
+  need.add_ram("moments", states * AlignedBuffer::size_for(total * dtype_size(options.state_dtype)));
   if (options.state_dtype == DType::i8) need.add_ram("moments", 2 * AlignedBuffer::size_for(blocks * 4));
   return need;
 }

@@ -69,7 +69,8 @@ void swap_store_layout(RankLayout& r, const Shards& s, const Cluster& c, const T
   r.tiles = ceil_div(r.store_elements, r.tile);
   const std::uint64_t moment = t.state == DType::f32 ? 4 : t.state == DType::bf16 ? 2 : 1;
   const std::uint64_t scales = q8 ? 2 * (r.tile / kMomentBlock) * 4 : 0;
-  r.slot_bytes = round_up(r.tile * (4 + 2 * moment) + scales, kDirectAlignment);
+  const std::uint64_t arrays = optimizer_rule(t.optimizer).states.size();  // Adam's m and v, or one
+  r.slot_bytes = round_up(r.tile * (4 + arrays * moment) + scales, kDirectAlignment);
   const std::uint64_t paths = std::max<std::uint64_t>(1, c.nvme_paths.size());
   r.store_file_bytes = 2 * ceil_div(r.tiles, paths) * r.slot_bytes;
   r.table_file_bytes = 2 * round_up(kTableHeader + kTableEntry * r.tiles + 4, kDirectAlignment);
@@ -149,7 +150,10 @@ std::string bytes(std::uint64_t n) { return format_bytes(n); }
 
 // The swap store's terms (tier nvme).
 void explain_store(const RankLayout& r, const Cluster& c, const Training& t, std::vector<std::string>& out) {
-  const char* moments = t.state == DType::f32 ? "2 x 4 B" : t.state == DType::bf16 ? "2 x 2 B" : "2 x 1 B + 2 x 4 B / 2048";
+  const std::string arrays = std::to_string(optimizer_rule(t.optimizer).states.size());
+  const std::string moments = t.state == DType::f32    ? arrays + " x 4 B"
+                              : t.state == DType::bf16 ? arrays + " x 2 B"
+                                                       : "2 x 1 B + 2 x 4 B / 2048";
   out.push_back("swap store (2 slots): " + count(r.store_elements) + " elements" +
                 (t.state == DType::i8 ? " (each tensor rounded up to 2048)" : "") + " in " + count(r.tiles) +
                 " tiles of " + std::to_string(r.tile) + "; a slot is a tile's master 4 B + moments " + moments +

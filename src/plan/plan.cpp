@@ -28,11 +28,11 @@ std::string zoe_gap(const Placement& p) {
   return p.optimizer == Offload::none ? "the optimizer state stays with the model on its device, where zoe is not needed" : "";
 }
 
-std::uint64_t moment_bytes(std::uint64_t elements, DType d) {
+std::uint64_t moment_bytes(std::uint64_t elements, DType d, std::uint64_t arrays) {
   switch (d) {
-    case DType::bf16: return 4 * elements;
-    case DType::i8: return 2 * elements + 2 * 4 * ceil_div(elements, kInt8Block);
-    default: return 8 * elements;
+    case DType::bf16: return arrays * 2 * elements;
+    case DType::i8: return arrays * (elements + 4 * ceil_div(elements, kInt8Block));
+    default: return arrays * 4 * elements;
   }
 }
 
@@ -116,7 +116,7 @@ Usage usage(const Model& m, const Cluster& c, const Placement& p, const Training
   if (p.optimizer == Offload::none || p.optimizer == Offload::cpu) {
     Bytes& state = p.optimizer == Offload::none ? dev : host;
     state.master32 = 4 * part;
-    state.moments = moment_bytes(part, t.state);
+    state.moments = moment_bytes(part, t.state, optimizer_rule(t.optimizer).states.size());
   } else {
     nvme.swap_store = r.store_file_bytes + r.table_file_bytes;
     host.swap_buffers = r.store_ram_bytes + r.spill_bounce_bytes;

@@ -16,7 +16,7 @@ namespace zoe::testing {
 
 struct SegmentSpec {
   std::size_t offset = 0, n = 0;
-  AdamHyper hyper;
+  OptimizerHyper hyper;
   DType grad = DType::f32;
   bool has_out = false;
   DType out = DType::bf16;
@@ -116,7 +116,7 @@ class SwapModel {
       t.out = s.has_out ? out_ref_[k].data() : nullptr;
       t.out_dtype = s.out;
       t.n = s.n;
-      ASSERT_TRUE(adam_->step(s.hyper, o, t).ok());
+      ASSERT_TRUE(adam_->step(s.hyper.adam(), o, t).ok());
     }
   }
 

@@ -256,7 +256,7 @@ TEST(SwapStore, RefusesBadCallsWithoutChangingAnything) {
   // A NaN gradient with check_finite: refused before any tile changes.
   std::vector<float> g(10, 0.0f);
   g[7] = std::numeric_limits<float>::quiet_NaN();
-  AdamHyper h;
+  OptimizerHyper h;
   SwapSegment nan_seg{kTile * 2, 10, &h, g.data(), DType::f32, nullptr, DType::bf16};
   StepOptions finite = o;
   finite.check_finite = true;

@@ -75,7 +75,7 @@ TEST(SwapStoreInt8, StepsMatchCpuAdamBitwiseAndHoldCodesAndScales) {
   Result<CpuAdam> adam = CpuAdam::create(o.cpu);
   ASSERT_TRUE(adam.ok());
   RamTensors ram;
-  AdamHyper first, second;
+  OptimizerHyper first, second;
   first.lr = 1e-2f;
   second.lr = 3e-3f;
   second.adamw = false;
@@ -91,8 +91,8 @@ TEST(SwapStoreInt8, StepsMatchCpuAdamBitwiseAndHoldCodesAndScales) {
     so.step = step;
     const Status s = store->step(segments, so);
     ASSERT_TRUE(s.ok()) << s.to_string();
-    ASSERT_TRUE(adam->step(first, so, ram.tensor(0, kFirstN, g.data(), ram_out.data())).ok());
-    ASSERT_TRUE(adam->step(second, so, ram.tensor(kSplit, kN - kSplit, g.data() + kSplit, ram_out.data() + kSplit)).ok());
+    ASSERT_TRUE(adam->step(first.adam(), so, ram.tensor(0, kFirstN, g.data(), ram_out.data())).ok());
+    ASSERT_TRUE(adam->step(second.adam(), so, ram.tensor(kSplit, kN - kSplit, g.data() + kSplit, ram_out.data() + kSplit)).ok());
   }
   EXPECT_EQ(std::memcmp(out.data(), ram_out.data(), kFirstN * 2), 0);
   EXPECT_EQ(std::memcmp(out.data() + kSplit, ram_out.data() + kSplit, (kN - kSplit) * 2), 0);
@@ -181,7 +181,7 @@ TEST(SwapStoreInt8, BlockRulesAreRefusedWithTheReason) {
   Result<SwapStore> store = SwapStore::create(int8_options(dir.path()), "rank0", kN, kTile);
   ASSERT_TRUE(store.ok()) << store.status().to_string();
   ASSERT_TRUE(store->initialize(testing::fill_initial).ok());
-  AdamHyper h;
+  OptimizerHyper h;
   std::vector<float> g(kN, 1e-3f);
   const SwapSegment off_block{100, 500, &h, g.data(), DType::f32, nullptr, DType::bf16};
   StepOptions so;
@@ -212,7 +212,7 @@ struct Stored {
 };
 
 Stored three_steps(SwapStore& store, testing::FaultPlan* faults) {
-  AdamHyper h;
+  OptimizerHyper h;
   h.lr = 1e-2f;
   std::vector<float> g(kN);
   for (std::int64_t step = 1; step <= 3; ++step) {

@@ -55,7 +55,7 @@ constexpr const char* kValidConfig = R"({
 
 // What any accepted config promises (the ranges docs/config.md documents); empty when it holds.
 std::string config_violation(const LoadedConfig& c) {
-  const AdamHyper& h = c.hyper;
+  const OptimizerHyper& h = c.hyper;
   const OffloadOptions& o = c.options;
   const LossScaleOptions& ls = o.loss_scale;
   auto finite_ge0 = [](double x) { return std::isfinite(x) && x >= 0; };
@@ -292,7 +292,7 @@ TEST(FuzzReaders, OptimizerCheckpointManifest) {
         const float scale = trainer.opt().loss_scale();
         EXPECT_TRUE(std::isfinite(scale) && scale > 0) << c.mutation << ": loss scale " << scale;
         for (std::size_t g = 0; g < 2; ++g) {
-          const Status h = CpuAdam::validate(trainer.opt().group_hyper(g));
+          const Status h = validate_hyper(trainer.opt().group_hyper(g));
           EXPECT_TRUE(h.ok()) << c.mutation << ": group " << g << ": " << h.to_string();
         }
         return Verdict::accepted;

@@ -158,6 +158,12 @@ TEST(Plan, SwapStoreSlotsFollowTheStoresLayout) {
   t.state = DType::f32;
   t.tile = 1 << 20;
   EXPECT_EQ(rank_layout(m, c, {2, Offload::nvme, Offload::none}, t).slot_bytes, (1u << 20) * 12);
+  // Lion and Adagrad keep one state array (zoe/optimizers.h): swap_impl.h's [p | m] slot, 8 bytes per element.
+  t.optimizer = Rule::lion;
+  EXPECT_EQ(rank_layout(m, c, {2, Offload::nvme, Offload::none}, t).slot_bytes, (1u << 20) * 8);
+  t.state = DType::bf16;
+  t.optimizer = Rule::adagrad;
+  EXPECT_EQ(rank_layout(m, c, {2, Offload::nvme, Offload::none}, t).slot_bytes, (1u << 20) * 6);
 }
 
 TEST(Plan, ParameterTierEntriesPoolAndBounces) {
@@ -321,6 +327,14 @@ TEST(Plan, LowBitMoments) {
   // One byte per moment and element, and one fp32 scale per block of 2048 per moment: 2 blocks here.
   EXPECT_EQ(moment_bytes(4096, DType::i8), 2 * 4096u + 2 * 4 * 2);
   EXPECT_EQ(moment_bytes(4097, DType::i8), 2 * 4097u + 2 * 4 * 3);
+  // One state array (Lion, Adagrad): half of Adam's two, as tier ram allocates them.
+  EXPECT_EQ(moment_bytes(4096, DType::f32, 1), 4 * 4096u);
+  EXPECT_EQ(moment_bytes(4096, DType::bf16, 1), 2 * 4096u);
+  const Model m = bare(kPsi, 100'000'000);
+  Training lion;
+  lion.optimizer = Rule::lion;
+  const Usage u = usage(m, dgx_cluster(), {2, Offload::cpu, Offload::none}, lion);
+  EXPECT_EQ(u.per_host.moments, 8 * 4 * (kPsi / 64));
 }
 
 TEST(Plan, ActivationEstimate) {

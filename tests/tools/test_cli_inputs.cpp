@@ -125,6 +125,27 @@ TEST_F(CraftedInputs, AValidCheckpointExports) {
   EXPECT_TRUE(std::filesystem::exists(dir_ + "/out/model.safetensors"));
 }
 
+// A checkpoint of an Adagrad run holds "master" and "sum" (the optimizer table's state names): --moments
+// exports sum.safetensors, and nothing of Adam's.
+TEST_F(CraftedInputs, AnAdagradCheckpointExportsItsSum) {
+  OptimizerManifest m;
+  m.step = 1;
+  m.loss_scale.hysteresis_left = 1;
+  m.rule = Rule::adagrad;
+  m.groups = {hyper_defaults(Rule::adagrad)};
+  m.params = {param("w", 12, {3, 4})};
+  const std::string array(12 * 4, '\0');
+  const std::string path = write("adagrad.zoe", container({{"master", array}, {"sum", array}, {"weights16", ""}}, m.dump()));
+  Result<PartitionedCheckpoint> opened = PartitionedCheckpoint::open({path});
+  ASSERT_TRUE(opened.ok()) << opened.status().to_string();
+  EXPECT_EQ(opened->rule(), Rule::adagrad);
+  const Ran r = run_zoe({"export", path, "--out", dir_ + "/out", "--moments"}, 30);
+  EXPECT_EQ(r.code, 0) << r.how() << "\n" << r.output;
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/out/model.safetensors"));
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/out/sum.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/out/exp_avg_sq.safetensors"));
+}
+
 TEST_F(CraftedInputs, AnElementCountPast2To60IsRefused) {
   // n + 2^62 elements: 4 bytes each wrap to the 4 n bytes the arrays hold.
   const std::string path = write("huge.zoe", checkpoint({param("w", (std::uint64_t{1} << 62) + 16, {})}, 16));
