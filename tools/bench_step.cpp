@@ -122,18 +122,19 @@ constexpr int kCpuProbes = 3;  // iterations without compute that time the CPU s
 // The command line as given, with the defaults.
 struct Texts {
   std::string device = "host", schedule = "sync", n = "64M", buckets = "16", compute, iters = "10", tier = "ram", path,
-              durability = "step", state = "fp32", tile;
+              durability = "step", state = "fp32", optimizer = "adam", tile;
   bool json = false, help = false;
 };
 
-std::array<Option, 14> options_of(Texts& t) {
+std::array<Option, 15> options_of(Texts& t) {
   return {{
       {"device", &t.device, nullptr, "host (the stand-in), cpu (the CPU itself: device memory is host memory) or cuda"},
       {"schedule", &t.schedule, nullptr, "sync, overlap or delayed"},
       {"tier", &t.tier, nullptr, "where p, m, v live: ram or nvme"},
       {"path", &t.path, nullptr, "tier nvme: swap folder(s), comma-separated"},
       {"durability", &t.durability, nullptr, "tier nvme: step (durable in the background) or checkpoint (at save)"},
-      {"state", &t.state, nullptr, "Adam moments: fp32, bf16 or int8"},
+      {"state", &t.state, nullptr, "the state arrays' dtype: fp32, bf16 or int8 (Adam only)"},
+      {"optimizer", &t.optimizer, nullptr, "adam (AdamW), lion or adagrad, with its defaults (zoe/optimizers.h)"},
       {"n", &t.n, nullptr, "parameters, 1 to 1T (K, M, G, T suffixes are powers of 1024)"},
       {"buckets", &t.buckets, nullptr, "gradient buckets reported during backward, 1 to 1M (at most --n)"},
       {"compute-ms", &t.compute, nullptr, "device forward+backward time, 0 to 1e6 (default: 1.5x the CPU step measured at start)"},
@@ -150,6 +151,7 @@ struct Settings {
   std::uint64_t n = 0, buckets = 0, iters = 0;
   OffloadOptions offload;
   std::optional<double> compute_s;  // --compute-ms; else 1.5x the CPU step measured at start
+  OptimizerHyper hyper;             // --optimizer's rule with its defaults
 };
 
 // The counts after parse_options, checked: nothing here may be zero, and every bucket needs a parameter.
@@ -197,6 +199,9 @@ Result<Settings> settings(const Texts& text) {
   Result<DType> state = parse_state_dtype(text.state);
   if (!state.ok()) return invalid_argument("--state " + text.state + " is not fp32, bf16 or int8");
   o.state_dtype = state.value();
+  const OptimizerRule* rule = find_optimizer_rule(text.optimizer);
+  if (rule == nullptr) return invalid_argument("--optimizer " + text.optimizer + " is not adam, lion or adagrad");
+  cfg.hyper = hyper_defaults(rule->rule);
   if (o.tier == Tier::nvme && o.nvme.paths.empty()) return invalid_argument("--tier nvme needs --path DIR[,DIR...]");
   o.delayed_warmup_steps = kCpuProbes;
   if (!text.compute.empty()) {
@@ -302,7 +307,7 @@ Result<StepResult> run(const Texts& text, const Settings& cfg, const Report& rep
   std::unique_ptr<Device> device = std::move(opened).value();
   DeviceModel model(*device, cfg.n, cfg.buckets);
   if (Status s = model.allocate(); !s.ok()) return s;
-  Result<OffloadOptimizer> opt = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs(), cfg.offload);
+  Result<OffloadOptimizer> opt = OffloadOptimizer::create(*device, {ParamGroup{cfg.hyper}}, model.specs(), cfg.offload);
   if (!opt.ok()) return opt.status();
   StepResult r;
   Result<Calibration> c = calibrate(*device, *opt, model, cfg);
@@ -322,7 +327,7 @@ void report_step(Report& report, const Texts& text, const Settings& cfg, const S
   const double idle = 1.0 - r.compute_s / r.step_s;
   JsonLine line;
   line.add("bench", "step").add("device", text.device).add("schedule", text.schedule).add("tier", text.tier).add("n", cfg.n)
-      .add("durability", text.durability).add("state", text.state)
+      .add("durability", text.durability).add("state", text.state).add("optimizer", text.optimizer)
       .add("buckets", cfg.buckets).add("device_compute_s", r.compute_s).add("step_s", r.step_s)
       .add("device_idle_fraction", idle).add("cpu_step_s", c.cpu_step_s).add("cpu_adam_s", r.adam_s)
       .add("iters", cfg.iters).add("tile", static_cast<std::uint64_t>(cfg.offload.tile))

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "src/offload/checkpoint.h"
@@ -172,6 +173,28 @@ TEST_F(OptimizerRules, TheTiersHoldOneStateArray) {
       const NvmeStoreShape shape = nvme_store_shape(model.specs, tier(true), 1);
       EXPECT_EQ(shape.options.state_arrays, 1u);
     }
+  }
+}
+
+// ZeRO partitioned over two ranks (each steps its shard with the rule, then all-gather), every rank fed the
+// same gradients: every rank's weights are the unpartitioned optimizer's.
+TEST_F(OptimizerRules, PartitionedRanksStepTheRule) {
+  for (Rule rule : {Rule::lion, Rule::adagrad}) {
+    SCOPED_TRACE(optimizer_rule(rule).name);
+    const test::RunResult whole = run(rule, Schedule::sync, tier(false), 5);
+    std::shared_ptr<HostGroup> group = make_host_group(2);
+    std::vector<std::vector<unsigned char>> weights(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        test::Trainer t(Schedule::sync, DType::bf16, OffloadOptions{}, 0, kSizes, group, r, false, groups_of(rule));
+        if (!t.created()) return;
+        t.run(1, 5, test::random_grads(1e-2));
+        weights[r] = t.device_weights();
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int r = 0; r < 2; ++r) EXPECT_EQ(weights[r], whole.device_weights) << "rank " << r;
   }
 }
 
