@@ -52,7 +52,7 @@ constexpr std::string_view kLionStates[] = {"exp_avg"};
 constexpr std::string_view kAdagradStates[] = {"sum"};
 
 constexpr OptimizerRule kRules[] = {
-    {Rule::adam, "adam", "torch.optim.AdamW", kAdamTypes, kAdamFields, kAdamStates, true, 0b10},
+    {Rule::adam, "adam", "torch.optim.AdamW", kAdamTypes, kAdamFields, kAdamStates, true, 0b110},
     {Rule::lion, "lion", "Lion (Chen et al. 2023, arXiv 2302.06675)", kLionTypes, kLionFields, kLionStates, false, 0},
     {Rule::adagrad, "adagrad", "torch.optim.Adagrad", kAdagradTypes, kAdagradFields, kAdagradStates, false, 0b1},
 };
@@ -119,6 +119,13 @@ OptimizerHyper hyper_defaults(Rule rule) {
 
 std::size_t state_arrays(const OptimizerHyper& hyper) {
   return optimizer_rule(hyper.rule).states.size() + (hyper.rule == Rule::adam && hyper.amsgrad ? 1 : 0);
+}
+
+std::vector<std::string> state_names(const OptimizerHyper& hyper) {
+  std::vector<std::string> names;
+  for (std::string_view s : optimizer_rule(hyper.rule).states) names.emplace_back(s);
+  if (hyper.rule == Rule::adam && hyper.amsgrad) names.emplace_back("max_exp_avg_sq");  // torch's key
+  return names;
 }
 
 Status validate_hyper(const OptimizerHyper& hyper) {

@@ -329,15 +329,20 @@ class OffloadOptimizer {
   // Elements of each parameter read_state() and write_state() take (partitioned: of each piece).
   std::vector<std::size_t> state_sizes() const;
   // The fp32 master weights / moments of a parameter, of a whole step (it waits first, as wait()).
-  Status read_state(std::size_t param, float* master, float* exp_avg, float* exp_avg_sq) const;
+  // The arrays are the rule's state arrays in order (zoe/optimizers.h): Lion's and Adagrad's one is passed as
+  // exp_avg (exp_avg_sq null); max_exp_avg_sq only with amsgrad.
+  Status read_state(std::size_t param, float* master, float* exp_avg, float* exp_avg_sq,
+                    float* max_exp_avg_sq = nullptr) const;
   // Replaces them (state taken over from another optimizer, or another partitioning); the device weights
   // become the master rounded to their dtype, as after a step. A null array leaves that one as it is.
-  // Refused, changing nothing, unless every value is finite and exp_avg_sq >= 0. Waits for work in flight.
+  // Refused, changing nothing, unless every value is finite and exp_avg_sq, max_exp_avg_sq and sum >= 0.
+  // Waits for work in flight.
   // Partitioned: `param` is this rank's piece, as in read_state(); the other ranks' weights are not
   // gathered (step() or load() does that).
-  Status write_state(std::size_t param, const float* master, const float* exp_avg, const float* exp_avg_sq);
-  // Tier ram with fp32 moments: the address of parameter `param`'s exp_avg (which = 1) or exp_avg_sq (2),
-  // p.n floats, for views that read and write the optimizer's own state (as torch's state[p] tensors are),
+  Status write_state(std::size_t param, const float* master, const float* exp_avg, const float* exp_avg_sq,
+                     const float* max_exp_avg_sq = nullptr);
+  // Tier ram with fp32 state: the address of parameter `param`'s state array `which` (1 exp_avg, Lion's or
+  // Adagrad's one; 2 exp_avg_sq; 3 max_exp_avg_sq with amsgrad), p.n floats, for views that read and write the optimizer's own state (as torch's state[p] tensors are),
   // in the parameter's current state set. The overlap schedule's kept step makes the other set current, and
   // load() the first: take the address again after a step() or load() (before them it shows the state
   // before them). Null for any other tier or moment dtype, or a bad argument. Call wait() before reading.

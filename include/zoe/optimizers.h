@@ -10,6 +10,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "zoe/adam.h"
 #include "zoe/status.h"
@@ -72,8 +73,8 @@ struct OptimizerRule {
   // The state arrays beside the fp32 master, by torch's state keys, in the engine's order (array 1, 2).
   std::span<const std::string_view> states;
   bool int8_state;  // the kernels keep this rule's state as 8-bit codes (state dtype i8)
-  // Bit k set: state array k + 1 holds values >= 0 only (Adam's exp_avg_sq, Adagrad's sum); state written
-  // from outside (write_state, a checkpoint) is refused otherwise.
+  // Bit k set: state array k + 1 holds values >= 0 only (Adam's exp_avg_sq and amsgrad's max_exp_avg_sq,
+  // Adagrad's sum); state written from outside (write_state) is refused otherwise.
   unsigned non_negative_states;
 };
 
@@ -85,6 +86,8 @@ const OptimizerRule* find_optimizer_rule(std::string_view name);
 OptimizerHyper hyper_defaults(Rule rule);
 // State arrays per element beside the master: the rule's, plus amsgrad's maximum for Adam.
 std::size_t state_arrays(const OptimizerHyper& hyper);
+// Their names, by torch's state keys, in the engine's order: the rule's, then "max_exp_avg_sq" (amsgrad).
+std::vector<std::string> state_names(const OptimizerHyper& hyper);
 // Every field the rule reads within its range, and the kernels' own checks: invalid_argument naming the
 // field otherwise.
 Status validate_hyper(const OptimizerHyper& hyper);

@@ -68,9 +68,10 @@ struct SwapOptions {
   // on a block. The kernel steps them as AdamTensor::state_dtype. Recorded in the manifest: open() refuses
   // another.
   DType state_dtype = DType::f32;
-  // State arrays per element beside the master (zoe/optimizers.h, state_arrays()): 2, Adam's m and v; 1, Lion's
-  // or Adagrad's (a slot is then [p | m], and read/write take no v). Every segment's rule must keep as many.
-  // Recorded in the manifest: open() refuses another.
+  // State arrays per element beside the master (zoe/optimizers.h, state_arrays()): 2, Adam's m and v; 3 with
+  // amsgrad (vmax, v's running maximum, after v); 1, Lion's or Adagrad's (a slot is then [p | m]). read/write
+  // take only the arrays the store keeps. Every segment's rule must keep as many. Recorded in the manifest:
+  // open() refuses another.
   std::size_t state_arrays = 2;
   // When every tile has a buffer (tiles <= buffer_count), the tiles stay in their buffers between calls: a
   // call reads none it holds, and with durability next_call / on_flush its writes finish after it returns.
@@ -196,8 +197,9 @@ class SwapStore {
   // checkpoint. Both verify what they read; write() never overwrites a tile's only valid copy. i8 moments
   // are decoded to fp32 (read), or (write) each block touched is decoded, its covered part replaced and the
   // moment given encoded again with new scales.
-  Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v);
-  Status write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v);
+  Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v, float* vmax = nullptr);
+  Status write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v,
+               const float* vmax = nullptr);
   // State dtype i8: the moments exactly as stored, for checkpoints that keep them — the codes of elements
   // [offset, offset + count) and the scales of the kMomentBlock-element blocks those elements fall in (blocks
   // counted from element 0; the caller's scale arrays start at block offset / kMomentBlock). A null array is

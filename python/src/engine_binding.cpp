@@ -346,23 +346,27 @@ void bind_engine_settings(nb::class_<PyEngine>& engine) {
 void bind_engine_state(nb::class_<PyEngine>& engine) {
   engine.def("read_state",
              [](PyEngine& e, std::size_t i, std::optional<F32Array> master, std::optional<F32Array> exp_avg,
-                std::optional<F32Array> exp_avg_sq) {
-               float* ptrs[3] = {e.state_array(i, master, "master"), e.state_array(i, exp_avg, "exp_avg"),
-                                 e.state_array(i, exp_avg_sq, "exp_avg_sq")};
-               e.call([&](OffloadOptimizer& o) { return o.read_state(i, ptrs[0], ptrs[1], ptrs[2]); });
+                std::optional<F32Array> exp_avg_sq, std::optional<F32Array> max_exp_avg_sq) {
+               float* ptrs[4] = {e.state_array(i, master, "master"), e.state_array(i, exp_avg, "exp_avg"),
+                                 e.state_array(i, exp_avg_sq, "exp_avg_sq"),
+                                 e.state_array(i, max_exp_avg_sq, "max_exp_avg_sq")};
+               e.call([&](OffloadOptimizer& o) { return o.read_state(i, ptrs[0], ptrs[1], ptrs[2], ptrs[3]); });
              },
              // noconvert: a converted copy of a strided or float64 array would be filled and dropped.
              nb::arg("param"), nb::arg("master").none().noconvert(), nb::arg("exp_avg").none().noconvert(),
-             nb::arg("exp_avg_sq").none().noconvert(),
-             "Copies a parameter's fp32 master weights and moments into the given arrays, of a whole step (it waits first).")
+             nb::arg("exp_avg_sq").none().noconvert(), nb::arg("max_exp_avg_sq").none().noconvert() = nb::none(),
+             "Copies a parameter's fp32 master weights and state arrays (the optimizer's: Lion's and Adagrad's one "
+             "as exp_avg, amsgrad's max_exp_avg_sq) into the given arrays, of a whole step (it waits first).")
       .def("write_state",
            [](PyEngine& e, std::size_t i, std::optional<F32Array> master, std::optional<F32Array> exp_avg,
-              std::optional<F32Array> exp_avg_sq) {
-             const float* ptrs[3] = {e.state_array(i, master, "master"), e.state_array(i, exp_avg, "exp_avg"),
-                                     e.state_array(i, exp_avg_sq, "exp_avg_sq")};
-             e.call([&](OffloadOptimizer& o) { return o.write_state(i, ptrs[0], ptrs[1], ptrs[2]); });
+              std::optional<F32Array> exp_avg_sq, std::optional<F32Array> max_exp_avg_sq) {
+             const float* ptrs[4] = {e.state_array(i, master, "master"), e.state_array(i, exp_avg, "exp_avg"),
+                                     e.state_array(i, exp_avg_sq, "exp_avg_sq"),
+                                     e.state_array(i, max_exp_avg_sq, "max_exp_avg_sq")};
+             e.call([&](OffloadOptimizer& o) { return o.write_state(i, ptrs[0], ptrs[1], ptrs[2], ptrs[3]); });
            },
            nb::arg("param"), nb::arg("master").none(), nb::arg("exp_avg").none(), nb::arg("exp_avg_sq").none(),
+           nb::arg("max_exp_avg_sq").none() = nb::none(),
            "Replaces a parameter's fp32 master weights and moments (None: kept); the device weights follow.")
       .def_prop_ro("state_sizes", [](PyEngine& e) { return e.get().state_sizes(); },
                    "Elements of each parameter (partitioned: each piece) read_state/write_state take.")

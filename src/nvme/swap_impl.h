@@ -43,8 +43,9 @@ struct TileTask {
   bool speculative = false;  // its new entry goes to Impl::speculated, not the table (SwapStore::speculate)
 };
 
-// A tile's arrays in its buffer (and slot): [p | m | v | m_scale | v_scale], v only with two state arrays
-// (SwapOptions::state_arrays; null otherwise). m and v are in the store's state
+// A tile's arrays in its buffer (and slot): [p | m | v | vmax | m_scale | v_scale], v with two state arrays or
+// more and vmax (amsgrad's max_exp_avg_sq) with three (SwapOptions::state_arrays; null otherwise). m, v and vmax
+// are in the store's state
 // dtype (moment_bytes each); the scales exist for i8 moments only (one fp32 per kMomentBlock elements of the
 // tile, blocks counted from the tile's first element, which is also a block boundary of the store's range).
 struct TileArrays {
@@ -53,6 +54,7 @@ struct TileArrays {
   unsigned char* v;
   float* m_scale;  // null unless i8
   float* v_scale;
+  unsigned char* vmax = nullptr;
 };
 
 // The compute stage: the tile's arrays (count valid elements each).
@@ -83,7 +85,7 @@ struct SwapStore::Impl {
   std::size_t n = 0, tile = 0, ntiles = 0, alignment = 4096;
   std::size_t tile_bytes = 0;  // the master p of a tile: tile * 4
   std::size_t moment_bytes = 4;  // per element of m and of v (SwapOptions::state_dtype)
-  std::size_t state_arrays = 2;  // m and v, or m alone (SwapOptions::state_arrays)
+  std::size_t state_arrays = 2;  // m; m and v; m, v and vmax (SwapOptions::state_arrays)
   std::size_t scale_count = 0;   // i8: block scales per tile and moment (tile / kMomentBlock); else 0
   std::size_t slot_bytes = 0;  // p, m, v (and scales) of a tile, rounded up to the alignment
   std::vector<PathFile> files;
@@ -177,8 +179,9 @@ struct SwapStore::Impl {
     unsigned char* m = base + tile * 4;
     unsigned char* after = m + state_arrays * tile * moment_bytes;
     unsigned char* v = state_arrays > 1 ? m + tile * moment_bytes : nullptr;
+    unsigned char* vmax = state_arrays > 2 ? m + 2 * tile * moment_bytes : nullptr;
     float* m_scale = scale_count == 0 ? nullptr : reinterpret_cast<float*>(after);
-    return {reinterpret_cast<float*>(base), m, v, m_scale, m_scale == nullptr ? nullptr : m_scale + scale_count};
+    return {reinterpret_cast<float*>(base), m, v, m_scale, m_scale == nullptr ? nullptr : m_scale + scale_count, vmax};
   }
   // Bytes of one slot for the store's shape and state dtype, before rounding up to the alignment.
   std::size_t slot_payload() const { return tile * (4 + state_arrays * moment_bytes) + 2 * scale_count * 4; }

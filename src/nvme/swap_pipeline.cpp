@@ -37,13 +37,14 @@ struct FirstFailure {
 // The CRC-32C of a tile's p, m and v (count elements each, in their own sizes; i8: each moment's codes then
 // its block scales).
 void SwapStore::Impl::checksum(const TileArrays& a, std::size_t count, std::uint32_t out[3]) const {
-  if (moment_bytes == 4 && a.v != nullptr) {
+  if (moment_bytes == 4 && a.v != nullptr && a.vmax == nullptr) {
     crc32c_x3(a.p, a.m, a.v, count * 4, out);  // three interleaved streams of one length
     return;
   }
   out[0] = crc32c(a.p, count * 4);
   out[1] = crc32c(a.m, count * moment_bytes);
   out[2] = a.v == nullptr ? 0 : crc32c(a.v, count * moment_bytes);  // one state array: no v
+  if (a.vmax != nullptr) out[2] = crc32c(a.vmax, count * moment_bytes, out[2]);  // amsgrad: v's entry covers vmax
   if (scale_count > 0) {
     const std::size_t scales = moment_blocks(count) * 4;
     out[1] = crc32c(a.m_scale, scales, out[1]);
@@ -54,7 +55,7 @@ void SwapStore::Impl::checksum(const TileArrays& a, std::size_t count, std::uint
 void SwapStore::Impl::zero_padding(const TileArrays& a, std::size_t count) const {
   if (count == tile) return;
   std::memset(a.p + count, 0, (tile - count) * 4);
-  for (unsigned char* x : {a.m, a.v}) {
+  for (unsigned char* x : {a.m, a.v, a.vmax}) {
     if (x != nullptr) std::memset(x + count * moment_bytes, 0, (tile - count) * moment_bytes);
   }
   if (scale_count == 0) return;

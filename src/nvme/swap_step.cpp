@@ -22,7 +22,7 @@ namespace {
 // and zero codes with zero scales decode to +0.
 void zero_tile(const SwapStore::Impl& im, const TileArrays& a, std::size_t count) {
   std::memset(a.p, 0, count * 4);
-  for (unsigned char* x : {a.m, a.v}) {
+  for (unsigned char* x : {a.m, a.v, a.vmax}) {
     if (x != nullptr) std::memset(x, 0, count * im.moment_bytes);
   }
   for (float* x : {a.m_scale, a.v_scale}) {
@@ -241,6 +241,7 @@ class TileStepper {
     t.param = a.p + at;
     t.exp_avg = a.m + at * im_.moment_bytes;
     t.exp_avg_sq = a.v == nullptr ? nullptr : a.v + at * im_.moment_bytes;
+    t.max_exp_avg_sq = a.vmax == nullptr ? nullptr : a.vmax + at * im_.moment_bytes;
     t.state_dtype = im_.options.state_dtype;
     if (a.m_scale != nullptr) {  // i8: `at` is a block boundary (check_segments, tile % kMomentBlock == 0)
       t.exp_avg_scale = a.m_scale + at / kMomentBlock;
@@ -399,17 +400,22 @@ Result<std::vector<TileTask>> range_tasks(const SwapStore::Impl& im, std::size_t
   return tasks;
 }
 
-// A v for a store that keeps one state array.
-Status no_second_array(const SwapStore::Impl& im, const float* v, const char* what) {
-  if (v == nullptr || im.state_arrays > 1) return Status::success();
-  return invalid_argument(std::string(what) + ": swap store " + im.name + " keeps one state array (m): pass v = null");
+// A v or vmax for a store that does not keep it.
+Status kept_arrays(const SwapStore::Impl& im, const float* v, const float* vmax, const char* what) {
+  if (v != nullptr && im.state_arrays < 2) {
+    return invalid_argument(std::string(what) + ": swap store " + im.name + " keeps one state array (m): pass v = null");
+  }
+  if (vmax != nullptr && im.state_arrays < 3) {
+    return invalid_argument(std::string(what) + ": swap store " + im.name + " keeps no vmax (amsgrad): pass null");
+  }
+  return Status::success();
 }
 
 }  // namespace
 
-Status SwapStore::read(std::size_t offset, std::size_t count, float* p, float* m, float* v) {
+Status SwapStore::read(std::size_t offset, std::size_t count, float* p, float* m, float* v, float* vmax) {
   Impl& im = *impl_;
-  if (Status s = no_second_array(im, v, "read"); !s.ok()) return s;
+  if (Status s = kept_arrays(im, v, vmax, "read"); !s.ok()) return s;
   Result<std::vector<TileTask>> tasks = range_tasks(im, offset, count, false, false, "read");
   if (!tasks.ok()) return tasks.status();
   if (count == 0) return Status::success();
@@ -425,15 +431,18 @@ Status SwapStore::read(std::size_t offset, std::size_t count, float* p, float* m
       }
       if (m != nullptr) widen(a.m + lo * im.moment_bytes, im.moment_bytes, m + out, hi - lo);
       if (v != nullptr) widen(a.v + lo * im.moment_bytes, im.moment_bytes, v + out, hi - lo);
+      if (vmax != nullptr) widen(a.vmax + lo * im.moment_bytes, im.moment_bytes, vmax + out, hi - lo);
       return Status::success();
     });
   });
 }
 
-Status SwapStore::write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v) {
+Status SwapStore::write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v,
+                        const float* vmax) {
   Impl& im = *impl_;
-  if (Status s = no_second_array(im, v, "write"); !s.ok()) return s;
-  const bool whole = p != nullptr && m != nullptr && (v != nullptr || im.state_arrays == 1);
+  if (Status s = kept_arrays(im, v, vmax, "write"); !s.ok()) return s;
+  const bool whole = p != nullptr && m != nullptr && (v != nullptr || im.state_arrays < 2) &&
+                     (vmax != nullptr || im.state_arrays < 3);
   Result<std::vector<TileTask>> tasks = range_tasks(im, offset, count, true, whole, "write");
   if (!tasks.ok()) return tasks.status();
   if (count == 0) return Status::success();
@@ -453,6 +462,7 @@ Status SwapStore::write(std::size_t offset, std::size_t count, const float* p, c
       }
       if (m != nullptr) narrow(m + in, a.m + lo * im.moment_bytes, im.moment_bytes, hi - lo);
       if (v != nullptr) narrow(v + in, a.v + lo * im.moment_bytes, im.moment_bytes, hi - lo);
+      if (vmax != nullptr) narrow(vmax + in, a.vmax + lo * im.moment_bytes, im.moment_bytes, hi - lo);
       return Status::success();
     });
   });

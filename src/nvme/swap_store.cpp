@@ -184,12 +184,13 @@ Result<std::unique_ptr<SwapStore::Impl>> make_impl(const SwapOptions& options, c
                             " is not a moment dtype (f32, bf16 or i8)");
   }
   const bool q8 = options.state_dtype == DType::i8;
-  if (options.state_arrays != 1 && options.state_arrays != 2) {
+  if (options.state_arrays < 1 || options.state_arrays > 3) {
     return invalid_argument("swap store " + name + ": state_arrays = " + std::to_string(options.state_arrays) +
-                            " is invalid: need 1 (Lion, Adagrad) or 2 (Adam)");
+                            " is invalid: need 1 (Lion, Adagrad), 2 (Adam) or 3 (Adam with amsgrad)");
   }
   if (q8 && options.state_arrays != 2) {
-    return invalid_argument("swap store " + name + ": state_dtype i8 keeps Adam's two moments; state_arrays is 1");
+    return invalid_argument("swap store " + name + ": state_dtype i8 keeps Adam's two moments; state_arrays is " +
+                            std::to_string(options.state_arrays));
   }
   if (q8 && tile % kMomentBlock != 0) {
     return invalid_argument("swap store " + name + ": tile = " + std::to_string(tile) + " elements is not a multiple of " +
@@ -311,7 +312,7 @@ nlohmann::json manifest_json(const SwapStore::Impl& impl, std::size_t k) {
           {"file_bytes", impl.files[k].bytes},
           {"slot_bytes", impl.slot_bytes},
           {"layout", "tile t on path t % len(paths); slot s of a tile at s * file_bytes / 2 + (t / len(paths)) * slot_bytes; "
-                     "a slot is [p | m | v] (v with state_arrays 2), tile elements each, p fp32 and m, v in state_dtype (i8: then [m scales | v scales], "
+                     "a slot is [p | m | v | vmax] (v with state_arrays 2 or 3, vmax with 3), tile elements each, p fp32 and m, v in state_dtype (i8: then [m scales | v scales], "
                      "one fp32 per 2048 elements), padded to the O_DIRECT alignment; the valid slot, step and CRC-32C per tile are in "
                      "<name>.zoe-swap.table under paths[0]"}};
 }

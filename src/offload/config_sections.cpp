@@ -189,9 +189,6 @@ Status Parser::optimizer_params(const Json& params, const OptimizerRule& rule, b
       return s;
     }
   }
-  if (h.rule == Rule::adam && h.amsgrad) {
-    return Status(StatusCode::unsupported, p + ".amsgrad = true in " + source_ + " is not supported by zoe");
-  }
   if (h.rule == Rule::adam && adamw_type && !h.adamw) {
     return invalid_argument(p + ".adam_w_mode = false contradicts optimizer.type \"AdamW\" in " + source_ +
                             ": use type \"Adam\" for L2 weight decay");

@@ -37,10 +37,10 @@ bool steps_in_place(const Device& device, const std::vector<ParamSpec>& params, 
 }
 
 Result<SpaceNeed> optimizer_footprint(const Device& device, const std::vector<ParamSpec>& params,
-                                      const OffloadOptions& options, const char* store_name, Rule optimizer) {
+                                      const OffloadOptions& options, const char* store_name, const OptimizerHyper& hyper) {
   const StagingRule rule = staging_rule(device, params, options);
   const bool in_place = rule.in_place;
-  const std::size_t states = optimizer_rule(optimizer).states.size();
+  const std::size_t states = state_arrays(hyper);
   SpaceNeed need;
   if (options.tier == Tier::ram) need += ram_tier_footprint(params, options, in_place, states);
   // Impl::allocate's staging, from device.allocate_host (the host devices' allocate_for_io): gradients (two
@@ -93,8 +93,9 @@ std::string plan_command(const std::vector<ParamSpec>& params, const OffloadOpti
 }  // namespace
 
 Status check_optimizer_space(const Device& device, const std::vector<ParamSpec>& params, const OffloadOptions& options,
-                             const char* store_name, Rule rule) {
-  Result<SpaceNeed> need = optimizer_footprint(device, params, options, store_name, rule);
+                             const char* store_name, const OptimizerHyper& hyper) {
+  const Rule rule = hyper.rule;
+  Result<SpaceNeed> need = optimizer_footprint(device, params, options, store_name, hyper);
   if (!need.ok()) return need.status();
   std::size_t n = 0;
   for (const ParamSpec& p : params) n += p.n;

@@ -18,12 +18,13 @@
 namespace zoe {
 
 // OK when the optimizer fits what is free; else the refusal (zoe/space.h: check_space) with a `zoe plan`
-// command for these parameters and options. Impl::allocate calls it before its first allocation. `rule`:
-// the optimizer's rule (zoe/optimizers.h), whose state arrays the tiers hold.
+// command for these parameters and options. Impl::allocate calls it before its first allocation. `hyper`:
+// a group's (zoe/optimizers.h), whose rule and amsgrad say which state arrays the tiers hold.
 Status check_optimizer_space(const Device& device, const std::vector<ParamSpec>& params, const OffloadOptions& options,
-                             const char* store_name, Rule rule);
+                             const char* store_name, const OptimizerHyper& hyper);
 Result<SpaceNeed> optimizer_footprint(const Device& device, const std::vector<ParamSpec>& params,
-                                      const OffloadOptions& options, const char* store_name, Rule rule = Rule::adam);
+                                      const OffloadOptions& options, const char* store_name,
+                                      const OptimizerHyper& hyper = {});
 
 // Impl::allocate's rule for where the step reads gradients and writes weights (optimizer_impl.h: in_place,
 // streamed, grads_in_place), the one the footprint counts staging by.

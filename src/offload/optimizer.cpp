@@ -21,10 +21,11 @@ namespace zoe {
 
 namespace {
 
-// A group's hyper-parameters as the engine can run them: valid, the optimizer's rule (every group runs the one
-// rule whose state arrays the tiers were made for), its state in a dtype the rule's kernels keep, and no
-// AMSGrad, whose third state array no tier holds yet (issue 50). Refused by name before anything changes.
-Status offload_runs(const OptimizerHyper& h, std::size_t group, Rule rule, DType state_dtype) {
+// A group's hyper-parameters as the engine can run them: valid, the optimizer's rule with its state arrays
+// (every group runs the rule, amsgrad or not, whose arrays the tiers were made for), in a state dtype the
+// kernels keep. Refused by name before anything changes.
+Status offload_runs(const OptimizerHyper& h, std::size_t group, const OptimizerHyper& first, DType state_dtype) {
+  const Rule rule = first.rule;
   const std::string where = "param group " + std::to_string(group);
   if (Status s = validate_hyper(h); !s.ok()) return invalid_argument(where + ": " + s.message());
   const OptimizerRule& r = optimizer_rule(h.rule);
@@ -32,8 +33,14 @@ Status offload_runs(const OptimizerHyper& h, std::size_t group, Rule rule, DType
     return invalid_argument(where + " runs " + std::string(r.name) + ", the optimizer " +
                             std::string(optimizer_rule(rule).name) + ": one optimizer steps one rule (its state arrays)");
   }
-  if (h.rule == Rule::adam && h.amsgrad) {
-    return Status(StatusCode::unsupported, "amsgrad = true is not supported by OffloadOptimizer yet: its tiers hold two moments");
+  if (state_arrays(h) != state_arrays(first)) {
+    return invalid_argument(where + " has amsgrad = " + (h.amsgrad ? "true" : "false") + " and param group 0 " +
+                            (first.amsgrad ? "true" : "false") +
+                            ": one optimizer's groups agree on it (it adds a state array, max_exp_avg_sq)");
+  }
+  if (state_dtype == DType::i8 && h.rule == Rule::adam && h.amsgrad) {
+    return Status(StatusCode::unsupported, "state_dtype i8 is not supported with amsgrad = true: its kernels keep the "
+                                           "state as f32 or bf16");
   }
   if (state_dtype == DType::i8 && !r.int8_state) {
     return Status(StatusCode::unsupported, "state_dtype i8 is not supported for " + std::string(r.name) +
@@ -42,10 +49,17 @@ Status offload_runs(const OptimizerHyper& h, std::size_t group, Rule rule, DType
   return Status::success();
 }
 
-// read_state/write_state given a second state array that the rule does not keep.
-std::string one_state_only(const Impl& m) {
-  return std::string(optimizer_rule(m.rule).name) + " keeps one state array (" + m.state_blob(1) +
-         "): pass exp_avg_sq = null";
+// read_state/write_state given a state array the optimizer does not keep: Lion's and Adagrad's second,
+// max_exp_avg_sq without amsgrad.
+Status kept_arrays(const Impl& m, const void* second, const void* third, const char* call) {
+  if (second != nullptr && !m.two_states()) {
+    return invalid_argument(std::string(call) + ": " + std::string(optimizer_rule(m.rule).name) +
+                            " keeps one state array (" + m.state_blob(1) + "): pass exp_avg_sq = null");
+  }
+  if (third != nullptr && m.state_count < 3) {
+    return invalid_argument(std::string(call) + ": this optimizer keeps no max_exp_avg_sq (amsgrad is off): pass null");
+  }
+  return Status::success();
 }
 
 }  // namespace
@@ -147,7 +161,7 @@ Result<OffloadOptimizer> OffloadOptimizer::create(Device& device, std::vector<Pa
                                                   std::vector<ParamSpec> params, const OffloadOptions& options) {
   if (Status s = check_inputs(groups, params, options); !s.ok()) return s;
   for (std::size_t g = 0; g < groups.size(); ++g) {
-    if (Status s = offload_runs(groups[g].hyper, g, groups[0].hyper.rule, options.state_dtype); !s.ok()) return s;
+    if (Status s = offload_runs(groups[g].hyper, g, groups[0].hyper, options.state_dtype); !s.ok()) return s;
   }
   Result<CpuAdam> adam = CpuAdam::create(options.cpu);
   if (!adam.ok()) return adam.status();
@@ -250,7 +264,9 @@ Status OffloadOptimizer::step() {
   Impl& m = *impl_;
   const auto start = std::chrono::steady_clock::now();
   for (std::size_t g = 0; g < m.groups.size(); ++g) {  // group_hyper() may have changed them since
-    if (Status refused = offload_runs(m.groups[g].hyper, g, m.rule, m.options.state_dtype); !refused.ok()) return refused;
+    if (Status refused = offload_runs(m.groups[g].hyper, g, m.first_hyper, m.options.state_dtype); !refused.ok()) {
+      return refused;
+    }
   }
   Status s;
   if (m.weights_pending) {
@@ -395,7 +411,7 @@ std::int64_t OffloadOptimizer::step_count() const { return impl_->step_count.loa
 float* OffloadOptimizer::moments_of(std::size_t param, int which) {
   const std::lock_guard serial(impl_->calls);
   Impl& m = *impl_;
-  if (param >= m.params.size() || (which != 1 && which != 2)) return nullptr;
+  if (param >= m.params.size() || which < 1 || which > static_cast<int>(m.state_count)) return nullptr;
   // The parameter's current state set (the overlap schedule switches sets at each kept step).
   return m.tier->moments(param, which);
 }
@@ -422,28 +438,29 @@ std::vector<std::size_t> OffloadOptimizer::state_sizes() const {
   return n;
 }
 
-Status OffloadOptimizer::read_state(std::size_t param, float* master, float* exp_avg, float* exp_avg_sq) const {
+Status OffloadOptimizer::read_state(std::size_t param, float* master, float* exp_avg, float* exp_avg_sq,
+                                    float* max_exp_avg_sq) const {
   const std::lock_guard serial(impl_->calls);
   Impl& m = *impl_;
   if (param >= m.params.size()) return invalid_argument("read_state: parameter " + std::to_string(param) + " does not exist");
-  if (exp_avg_sq != nullptr && !m.two_states()) return invalid_argument("read_state: " + one_state_only(m));
+  if (Status s = kept_arrays(m, exp_avg_sq, max_exp_avg_sq, "read_state"); !s.ok()) return s;
   // A speculation or a background step in flight writes what is read: the state of a whole step is read.
   if (Status s = m.schedule->wait(); !s.ok()) return s;
-  return m.tier->read(m.offsets[param], m.params[param].n, master, exp_avg, exp_avg_sq);
+  return m.tier->read(m.offsets[param], m.params[param].n, master, exp_avg, exp_avg_sq, max_exp_avg_sq);
 }
 
 Status OffloadOptimizer::write_state(std::size_t param, const float* master, const float* exp_avg,
-                                     const float* exp_avg_sq) {
+                                     const float* exp_avg_sq, const float* max_exp_avg_sq) {
   const std::lock_guard serial(impl_->calls);
   Impl& m = *impl_;
   if (param >= m.params.size()) {
     return invalid_argument("write_state: parameter " + std::to_string(param) + " does not exist (" +
                             std::to_string(m.params.size()) + " parameters)");
   }
-  if (exp_avg_sq != nullptr && !m.two_states()) return invalid_argument("write_state: " + one_state_only(m));
+  if (Status s = kept_arrays(m, exp_avg_sq, max_exp_avg_sq, "write_state"); !s.ok()) return s;
   const ParamSpec& p = m.params[param];
-  const float* arrays[3] = {master, exp_avg, exp_avg_sq};
-  for (int k = 0; k < 3; ++k) {
+  const float* arrays[4] = {master, exp_avg, exp_avg_sq, max_exp_avg_sq};
+  for (int k = 0; k < 4; ++k) {
     if (arrays[k] == nullptr) continue;
     const bool non_negative = k > 0 && (optimizer_rule(m.rule).non_negative_states >> (k - 1) & 1u) != 0;
     for (std::size_t j = 0; j < p.n; ++j) {
@@ -455,7 +472,7 @@ Status OffloadOptimizer::write_state(std::size_t param, const float* master, con
     }
   }
   if (Status s = wait(); !s.ok()) return s;
-  if (Status s = m.tier->write(m.offsets[param], p.n, master, exp_avg, exp_avg_sq); !s.ok()) return s;
+  if (Status s = m.tier->write(m.offsets[param], p.n, master, exp_avg, exp_avg_sq, max_exp_avg_sq); !s.ok()) return s;
   if (master == nullptr || p.n == 0) return Status::success();
   // The device weights follow the master: rounded into the 16-bit copy (f32: copied where tier nvme keeps
   // the device's), sent up unless it is the device's.

@@ -48,7 +48,8 @@ struct Piece {
 struct PieceState {
   float* p;
   void* m;
-  void* v;
+  void* v;                // null with one state array
+  void* vmax = nullptr;   // amsgrad only
   // State dtype i8: the piece's block scales (moment_blocks(n) each; a piece starts on a block), and where
   // they lie in the tier's scale arrays.
   float* m_scale = nullptr;
@@ -69,9 +70,11 @@ class StateTier {
   // other one current, so a speculation that was wrong has nothing to put back.
   virtual Status step(const std::vector<std::size_t>& which, float grad_scale, int set,
                       const std::vector<ParamGroup>& hyper, bool aside) = 0;
-  // [offset, offset + count) of the flattened p, m, v, wherever they live; a null array is skipped.
-  virtual Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v) = 0;
-  virtual Status write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v) = 0;
+  // [offset, offset + count) of the flattened p, m, v and (amsgrad) vmax, wherever they live; a null array is
+  // skipped, and the caller passes none the rule does not keep.
+  virtual Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v, float* vmax) = 0;
+  virtual Status write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v,
+                       const float* vmax) = 0;
   // Replaces the whole state with the checkpoint's arrays "master", "exp_avg", "exp_avg_sq", now at `step`.
   virtual Status load(const CheckpointReader& reader, const std::string& path, std::int64_t step) = 0;
   // Makes the state as durable as the tier can (tier nvme: fdatasync and tile table); save() calls it.
@@ -192,13 +195,16 @@ struct OffloadOptimizer::Impl {
   std::vector<ParamGroup> groups;
   std::vector<ParamSpec> params;
   CpuAdam adam;
-  // The rule every group runs (zoe/optimizers.h) and its state arrays beside the master, m and (Adam) v:
-  // PieceState::v, the tiers' second moment array and the checkpoint's blob of it exist only with two.
+  // The rule every group runs (zoe/optimizers.h) and its state arrays beside the master: m, (Adam) v and
+  // (amsgrad) vmax, v's running maximum. PieceState::v and ::vmax, the tiers' arrays of them and their
+  // checkpoint blobs exist only where the rule keeps them.
   Rule rule = Rule::adam;
   std::size_t state_count = 2;
+  std::vector<std::string> state_names;  // torch's keys of arrays 1..state_count
+  OptimizerHyper first_hyper;            // group 0's at creation: the rule and amsgrad every group keeps
   bool two_states() const { return state_count > 1; }
-  // The checkpoint blobs of array k (0 the master, then the rule's states).
-  std::string state_blob(int k) const { return k == 0 ? "master" : std::string(optimizer_rule(rule).states[k - 1]); }
+  // The checkpoint blobs of array k (0 the master, then the states by name).
+  std::string state_blob(int k) const { return k == 0 ? "master" : state_names.at(static_cast<std::size_t>(k) - 1); }
   std::size_t moment_bytes() const { return dtype_size(options.state_dtype); }  // per element of m or v
   LossScaler scaler;
   float visible_scale = 1.0f;  // the scale the trainer multiplies this iteration's loss by

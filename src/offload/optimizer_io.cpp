@@ -62,9 +62,9 @@ Status OffloadOptimizer::save(const std::string& path, bool record_names) {
         return Status::success();
       }
       *out = slice.data();
-      float* arrays[3] = {nullptr, nullptr, nullptr};
+      float* arrays[4] = {nullptr, nullptr, nullptr, nullptr};
       arrays[k] = slice.as<float>();
-      return m.tier->read(offset / 4, n / 4, arrays[0], arrays[1], arrays[2]);
+      return m.tier->read(offset / 4, n / 4, arrays[0], arrays[1], arrays[2], arrays[3]);
     });
     if (!s.ok()) return s;
   }
@@ -105,6 +105,12 @@ Status check_layout(const Impl& m, const OptimizerManifest& manifest, const std:
   if (manifest.rule != m.rule) {
     return refuse(path, "it holds the state of " + std::string(optimizer_rule(manifest.rule).name) +
                             " and this optimizer runs " + std::string(optimizer_rule(m.rule).name));
+  }
+  if (!manifest.groups.empty() && state_arrays(manifest.groups[0]) != m.state_count) {
+    const bool saved_max = manifest.groups[0].amsgrad;
+    return refuse(path, std::string("it was written with amsgrad = ") + (saved_max ? "true" : "false") +
+                            " (max_exp_avg_sq " + (saved_max ? "kept" : "not kept") + ") and this optimizer has amsgrad = " +
+                            (m.first_hyper.amsgrad ? "true" : "false"));
   }
   const int my_rank = m.partition ? m.partition->comm->rank() : 0;
   const int my_world = m.partition ? m.partition->comm->world() : 1;

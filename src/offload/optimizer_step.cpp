@@ -37,6 +37,8 @@ OffloadOptimizer::Impl::Impl(Device& d, std::vector<ParamGroup> g, std::vector<P
     : device(d), options(o), groups(std::move(g)), params(std::move(p)), adam(std::move(a)), scaler(o.loss_scale) {
   rule = groups.at(0).hyper.rule;
   state_count = state_arrays(groups[0].hyper);
+  state_names = zoe::state_names(groups[0].hyper);
+  first_hyper = groups[0].hyper;
 }
 
 OffloadOptimizer::Impl::~Impl() {
@@ -50,7 +52,7 @@ OffloadOptimizer::Impl::~Impl() {
 }
 
 Status OffloadOptimizer::Impl::allocate() {
-  if (Status s = check_optimizer_space(device, params, options, kStoreName, rule); !s.ok()) return s;
+  if (Status s = check_optimizer_space(device, params, options, kStoreName, first_hyper); !s.ok()) return s;
   param_steps.assign(params.size(), 0);
   offsets.resize(params.size() + 1, 0);
   grad_offsets.resize(params.size() + 1, 0);
@@ -135,7 +137,7 @@ Status OffloadOptimizer::Impl::fill_initial_state() {
     const float start = groups[static_cast<std::size_t>(params[i].group)].hyper.initial_accumulator_value;
     if (start == 0.0f || params[i].n == 0) continue;
     values.assign(params[i].n, start);
-    if (Status s = tier->write(offsets[i], params[i].n, nullptr, values.data(), nullptr); !s.ok()) return s;
+    if (Status s = tier->write(offsets[i], params[i].n, nullptr, values.data(), nullptr, nullptr); !s.ok()) return s;
   }
   return Status::success();
 }

@@ -215,7 +215,7 @@ Status StepWindows::round_masters(std::size_t i, std::size_t first, std::size_t 
   auto* w16 = static_cast<unsigned char*>(out);
   for (std::size_t b = 0; b < count; b += kSlice) {
     const std::size_t n = std::min(kSlice, count - b);
-    if (Status s = store_.read(at_[i] + first + b, n, masters.data(), nullptr, nullptr); !s.ok()) return s;
+    if (Status s = store_.read(at_[i] + first + b, n, masters.data(), nullptr, nullptr, nullptr); !s.ok()) return s;
     for (std::size_t k = 0; k < n; ++k) {
       const std::uint16_t w = f16 ? float_to_f16(masters[k]) : float_to_bf16(masters[k]);
       std::memcpy(w16 + (b + k) * 2, &w, 2);  // `out` may be a checkpoint slice at any even offset

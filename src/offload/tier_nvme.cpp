@@ -110,18 +110,21 @@ class NvmeTier final : public StateTier {
     return s;
   }
 
-  Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v) override {
-    return through_gaps(offset, count, {{p, 4}, {m, 4}, {v, 4}}, false,
+  Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v, float* vmax) override {
+    return through_gaps(offset, count, {{p, 4}, {m, 4}, {v, 4}, {vmax, 4}}, false,
                         [&](std::size_t at, std::size_t n, const std::vector<void*>& a) {
                           return store_.read(at, n, static_cast<float*>(a[0]), static_cast<float*>(a[1]),
-                                             static_cast<float*>(a[2]));
+                                             static_cast<float*>(a[2]), static_cast<float*>(a[3]));
                         });
   }
-  Status write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v) override {
-    return through_gaps(offset, count, {{const_cast<float*>(p), 4}, {const_cast<float*>(m), 4}, {const_cast<float*>(v), 4}},
+  Status write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v,
+               const float* vmax) override {
+    return through_gaps(offset, count,
+                        {{const_cast<float*>(p), 4}, {const_cast<float*>(m), 4}, {const_cast<float*>(v), 4},
+                         {const_cast<float*>(vmax), 4}},
                         true, [&](std::size_t at, std::size_t n, const std::vector<void*>& a) {
                           return store_.write(at, n, static_cast<const float*>(a[0]), static_cast<const float*>(a[1]),
-                                              static_cast<const float*>(a[2]));
+                                              static_cast<const float*>(a[2]), static_cast<const float*>(a[3]));
                         });
   }
 
@@ -255,7 +258,7 @@ class NvmeTier final : public StateTier {
       masters.resize(std::min(kSlice, p.n));
       for (std::size_t b = 0; b < p.n; b += kSlice) {
         const std::size_t n = std::min(kSlice, p.n - b);
-        if (Status s = read(m_.offsets[i] + b, n, masters.data(), nullptr, nullptr); !s.ok()) return s;
+        if (Status s = read(m_.offsets[i] + b, n, masters.data(), nullptr, nullptr, nullptr); !s.ok()) return s;
         m_.weights_follow_master(i, b, masters.data(), n);
       }
     }
@@ -273,7 +276,7 @@ class NvmeTier final : public StateTier {
   Status copy_f32_masters(const std::vector<char>* which) {
     for (std::size_t i = 0; i < m_.params.size(); ++i) {
       if (m_.params[i].dtype != DType::f32 || m_.params[i].n == 0 || (which != nullptr && !(*which)[i])) continue;
-      if (Status s = read(m_.offsets[i], m_.params[i].n, master(i), nullptr, nullptr); !s.ok()) return s;
+      if (Status s = read(m_.offsets[i], m_.params[i].n, master(i), nullptr, nullptr, nullptr); !s.ok()) return s;
     }
     return Status::success();
   }
@@ -361,7 +364,7 @@ class NvmeTier final : public StateTier {
     });
   }
 
-  // fp32 array k (0 master, then the rule's states: Adam's exp_avg, exp_avg_sq) into the store. With i8 moments each block must be encoded
+  // fp32 array k (0 master, then the states: Adam's exp_avg, exp_avg_sq and amsgrad's max) into the store. With i8 moments each block must be encoded
   // once from all its values: a slice is written up to the last block boundary in it, the rest carried over.
   Status load_fp32(const CheckpointReader& reader, const std::string& name, int k) {
     const std::size_t total = m_.offsets.back();
@@ -377,9 +380,9 @@ class NvmeTier final : public StateTier {
         const std::size_t i = param_of(end);
         cut = std::max(carry_at, m_.offsets[i] + (end - m_.offsets[i]) / kMomentBlock * kMomentBlock);
       }
-      const float* arrays[3] = {nullptr, nullptr, nullptr};
+      const float* arrays[4] = {nullptr, nullptr, nullptr, nullptr};
       arrays[k] = carry.data();
-      if (Status s = write(carry_at, cut - carry_at, arrays[0], arrays[1], arrays[2]); !s.ok()) return s;
+      if (Status s = write(carry_at, cut - carry_at, arrays[0], arrays[1], arrays[2], arrays[3]); !s.ok()) return s;
       carry.erase(carry.begin(), carry.begin() + static_cast<std::ptrdiff_t>(cut - carry_at));
       carry_at = cut;
       return Status::success();

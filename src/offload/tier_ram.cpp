@@ -1,5 +1,6 @@
 // Tier ram: the fp32 master weights and the rule's state arrays (fp32, bf16 or i8, OffloadOptions::state_dtype)
-// of the flattened parameters in host arrays: Adam's two moments m and v, Lion's m, Adagrad's sum (kept as m);
+// of the flattened parameters in host arrays: Adam's two moments m and v (and with amsgrad vmax, v's running
+// maximum), Lion's m, Adagrad's sum (kept as m);
 // i8 (Adam) adds two arrays of block scales, each parameter's blocks counted from its first element. With the overlap schedule a second set of the same arrays holds what the
 // speculative steps write (ping-pong): each parameter's state is in the set Impl::set_of names.
 #include <algorithm>
@@ -78,7 +79,7 @@ class RamTier final : public StateTier {
     return Status::success();
   }
 
-  Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v) override {
+  Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v, float* vmax) override {
     if (q8()) {
       if (m != nullptr || v != nullptr) q8_blocks(offset, count, m, v, false);
     }
@@ -87,6 +88,7 @@ class RamTier final : public StateTier {
       if (!q8()) {
         if (m != nullptr) moments_out(moment_at(i, 1, set_of(i)) + at * m_.moment_bytes(), n, m + done);
         if (v != nullptr) moments_out(moment_at(i, 2, set_of(i)) + at * m_.moment_bytes(), n, v + done);
+        if (vmax != nullptr) moments_out(moment_at(i, 3, set_of(i)) + at * m_.moment_bytes(), n, vmax + done);
       }
       if (p != nullptr) std::memcpy(p + done, m_.master_of(i) + at, n * 4);
     });
@@ -94,7 +96,8 @@ class RamTier final : public StateTier {
   }
 
   // A single parameter's range (write_state), so the master is its own.
-  Status write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v) override {
+  Status write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v,
+               const float* vmax) override {
     if (q8()) {
       if (m != nullptr || v != nullptr) q8_blocks(offset, count, const_cast<float*>(m), const_cast<float*>(v), true);
     }
@@ -102,6 +105,7 @@ class RamTier final : public StateTier {
       if (!q8()) {
         if (m != nullptr) moments_in(m + done, n, moment_at(i, 1, set_of(i)) + at * m_.moment_bytes());
         if (v != nullptr) moments_in(v + done, n, moment_at(i, 2, set_of(i)) + at * m_.moment_bytes());
+        if (vmax != nullptr) moments_in(vmax + done, n, moment_at(i, 3, set_of(i)) + at * m_.moment_bytes());
       }
       if (p != nullptr) std::memcpy(m_.master_of(i) + at, p + done, n * 4);
     });
@@ -113,7 +117,7 @@ class RamTier final : public StateTier {
   Status load(const CheckpointReader& reader, const std::string&, std::int64_t) override {
     const std::size_t total = m_.offsets.back();
     const int arrays = 1 + static_cast<int>(m_.state_count);
-    AlignedBuffer loaded[3];
+    AlignedBuffer loaded[4];
     for (int k = 0; k < arrays; ++k) {
       Result<AlignedBuffer> b = AlignedBuffer::allocate(total * 4);
       if (!b.ok()) return b.status();
@@ -134,7 +138,7 @@ class RamTier final : public StateTier {
       loaded[k] = std::move(narrow);
     }
     // Into the arrays in place, which keeps the first set's pages where they are.
-    AlignedBuffer* into[3] = {&sets_[0].master, &sets_[0].exp_avg, &sets_[0].exp_avg_sq};
+    AlignedBuffer* into[4] = {&sets_[0].master, &sets_[0].exp_avg, &sets_[0].exp_avg_sq, &sets_[0].max_sq};
     for (int k = 0; k < arrays; ++k) {
       if (k == 0 && m_.in_place) {
         *into[k] = std::move(loaded[k]);  // read by the in-place load from master(i), never handed out
@@ -185,7 +189,7 @@ class RamTier final : public StateTier {
     if (std::find(m_.current_set.begin(), m_.current_set.end(), 1) != m_.current_set.end()) return nullptr;
     if (which == 0) return m_.in_place ? nullptr : sets_[0].master.as<float>();
     if (m_.options.state_dtype != DType::f32 || which > static_cast<int>(m_.state_count)) return nullptr;
-    return (which == 1 ? sets_[0].exp_avg : sets_[0].exp_avg_sq).as<float>();
+    return array(sets_[0], which).as<float>();
   }
 
   float* moments(std::size_t i, int which) override {
@@ -202,13 +206,19 @@ class RamTier final : public StateTier {
  private:
   struct Set {
     AlignedBuffer master, exp_avg, exp_avg_sq;
+    AlignedBuffer max_sq;            // amsgrad: max_exp_avg_sq
     AlignedBuffer m_scale, v_scale;  // i8: the block scales
   };
+  // State array `which` (1 m, 2 v, 3 vmax) of a set.
+  static const AlignedBuffer& array(const Set& st, int which) {
+    return which == 1 ? st.exp_avg : which == 2 ? st.exp_avg_sq : st.max_sq;
+  }
 
   Status allocate_set(Set& st, bool second) {
     const std::size_t total = m_.offsets.back();
-    for (AlignedBuffer* b : {&st.master, &st.exp_avg, &st.exp_avg_sq}) {
-      if (b == &st.exp_avg_sq && !m_.two_states()) continue;  // Lion and Adagrad keep one state array
+    for (AlignedBuffer* b : {&st.master, &st.exp_avg, &st.exp_avg_sq, &st.max_sq}) {
+      // Lion and Adagrad keep one state array; only amsgrad keeps a third.
+      if ((b == &st.exp_avg_sq && !m_.two_states()) || (b == &st.max_sq && m_.state_count < 3)) continue;
       const std::size_t bytes = total * (b == &st.master ? 4 : m_.moment_bytes());
       Result<AlignedBuffer> r = AlignedBuffer::allocate(bytes);
       if (!r.ok()) return r.status();
@@ -230,10 +240,9 @@ class RamTier final : public StateTier {
 
   int set_of(std::size_t i) const { return m_.set_of(i); }
 
-  // Parameter i's exp_avg (1) or exp_avg_sq (2) in set `s`, from its first element.
+  // Parameter i's exp_avg (1), exp_avg_sq (2) or max_exp_avg_sq (3) in set `s`, from its first element.
   unsigned char* moment_at(std::size_t i, int which, int s) {
-    const AlignedBuffer& b = which == 1 ? sets_[s].exp_avg : sets_[s].exp_avg_sq;
-    return b.as<unsigned char>() + m_.offsets[i] * m_.moment_bytes();
+    return array(sets_[s], which).as<unsigned char>() + m_.offsets[i] * m_.moment_bytes();
   }
 
   // Piece k's state in set `s` (its current one, or the other: `aside`), the master where master_of or
@@ -243,6 +252,7 @@ class RamTier final : public StateTier {
     float* p = aside ? master_aside(k.param) : m_.master_of(k.param);
     unsigned char* v = m_.two_states() ? sets_[s].exp_avg_sq.as<unsigned char>() + off : nullptr;
     PieceState st{p + k.begin, sets_[s].exp_avg.as<unsigned char>() + off, v};
+    if (m_.state_count > 2) st.vmax = sets_[s].max_sq.as<unsigned char>() + off;
     if (q8()) {
       st.scale_index = scale_offsets_[k.param] + k.begin / kMomentBlock;
       st.m_scale = sets_[s].m_scale.as<float>() + st.scale_index;
@@ -265,8 +275,9 @@ class RamTier final : public StateTier {
     t.exp_avg_sq_scale = st.v_scale;
     if (aside) {
       const PieceState cur = piece(k);
-      t.from = AdamSource{cur.p, cur.m, cur.v, cur.m_scale, cur.v_scale};
+      t.from = AdamSource{cur.p, cur.m, cur.v, cur.m_scale, cur.v_scale, cur.vmax};
     }
+    t.max_exp_avg_sq = st.vmax;
     t.grad = static_cast<const unsigned char*>(m_.step_grad(k.param, set, &t.grad_dtype)) + k.begin * dtype_size(t.grad_dtype);
     void* weights = p.dtype == DType::f32 ? nullptr : aside ? m_.weights_aside(k.param) : m_.weights_of(k.param);
     t.out = weights == nullptr ? nullptr : static_cast<unsigned char*>(weights) + k.begin * 2;
@@ -362,7 +373,7 @@ class RamTier final : public StateTier {
   // A checkpoint of an i8 run holds its codes and scales: taken as they are, so that a resumed run continues
   // bit for bit. Otherwise (fp32 or bf16 moments) the fp32 moments are encoded. New arrays first: a corrupt
   // checkpoint leaves the state as it was.
-  Status load_q8(const CheckpointReader& reader, AlignedBuffer (&loaded)[3]) {
+  Status load_q8(const CheckpointReader& reader, AlignedBuffer (&loaded)[4]) {
     const std::size_t total = m_.offsets.back(), scales = scale_offsets_.back() * 4;
     AlignedBuffer codes[2], scale[2];
     for (AlignedBuffer* b : {&codes[0], &codes[1], &scale[0], &scale[1]}) {

@@ -1,6 +1,7 @@
-// Lion and Adagrad through OffloadOptimizer (the optimizer table, zoe/optimizers.h): the offloaded step is the
-// kernels' step of the group's rule; every tier and schedule gives the same bits; the tiers keep one state
-// array for them; checkpoints carry the rule and refuse another's; a DeepSpeed config names them.
+// Lion, Adagrad and AMSGrad through OffloadOptimizer (the optimizer table, zoe/optimizers.h): the offloaded
+// step is the kernels' step of the group's rule; every tier and schedule gives the same bits; the tiers keep
+// the rule's state arrays (one for Lion and Adagrad, three with amsgrad); checkpoints carry the rule and
+// refuse another's; a DeepSpeed config names them.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -29,8 +30,13 @@ using test::cat;
 const std::vector<std::size_t> kSizes = {1000, 37, 4096, 1};
 
 // The trainer's two groups (parameter 2 in group 1) with the rule's hyper-parameters: weight decay in both,
-// and for Adagrad lr_decay and a starting sum in one of them.
+// and for Adagrad lr_decay and a starting sum in one of them; Rule::adam is AMSGrad (AdamW and Adam's L2).
 std::vector<ParamGroup> groups_of(Rule rule) {
+  if (rule == Rule::adam) {
+    std::vector<ParamGroup> g = test::two_groups();
+    for (ParamGroup& x : g) x.hyper.amsgrad = true;
+    return g;
+  }
   std::vector<ParamGroup> g(2, ParamGroup{hyper_defaults(rule)});
   g[0].hyper.lr = rule == Rule::lion ? 1e-3f : 1e-2f;
   g[0].hyper.weight_decay = 0.01f;
@@ -45,7 +51,7 @@ std::vector<ParamGroup> groups_of(Rule rule) {
 
 // The kernel's own step of each parameter, with its group's hyper-parameters, on a model made as the
 // trainer's (the same seed), fed the same gradients: master and state as Trainer::result() lists them
-// (master, then m), and the 16-bit weights the kernel writes.
+// (master, then the state arrays), and the 16-bit weights the kernel writes.
 test::RunResult kernel_reference(Rule rule, DType dtype, int steps, const test::GradFn& grads) {
   std::unique_ptr<Device> device = make_host_device();
   test::DeviceParams model(*device, dtype, kSizes, 42);
@@ -53,30 +59,46 @@ test::RunResult kernel_reference(Rule rule, DType dtype, int steps, const test::
   const std::vector<ParamGroup> groups = groups_of(rule);
   Result<CpuAdam> engine = CpuAdam::create();
   EXPECT_TRUE(engine.ok());
-  std::vector<std::vector<float>> master, state;
+  const std::size_t arrays = state_arrays(groups[0].hyper);
+  std::vector<std::vector<float>> master, state[3];
   for (const ParamSpec& p : model.specs) {
     std::vector<float> w(p.n);
     for (std::size_t k = 0; k < p.n; ++k) w[k] = model.get(p.device_weights, k);
     master.push_back(w);
-    state.emplace_back(p.n, groups[static_cast<std::size_t>(p.group)].hyper.initial_accumulator_value);
+    state[0].emplace_back(p.n, groups[static_cast<std::size_t>(p.group)].hyper.initial_accumulator_value);
+    state[1].emplace_back(arrays > 1 ? p.n : 0, 0.0f);
+    state[2].emplace_back(arrays > 2 ? p.n : 0, 0.0f);
   }
   for (int t = 1; t <= steps; ++t) {
     grads(model, t, 1.0f);
     for (std::size_t i = 0; i < model.specs.size(); ++i) {
       const ParamSpec& p = model.specs[i];
-      OneStateTensor x{master[i].data(), state[i].data(), DType::f32, p.device_grads, p.dtype,
-                       p.dtype == DType::f32 ? nullptr : p.device_weights, p.dtype, p.n, {}};
+      void* out = p.dtype == DType::f32 ? nullptr : p.device_weights;
+      OneStateTensor x{master[i].data(), state[0][i].data(), DType::f32, p.device_grads, p.dtype, out, p.dtype, p.n, {}};
+      AdamTensor a;
+      a.param = master[i].data();
+      a.exp_avg = state[0][i].data();
+      a.exp_avg_sq = state[1][i].data();
+      a.max_exp_avg_sq = state[2][i].data();
+      a.grad = p.device_grads;
+      a.grad_dtype = p.dtype;
+      a.out = out;
+      a.out_dtype = p.dtype;
+      a.n = p.n;
       StepOptions o;
       o.step = t;
       const OptimizerHyper& h = groups[static_cast<std::size_t>(p.group)].hyper;
-      EXPECT_TRUE(step_rule(engine.value(), h, o, {}, std::span<const OneStateTensor>(&x, 1)).ok());
+      const bool adam = h.rule == Rule::adam;
+      EXPECT_TRUE(step_rule(engine.value(), h, o, std::span<const AdamTensor>(&a, adam ? 1 : 0),
+                            std::span<const OneStateTensor>(&x, adam ? 0 : 1)).ok());
       if (p.dtype == DType::f32) std::memcpy(p.device_weights, master[i].data(), p.n * 4);
     }
   }
   test::RunResult r;
   for (std::size_t i = 0; i < model.specs.size(); ++i) {
-    r.state.insert(r.state.end(), master[i].begin(), master[i].end());
-    r.state.insert(r.state.end(), state[i].begin(), state[i].end());
+    for (const std::vector<float>* a : {&master[i], &state[0][i], &state[1][i], &state[2][i]}) {
+      r.state.insert(r.state.end(), a->begin(), a->end());
+    }
   }
   r.device_weights = model.weights();
   r.scales.assign(static_cast<std::size_t>(steps), 1.0f);  // no loss scaling
@@ -118,7 +140,7 @@ class OptimizerRules : public ::testing::Test {
 };
 
 TEST_F(OptimizerRules, SyncOnTierRamIsTheKernelsStepOfTheGroupsRule) {
-  for (Rule rule : {Rule::lion, Rule::adagrad}) {
+  for (Rule rule : {Rule::lion, Rule::adagrad, Rule::adam}) {
     for (DType dtype : {DType::bf16, DType::f32}) {
       SCOPED_TRACE(cat(optimizer_rule(rule).name, ", ", dtype_name(dtype)));
       const test::RunResult engine = run(rule, Schedule::sync, tier(false), 6, dtype);
@@ -133,7 +155,7 @@ TEST_F(OptimizerRules, SyncOnTierRamIsTheKernelsStepOfTheGroupsRule) {
 // delayed schedule's background step: each equal bit for bit to its counterpart on the other tier, and
 // overlap to sync.
 TEST_F(OptimizerRules, EveryTierAndScheduleGivesTheSameBits) {
-  for (Rule rule : {Rule::lion, Rule::adagrad}) {
+  for (Rule rule : {Rule::lion, Rule::adagrad, Rule::adam}) {
     for (DType state : {DType::f32, DType::bf16}) {
       const test::RunResult sync = run(rule, Schedule::sync, tier(false, state));
       for (Schedule schedule : {Schedule::sync, Schedule::overlap, Schedule::delayed}) {
@@ -161,8 +183,8 @@ TEST_F(OptimizerRules, TheTiersHoldOneStateArray) {
   for (const ParamSpec& p : model.specs) total += p.n;
   for (bool nvme : {false, true}) {
     SCOPED_TRACE(nvme ? "nvme" : "ram");
-    Result<SpaceNeed> adam = optimizer_footprint(*device, model.specs, tier(nvme), "rules", Rule::adam);
-    Result<SpaceNeed> lion = optimizer_footprint(*device, model.specs, tier(nvme), "rules", Rule::lion);
+    Result<SpaceNeed> adam = optimizer_footprint(*device, model.specs, tier(nvme), "rules", hyper_defaults(Rule::adam));
+    Result<SpaceNeed> lion = optimizer_footprint(*device, model.specs, tier(nvme), "rules", hyper_defaults(Rule::lion));
     ASSERT_TRUE(adam.ok() && lion.ok());
     if (!nvme) {
       EXPECT_EQ(adam->ram - lion->ram, AlignedBuffer::size_for(total * 4)) << "one fp32 moment array fewer";
@@ -179,7 +201,7 @@ TEST_F(OptimizerRules, TheTiersHoldOneStateArray) {
 // ZeRO partitioned over two ranks (each steps its shard with the rule, then all-gather), every rank fed the
 // same gradients: every rank's weights are the unpartitioned optimizer's.
 TEST_F(OptimizerRules, PartitionedRanksStepTheRule) {
-  for (Rule rule : {Rule::lion, Rule::adagrad}) {
+  for (Rule rule : {Rule::lion, Rule::adagrad, Rule::adam}) {
     SCOPED_TRACE(optimizer_rule(rule).name);
     const test::RunResult whole = run(rule, Schedule::sync, tier(false), 5);
     std::shared_ptr<HostGroup> group = make_host_group(2);
@@ -239,6 +261,42 @@ TEST_F(OptimizerRules, CheckpointsCarryTheRuleAndRefuseAnothers) {
   }
 }
 
+// AMSGrad's third array: checkpoints hold max_exp_avg_sq and resume bit for bit, and a checkpoint with it and
+// one without refuse each other's optimizer by name.
+TEST_F(OptimizerRules, AmsgradCheckpointsKeepTheMaximum) {
+  const test::GradFn grads = test::random_grads(1e-2);
+  for (bool nvme : {false, true}) {
+    SCOPED_TRACE(nvme ? "nvme" : "ram");
+    const test::RunResult whole = run(Rule::adam, Schedule::sync, tier(nvme), 8);
+    const std::string path = (dir_ / "amsgrad.zoeckpt").string();
+    {
+      test::Trainer first(Schedule::sync, DType::bf16, tier(nvme), 0, kSizes, nullptr, 0, false, groups_of(Rule::adam));
+      ASSERT_TRUE(first.created());
+      first.run(1, 4, grads);
+      ASSERT_TRUE(first.opt().save(path).ok());
+    }
+    Result<CheckpointReader> saved = CheckpointReader::open(path);
+    ASSERT_TRUE(saved.ok()) << saved.status().to_string();
+    EXPECT_TRUE(saved->has("max_exp_avg_sq"));
+    EXPECT_NE(saved->manifest().find("\"amsgrad\":true"), std::string::npos) << saved->manifest();
+    test::Trainer second(Schedule::sync, DType::bf16, tier(nvme), 0, kSizes, nullptr, 0, false, groups_of(Rule::adam));
+    ASSERT_TRUE(second.created());
+    ASSERT_TRUE(second.opt().load(path).ok());
+    second.run(5, 8, grads);
+    test::RunResult resumed = second.result();
+    resumed.scales = whole.scales;
+    test::expect_bitwise_equal(whole, resumed);
+
+    test::Trainer plain(Schedule::sync, DType::bf16, tier(nvme));
+    ASSERT_TRUE(plain.created());
+    const Status refused = plain.opt().load(path);
+    EXPECT_NE(refused.message().find("written with amsgrad = true"), std::string::npos) << refused.to_string();
+    const std::string plain_path = (dir_ / "plain.zoeckpt").string();
+    ASSERT_TRUE(plain.opt().save(plain_path).ok());
+    EXPECT_NE(second.opt().load(plain_path).message().find("written with amsgrad = false"), std::string::npos);
+  }
+}
+
 TEST_F(OptimizerRules, WhatTheEngineCannotHoldIsRefusedByName) {
   std::unique_ptr<Device> device = make_host_device();
   test::DeviceParams model(*device, DType::bf16, kSizes, 42);
@@ -250,8 +308,18 @@ TEST_F(OptimizerRules, WhatTheEngineCannotHoldIsRefusedByName) {
   EXPECT_NE(made.status().message().find("param group 1 runs adagrad, the optimizer lion"), std::string::npos)
       << made.status().to_string();
 
+  std::vector<ParamGroup> half = groups_of(Rule::adam);
+  half[1].hyper.amsgrad = false;
+  made = OffloadOptimizer::create(*device, half, model.specs, OffloadOptions{});
+  ASSERT_FALSE(made.ok());
+  EXPECT_NE(made.status().message().find("param group 1 has amsgrad = false and param group 0 true"), std::string::npos)
+      << made.status().to_string();
+
   OffloadOptions q8;
   q8.state_dtype = DType::i8;
+  made = OffloadOptimizer::create(*device, groups_of(Rule::adam), model.specs, q8);
+  ASSERT_FALSE(made.ok());
+  EXPECT_EQ(made.status().code(), StatusCode::unsupported) << made.status().to_string();
   made = OffloadOptimizer::create(*device, groups_of(Rule::lion), model.specs, q8);
   ASSERT_FALSE(made.ok());
   EXPECT_EQ(made.status().code(), StatusCode::unsupported);

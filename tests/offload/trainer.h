@@ -223,12 +223,12 @@ class Trainer {
     RunResult r = result_;
     for (std::size_t i = 0; i < model_.specs.size(); ++i) {
       const std::size_t n = model_.specs[i].n;
-      const bool two = state_arrays(opt_->group_hyper(0)) > 1;  // Lion and Adagrad keep m alone
-      std::vector<float> p(n), m(n), v(two ? n : 0);
-      EXPECT_TRUE(opt_->read_state(i, p.data(), m.data(), two ? v.data() : nullptr).ok());
-      r.state.insert(r.state.end(), p.begin(), p.end());
-      r.state.insert(r.state.end(), m.begin(), m.end());
-      r.state.insert(r.state.end(), v.begin(), v.end());
+      // Lion and Adagrad keep m alone; amsgrad adds max_exp_avg_sq.
+      const std::size_t arrays = state_arrays(opt_->group_hyper(0));
+      std::vector<float> p(n), m(n), v(arrays > 1 ? n : 0), vmax(arrays > 2 ? n : 0);
+      EXPECT_TRUE(opt_->read_state(i, p.data(), m.data(), arrays > 1 ? v.data() : nullptr,
+                                   arrays > 2 ? vmax.data() : nullptr).ok());
+      for (const std::vector<float>* a : {&p, &m, &v, &vmax}) r.state.insert(r.state.end(), a->begin(), a->end());
     }
     r.device_weights = model_.weights();
     r.stats = opt_->stats();
