@@ -46,18 +46,21 @@ nb::dict config_dict(const LoadedConfig& c) {
 // ((name, shape, n) each), each file's pieces of them, and each state array's fp32 elements per parameter.
 nb::dict join_checkpoints(const std::vector<std::string>& paths) {
   Result<PartitionedCheckpoint> c = Status(StatusCode::internal, "not read");
-  const char* arrays[3] = {"master", "exp_avg", "exp_avg_sq"};
-  std::vector<std::vector<float>> joined[3];
+  std::vector<std::string> arrays = {"master"};  // and the run's optimizer's state arrays, by the table's names
+  std::vector<std::vector<std::vector<float>>> joined;
   {
     nb::gil_scoped_release release;
     c = PartitionedCheckpoint::open(paths);
-    for (int k = 0; c.ok() && k < 3; ++k) {
-      Result<std::vector<std::vector<float>>> j = c->join(arrays[k]);
+    if (c.ok()) {
+      for (std::string_view state : optimizer_rule(c->rule()).states) arrays.emplace_back(state);
+    }
+    for (std::size_t k = 0; c.ok() && k < arrays.size(); ++k) {
+      Result<std::vector<std::vector<float>>> j = c->join(arrays[k].c_str());
       if (!j.ok()) {
         c = j.status();
         break;
       }
-      joined[k] = std::move(j).value();
+      joined.push_back(std::move(j).value());
     }
   }
   const PartitionedCheckpoint checkpoint = take(std::move(c));
@@ -74,14 +77,15 @@ nb::dict join_checkpoints(const std::vector<std::string>& paths) {
   }
   d["params"] = params;
   d["pieces"] = pieces;
-  for (int k = 0; k < 3; ++k) {
+  d["optimizer"] = std::string(optimizer_rule(checkpoint.rule()).name);
+  for (std::size_t k = 0; k < joined.size(); ++k) {
     nb::list out;
     for (std::vector<float>& elements : joined[k]) {
       auto* owned = new std::vector<float>(std::move(elements));
       nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
       out.append(nb::ndarray<nb::numpy, float, nb::ndim<1>>(owned->data(), {owned->size()}, owner));
     }
-    d[arrays[k]] = out;
+    d[arrays[k].c_str()] = out;
   }
   return d;
 }
@@ -129,8 +133,8 @@ void bind_checkpoint_config(nb::module_& m) {
         },
         nb::arg("paths"),
         "Every rank's optimizer checkpoint of one run joined, as zoe export does: {step, loss_scale, params: "
-        "[(name, shape, n)], pieces: [each file's [(param, begin, n)]], master/exp_avg/exp_avg_sq: [fp32 array per "
-        "param]}.");
+        "[(name, shape, n)], pieces: [each file's [(param, begin, n)]], optimizer: its rule, master and each state "
+        "array by name (exp_avg/exp_avg_sq; Lion's exp_avg; Adagrad's sum): [fp32 array per param]}.");
   m.def("optimizer_table", &optimizer_table,
         "The optimizers zoe steps: per rule its name, torch class, DeepSpeed types, defaults and state arrays.");
   m.def("parse_config",

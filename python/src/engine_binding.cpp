@@ -342,8 +342,8 @@ void bind_engine_settings(nb::class_<PyEngine>& engine) {
       .def("stats", [](PyEngine& e) { return stats_dict(e.get().stats()); });
 }
 
-// The optimizer state of each parameter: read, written, viewed, and its step counts.
-void bind_engine_state(nb::class_<PyEngine>& engine) {
+// The optimizer state arrays of each parameter, copied out and in.
+void bind_engine_state_arrays(nb::class_<PyEngine>& engine) {
   engine.def("read_state",
              [](PyEngine& e, std::size_t i, std::optional<F32Array> master, std::optional<F32Array> exp_avg,
                 std::optional<F32Array> exp_avg_sq, std::optional<F32Array> max_exp_avg_sq) {
@@ -367,8 +367,12 @@ void bind_engine_state(nb::class_<PyEngine>& engine) {
            },
            nb::arg("param"), nb::arg("master").none(), nb::arg("exp_avg").none(), nb::arg("exp_avg_sq").none(),
            nb::arg("max_exp_avg_sq").none() = nb::none(),
-           "Replaces a parameter's fp32 master weights and moments (None: kept); the device weights follow.")
-      .def_prop_ro("state_sizes", [](PyEngine& e) { return e.get().state_sizes(); },
+           "Replaces a parameter's fp32 master weights and moments (None: kept); the device weights follow.");
+}
+
+// The optimizer state of each parameter: its sizes, views and step counts.
+void bind_engine_state(nb::class_<PyEngine>& engine) {
+  engine.def_prop_ro("state_sizes", [](PyEngine& e) { return e.get().state_sizes(); },
                    "Elements of each parameter (partitioned: each piece) read_state/write_state take.")
       .def("set_step_count",
            [](PyEngine& e, std::int64_t steps) { e.call([steps](OffloadOptimizer& o) { return o.set_step_count(steps); }); },
@@ -434,6 +438,7 @@ void bind_engine(nb::module_& m) {
   nb::class_<PyEngine> engine(m, "Engine", "zoe's OffloadOptimizer over parameters given by address on a Device.");
   bind_engine_steps(engine);
   bind_engine_settings(engine);
+  bind_engine_state_arrays(engine);
   bind_engine_state(engine);
 }
 

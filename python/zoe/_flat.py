@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from . import _dtensor, _param_offload
+from . import _dtensor, _param_offload, _rules
 
 ZOE_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
@@ -115,10 +115,12 @@ class FlatState:
     a world of one to the engine, ``dtensor`` says where they lie). ``dp``: zoe's own
     data-parallel mode (``_data_parallel.DataParallel``), ``dtensor``: FSDP2's (``_dtensor.ShardedParams``),
     at most one of them. ``loss_scaling``: the engine scales an fp16 loss. ``hyper_sent``: the
-    hyper-parameters the engine holds for each param group (None: unknown, sent again at the next step)."""
+    hyper-parameters the engine holds for each param group (None: unknown, sent again at the next step).
+    ``rule``: the update rule the engine runs (_rules.py), whose state arrays ``states`` names."""
 
     def __init__(self):
         self.engine = None
+        self.rule: _rules.TorchRule = _rules.ADAM
         self.slots: list[Slot] = []
         self.buckets: list = []
         self.dtensor: _dtensor.ShardedParams | None = None
@@ -237,15 +239,29 @@ class FlatState:
                     pieces += 1
         return specs, tiered
 
+    @property
+    def states(self) -> tuple[str, ...]:
+        """The state arrays beside the master, by torch's keys in the engine's order (Adam: exp_avg, exp_avg_sq)."""
+        return self.rule.states
+
+    def read_arrays(self, i: int, arrays: list) -> None:
+        """Engine parameter ``i``'s master and state arrays into ``arrays`` (fp32, one per ``"master", *states``);
+        the engine's read_state takes None for the arrays a rule does not have."""
+        self.engine.read_state(i, *arrays, *[None] * (3 - len(arrays)))
+
+    def write_arrays(self, i: int, arrays) -> None:
+        """``read_arrays``' counterpart: engine parameter ``i``'s master and state arrays replaced."""
+        self.engine.write_state(i, *arrays, *[None] * (3 - len(arrays)))
+
     def read_state(self, s: Slot) -> dict[str, torch.Tensor]:
-        """The fp32 master weights and moments of a slot's pieces on this rank, flat (the engine's work in
-        flight waited for)."""
+        """The fp32 master weights and the rule's state arrays of a slot's pieces on this rank, flat (the
+        engine's work in flight waited for)."""
         self.engine.wait()
-        parts = {k: [] for k in ("master", "exp_avg", "exp_avg_sq")}
+        parts = {k: [] for k in ("master", *self.states)}
         for i in s.engine_ids:
             n = self.engine.state_sizes[i]
-            bufs = [torch.empty(n, dtype=torch.float32) for _ in range(3)]
-            self.engine.read_state(i, *bufs)
+            bufs = [torch.empty(n, dtype=torch.float32) for _ in parts]
+            self.read_arrays(i, bufs)
             for k, t in zip(parts, bufs):
                 parts[k].append(t)
         return {k: torch.cat(v) if v else torch.empty(0) for k, v in parts.items()}

@@ -22,7 +22,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import _checks, _dtensor, _files, _scratch, _zoe
+from . import _checks, _dtensor, _files, _rules, _scratch, _zoe
 from ._flat import FlatState
 
 try:
@@ -76,7 +76,9 @@ def _as_local(t: torch.Tensor, s, what: str) -> torch.Tensor:
 def read_torch_state(flat: FlatState, param_groups, sd: dict):
     """A torch-format state checked against the optimizer's parameters (its FlatState and param groups) and
     brought to fp32 tensors per parameter, this optimizer's elements of each (a DTensor parameter's local
-    shard): ({index: (master, exp_avg, exp_avg_sq)}, step). Nothing changes here; a bad state raises."""
+    shard): ({index: (master, exp_avg, exp_avg_sq)}, step) — the rule's state arrays (``flat.states``) after the
+    master. Nothing changes here; a bad state raises."""
+    rule = flat.rule
     state = sd.get("state", {})
     masters = sd.get("zoe_masters", {})
     keys = saved_keys(param_groups, sd)
@@ -86,16 +88,16 @@ def read_torch_state(flat: FlatState, param_groups, sd: dict):
         key = keys[s.index]
         st = state.get(key, state.get(str(key)))
         if st is None:
-            m = v = torch.zeros(s.numel, dtype=torch.float32)
+            # Never stepped: the rule's starting state (Adagrad's sum starts at initial_accumulator_value).
+            group = {**param_groups[s.group], **sd["param_groups"][s.group]}  # the saved group's value first
+            arrays = [torch.full((s.numel,), rule.fresh_state(k, group), dtype=torch.float32) for k in rule.states]
         else:
             if "max_exp_avg_sq" in st:
                 raise ValueError(f"parameter {s.index}: this state_dict comes from amsgrad=True, which zoe does not run")
-            for k in ("exp_avg", "exp_avg_sq", "step"):
+            for k in (*rule.states, "step"):
                 if k not in st:
-                    raise ValueError(f"parameter {s.index}: its state has no '{k}' (an Adam/AdamW state_dict has "
-                                     "step, exp_avg and exp_avg_sq)")
-            m = _as_local(st["exp_avg"], s, "exp_avg")
-            v = _as_local(st["exp_avg_sq"], s, "exp_avg_sq")
+                    raise ValueError(f"parameter {s.index}: its state has no '{k}' ({rule.state_hint()})")
+            arrays = [_as_local(st[k], s, k) for k in rule.states]
             steps[s.index] = int(float(st["step"]))
         master = masters.get(s.index, masters.get(str(s.index)))
         if master is None and st is not None:
@@ -105,10 +107,12 @@ def read_torch_state(flat: FlatState, param_groups, sd: dict):
             master = offload._read(block, entry, torch.device("cpu"))
         elif master is None:
             master = s.param.detach()
-        full[s.index] = (_as_local(master, s, "its master"), m, v)
-    for i, (master, _, v) in full.items():
-        if not bool(torch.isfinite(master).all()) or not bool((v >= 0).all()):
-            raise ValueError(f"parameter {i}: its master weights are not finite or its exp_avg_sq has negative values")
+        full[s.index] = (_as_local(master, s, "its master"), *arrays)
+    signed = [k + 1 for k, name in enumerate(rule.states) if name in rule.non_negative]  # their places in full[i]
+    for i, arrays in full.items():
+        if not bool(torch.isfinite(arrays[0]).all()) or not all(bool((arrays[k] >= 0).all()) for k in signed):
+            why = f" or its {' or '.join(rule.non_negative)} has negative values" if signed else ""
+            raise ValueError(f"parameter {i}: its master weights are not finite{why}")
         if steps.get(i, 0) < 0:
             raise ValueError(f"parameter {i}: its step {steps[i]} is negative")
     return full, steps
@@ -134,8 +138,7 @@ def write_torch_state(flat: FlatState, full: dict, steps: dict) -> None:
     engine = flat.engine
     engine.set_step_count(max(steps.values(), default=0))
     for s, begin, n in flat.pieces():
-        master, m, v = (t[begin:begin + n].contiguous() for t in full[s.index])
-        engine.write_state(s.engine_ids[0], master, m, v)
+        flat.write_arrays(s.engine_ids[0], [t[begin:begin + n].contiguous() for t in full[s.index]])
         for i in s.engine_ids:
             engine.set_param_step_count(i, steps.get(s.index, 0))
     if flat.world > 1:
@@ -154,8 +157,8 @@ def torch_state(flat: FlatState, param_groups, masters_in_state: bool = False) -
         weights = _gathered_state(flat)
     state, masters = {}, {}
     own = {s.index: flat.engine.param_step_count(s.engine_ids[0]) for s in flat.slots if s.engine_ids}
-    for index, (p, m, v) in weights.items():
-        state[index] = {"step": torch.tensor(float(own.get(index, step))), "exp_avg": m, "exp_avg_sq": v}
+    for index, (p, *arrays) in weights.items():
+        state[index] = {"step": torch.tensor(float(own.get(index, step))), **dict(zip(flat.states, arrays))}
         if masters_in_state:
             state[index]["zoe_master"] = p
         else:
@@ -167,19 +170,21 @@ def torch_state(flat: FlatState, param_groups, masters_in_state: bool = False) -
 
 
 def _gathered_state(flat: FlatState) -> dict:
-    """{index: (master, exp_avg, exp_avg_sq)}, whole, every rank's partition gathered."""
-    shards = {b.dtype: torch.zeros(3, b.shard_numel, dtype=torch.float32) for b in flat.buckets}
+    """{index: (master, exp_avg, exp_avg_sq)} (the rule's state arrays after the master), whole, every rank's
+    partition gathered."""
+    count = 1 + len(flat.states)
+    shards = {b.dtype: torch.zeros(count, b.shard_numel, dtype=torch.float32) for b in flat.buckets}
     owner = {id(s): b for b in flat.buckets for s in b.slots}
     windowed = {}
     for s, begin, n in flat.pieces():
         b = owner[id(s)]
         at = s.offset + begin - flat.rank * b.shard_numel
-        bufs = [torch.empty(n, dtype=torch.float32) for _ in range(3)]
-        flat.engine.read_state(s.engine_ids[0], *bufs)
+        bufs = [torch.empty(n, dtype=torch.float32) for _ in range(count)]
+        flat.read_arrays(s.engine_ids[0], bufs)
         if s.windowed:
             windowed[s.index] = tuple(t.view(s.shape) for t in bufs)
             continue
-        for k in range(3):
+        for k in range(count):
             shards[b.dtype][k, at:at + n] = bufs[k]
     out = {}
     for b in flat.buckets:
@@ -192,7 +197,7 @@ def _gathered_state(flat: FlatState) -> dict:
             whole = mine
         for s in b.slots:
             out[s.index] = windowed[s.index] if s.windowed else \
-                tuple(whole[k, s.offset:s.offset + s.numel].clone().view(s.shape) for k in range(3))
+                tuple(whole[k, s.offset:s.offset + s.numel].clone().view(s.shape) for k in range(count))
     return out
 
 
@@ -202,9 +207,9 @@ def _dtensor_state(flat: FlatState) -> dict:
     out = {}
     for s in flat.slots:
         p = s.param
-        local = [torch.zeros(s.numel, dtype=torch.float32) for _ in range(3)]
+        local = [torch.zeros(s.numel, dtype=torch.float32) for _ in range(1 + len(flat.states))]
         if s.engine_ids:
-            flat.engine.read_state(s.engine_ids[0], *local)
+            flat.read_arrays(s.engine_ids[0], local)
         out[s.index] = tuple(
             _dtensor.DTensor.from_local(t.view(p._local_tensor.shape), p.device_mesh, p.placements, run_check=False,
                                         shape=p.shape, stride=p.stride()) for t in local)
@@ -212,14 +217,12 @@ def _dtensor_state(flat: FlatState) -> dict:
 
 
 def _param_groups(flat: FlatState, param_groups) -> list[dict]:
-    """torch.optim.AdamW's param_groups: zoe's hyper-parameters, torch's flags at their defaults, and an fp16
-    run's loss scaler."""
+    """torch.optim.AdamW's param_groups (the rule's torch keys, _rules.TorchRule.torch_group): zoe's
+    hyper-parameters, torch's flags at their defaults, and an fp16 run's loss scaler."""
     scaler = list(flat.engine.loss_scale_state) if flat.loss_scaling else None
     out, index = [], 0
     for g in param_groups:
-        d = {k: v for k, v in g.items() if k not in ("params", "adamw", "zoe_loss_scale")}
-        d.update(amsgrad=False, maximize=bool(g.get("maximize", False)), foreach=None, capturable=False,
-                 differentiable=False, fused=None, decoupled_weight_decay=bool(g.get("adamw", True)))
+        d = flat.rule.torch_group(g)
         if scaler is not None:
             d["zoe_loss_scale"] = scaler
         d["params"] = list(range(index, index + len(g["params"])))
@@ -242,6 +245,11 @@ def consolidate(state_dicts) -> dict:
         if meta.get("pieces", []) is None:
             raise ValueError(f"state_dict {k} holds FSDP2 shards: torch.distributed.checkpoint saves and reshards "
                              "those (get_state_dict / set_state_dict)")
+        if meta.get("optimizer", "adam") != "adam":
+            # The engine's join (zoe export's) reads Adam's two moments by name.
+            raise ValueError(f"state_dict {k} is of an optimizer running {meta['optimizer']}: joining state_dicts "
+                             "(consolidate_state_dicts, a load across ranks or across parameter dtypes) supports "
+                             "Adam's state only so far")
         if "pieces" not in meta:
             raise ValueError(f"state_dict {k} predates partition records (no 'pieces'); it loads only on the ranks "
                              "that wrote it")
@@ -340,6 +348,15 @@ def _join(metas: list, states: dict) -> dict:
             raise type(e)(message) from e
 
 
+def _state_keys(source, sd: dict) -> tuple[str, ...]:
+    """The state arrays' keys of an optimizer (its rule's), or of a torch-format state_dict (the rule whose keys
+    its first parameter's state holds; Adam's when none)."""
+    rule = getattr(getattr(source, "_flat", None), "rule", None)
+    if rule is None:
+        rule = next((r for r in map(_rules.rule_of_state, sd["state"].values()) if r is not None), _rules.ADAM)
+    return rule.states
+
+
 def export_fp32(source, out_dir, names=None, moments: bool = False) -> list[str]:
     """Writes the fp32 master weights by parameter name as ``model.safetensors`` in ``out_dir`` (``moments``:
     ``exp_avg.safetensors`` and ``exp_avg_sq.safetensors`` too). ``source``: an OffloadOptimizer, the list of
@@ -374,8 +391,9 @@ def export_fp32(source, out_dir, names=None, moments: bool = False) -> list[str]
     files = []
     kinds = [("model.safetensors", lambda i: sd["zoe_masters"].get(i))]
     if moments:
-        kinds += [("exp_avg.safetensors", lambda i: sd["state"].get(i, {}).get("exp_avg")),
-                  ("exp_avg_sq.safetensors", lambda i: sd["state"].get(i, {}).get("exp_avg_sq"))]
+        # The rule's state arrays by torch's keys (Adam: exp_avg, exp_avg_sq; Lion: exp_avg; Adagrad: sum).
+        kinds += [(f"{key}.safetensors", lambda i, key=key: sd["state"].get(i, {}).get(key))
+                  for key in _state_keys(source, sd)]
     for filename, get in kinds:
         tensors = {}
         for i, name in enumerate(names):

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from . import _adaptations, _checks, _interop, _lazy, _scratch, _serial, _torch_flags, _zoe
+from . import _adaptations, _checks, _interop, _lazy, _rules, _scratch, _serial, _torch_flags, _zoe
 
 _STATE_FORMAT = _interop.STATE_FORMAT
 
@@ -90,6 +90,8 @@ class StateDictMethods:
             "lazy": [e.index for e in flat.lazy],
             "checkpoint": empty,
         }
+        if flat.rule is not _rules.ADAM:  # (Adam's state_dicts stay as they were before other rules existed)
+            sd["zoe"]["optimizer"] = flat.rule.name
         if folder is not None:
             sd["zoe"]["folder"] = folder
         elif live:
@@ -114,7 +116,7 @@ class StateDictMethods:
             holes = []
             if flat.whole:
                 index = _zoe.checkpoint_blobs(path)
-                holes = sorted([*index[key], key] for key in ("exp_avg", "exp_avg_sq"))
+                holes = sorted([*index[key], key] for key in flat.states)
             moments = {key: torch.empty(n // 4, dtype=torch.float32) for _, n, key in holes}
             blob = bytearray(size - sum(n for _, n, _ in holes))
             with open(path, "rb") as f:
@@ -129,9 +131,9 @@ class StateDictMethods:
         sd["zoe"]["moments"] = holes
         first = 0
         for s, _, n in flat.pieces():
-            m, v = (moments[key][first:first + n].view(s.shape) for key in ("exp_avg", "exp_avg_sq"))
             steps = float(flat.engine.param_step_count(s.engine_ids[0]))
-            sd["state"][s.index] = {"step": torch.tensor(steps), "exp_avg": m, "exp_avg_sq": v}
+            sd["state"][s.index] = {"step": torch.tensor(steps),
+                                    **{key: moments[key][first:first + n].view(s.shape) for key in flat.states}}
             first += n
 
     @_serial.serialised
@@ -194,6 +196,12 @@ class StateDictMethods:
             return
         if meta.get("format") != _STATE_FORMAT:
             raise ValueError(f"this state_dict's 'zoe' entry is of format {meta.get('format')!r}, not {_STATE_FORMAT}")
+        saved_rule = _rules.RULES.get(meta.get("optimizer", "adam"))
+        if saved_rule is not self._flat.rule:
+            raise ValueError(
+                f"this state_dict was saved by an optimizer running {meta.get('optimizer', 'adam')}, and this one "
+                f"runs {self._flat.rule.name}: zoe does not convert one optimizer's state into another's. Load it "
+                "into the optimizer class that saved it")
         world, rank = self._flat.partition()
         if "folder" in meta:
             self._load_rank_file(state_dict, world, rank)
@@ -294,6 +302,7 @@ class StateDictMethods:
         self._flat.hyper_unknown(len(self.param_groups))
 
     def _load_torch_state_dict(self, state_dict: dict) -> None:
+        _rules.refuse_other_rule(self._flat.rule, state_dict)
         for gi, g in enumerate(state_dict["param_groups"]):
             _torch_flags.check_group(g, f"param group {gi} of this state_dict")
         # A parameter this optimizer holds nothing for yet (frozen at construction) takes its state from here;

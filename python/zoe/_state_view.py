@@ -13,7 +13,8 @@ from ._flat import FlatState
 
 class StateView(collections.abc.MutableMapping):
     """``opt.state`` as torch's optimizers have it: ``state[p]`` is ``{"step", "exp_avg", "exp_avg_sq"}`` for each
-    parameter stepped at least once (``{}`` for the others, as torch's defaultdict gives). The moments are
+    parameter stepped at least once (``{}`` for the others, as torch's defaultdict gives); Lion's is ``{"step",
+    "exp_avg"}``, Adagrad's ``{"step", "sum"}`` (the rule's state keys, _rules.py). The moments are
     views of zoe's own memory where it keeps them as fp32 in RAM (tier ram, ``state_dtype="fp32"``, one rank):
     reading and writing them reads and writes the optimizer's state until the next step (the overlap schedule
     steps into a second set of arrays and makes it current: take ``opt.state[p]`` again). Elsewhere (bf16 or int8 moments, tier
@@ -49,14 +50,15 @@ class StateView(collections.abc.MutableMapping):
             return {}
         engine = self._flat.engine
         engine.wait()
-        views = [engine.moments_view(s.engine_ids[0], which) for which in (1, 2)]
+        names = self._flat.states  # the rule's state keys, in the engine's order (Adam: exp_avg, exp_avg_sq)
+        views = [engine.moments_view(s.engine_ids[0], which) for which in range(1, len(names) + 1)]
         whole = len(s.engine_ids) == 1 and self._flat.whole  # not a piece, not a shard
         if whole and all(v is not None for v in views):
-            m, v = (torch.from_numpy(x).view(s.shape) for x in views)
+            arrays = [torch.from_numpy(x).view(s.shape) for x in views]
         else:
             st = self._read_state()(key)
-            m, v = st["exp_avg"], st["exp_avg_sq"]
-        return {"step": torch.tensor(float(self._stepped(s))), "exp_avg": m, "exp_avg_sq": v}
+            arrays = [st[k] for k in names]
+        return {"step": torch.tensor(float(self._stepped(s))), **dict(zip(names, arrays))}
 
     def __setitem__(self, key, value) -> None:
         if self._slot(key) is not None:

@@ -1,5 +1,6 @@
 """zoe.torch — ``OffloadOptimizer``, a ``torch.optim.Optimizer`` whose fp32 master weights and Adam moments
 live in zoe (pinned RAM, or NVMe) while the model keeps its own weights, in their own dtype, on its device.
+``OffloadLion`` and ``OffloadAdagrad`` (_rule_optimizers.py) are the same with the engine's other update rules.
 
 How it meets torch:
 
@@ -52,12 +53,13 @@ import torch
 import torch.distributed as dist
 
 from . import (_adaptations, _data_parallel, _dtensor, _flat, _grad_intake, _interop, _lazy, _options,
-               _param_offload, _regroup, _scratch, _serial, _state_dict, _stream, _torch_flags, _weight_edits, _zoe)
+               _param_offload, _regroup, _rules, _scratch, _serial, _state_dict, _stream, _torch_flags, _weight_edits,
+               _zoe)
 from ._flat import Bucket
 from ._param_offload import full_shape, offload_parameters
 from ._state_view import StateView
 
-__all__ = ["OffloadOptimizer", "offload_parameters", "full_shape"]
+__all__ = ["OffloadOptimizer", "OffloadLion", "OffloadAdagrad", "offload_parameters", "full_shape"]
 
 
 def _cpu_device():
@@ -137,6 +139,8 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
     sharded or replicated alike; anything else is refused at construction.
     """
 
+    _rule = _rules.ADAM  # the engine's update rule and its torch keys (_rules.py); the subclasses name theirs
+
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, adamw: bool = True, tier: str = "ram", nvme_path=None,
                  schedule: str = "sync", max_grad_norm: float | None = None, *, loss_scale=None,
@@ -161,13 +165,21 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
                        delayed_warmup_steps=delayed_warmup_steps, isa=isa, threads=threads, tile=tile,
                        buffer_count=buffer_count, block_size=block_size, queue_depth=queue_depth,
                        refuse_non_finite=refuse_non_finite, durability=durability, keep_resident=keep_resident,
-                       state_dtype=state_dtype, spill_grads=spill_grads)
-        _options.check_keywords(options, gradient_accumulation_steps, reduce_grads)
+                       state_dtype=state_dtype, spill_grads=spill_grads, process_group=process_group,
+                       gradient_accumulation_steps=gradient_accumulation_steps, reduce_grads=reduce_grads)
         # torch.optim.AdamW's keys, so that torch reads these groups as its own (state_dict, schedulers).
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=adamw,
                         decoupled_weight_decay=adamw, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                         fused=fused, capturable=capturable, differentiable=differentiable)
-        _torch_flags.check_group(defaults, "OffloadOptimizer")
+        self._start(params, defaults, options)
+
+    def _start(self, params, defaults: dict, options: dict) -> None:
+        """What every rule's constructor shares: ``defaults`` are its torch param-group keys, ``options`` zoe's
+        keywords by name (this class's __init__ names them all, with their defaults)."""
+        process_group, schedule, reduce_grads = options.pop("process_group"), options["schedule"], options.pop("reduce_grads")
+        gradient_accumulation_steps = options.pop("gradient_accumulation_steps")
+        _options.check_keywords(options, gradient_accumulation_steps, reduce_grads)
+        _torch_flags.check_group(defaults, type(self).__name__)
         self._built = False
         self._calls = threading.RLock()  # _serial.serialised: one public call at a time
         self._flat = flat = _flat.FlatState()  # the engine and the flat buffers, filled in by _build
@@ -237,15 +249,13 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
 
     def _add_group(self, param_group: dict) -> None:
         if isinstance(param_group, dict):
-            _torch_flags.normalise_group(param_group)
+            self._rule.prepare(param_group)
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        _torch_flags.decoupled(group)
-        _torch_flags.check_group(group, f"param group {len(self.param_groups) - 1}")
-        _torch_flags.check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        self._rule.check(self.param_groups[-1], f"param group {len(self.param_groups) - 1}")
 
     def _build(self) -> None:
         flat = self._flat
+        flat.rule = self._rule
         self._device, self._zoe_device = _stream.devices_of(self.param_groups, _cpu_device)
         self._stream = _stream.TorchStream(self._zoe_device, self._device)
         slots_by_dtype = flat.collect_slots(self.param_groups)
@@ -326,27 +336,17 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
             accumulation_steps=self._accumulation_steps if self._engine_accumulates else 1,
             reduce=self._reduce, sharded=flat.dtensor is not None, dtypes=[b.dtype for b in flat.buckets],
             cuda=self._device.type == "cuda")
-        groups = [self._group_hyper(g) for g in self.param_groups]
+        groups = [self._rule.group_hyper(g) for g in self.param_groups]
         specs, tiered = flat.engine_specs(self.param_groups)
         collectives = flat.dp.collectives if flat.dp is not None else None
-        flat.engine = _zoe.Engine(self._zoe_device, [dict(h) for h in groups], specs, opts, collectives, tiered)
-        flat.hyper_sent = [self._hyper_key(h) for h in groups]
-
-    @staticmethod
-    def _group_hyper(group: dict) -> dict:
-        beta1, beta2 = group["betas"]
-        return dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]), adamw=_torch_flags.decoupled(group),
-                    maximize=bool(group.get("maximize", False)))
-
-    @staticmethod
-    def _hyper_key(h: dict) -> tuple:
-        return (h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"], h["adamw"], h["maximize"])
+        engine_groups = [dict(h, optimizer=self._rule.name) for h in groups]
+        flat.engine = _zoe.Engine(self._zoe_device, engine_groups, specs, opts, collectives, tiered)
+        flat.hyper_sent = [self._rule.hyper_key(h) for h in groups]
 
     def _sync_hyper(self) -> None:
         for gi, group in enumerate(self.param_groups):
-            h = self._group_hyper(group)
-            key = self._hyper_key(h)
+            h = self._rule.group_hyper(group)
+            key = self._rule.hyper_key(h)
             if key != self._flat.hyper_sent[gi]:
                 self._flat.engine.set_hyper(gi, **h)
                 self._flat.hyper_sent[gi] = key
@@ -596,3 +596,5 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
 # Checkpoints across runs of different sizes and out of zoe (_interop.py).
 consolidate_state_dicts = _interop.consolidate
 export_fp32 = _interop.export_fp32
+# The other rules' optimizers subclass OffloadOptimizer (defined above) and share everything but the rule.
+from ._rule_optimizers import OffloadAdagrad, OffloadLion  # noqa: E402

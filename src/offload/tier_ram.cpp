@@ -1,8 +1,8 @@
 // Tier ram: the fp32 master weights and the rule's state arrays (fp32, bf16 or i8, OffloadOptions::state_dtype)
-// of the flattened parameters in host arrays: Adam's two moments m and v (and with amsgrad vmax, v's running
-// maximum), Lion's m, Adagrad's sum (kept as m);
-// i8 (Adam) adds two arrays of block scales, each parameter's blocks counted from its first element. With the overlap schedule a second set of the same arrays holds what the
-// speculative steps write (ping-pong): each parameter's state is in the set Impl::set_of names.
+// of the flattened parameters in host arrays: Adam's moments m and v (and with amsgrad vmax, v's running
+// maximum), Lion's m, Adagrad's sum (kept as m). i8 (Adam) adds two arrays of block scales, each parameter's
+// blocks counted from its first element. With the overlap schedule a second set of the same arrays holds what
+// the speculative steps write (ping-pong): each parameter's state is in the set Impl::set_of names.
 #include <algorithm>
 #include <chrono>
 #include <cstring>
