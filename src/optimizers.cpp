@@ -145,8 +145,8 @@ Status validate_hyper(const OptimizerHyper& hyper) {
 
 Status step_rule(CpuAdam& engine, const OptimizerHyper& hyper, const StepOptions& options,
                  std::span<const AdamTensor> adam, std::span<const OneStateTensor> one_state) {
-  const bool two = hyper.rule == Rule::adam;
-  if (!(two ? one_state : std::span<const OneStateTensor>()).empty() || (!two && !adam.empty())) {
+  const bool adam_rule = hyper.rule == Rule::adam;
+  if ((adam_rule && !one_state.empty()) || (!adam_rule && !adam.empty())) {
     return invalid_argument(std::string(optimizer_rule(hyper.rule).name) + " was given tensors of another rule's state");
   }
   switch (hyper.rule) {

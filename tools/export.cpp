@@ -54,10 +54,11 @@ Status run(const Args& a, Report& report) {
   Result<PartitionedCheckpoint> checkpoint = PartitionedCheckpoint::open(a.paths);
   if (!checkpoint.ok()) return checkpoint.status();
   // The master as model.safetensors, and with --moments each state array of the run's optimizer as
-  // <state>.safetensors (Adam: exp_avg, exp_avg_sq; Lion: exp_avg; Adagrad: sum).
+  // <state>.safetensors (Adam: exp_avg, exp_avg_sq, and max_exp_avg_sq with amsgrad; Lion: exp_avg;
+  // Adagrad: sum).
   std::vector<std::string> names = {"master"};
   std::vector<ExportFile> outputs = {{"master", "model.safetensors"}};
-  for (std::string_view state : optimizer_rule(checkpoint->rule()).states) names.emplace_back(state);
+  for (const std::string& state : checkpoint->state_names()) names.push_back(state);
   for (std::size_t k = 1; k < names.size(); ++k) outputs.push_back({names[k].c_str(), names[k] + ".safetensors"});
   std::vector<const char*> blobs;
   for (const std::string& n : names) blobs.push_back(n.c_str());

@@ -80,9 +80,10 @@ class PartitionedCheckpoint {
   std::int64_t step() const;
   std::size_t files() const;
   LossScaleState loss_scale() const;  // the run's fp16 loss scaler (every rank holds the same)
-  // The optimizer whose state the files hold (every rank's the same): its state arrays are the blobs beside
-  // "master", by the optimizer table's names (zoe/optimizers.h).
+  // The optimizer whose state the files hold (every rank's the same), and its state arrays: the blobs beside
+  // "master", by the optimizer table's names (zoe/optimizers.h; amsgrad's max_exp_avg_sq included).
   Rule rule() const;
+  std::vector<std::string> state_names() const;
   // What file `file` (in the order open() was given them) holds: its state arrays' pieces of params(), in
   // their order.
   const std::vector<CheckpointPiece>& pieces(std::size_t file) const;

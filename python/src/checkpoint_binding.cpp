@@ -52,7 +52,7 @@ nb::dict join_checkpoints(const std::vector<std::string>& paths) {
     nb::gil_scoped_release release;
     c = PartitionedCheckpoint::open(paths);
     if (c.ok()) {
-      for (std::string_view state : optimizer_rule(c->rule()).states) arrays.emplace_back(state);
+      for (const std::string& state : c->state_names()) arrays.push_back(state);
     }
     for (std::size_t k = 0; c.ok() && k < arrays.size(); ++k) {
       Result<std::vector<std::vector<float>>> j = c->join(arrays[k].c_str());

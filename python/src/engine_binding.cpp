@@ -319,6 +319,11 @@ void bind_engine_settings(nb::class_<PyEngine>& engine) {
              OptimizerHyper& target = e.get().group_hyper(group);
              const OptimizerHyper h = hyper_from_dict(fields, "group " + std::to_string(group), target);
              check(validate_hyper(h));
+             // The state arrays were made for the rule and amsgrad at creation.
+             if (h.rule != target.rule || h.amsgrad != target.amsgrad) {
+               throw std::invalid_argument("set_hyper: group " + std::to_string(group) +
+                                           ": the optimizer and amsgrad are fixed when the engine is made");
+             }
              target = h;
            },
            "Sets fields of param group `group` by the optimizer table's names (lr=..., beta1=..., ...).")
@@ -394,8 +399,9 @@ void bind_engine_state(nb::class_<PyEngine>& engine) {
              return nb::cast(nb::ndarray<nb::numpy, float, nb::ndim<1>>(at, {n}, self));
            },
            nb::arg("param"), nb::arg("which"),
-           "Tier ram with fp32 moments: a numpy view of parameter `param`'s exp_avg (1) or exp_avg_sq (2) in the "
-           "engine's memory (it keeps the engine alive); None otherwise.")
+           "Tier ram with fp32 state: a numpy view of parameter `param`'s state array `which` (1 exp_avg, or Lion's "
+           "and Adagrad's one; 2 exp_avg_sq; 3 max_exp_avg_sq) in the engine's memory (it keeps the engine alive); "
+           "None otherwise.")
       .def("set_grad_sources",
            [](PyEngine& e, const std::vector<std::size_t>& params, const std::vector<nb::object>& grads) {
              if (params.size() != grads.size()) throw nb::value_error("set_grad_sources: one gradient per parameter");

@@ -11,7 +11,6 @@ Not listed: what makes OffloadOptimizer a torch.optim.Optimizer (torch's param-g
 which every caller gets alike — and zoe.hf, the callback and hooks a user hands to a trainer."""
 from __future__ import annotations
 
-import math
 import sys
 import weakref
 from typing import NamedTuple
@@ -44,17 +43,18 @@ ADAPTATIONS: list[Adaptation] = [
         "get_total_norm and then this function rather than clip_grad_norm_: the same write to every p.grad, "
         "with the same costs.",
         "mechanism: replaced in torch.nn.utils as clip_grad_norm_ is (Accelerate imports it at each call). Over "
-        "exactly one optimizer's parameters, with total_norm the 2-norm the optimizer computes of their "
-        "gradients, the optimizer's clip_grad_norm_ answers it; any other call (another norm, other "
-        "parameters) is torch's, and zoe sees the edit at step().",
+        "exactly one optimizer's parameters with the norm zoe answered get_total_norm with, the optimizer's "
+        "clip_grad_norm_ answers it; any other call (a norm zoe did not give, other parameters) is torch's, and "
+        "zoe sees the edit at step().",
         "route_clipping, from OffloadOptimizer._build (one rank, not FSDP2)"),
     Adaptation(
         "torch.nn.utils.get_total_norm (torch >= 2.6)",
-        "Accelerate 1.16 takes the norm it clips with, and that the Trainer logs, with it over p.grad; the "
-        "gradients of offloaded parameters left the device, and p.grad holds zeros.",
+        "Accelerate 1.16 takes the norm it clips with, and that the Trainer logs, with it over p.grad: scaled "
+        "by zoe's fp16 loss scale, zeros where offloaded parameters' gradients left the device, in bf16 for "
+        "bf16 gradients.",
         "mechanism: replaced in torch.nn.utils (Accelerate imports it at each call). Over exactly the p.grad "
-        "of one optimizer's parameters, when that optimizer has offloaded ones, the 2-norm is the optimizer's; "
-        "any other call is torch's.",
+        "of one optimizer's parameters the 2-norm is the optimizer's (clip_grad_norm_ with no limit of its "
+        "own); any other call is torch's.",
         "route_clipping, from OffloadOptimizer._build (one rank, not FSDP2)"),
     Adaptation(
         "accelerate.optimizer.AcceleratedOptimizer.__init__ (Accelerator.prepare)",
@@ -202,52 +202,53 @@ def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fal
                                  foreach=foreach)
 
 
-# torch's clip_grads_with_norm_ (None before torch 2.6), kept as clip_grad_norm_ is.
-torch_clip_grads_with_norm_ = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
-
-
-def _clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
-    """``torch.nn.utils.clip_grads_with_norm_`` while an OffloadOptimizer exists: over exactly one optimizer's
-    parameters, when ``total_norm`` is the 2-norm of their gradients as the optimizer computes it (relative
-    1e-4: torch's fp32 sum and the engine's differ in the last bits), the optimizer's ``clip_grad_norm_``
-    clips them (the coefficient from its own norm); any other call is torch's. Where the gradients are not
-    in p.grad (offloaded parameters on a device with memory of its own, spilled gradients: p.grad holds
-    zeros), the caller's norm was taken of those zeros and the optimizer's own 2-norm is the gradients'."""
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    for ref in list(_answering):
-        answers = ref()
-        if answers is not None and answers(params):
-            opt = answers.__self__
-            if not (getattr(opt, "_windowed_slots", ()) or opt._flat.spills):  # p.grad holds the gradients
-                norm = float(opt.clip_grad_norm_(float("inf")))  # the norm alone: nothing is clipped
-                given = float(total_norm)
-                if not (math.isfinite(norm) and abs(norm - given) <= 1e-4 * max(norm, given, 1e-30)):
-                    break
-            opt.clip_grad_norm_(float(max_norm))
-            return None
-    return torch_clip_grads_with_norm_(params, max_norm, total_norm, foreach=foreach)
-
-
-# torch's get_total_norm (None before torch 2.6), kept as clip_grad_norm_ is.
+# torch's get_total_norm and clip_grads_with_norm_ (torch >= 2.6; None before), kept as clip_grad_norm_ is.
 torch_get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
+torch_clip_grads_with_norm_ = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
+# The norm zoe last answered get_total_norm with, and whose: (weak reference to the optimizer, value). A
+# clip_grads_with_norm_ given that norm is the same caller's clip (Accelerate stacks the per-mesh norms, so
+# the tensor is a new one of the same value).
+_answered_norm: list[tuple[weakref.ref, float]] = []
 
 
 def _get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-    """``torch.nn.utils.get_total_norm`` while an OffloadOptimizer exists. Where an optimizer's gradients left
-    p.grad (offloaded parameters on a device with memory of its own: p.grad holds zeros), the 2-norm of
-    exactly its parameters' p.grad is the optimizer's norm of the gradients it took (what Accelerate clips
-    with and Hugging Face's Trainer logs); any other call is torch's, exact over p.grad."""
+    """``torch.nn.utils.get_total_norm`` while an OffloadOptimizer exists: the 2-norm of exactly the p.grad of
+    one optimizer's parameters is that optimizer's norm (``clip_grad_norm_(inf)``, which clips nothing but
+    by the optimizer's own max_grad_norm): the gradients it takes, unscaled from zoe's loss scale, also where
+    they left p.grad (offloaded parameters on a device with memory of its own: p.grad holds zeros). What
+    Accelerate 1.16 clips with and Hugging Face's Trainer logs. Any other call is torch's."""
     grads = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    _answered_norm.clear()
     if float(norm_type) == 2.0 and grads:
         given = {id(g) for g in grads}
         for ref in list(_answering):
             answers = ref()
             opt = answers.__self__ if answers is not None else None
-            if opt is None or not getattr(opt, "_windowed_slots", ()):
-                continue
-            if given == {id(s.param.grad) for s in opt._flat.slots if s.param.grad is not None}:
-                return opt.clip_grad_norm_(float("inf"), error_if_nonfinite=error_if_nonfinite)
+            if opt is not None and given == {id(s.param.grad) for s in opt._flat.slots if s.param.grad is not None}:
+                norm = opt.clip_grad_norm_(float("inf"), error_if_nonfinite=error_if_nonfinite)
+                _answered_norm.append((weakref.ref(opt), float(norm)))
+                return norm
     return torch_get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+
+
+def _clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
+    """``torch.nn.utils.clip_grads_with_norm_`` while an OffloadOptimizer exists: over exactly one optimizer's
+    parameters with the norm zoe answered get_total_norm with (relative 1e-6: Accelerate's stack and
+    vector_norm of that one value may round it), the optimizer's ``clip_grad_norm_`` clips (its coefficient
+    from the same norm, p.grad multiplied as torch does, the step exact and overlapped). Any other call — a
+    norm zoe did not give, other parameters — is torch's, and zoe sees the edit at step()."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    answered = _answered_norm.pop() if _answered_norm else None
+    for ref in list(_answering):
+        answers = ref()
+        if answers is not None and answers(params):
+            opt = answers.__self__
+            given = float(total_norm)
+            if answered is not None and answered[0]() is opt and abs(given - answered[1]) <= 1e-6 * abs(answered[1]):
+                opt.clip_grad_norm_(float(max_norm))
+                return None
+            break
+    return torch_clip_grads_with_norm_(params, max_norm, total_norm, foreach=foreach)
 
 
 def route_clipping(answers_clipping) -> None:

@@ -86,7 +86,7 @@ struct PartitionedCheckpoint::Impl {
     return Status::success();
   }
 
-  // One blob ("master", "exp_avg", "exp_avg_sq") of every rank joined: each parameter's elements, whole.
+  // One blob ("master" or a state array's) of every rank joined: each parameter's elements, whole.
   Result<std::vector<std::vector<float>>> join(const char* blob) const {
     std::vector<std::vector<float>> data(params_.size());
     std::vector<std::size_t> filled(params_.size(), 0);
@@ -207,6 +207,10 @@ const std::vector<CheckpointPiece>& PartitionedCheckpoint::pieces(std::size_t fi
 }
 std::size_t PartitionedCheckpoint::files() const { return impl_->files_.size(); }
 Rule PartitionedCheckpoint::rule() const { return impl_->files_[0].manifest.rule; }
+std::vector<std::string> PartitionedCheckpoint::state_names() const {
+  const OptimizerManifest& m = impl_->files_[0].manifest;
+  return zoe::state_names(m.groups.empty() ? hyper_defaults(m.rule) : m.groups[0]);
+}
 Status PartitionedCheckpoint::verify(std::span<const char* const> blobs) const { return impl_->verify(blobs); }
 Result<std::vector<std::vector<float>>> PartitionedCheckpoint::join(const char* blob) const {
   return impl_->join(blob);

@@ -24,7 +24,7 @@ Status check_optimizer_space(const Device& device, const std::vector<ParamSpec>&
                              const char* store_name, const OptimizerHyper& hyper);
 Result<SpaceNeed> optimizer_footprint(const Device& device, const std::vector<ParamSpec>& params,
                                       const OffloadOptions& options, const char* store_name,
-                                      const OptimizerHyper& hyper = {});
+                                      const OptimizerHyper& hyper);
 
 // Impl::allocate's rule for where the step reads gradients and writes weights (optimizer_impl.h: in_place,
 // streamed, grads_in_place), the one the footprint counts staging by.

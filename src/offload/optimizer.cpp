@@ -34,7 +34,7 @@ Status offload_runs(const OptimizerHyper& h, std::size_t group, const OptimizerH
                             std::string(optimizer_rule(rule).name) + ": one optimizer steps one rule (its state arrays)");
   }
   if (state_arrays(h) != state_arrays(first)) {
-    return invalid_argument(where + " has amsgrad = " + (h.amsgrad ? "true" : "false") + " and param group 0 " +
+    return invalid_argument(where + " has amsgrad = " + (h.amsgrad ? "true" : "false") + ", the optimizer " +
                             (first.amsgrad ? "true" : "false") +
                             ": one optimizer's groups agree on it (it adds a state array, max_exp_avg_sq)");
   }
@@ -63,6 +63,13 @@ Status kept_arrays(const Impl& m, const void* second, const void* third, const c
 }
 
 }  // namespace
+
+Status OffloadOptimizer::Impl::check_groups() const {
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    if (Status s = offload_runs(groups[g].hyper, g, first_hyper, options.state_dtype); !s.ok()) return s;
+  }
+  return Status::success();
+}
 
 // A parameter in a parameter tier: its entry exists and holds exactly the parameter's weights.
 Status check_tier_entry(const ParamSpec& p, const std::string& where) {
@@ -263,11 +270,7 @@ Status OffloadOptimizer::step() {
   const std::lock_guard serial(impl_->calls);
   Impl& m = *impl_;
   const auto start = std::chrono::steady_clock::now();
-  for (std::size_t g = 0; g < m.groups.size(); ++g) {  // group_hyper() may have changed them since
-    if (Status refused = offload_runs(m.groups[g].hyper, g, m.first_hyper, m.options.state_dtype); !refused.ok()) {
-      return refused;
-    }
-  }
+  if (Status refused = m.check_groups(); !refused.ok()) return refused;  // group_hyper() may have changed them
   Status s;
   if (m.weights_pending) {
     s = m.send_pending_weights();

@@ -75,7 +75,8 @@ class StateTier {
   virtual Status read(std::size_t offset, std::size_t count, float* p, float* m, float* v, float* vmax) = 0;
   virtual Status write(std::size_t offset, std::size_t count, const float* p, const float* m, const float* v,
                        const float* vmax) = 0;
-  // Replaces the whole state with the checkpoint's arrays "master", "exp_avg", "exp_avg_sq", now at `step`.
+  // Replaces the whole state with the checkpoint's arrays ("master" and the state blobs, Impl::state_blob), now
+  // at `step`.
   virtual Status load(const CheckpointReader& reader, const std::string& path, std::int64_t step) = 0;
   // Makes the state as durable as the tier can (tier nvme: fdatasync and tile table); save() calls it.
   virtual Status flush() { return Status::success(); }
@@ -89,7 +90,8 @@ class StateTier {
   // Tier ram: array `which` (0 p, 1 m, 2 v) as one contiguous fp32 array, or null (in place, p is not;
   // bf16 moments are not fp32; a parameter's current set is the second).
   virtual const float* flat(int) const { return nullptr; }
-  // Tier ram, fp32 moments: parameter i's exp_avg (1) or exp_avg_sq (2) in its current set; null otherwise.
+  // Tier ram, fp32 state: parameter i's state array `which` (1 m, 2 v, 3 vmax) in its current set; null
+  // otherwise.
   virtual float* moments(std::size_t /*i*/, int /*which*/) { return nullptr; }
   // State dtype i8: the codes and scales as they are kept, added to a checkpoint so that it holds them exactly
   // (their fp32 values are written too, for readers that convert). Every tier writes the same blobs:
@@ -202,6 +204,9 @@ struct OffloadOptimizer::Impl {
   std::size_t state_count = 2;
   std::vector<std::string> state_names;  // torch's keys of arrays 1..state_count
   OptimizerHyper first_hyper;            // group 0's at creation: the rule and amsgrad every group keeps
+  // Every group's hyper-parameters as the engine runs them (valid, first_hyper's rule and amsgrad): step()
+  // and save() refuse what group_hyper() changed otherwise, before anything moves.
+  Status check_groups() const;
   bool two_states() const { return state_count > 1; }
   // The checkpoint blobs of array k (0 the master, then the states by name).
   std::string state_blob(int k) const { return k == 0 ? "master" : state_names.at(static_cast<std::size_t>(k) - 1); }

@@ -13,12 +13,10 @@
 
 namespace zoe {
 
-Status OffloadOptimizer::save(const std::string& path, bool record_names) {
-  const std::lock_guard serial(impl_->calls);
-  Impl& m = *impl_;
-  if (Status s = wait(); !s.ok()) return s;
-  // Tier nvme with durability checkpoint: the swap files become durable here, and only here.
-  if (Status s = m.tier->flush(); !s.ok()) return s;
+namespace {
+
+// What save() records beside the arrays: counters, groups, parameters, the partition, how the state was kept.
+OptimizerManifest manifest_of(const OffloadOptimizer::Impl& m, bool record_names) {
   OptimizerManifest manifest;
   manifest.step = m.step_count.load();
   // Parameters that missed steps (no gradient) have their own count: recorded only then.
@@ -43,6 +41,20 @@ Status OffloadOptimizer::save(const std::string& path, bool record_names) {
   // its codes and scales are stored beside them for the run itself to resume exactly): recorded so that a
   // reader knows how they were kept.
   manifest.state_dtype = std::string(state_dtype_name(m.options.state_dtype));
+  return manifest;
+}
+
+}  // namespace
+
+Status OffloadOptimizer::save(const std::string& path, bool record_names) {
+  const std::lock_guard serial(impl_->calls);
+  Impl& m = *impl_;
+  // The manifest records the groups: ones the state arrays do not fit would make a file nothing loads.
+  if (Status s = m.check_groups(); !s.ok()) return Status(s.code(), "save: " + s.message());
+  if (Status s = wait(); !s.ok()) return s;
+  // Tier nvme with durability checkpoint: the swap files become durable here, and only here.
+  if (Status s = m.tier->flush(); !s.ok()) return s;
+  const OptimizerManifest manifest = manifest_of(m, record_names);
   Result<CheckpointWriter> writer = CheckpointWriter::create(path);
   if (!writer.ok()) return writer.status();
   const std::size_t total = m.offsets.back();

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -205,10 +206,10 @@ std::string OptimizerManifest::dump() const {
                      {"hysteresis_left", loss_scale.hysteresis_left}};
   j["partition"] = {{"rank", rank}, {"world", world}};
   j["groups"] = Json::array();
-  if (rule != Rule::adam) {
-    j["version"] = kVersion;
-    j["optimizer"] = std::string(optimizer_rule(rule).name);
-  }
+  // Another rule's state, or amsgrad's third array, would be taken for Adam's two by a version-1 reader.
+  const bool amsgrad = std::any_of(groups.begin(), groups.end(), [](const OptimizerHyper& h) { return h.amsgrad; });
+  if (rule != Rule::adam || amsgrad) j["version"] = kVersion;
+  if (rule != Rule::adam) j["optimizer"] = std::string(optimizer_rule(rule).name);
   // The rule's fields; a flag whose default is false only when true (Adam's manifests stay as they were).
   const OptimizerHyper defaults = hyper_defaults(rule);
   for (const OptimizerHyper& h : groups) {

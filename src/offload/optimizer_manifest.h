@@ -42,8 +42,8 @@ std::string shape_mismatch(const std::vector<std::int64_t>& shape, std::uint64_t
 
 struct OptimizerManifest {
   static constexpr const char* kFormat = "zoe-offload-optimizer";
-  // Version 2: state of a rule other than Adam ("optimizer"), which a version-1 reader would take for Adam's.
-  // Adam's manifests stay version 1.
+  // Version 2: state of a rule other than Adam ("optimizer") or with amsgrad's max_exp_avg_sq, which a
+  // version-1 reader would take for Adam's two moments. Adam's manifests without amsgrad stay version 1.
   static constexpr int kVersion = 2;
 
   std::int64_t step = 0;

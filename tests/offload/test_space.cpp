@@ -65,11 +65,13 @@ struct Case {
   int accumulation;
   DType weights;
   bool cpu;  // the CPU itself as the device (in place), else the host stand-in (staged)
+  OptimizerHyper hyper{};  // the groups' rule: AdamW, or Lion's one state array, or AMSGrad's three
 };
 
 std::string label(const Case& c) {
   return test::cat(tier_name(c.tier), " ", schedule_name(c.schedule), " ", state_dtype_name(c.state), " k=",
-                   std::to_string(c.accumulation), " ", dtype_name(c.weights), c.cpu ? " cpu" : " stand-in");
+                   std::to_string(c.accumulation), " ", dtype_name(c.weights), c.cpu ? " cpu " : " stand-in ",
+                   optimizer_rule(c.hyper.rule).name, c.hyper.amsgrad ? " amsgrad" : "");
 }
 
 // The optimizer created, stepped twice (what a schedule allocates at its first step counts too), against the
@@ -90,6 +92,11 @@ TEST_F(Space, FootprintIsWhatTheAllocationsTake) {
       cases.push_back({tier, schedule, DType::bf16, 2, DType::bf16, false});
       cases.push_back({tier, schedule, DType::f32, 1, DType::f32, false});
       cases.push_back({tier, schedule, DType::f32, 1, DType::f32, true});
+      OptimizerHyper amsgrad;
+      amsgrad.amsgrad = true;
+      for (const OptimizerHyper& h : {hyper_defaults(Rule::lion), amsgrad}) {
+        cases.push_back({tier, schedule, DType::bf16, 1, DType::bf16, false, h});
+      }
     }
   }
   for (const Case& c : cases) {
@@ -104,12 +111,12 @@ TEST_F(Space, FootprintIsWhatTheAllocationsTake) {
     o.state_dtype = c.state;
     o.gradient_accumulation_steps = c.accumulation;
     o.delayed_warmup_steps = 0;
-    Result<SpaceNeed> need = optimizer_footprint(*device, model.specs, o, "zoe-optimizer");
+    Result<SpaceNeed> need = optimizer_footprint(*device, model.specs, o, "zoe-optimizer", c.hyper);
     ASSERT_TRUE(need.ok()) << need.status().to_string();
     const std::size_t before = AlignedBuffer::live_bytes();
     AlignedBuffer::reset_peak();
     {
-      Result<OffloadOptimizer> made = OffloadOptimizer::create(*device, {ParamGroup{}}, model.specs, o);
+      Result<OffloadOptimizer> made = OffloadOptimizer::create(*device, {ParamGroup{c.hyper}}, model.specs, o);
       ASSERT_TRUE(made.ok()) << made.status().to_string();
       for (int t = 0; t < 2; ++t) {
         for (int k = 0; k < c.accumulation; ++k) {
@@ -200,7 +207,7 @@ TEST_F(Space, ExactlyEnoughFits) {
   std::unique_ptr<Device> device = make_host_device();
   test::DeviceParams model(*device, DType::bf16, {100000, 37}, 7);
   const OffloadOptions o = small(nvme({}));
-  Result<SpaceNeed> need = optimizer_footprint(*device, model.specs, o, "zoe-optimizer");
+  Result<SpaceNeed> need = optimizer_footprint(*device, model.specs, o, "zoe-optimizer", OptimizerHyper{});
   ASSERT_TRUE(need.ok());
   std::uint64_t disk = 0;  // both paths are on one filesystem, which they share
   for (const SpaceNeed::Disk& d : need->disk) disk += d.bytes;

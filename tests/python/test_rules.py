@@ -359,3 +359,24 @@ def test_fp16_weights_with_dynamic_loss_scaling(cls):
     assert opt._flat.loss_scaling and opt.loss_scale > 1
     assert max_diff(ref, mine) < 2e-3
     assert max_diff(ref, make_mlp()) > 2 * 2e-3
+
+
+def test_engine_groups_and_set_hyper_by_the_table():
+    """The binding's groups and set_hyper read the optimizer table: a rule's own fields only, and the rule and
+    amsgrad fixed once the engine is made (its state arrays were allocated for them)."""
+    import numpy as np
+    w, g = np.zeros(8, dtype=np.float32), np.ones(8, dtype=np.float32)
+    params = [(8, "f32", w, g, 0, "w", [8])]
+    with pytest.raises(ValueError, match="eps is not a hyper-parameter of lion"):
+        zoe.Engine(zoe.host_device(), [dict(optimizer="lion", eps=1e-3)], params, zoe.EngineOptions())
+    engine = zoe.Engine(zoe.host_device(), [dict(optimizer="lion", lr=1e-3)], params, zoe.EngineOptions())
+    assert engine.hyper(0)["optimizer"] == "lion" and engine.hyper(0)["beta2"] == pytest.approx(0.99)
+    engine.set_hyper(0, lr=2e-3)
+    assert engine.hyper(0)["lr"] == pytest.approx(2e-3)
+    with pytest.raises(ValueError, match="fixed when the engine is made"):
+        engine.set_hyper(0, optimizer="adam")
+    assert engine.hyper(0)["optimizer"] == "lion"
+    adam = zoe.Engine(zoe.host_device(), [dict(lr=1e-3)], params, zoe.EngineOptions())
+    with pytest.raises(ValueError, match="fixed when the engine is made"):
+        adam.set_hyper(0, amsgrad=True)
+    assert adam.hyper(0)["amsgrad"] is False
