@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
-#include <sstream>
 
 #include "src/cpu_engine.h"
 
@@ -155,21 +154,6 @@ Status step_rule(CpuAdam& engine, const OptimizerHyper& hyper, const StepOptions
     case Rule::adam: break;
   }
   return engine.step(hyper.adam(), options, adam);
-}
-
-std::string hyper_text(const OptimizerHyper& hyper) {
-  const OptimizerRule& r = optimizer_rule(hyper.rule);
-  std::ostringstream out;
-  out << r.name;
-  for (const HyperField& f : r.fields) {
-    out << ' ' << f.name << '=';
-    if (f.number != nullptr) {
-      out << hyper.*f.number;
-    } else {
-      out << (hyper.*f.flag ? "true" : "false");
-    }
-  }
-  return out.str();
 }
 
 }  // namespace zoe

@@ -88,14 +88,12 @@ OptimizerHyper hyper_defaults(Rule rule);
 std::size_t state_arrays(const OptimizerHyper& hyper);
 // Their names, by torch's state keys, in the engine's order: the rule's, then "max_exp_avg_sq" (amsgrad).
 std::vector<std::string> state_names(const OptimizerHyper& hyper);
-// Every field the rule reads within its range, and the kernels' own checks: invalid_argument naming the
-// field otherwise.
+// Every field the rule reads within its range (the kernels' checks of their hyper-parameters call this):
+// invalid_argument naming the field otherwise.
 Status validate_hyper(const OptimizerHyper& hyper);
 // One step of the hyper-parameters' rule on `engine`: Adam's over `adam`, Lion's or Adagrad's over
 // `one_state`; the span the rule does not read must be empty (invalid_argument otherwise).
 Status step_rule(CpuAdam& engine, const OptimizerHyper& hyper, const StepOptions& options,
                  std::span<const AdamTensor> adam, std::span<const OneStateTensor> one_state);
-// "lr=0.001 beta1=0.9 ..." for messages: the rule's name and fields.
-std::string hyper_text(const OptimizerHyper& hyper);
 
 }  // namespace zoe

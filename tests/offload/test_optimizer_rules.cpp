@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -135,6 +136,31 @@ class OptimizerRules : public ::testing::Test {
     return t.result();
   }
 
+  // Steps 1-4 of `rule` with the trainer's gradients, saved to `path`.
+  void save_halfway(Rule rule, const OffloadOptions& o, const std::string& path) {
+    test::Trainer first(Schedule::sync, DType::bf16, o, 0, kSizes, nullptr, 0, false, groups_of(rule));
+    ASSERT_TRUE(first.created());
+    first.run(1, 4, test::random_grads(1e-2));
+    ASSERT_TRUE(first.opt().save(path).ok());
+  }
+
+  // A new optimizer of `rule` loads `path` and runs steps 5-8: it ends bit for bit as `whole`, the 8 steps
+  // uninterrupted. Returned for further loads.
+  std::unique_ptr<test::Trainer> expect_resumes(Rule rule, const OffloadOptions& o, const std::string& path,
+                                                const test::RunResult& whole) {
+    auto second = std::make_unique<test::Trainer>(Schedule::sync, DType::bf16, o, 0, kSizes, nullptr, 0, false,
+                                                  groups_of(rule));
+    EXPECT_TRUE(second->created());
+    if (!second->created()) return second;
+    const Status loaded = second->opt().load(path);
+    EXPECT_TRUE(loaded.ok()) << loaded.to_string();
+    second->run(5, 8, test::random_grads(1e-2));
+    test::RunResult resumed = second->result();
+    resumed.scales = whole.scales;
+    test::expect_bitwise_equal(whole, resumed);
+    return second;
+  }
+
   fs::path dir_;
   int stores_ = 0;
 };
@@ -226,23 +252,13 @@ TEST_F(OptimizerRules, CheckpointsCarryTheRuleAndRefuseAnothers) {
     SCOPED_TRACE(nvme ? "nvme" : "ram");
     const test::RunResult whole = run(Rule::adagrad, Schedule::sync, tier(nvme), 8);
     const std::string path = (dir_ / "adagrad.zoeckpt").string();
-    {
-      test::Trainer first(Schedule::sync, DType::bf16, tier(nvme), 0, kSizes, nullptr, 0, false, groups_of(Rule::adagrad));
-      first.run(1, 4, grads);
-      ASSERT_TRUE(first.opt().save(path).ok());
-    }
+    save_halfway(Rule::adagrad, tier(nvme), path);
     Result<CheckpointReader> saved = CheckpointReader::open(path);
     ASSERT_TRUE(saved.ok()) << saved.status().to_string();
     EXPECT_NE(saved->manifest().find("\"optimizer\":\"adagrad\""), std::string::npos) << saved->manifest();
     EXPECT_TRUE(saved->has("sum"));
     EXPECT_FALSE(saved->has("exp_avg_sq"));
-    test::Trainer second(Schedule::sync, DType::bf16, tier(nvme), 0, kSizes, nullptr, 0, false, groups_of(Rule::adagrad));
-    ASSERT_TRUE(second.created());
-    ASSERT_TRUE(second.opt().load(path).ok());
-    second.run(5, 8, grads);
-    test::RunResult resumed = second.result();
-    resumed.scales = whole.scales;
-    test::expect_bitwise_equal(whole, resumed);
+    expect_resumes(Rule::adagrad, tier(nvme), path, whole);
 
     // Another rule's optimizer, and Adam's, refuse the file by name and keep their state.
     for (Rule other : {Rule::lion, Rule::adam}) {
@@ -264,30 +280,19 @@ TEST_F(OptimizerRules, CheckpointsCarryTheRuleAndRefuseAnothers) {
 // AMSGrad's third array: checkpoints hold max_exp_avg_sq and resume bit for bit, and a checkpoint with it and
 // one without refuse each other's optimizer by name.
 TEST_F(OptimizerRules, AmsgradCheckpointsKeepTheMaximum) {
-  const test::GradFn grads = test::random_grads(1e-2);
   for (bool nvme : {false, true}) {
     SCOPED_TRACE(nvme ? "nvme" : "ram");
     const test::RunResult whole = run(Rule::adam, Schedule::sync, tier(nvme), 8);
     const std::string path = (dir_ / "amsgrad.zoeckpt").string();
-    {
-      test::Trainer first(Schedule::sync, DType::bf16, tier(nvme), 0, kSizes, nullptr, 0, false, groups_of(Rule::adam));
-      ASSERT_TRUE(first.created());
-      first.run(1, 4, grads);
-      ASSERT_TRUE(first.opt().save(path).ok());
-    }
+    save_halfway(Rule::adam, tier(nvme), path);
     Result<CheckpointReader> saved = CheckpointReader::open(path);
     ASSERT_TRUE(saved.ok()) << saved.status().to_string();
     EXPECT_TRUE(saved->has("max_exp_avg_sq"));
     EXPECT_NE(saved->manifest().find("\"amsgrad\":true"), std::string::npos) << saved->manifest();
     // Version 2: a reader from before amsgrad would take the file for plain Adam's.
     EXPECT_NE(saved->manifest().find("\"version\":2"), std::string::npos) << saved->manifest();
-    test::Trainer second(Schedule::sync, DType::bf16, tier(nvme), 0, kSizes, nullptr, 0, false, groups_of(Rule::adam));
-    ASSERT_TRUE(second.created());
-    ASSERT_TRUE(second.opt().load(path).ok());
-    second.run(5, 8, grads);
-    test::RunResult resumed = second.result();
-    resumed.scales = whole.scales;
-    test::expect_bitwise_equal(whole, resumed);
+    const std::unique_ptr<test::Trainer> second = expect_resumes(Rule::adam, tier(nvme), path, whole);
+    ASSERT_TRUE(second->created());
 
     test::Trainer plain(Schedule::sync, DType::bf16, tier(nvme));
     ASSERT_TRUE(plain.created());
@@ -295,7 +300,7 @@ TEST_F(OptimizerRules, AmsgradCheckpointsKeepTheMaximum) {
     EXPECT_NE(refused.message().find("written with amsgrad = true"), std::string::npos) << refused.to_string();
     const std::string plain_path = (dir_ / "plain.zoeckpt").string();
     ASSERT_TRUE(plain.opt().save(plain_path).ok());
-    EXPECT_NE(second.opt().load(plain_path).message().find("written with amsgrad = false"), std::string::npos);
+    EXPECT_NE(second->opt().load(plain_path).message().find("written with amsgrad = false"), std::string::npos);
   }
 }
 
