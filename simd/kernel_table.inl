@@ -65,6 +65,9 @@ constexpr KernelTable make_table(const char* name, bool native_bf16) {
       {accumulate_streams<kF32>, accumulate_streams<kF16>, accumulate_streams<kBF16>},
       rule_kernels<AmsgradRule, AmsgradFn>(),
       rule_kernels<LionRule, LionFn>(),
+      {{lion_q8<kF32, kOutNone>, lion_q8<kF32, kOutF16>, lion_q8<kF32, kOutBF16>},
+       {lion_q8<kF16, kOutNone>, lion_q8<kF16, kOutF16>, lion_q8<kF16, kOutBF16>},
+       {lion_q8<kBF16, kOutNone>, lion_q8<kBF16, kOutF16>, lion_q8<kBF16, kOutBF16>}},
       rule_kernels<AdagradRule, AdagradFn>(),
   };
 }

@@ -18,7 +18,7 @@ constexpr int kElems = 3;
 enum StateElem : int { kStateF32 = 0, kStateBF16 = 1 };
 constexpr int kStates = 2;
 
-// 8-bit moments (state dtype int8): per block of kQuantBlock elements counted from the tensor's first (the
+// 8-bit moments (state dtype int8; Adam's two, Lion's one): per block of kQuantBlock elements counted from the tensor's first (the
 // last block may be shorter), the codes and one fp32 scale per moment:
 //  - m, signed and linear: scale = max |m| of the block; code = round-to-nearest-even(m * (127 / scale)),
 //    in [-127, 127]; m' = code * (scale / 127). Values under scale / 254 become 0, which only drops their
@@ -127,6 +127,10 @@ struct StepArrays {
 using LionFn = void (*)(const LionConstants& c, const StepArrays<1>& a, std::size_t n);
 using AdagradFn = void (*)(const AdagradConstants& c, const StepArrays<1>& a, std::size_t n);
 using AmsgradFn = void (*)(const AdamConstants& c, const StepArrays<3>& a, std::size_t n);
+// Lion with its moment in 8 bits (m's code above, a scale per kQuantBlock elements; in.v and in.v_scale are
+// not read): each block decoded, stepped in fp32 as LionFn steps it, and encoded again with its new scale.
+using LionQ8Fn = void (*)(const LionConstants& c, const StateIn& in, float* p, std::int8_t* m, float* m_scale,
+                          const void* g, void* out, std::size_t n);
 
 // One rule's kernels and their bandwidth ceiling (the same loads and stores, one addition each).
 template <typename Fn>
@@ -151,6 +155,7 @@ struct KernelTable {
   AccumulateFn accumulate_streams[kElems];  // its ceiling: the same loads and stores, g widened by a shift
   RuleKernels<AmsgradFn> amsgrad;           // Adam/AdamW with amsgrad (fp32 and bf16 moments)
   RuleKernels<LionFn> lion;
+  LionQ8Fn lion_q8[kElems][kElems];         // [grad Elem][OutElem]
   RuleKernels<AdagradFn> adagrad;
 };
 

@@ -23,3 +23,30 @@ struct LionRule {
     store_out<O>(a.out, i, p);
   }
 };
+
+// Lion with 8-bit moments (kernels.h's code for m): each block of kQuantBlock elements decoded into fp32,
+// stepped by LionRule's lanes as the fp32 kernel steps it (whole vectors, then the tail staged; no streaming
+// stores, the block is read again at once), and encoded again with its new scale, max |m|. Read from `in`
+// (p, the codes and their scales), written to p, m and m_scale: a block's codes are encoded only after the
+// whole block was stepped, so in place is one case of out of place.
+template <int G, int O>
+void lion_q8(const LionConstants& constants, const StateIn& in, float* p, std::int8_t* m, float* m_scale,
+             const void* g, void* out, std::size_t n) {
+  const LionConstants c = constants;
+  alignas(64) float tm[kQuantBlock + V::max_lanes];  // room for a whole last vector
+  for (std::size_t start = 0, j = 0; start < n; start += kQuantBlock, ++j) {
+    const std::size_t count = n - start < kQuantBlock ? n - start : kQuantBlock;
+    decode_block(static_cast<const std::int8_t*>(in.m) + start, nullptr, in.m_scale[j], 0.0f, tm, nullptr, count);
+    const StepArrays<1> a{in.p + start,
+                          {tm},
+                          p + start,
+                          {tm},
+                          static_cast<const unsigned char*>(g) + start * elem_bytes(G),
+                          O == kOutNone ? nullptr : static_cast<unsigned char*>(out) + start * out_bytes(O)};
+    std::size_t i = 0;
+    for (; i + V::lanes <= count; i += V::lanes) LionRule::lanes<G, O, kStateF32, false, false>(c, a, i);
+    if (i < count) rule_staged<LionRule, G, O, kStateF32, false>(c, a, i, count - i);
+    m_scale[j] = block_max(tm, count, true);
+    encode_m(tm, count, m_scale[j], m + start);
+  }
+}

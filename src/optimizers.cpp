@@ -52,7 +52,7 @@ constexpr std::string_view kAdagradStates[] = {"sum"};
 
 constexpr OptimizerRule kRules[] = {
     {Rule::adam, "adam", "torch.optim.AdamW", kAdamTypes, kAdamFields, kAdamStates, true, 0b110},
-    {Rule::lion, "lion", "Lion (Chen et al. 2023, arXiv 2302.06675)", kLionTypes, kLionFields, kLionStates, false, 0},
+    {Rule::lion, "lion", "Lion (Chen et al. 2023, arXiv 2302.06675)", kLionTypes, kLionFields, kLionStates, true, 0},
     {Rule::adagrad, "adagrad", "torch.optim.Adagrad", kAdagradTypes, kAdagradFields, kAdagradStates, false, 0b1},
 };
 

@@ -101,7 +101,7 @@ class Workload {
       }
       w.buffers_.push_back(std::move(g).value());
       w.tensors_.push_back(t);
-      w.one_state_.push_back(OneStateTensor{t.param, t.exp_avg, state, t.grad, grad, t.out, out, elems, {}});
+      w.one_state_.push_back(one_state_of(t));
     }
     return w;
   }

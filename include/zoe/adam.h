@@ -104,12 +104,15 @@ struct AdagradHyper {
 struct OneStateSource {
   const float* param = nullptr;
   const void* state = nullptr;
+  const float* state_scale = nullptr;  // state dtype i8: state's block scales
 };
 
 // One tensor of a rule with one state array per parameter: Lion's exp_avg, Adagrad's sum. One type for
 // both, since the engine treats them alike (the hyper-parameters say which rule runs); the rest is as
-// AdamTensor: the state in state_dtype f32 or bf16 (stepped in fp32, stored rounded to nearest even), the
-// gradient in any DType, the optional f16/bf16 copy of the weights, outputs that overlap nothing.
+// AdamTensor: the state in state_dtype f32 or bf16 (stepped in fp32, stored rounded to nearest even) or, for
+// Lion, i8 (AdamTensor's exp_avg code: linear, one fp32 scale per kMomentBlock elements in state_scale; each
+// block decoded, stepped in fp32, encoded again), the gradient in any DType, the optional f16/bf16 copy of
+// the weights, outputs that overlap nothing.
 struct OneStateTensor {
   float* param = nullptr;
   void* state = nullptr;
@@ -120,6 +123,7 @@ struct OneStateTensor {
   DType out_dtype = DType::bf16;
   std::size_t n = 0;
   OneStateSource from{};  // the state read, where it is not param and state
+  float* state_scale = nullptr;  // state dtype i8: one per kMomentBlock elements (moment_blocks(n))
 };
 using LionTensor = OneStateTensor;
 using AdagradTensor = OneStateTensor;
@@ -128,8 +132,27 @@ using AdagradTensor = OneStateTensor;
 constexpr std::size_t kMomentBlock = 2048;
 inline std::size_t moment_blocks(std::size_t n) { return (n + kMomentBlock - 1) / kMomentBlock; }
 
+// The one-state view of an AdamTensor's param, exp_avg (with its scales), grad and out, and of its source:
+// how the tiers, which lay out every rule's first state array where Adam's exp_avg is, hand it to a rule
+// with one.
+inline OneStateTensor one_state_of(const AdamTensor& t) {
+  OneStateTensor o;
+  o.param = t.param;
+  o.state = t.exp_avg;
+  o.state_dtype = t.state_dtype;
+  o.grad = t.grad;
+  o.grad_dtype = t.grad_dtype;
+  o.out = t.out;
+  o.out_dtype = t.out_dtype;
+  o.n = t.n;
+  o.state_scale = t.exp_avg_scale;
+  o.from = OneStateSource{t.from.param, t.from.exp_avg, t.from.exp_avg_scale};
+  return o;
+}
+
 // fp32 moments of n elements to 8-bit codes and block scales (whole blocks from the first element), and
-// back: what the kernels store and read, for taking state in and out.
+// back: what the kernels store and read, for taking state in and out. v null: m alone (Lion's one moment;
+// vq and v_scale are then not touched).
 void encode_moments(const float* m, const float* v, std::size_t n, std::int8_t* mq, std::uint8_t* vq, float* m_scale,
                     float* v_scale);
 void decode_moments(const std::int8_t* mq, const std::uint8_t* vq, const float* m_scale, const float* v_scale,

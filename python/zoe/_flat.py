@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from . import _dtensor, _param_offload, _rules
 
@@ -265,6 +266,34 @@ class FlatState:
             for k, t in zip(parts, bufs):
                 parts[k].append(t)
         return {k: torch.cat(v) if v else torch.empty(0) for k, v in parts.items()}
+
+    @torch.no_grad()
+    def fill_buckets(self) -> None:
+        """The parameters' gradients into the flat buffers (``p.grad`` a view of them where it is set), each
+        parameter's weights kept in a contiguous storage of its own (and, under zoe's partition, copied into
+        the flat weights it all-gathers into)."""
+        for b in self.buckets:
+            for s in b.slots:
+                if s.tier is None:
+                    # The parameter's own storage, which the engine writes in place: safetensors, Accelerate
+                    # and torch.save see the model's tensors as the model made them (tied ones stay one).
+                    if not s.param.data.is_contiguous():
+                        s.param.data = s.param.data.contiguous()
+                    s.weight_view = s.param.data
+                    if b.weights is not None:  # zoe's own partition gathers into its flat weights
+                        s.flat_weights = b.weights[s.offset:s.offset + s.numel]
+                        s.flat_weights.copy_(s.weight_view.reshape(-1))
+                s.grad_view = b.grad_buffer(s)[s.offset:s.offset + s.numel].view(s.shape)
+                s.grad_ptr = s.grads_at = s.grad_view.data_ptr()
+                # A gradient there already is taken in; a None stays None (not stepped, as with torch).
+                if s.param.grad is not None:
+                    s.grad_view.copy_(s.param.grad)
+                if s.param.grad is not None or s.windowed:
+                    _param_offload.set_grad(s.param, s.grad_view)
+            if self.world > 1:
+                # Every rank starts from rank 0's weights, as DistributedDataParallel does.
+                dist.broadcast(b.weights, src=dist.get_global_rank(self.group, 0), group=self.group)
+        self.weights_to_params()
 
     def gather_weights(self) -> None:
         """Every rank's shard of the weights into every rank's buckets (a write of the state set this rank's

@@ -92,8 +92,6 @@ def read_torch_state(flat: FlatState, param_groups, sd: dict):
             group = {**param_groups[s.group], **sd["param_groups"][s.group]}  # the saved group's value first
             arrays = [torch.full((s.numel,), rule.fresh_state(k, group), dtype=torch.float32) for k in rule.states]
         else:
-            if "max_exp_avg_sq" in st:
-                raise ValueError(f"parameter {s.index}: this state_dict comes from amsgrad=True, which zoe does not run")
             for k in (*rule.states, "step"):
                 if k not in st:
                     raise ValueError(f"parameter {s.index}: its state has no '{k}' ({rule.state_hint()})")
@@ -245,11 +243,12 @@ def consolidate(state_dicts) -> dict:
         if meta.get("pieces", []) is None:
             raise ValueError(f"state_dict {k} holds FSDP2 shards: torch.distributed.checkpoint saves and reshards "
                              "those (get_state_dict / set_state_dict)")
-        if meta.get("optimizer", "adam") != "adam":
-            # The engine's join (zoe export's) reads Adam's two moments by name.
-            raise ValueError(f"state_dict {k} is of an optimizer running {meta['optimizer']}: joining state_dicts "
-                             "(consolidate_state_dicts, a load across ranks or across parameter dtypes) supports "
-                             "Adam's state only so far")
+        rule = _rules.rule_of_meta(meta)
+        if rule is None:
+            raise ValueError(f"state_dict {k} names the optimizer {meta.get('optimizer')!r}, which zoe does not run")
+        if metas and rule is not _rules.rule_of_meta(metas[0]):
+            raise ValueError(f"state_dict {k} was saved by an optimizer running {rule.title}, state_dict 0 by one "
+                             f"running {_rules.rule_of_meta(metas[0]).title}: they are not of one run")
         if "pieces" not in meta:
             raise ValueError(f"state_dict {k} predates partition records (no 'pieces'); it loads only on the ranks "
                              "that wrote it")
@@ -270,6 +269,7 @@ def consolidate(state_dicts) -> dict:
     if any(m["layout"] != layout for m in metas):
         raise ValueError("the state_dicts are of different models (their parameter layouts differ)")
     joined = _join(metas, states)
+    keys = _rules.rule_of_meta(metas[0]).states  # the state arrays the checkpoints hold, by torch's keys
     # The engine's parameters are this optimizer's slots, in its order: each file's pieces of them, matched
     # with the pieces its state_dict names by torch index, say which parameter each one is.
     index_of = {}
@@ -289,8 +289,8 @@ def consolidate(state_dicts) -> dict:
         if joined["params"][e][2] != numel:
             raise ValueError(f"parameter {index}: zoe's checkpoints hold {joined['params'][e][2]} elements, the "
                              f"layout's shape {list(shape)} {numel}")
-        m, v = (torch.from_numpy(joined[key][e]).view(shape) for key in ("exp_avg", "exp_avg_sq"))
-        state[index] = {"step": torch.tensor(float(joined["step"])), "exp_avg": m, "exp_avg_sq": v}
+        state[index] = {"step": torch.tensor(float(joined["step"])),
+                        **{key: torch.from_numpy(joined[key][e]).view(shape) for key in keys}}
         masters[index] = torch.from_numpy(joined["master"][e]).view(shape)
     lazy = set(metas[0].get("lazy", ()))  # no state: frozen when the optimizer was made (_lazy.py)
     for index, (shape, _, trainable, *rest) in enumerate(layout):

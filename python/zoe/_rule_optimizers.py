@@ -1,14 +1,13 @@
 """``zoe.torch.OffloadLion`` and ``zoe.torch.OffloadAdagrad``: OffloadOptimizer with the engine's other update
 rules (_rules.py). Each has its rule's torch-style constructor and shares everything else with
-OffloadOptimizer — tiers, schedules, clipping, loss scaling, accumulation, offloaded parameters, state_dict
-in zoe's and torch's formats (with the rule's state keys). What the new rules do not run yet is refused at
-construction by name: zoe's own data-parallel partition and FSDP2 (DTensor) parameters, whose state
-joining and resharding paths are written and tested for Adam's moments only."""
+OffloadOptimizer — tiers, schedules, clipping, loss scaling, accumulation, offloaded parameters, zoe's
+data-parallel partition and FSDP2 parameters, state_dict in zoe's and torch's formats (with the rule's state
+keys), torch.distributed.checkpoint."""
 from __future__ import annotations
 
 import inspect
 
-from . import _rules, _zoe
+from . import _rules
 from .torch import OffloadOptimizer
 
 # OffloadOptimizer's keywords that are zoe's, not Adam's: the new classes take them by the same names, with
@@ -27,28 +26,14 @@ def _zoe_options(cls_name: str, given: dict) -> dict:
     return {**ZOE_KEYWORDS, **given}
 
 
-class _OtherRule(OffloadOptimizer):
-    """What the non-Adam optimizers add to OffloadOptimizer: the partitions they refuse."""
-
-    def _build(self) -> None:
-        flat = self._flat
-        if flat.world > 1 or flat.dtensor is not None:
-            what = "FSDP2 (DTensor) parameters" if flat.dtensor is not None else \
-                f"zoe's data-parallel partition ({flat.world} ranks)"
-            raise _zoe.UnsupportedError(
-                f"zoe.torch.{type(self).__name__} does not support {what} yet: joining and resharding "
-                f"{self._rule.title}'s state across ranks is written for Adam's moments only. Run it on one rank "
-                "without FSDP2 (or use OffloadOptimizer, Adam)")
-        super()._build()
-
-
-class OffloadLion(_OtherRule):
+class OffloadLion(OffloadOptimizer):
     """Lion (Chen et al. 2023, arXiv 2302.06675) with its state (the momentum ``exp_avg``) offloaded to zoe:
     ``u = sign(beta1 * m + (1 - beta1) * g)``, ``p <- p * (1 - lr * weight_decay) - lr * u``,
     ``m <- beta2 * m + (1 - beta2) * g`` (``maximize``: the gradient negated). torch has no Lion class; the
     param-group keys are ``lr``, ``betas``, ``weight_decay`` and ``maximize``, and ``opt.state[p]`` holds
     ``step`` and ``exp_avg``. zoe's keywords (tier, nvme_path, schedule, max_grad_norm, loss_scale, threads,
-    ...) are OffloadOptimizer's; ``state_dtype="int8"`` is refused (the 8-bit codes are Adam's)."""
+    ...) are OffloadOptimizer's; ``state_dtype="int8"`` keeps the momentum in zoe's 8-bit code, as Adam's
+    ``exp_avg`` (one byte per element and an fp32 scale per 2048)."""
 
     _rule = _rules.LION
 
@@ -59,12 +44,13 @@ class OffloadLion(_OtherRule):
         self._start(params, defaults, _zoe_options("OffloadLion", zoe_options))
 
 
-class OffloadAdagrad(_OtherRule):
+class OffloadAdagrad(OffloadOptimizer):
     """torch.optim.Adagrad with its state (``sum``, the running sum of squared gradients) offloaded to zoe: the
     same constructor, param-group keys, checks and ``opt.state[p]`` keys (``step``, ``sum``; present once a
     parameter is stepped, where torch fills them at construction). ``foreach`` and ``fused`` choose torch's
     implementation and zoe's step is its own whatever they say; ``differentiable=True`` is refused (zoe's step
-    is not part of autograd). zoe's keywords are OffloadOptimizer's; ``state_dtype="int8"`` is refused."""
+    is not part of autograd). zoe's keywords are OffloadOptimizer's; ``state_dtype="int8"`` is refused (zoe's
+    8-bit codes are for moments, not a growing sum of squares)."""
 
     _rule = _rules.ADAGRAD
 

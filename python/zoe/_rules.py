@@ -17,7 +17,7 @@ TABLE = {entry["name"]: entry for entry in _zoe.optimizer_table()}
 
 # State arrays that hold values >= 0 only (a second moment, a sum of squares): a state_dict with negative
 # ones is refused before anything changes, as the engine refuses them from write_state.
-_NON_NEGATIVE = frozenset({"exp_avg_sq", "sum"})
+_NON_NEGATIVE = frozenset({"exp_avg_sq", "max_exp_avg_sq", "sum"})
 
 
 def _number(value, what: str) -> float:
@@ -35,11 +35,12 @@ class TorchRule:
 
     name = ""
     title = ""
+    amsgrad = False  # Adam's third state array (max_exp_avg_sq); the engine fixes it when it is made
 
     @property
     def states(self) -> tuple[str, ...]:
         """torch's state keys beside ``step``, in the engine's order (its read_state/write_state arrays)."""
-        return tuple(TABLE[self.name]["states"])
+        return tuple(TABLE[self.name]["states"]) + (("max_exp_avg_sq",) if self.amsgrad else ())
 
     @property
     def non_negative(self) -> tuple[str, ...]:
@@ -50,6 +51,18 @@ class TorchRule:
 
     def check(self, group: dict, where: str) -> None:
         raise NotImplementedError
+
+    def check_amsgrad(self, group: dict, where: str, owner: str) -> None:
+        """A group's amsgrad must be the optimizer's: the engine makes max_exp_avg_sq for all of its
+        parameters or for none, when it is made."""
+        if bool(group.get("amsgrad", False)) != self.amsgrad:
+            if self.name != "adam":
+                raise ValueError(f"{owner}: {where} has amsgrad=True, which is Adam's (a maximum of exp_avg_sq); "
+                                 f"{self.title} has no such state")
+            raise ValueError(
+                f"{owner}: {where} has amsgrad={bool(group.get('amsgrad', False))}, and this optimizer was made "
+                f"with amsgrad={self.amsgrad}: zoe keeps max_exp_avg_sq for every parameter of an optimizer or "
+                "for none. Give all groups one amsgrad (the constructor's), or use two optimizers")
 
     def group_hyper(self, group: dict) -> dict:
         """The engine's fields (set_hyper's keywords) of a torch param group."""
@@ -76,8 +89,14 @@ class TorchRule:
 
 
 class AdamRule(TorchRule):
+    """torch.optim.Adam/AdamW; with ``amsgrad`` (Reddi, Kale & Kumar 2018) a third state array,
+    ``max_exp_avg_sq``, as torch's ``amsgrad=True`` keeps."""
+
     name = "adam"
-    title = "Adam/AdamW"
+
+    def __init__(self, amsgrad: bool = False):
+        self.amsgrad = amsgrad
+        self.title = "Adam/AdamW with amsgrad" if amsgrad else "Adam/AdamW"
 
     def prepare(self, group: dict) -> None:
         _torch_flags.normalise_group(group)
@@ -85,22 +104,23 @@ class AdamRule(TorchRule):
     def check(self, group: dict, where: str) -> None:
         _torch_flags.decoupled(group)
         _torch_flags.check_group(group, where)
+        self.check_amsgrad(group, where, "zoe.torch.OffloadOptimizer")
         _torch_flags.check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
     def group_hyper(self, group: dict) -> dict:
         beta1, beta2 = group["betas"]
         return dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                     weight_decay=float(group["weight_decay"]), adamw=_torch_flags.decoupled(group),
-                    maximize=bool(group.get("maximize", False)))
+                    maximize=bool(group.get("maximize", False)), amsgrad=self.amsgrad)
 
     def torch_group(self, group: dict) -> dict:
         d = {k: v for k, v in group.items() if k not in ("params", "adamw", "zoe_loss_scale")}
-        d.update(amsgrad=False, maximize=bool(group.get("maximize", False)), foreach=None, capturable=False,
+        d.update(amsgrad=self.amsgrad, maximize=bool(group.get("maximize", False)), foreach=None, capturable=False,
                  differentiable=False, fused=None, decoupled_weight_decay=bool(group.get("adamw", True)))
         return d
 
     def state_hint(self) -> str:
-        return "an Adam/AdamW state_dict has step, exp_avg and exp_avg_sq"
+        return f"an {self.title} state_dict has step, {', '.join(self.states)}"
 
 
 class LionRule(TorchRule):
@@ -112,6 +132,7 @@ class LionRule(TorchRule):
 
     def check(self, group: dict, where: str) -> None:
         _torch_flags.check_group(group, where)
+        self.check_amsgrad(group, where, "zoe.torch.OffloadLion")
         # Adam's checks of the same fields, with torch's messages; Lion has no eps (0 passes them).
         _torch_flags.check_hyper(group["lr"], group["betas"], 0.0, group["weight_decay"])
 
@@ -134,6 +155,7 @@ class AdagradRule(TorchRule):
 
     def check(self, group: dict, where: str) -> None:
         _torch_flags.check_group(group, where)
+        self.check_amsgrad(group, where, "zoe.torch.OffloadAdagrad")
         for field in self._FIELDS:
             value = _number(group[field], field)
             if not 0.0 <= value:
@@ -154,14 +176,21 @@ class AdagradRule(TorchRule):
         return d
 
 
-ADAM, LION, ADAGRAD = AdamRule(), LionRule(), AdagradRule()
-RULES = {r.name: r for r in (ADAM, LION, ADAGRAD)}
+ADAM, AMSGRAD, LION, ADAGRAD = AdamRule(), AdamRule(amsgrad=True), LionRule(), AdagradRule()
+RULES = {r.name: r for r in (ADAM, LION, ADAGRAD)}  # by the engine's rule name (AMSGRAD is "adam" there)
+_ALL = (ADAM, AMSGRAD, LION, ADAGRAD)
+
+
+def rule_of_meta(meta: dict) -> TorchRule | None:
+    """The rule a zoe state_dict's "zoe" entry names (its "optimizer", Adam's when absent, and "amsgrad")."""
+    rule = RULES.get(meta.get("optimizer", "adam"))
+    return AMSGRAD if rule is ADAM and meta.get("amsgrad") else rule
 
 
 def rule_of_state(st: dict) -> TorchRule | None:
     """The rule whose state keys a parameter's torch-format state holds (None: no rule's, or empty)."""
-    keys = set(st) - {"step", "zoe_master", "max_exp_avg_sq"}
-    return next((r for r in RULES.values() if set(r.states) == keys), None)
+    keys = set(st) - {"step", "zoe_master"}
+    return next((r for r in _ALL if set(r.states) == keys), None)
 
 
 def rule_of_group(group: dict) -> TorchRule | None:
@@ -170,7 +199,9 @@ def rule_of_group(group: dict) -> TorchRule | None:
     if "lr_decay" in group or "initial_accumulator_value" in group:
         return ADAGRAD
     if "betas" in group:
-        return ADAM if "eps" in group else LION
+        if "eps" not in group:
+            return LION
+        return AMSGRAD if group.get("amsgrad") else ADAM
     return None
 
 
@@ -188,4 +219,5 @@ def refuse_other_rule(rule: TorchRule, state_dict: dict) -> None:
         raise ValueError(
             f"this state_dict is of {found.title} (state {', '.join(found.states)}), and this optimizer runs "
             f"{rule.title} (state {', '.join(rule.states)}): zoe does not convert one optimizer's state into "
-            "another's. Load it into the optimizer class that saved it")
+            "another's. Load it into " + (f"an optimizer made with amsgrad={found.amsgrad}" if found.name == rule.name
+                                          else "the optimizer class that saved it"))

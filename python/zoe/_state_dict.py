@@ -92,6 +92,8 @@ class StateDictMethods:
         }
         if flat.rule is not _rules.ADAM:  # (Adam's state_dicts stay as they were before other rules existed)
             sd["zoe"]["optimizer"] = flat.rule.name
+            if flat.rule.amsgrad:
+                sd["zoe"]["amsgrad"] = True
         if folder is not None:
             sd["zoe"]["folder"] = folder
         elif live:
@@ -196,12 +198,14 @@ class StateDictMethods:
             return
         if meta.get("format") != _STATE_FORMAT:
             raise ValueError(f"this state_dict's 'zoe' entry is of format {meta.get('format')!r}, not {_STATE_FORMAT}")
-        saved_rule = _rules.RULES.get(meta.get("optimizer", "adam"))
+        saved_rule = _rules.rule_of_meta(meta)
         if saved_rule is not self._flat.rule:
+            saved = saved_rule.title if saved_rule is not None else meta.get("optimizer")
             raise ValueError(
-                f"this state_dict was saved by an optimizer running {meta.get('optimizer', 'adam')}, and this one "
-                f"runs {self._flat.rule.name}: zoe does not convert one optimizer's state into another's. Load it "
-                "into the optimizer class that saved it")
+                f"this state_dict was saved by an optimizer running {saved}, and this one runs "
+                f"{self._flat.rule.title}: zoe does not convert one optimizer's state into another's. Load it into "
+                + (f"an optimizer made with amsgrad={saved_rule.amsgrad}" if saved_rule is not None and
+                   saved_rule.name == self._flat.rule.name else "the optimizer class that saved it"))
         world, rank = self._flat.partition()
         if "folder" in meta:
             self._load_rank_file(state_dict, world, rank)

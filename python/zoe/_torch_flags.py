@@ -10,7 +10,6 @@ DECOUPLED = "decoupled_weight_decay"
 
 # Flags whose True zoe cannot run, and why (the error says it).
 _REFUSED = {
-    "amsgrad": "zoe keeps no max_exp_avg_sq (AMSGrad); use amsgrad=False",
     "capturable": "zoe's step runs on the host and cannot be captured in a CUDA graph",
     "differentiable": "zoe's step is not part of autograd",
 }

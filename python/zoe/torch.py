@@ -168,6 +168,8 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
                        state_dtype=state_dtype, spill_grads=spill_grads, process_group=process_group,
                        gradient_accumulation_steps=gradient_accumulation_steps, reduce_grads=reduce_grads)
         # torch.optim.AdamW's keys, so that torch reads these groups as its own (state_dict, schedulers).
+        if amsgrad:  # a third state array for every parameter (_rules.AMSGRAD)
+            self._rule = _rules.AMSGRAD
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=adamw,
                         decoupled_weight_decay=adamw, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                         fused=fused, capturable=capturable, differentiable=differentiable)
@@ -287,7 +289,7 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
         flat.buckets = [Bucket(dt, self._device, slots, flat.world) for dt, slots in slots_by_dtype.items()]
         if flat.world > 1:
             flat.dp = _data_parallel.DataParallel(flat.group, self._device, self._reduce)
-        self._fill_buckets()
+        flat.fill_buckets()
         self._make_engine()
         self._grad_sources = flat.world == 1 and not self._engine_accumulates
         hook_all = self._options["schedule"] in ("overlap", "delayed") or self._engine_accumulates
@@ -298,35 +300,6 @@ class OffloadOptimizer(_state_dict.StateDictMethods, _grad_intake.GradIntake, _w
                     self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_hook(s)))
         self._window_versions = self._versions_of_windows()
         self._note_weights()
-
-    @torch.no_grad()
-    def _fill_buckets(self) -> None:
-        """The parameters' gradients into the flat buffers (``p.grad`` a view of them where it is set), each
-        parameter's weights kept in a contiguous storage of its own (and, under zoe's partition, copied into
-        the flat weights it all-gathers into)."""
-        flat = self._flat
-        for b in flat.buckets:
-            for s in b.slots:
-                if s.tier is None:
-                    # The parameter's own storage, which the engine writes in place: safetensors, Accelerate
-                    # and torch.save see the model's tensors as the model made them (tied ones stay one).
-                    if not s.param.data.is_contiguous():
-                        s.param.data = s.param.data.contiguous()
-                    s.weight_view = s.param.data
-                    if b.weights is not None:  # zoe's own partition gathers into its flat weights
-                        s.flat_weights = b.weights[s.offset:s.offset + s.numel]
-                        s.flat_weights.copy_(s.weight_view.reshape(-1))
-                s.grad_view = b.grad_buffer(s)[s.offset:s.offset + s.numel].view(s.shape)
-                s.grad_ptr = s.grads_at = s.grad_view.data_ptr()
-                # A gradient there already is taken in; a None stays None (not stepped, as with torch).
-                if s.param.grad is not None:
-                    s.grad_view.copy_(s.param.grad)
-                if s.param.grad is not None or s.windowed:
-                    _param_offload.set_grad(s.param, s.grad_view)
-            if flat.world > 1:
-                # Every rank starts from rank 0's weights, as DistributedDataParallel does.
-                dist.broadcast(b.weights, src=dist.get_global_rank(flat.group, 0), group=flat.group)
-        flat.weights_to_params()
 
     def _make_engine(self) -> None:
         _scratch.remove_abandoned()  # what killed saves of earlier runs left

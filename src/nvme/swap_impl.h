@@ -47,7 +47,8 @@ struct TileTask {
 // more and vmax (amsgrad's max_exp_avg_sq) with three (SwapOptions::state_arrays; null otherwise). m, v and vmax
 // are in the store's state
 // dtype (moment_bytes each); the scales exist for i8 moments only (one fp32 per kMomentBlock elements of the
-// tile, blocks counted from the tile's first element, which is also a block boundary of the store's range).
+// tile, blocks counted from the tile's first element, which is also a block boundary of the store's range;
+// v_scale with v only: Lion's one moment has m_scale alone).
 struct TileArrays {
   float* p;
   unsigned char* m;
@@ -181,10 +182,14 @@ struct SwapStore::Impl {
     unsigned char* v = state_arrays > 1 ? m + tile * moment_bytes : nullptr;
     unsigned char* vmax = state_arrays > 2 ? m + 2 * tile * moment_bytes : nullptr;
     float* m_scale = scale_count == 0 ? nullptr : reinterpret_cast<float*>(after);
-    return {reinterpret_cast<float*>(base), m, v, m_scale, m_scale == nullptr ? nullptr : m_scale + scale_count, vmax};
+    float* v_scale = m_scale == nullptr || v == nullptr ? nullptr : m_scale + scale_count;
+    return {reinterpret_cast<float*>(base), m, v, m_scale, v_scale, vmax};
   }
-  // Bytes of one slot for the store's shape and state dtype, before rounding up to the alignment.
-  std::size_t slot_payload() const { return tile * (4 + state_arrays * moment_bytes) + 2 * scale_count * 4; }
+  // Bytes of one slot for the store's shape and state dtype, before rounding up to the alignment (i8: a
+  // scale per block and moment, Adam's two or Lion's one).
+  std::size_t slot_payload() const {
+    return tile * (4 + state_arrays * moment_bytes) + state_arrays * scale_count * 4;
+  }
   // The last tile's padding (elements count..tile, and their blocks' scales) set to zeros, so that no stale
   // buffer bytes are ever written.
   void zero_padding(const TileArrays& a, std::size_t count) const;

@@ -48,7 +48,7 @@ void SwapStore::Impl::checksum(const TileArrays& a, std::size_t count, std::uint
   if (scale_count > 0) {
     const std::size_t scales = moment_blocks(count) * 4;
     out[1] = crc32c(a.m_scale, scales, out[1]);
-    out[2] = crc32c(a.v_scale, scales, out[2]);
+    if (a.v_scale != nullptr) out[2] = crc32c(a.v_scale, scales, out[2]);
   }
 }
 
@@ -60,7 +60,9 @@ void SwapStore::Impl::zero_padding(const TileArrays& a, std::size_t count) const
   }
   if (scale_count == 0) return;
   const std::size_t used = moment_blocks(count);
-  for (float* x : {a.m_scale, a.v_scale}) std::memset(x + used, 0, (scale_count - used) * 4);
+  for (float* x : {a.m_scale, a.v_scale}) {
+    if (x != nullptr) std::memset(x + used, 0, (scale_count - used) * 4);
+  }
 }
 
 Status SwapStore::Impl::verify_tile(std::size_t t, const TileArrays& a, std::size_t count) {

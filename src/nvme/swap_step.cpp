@@ -229,8 +229,7 @@ class TileStepper {
       if (a.v != nullptr) {
         group->tensors.push_back(t);
       } else {  // one state array: m
-        group->one_state.push_back(OneStateTensor{t.param, t.exp_avg, t.state_dtype, t.grad, t.grad_dtype, t.out,
-                                                  t.out_dtype, t.n, {}});
+        group->one_state.push_back(one_state_of(t));
       }
     }
   }
@@ -245,7 +244,7 @@ class TileStepper {
     t.state_dtype = im_.options.state_dtype;
     if (a.m_scale != nullptr) {  // i8: `at` is a block boundary (check_segments, tile % kMomentBlock == 0)
       t.exp_avg_scale = a.m_scale + at / kMomentBlock;
-      t.exp_avg_sq_scale = a.v_scale + at / kMomentBlock;
+      t.exp_avg_sq_scale = a.v_scale == nullptr ? nullptr : a.v_scale + at / kMomentBlock;
     }
     t.grad = static_cast<const char*>(seg.grad) + from * dtype_size(seg.grad_dtype);
     t.grad_dtype = seg.grad_dtype;
@@ -352,10 +351,12 @@ void q8_moments(const TileArrays& a, std::size_t count, std::size_t lo, std::siz
   alignas(64) std::int8_t mq[kMomentBlock];
   alignas(64) std::uint8_t vq[kMomentBlock];
   auto* codes_m = reinterpret_cast<std::int8_t*>(a.m);
-  auto* codes_v = a.v;
+  auto* codes_v = a.v;  // null: Lion's one moment
+  float* tvs = codes_v == nullptr ? nullptr : tv;
   for (std::size_t j = lo / kMomentBlock; j * kMomentBlock < hi; ++j) {
     const std::size_t start = j * kMomentBlock, nb = std::min(kMomentBlock, count - start);
-    decode_moments(codes_m + start, codes_v + start, a.m_scale + j, a.v_scale + j, nb, tm, tv);
+    decode_moments(codes_m + start, codes_v == nullptr ? nullptr : codes_v + start, a.m_scale + j,
+                   a.v_scale == nullptr ? nullptr : a.v_scale + j, nb, tm, tvs);
     const std::size_t from = std::max(lo, start), to = std::min(hi, start + nb);
     for (std::size_t x = from; x < to; ++x) {
       if (in) {
@@ -368,7 +369,7 @@ void q8_moments(const TileArrays& a, std::size_t count, std::size_t lo, std::siz
     }
     if (!in) continue;
     float ms, vs;
-    encode_moments(tm, tv, nb, mq, vq, &ms, &vs);
+    encode_moments(tm, tvs, nb, mq, vq, &ms, &vs);
     if (m != nullptr) {
       std::memcpy(codes_m + start, mq, nb);
       a.m_scale[j] = ms;
@@ -479,6 +480,10 @@ Status transfer_q8(SwapStore::Impl& im, std::size_t offset, std::size_t count, s
   if (im.scale_count == 0) {
     return invalid_argument(std::string(what) + ": the store holds " + std::string(dtype_name(im.options.state_dtype)) +
                             " moments, not i8 codes");
+  }
+  if ((vq != nullptr || v_scale != nullptr) && im.state_arrays < 2) {
+    return invalid_argument(std::string(what) + ": swap store " + im.name + " keeps one moment (m): pass vq and "
+                            "v_scale null");
   }
   Result<std::vector<TileTask>> tasks = range_tasks(im, offset, count, in, false, what);
   if (!tasks.ok()) return tasks.status();

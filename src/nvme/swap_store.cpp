@@ -188,9 +188,9 @@ Result<std::unique_ptr<SwapStore::Impl>> make_impl(const SwapOptions& options, c
     return invalid_argument("swap store " + name + ": state_arrays = " + std::to_string(options.state_arrays) +
                             " is invalid: need 1 (Lion, Adagrad), 2 (Adam) or 3 (Adam with amsgrad)");
   }
-  if (q8 && options.state_arrays != 2) {
-    return invalid_argument("swap store " + name + ": state_dtype i8 keeps Adam's two moments; state_arrays is " +
-                            std::to_string(options.state_arrays));
+  if (q8 && options.state_arrays > 2) {
+    return invalid_argument("swap store " + name + ": state_dtype i8 keeps Adam's two moments or Lion's one, not "
+                            "amsgrad's third; state_arrays is " + std::to_string(options.state_arrays));
   }
   if (q8 && tile % kMomentBlock != 0) {
     return invalid_argument("swap store " + name + ": tile = " + std::to_string(tile) + " elements is not a multiple of " +

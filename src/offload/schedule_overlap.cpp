@@ -90,7 +90,9 @@ SpaceNeed overlap_footprint(const std::vector<ParamSpec>& params, const OffloadO
   const std::size_t moments = states * AlignedBuffer::size_for(total * dtype_size(options.state_dtype));
   need.add_ram("overlap's second state set", AlignedBuffer::size_for(total * 4) + moments +
                                                  AlignedBuffer::io_size(std::max<std::size_t>(weights, 1)));
-  if (options.state_dtype == DType::i8) need.add_ram("overlap's second state set", 2 * AlignedBuffer::size_for(blocks * 4));
+  if (options.state_dtype == DType::i8) {  // a scale per block and moment: Adam's two, Lion's one
+    need.add_ram("overlap's second state set", states * AlignedBuffer::size_for(blocks * 4));
+  }
   return need;
 }
 

@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <iterator>
+#include <string>
 #include <vector>
 
 #include "src/offload/checkpoint.h"
@@ -135,7 +137,9 @@ class NvmeTier final : public StateTier {
     const bool codes = q8() && reader.has(kQ8Blobs[0]);
     std::vector<std::pair<std::string, std::size_t>> blobs = {{"master", total * 4}};
     if (codes) {
-      for (int k = 0; k < 4; ++k) blobs.push_back({kQ8Blobs[k], k < 2 ? total : blocks() * 4});
+      for (int k = 0; k < 4; ++k) {
+        if (q8_blob_kept(k)) blobs.push_back({kQ8Blobs[k], k < 2 ? total : blocks() * 4});
+      }
     } else {
       for (std::size_t k = 1; k <= m_.state_count; ++k) blobs.push_back({m_.state_blob(static_cast<int>(k)), total * 4});
     }
@@ -149,7 +153,7 @@ class NvmeTier final : public StateTier {
     if (Status s = store_.discard(); !s.ok()) return s;
     for (std::size_t k = 0; k < blobs.size(); ++k) {
       const Status s = k == 0 || !codes ? load_fp32(reader, blobs[k].first, static_cast<int>(k))
-                                        : load_q8(reader, blobs[k].first, static_cast<int>(k) - 1);
+                                        : load_q8(reader, blobs[k].first, q8_blob_index(blobs[k].first));
       if (!s.ok()) {
         return Status(s.code(), s.message() + " — while loading " + path + " into the swap store, whose state is now "
                                 "partly the checkpoint's: load again, or start afresh", s.sys_errno());
@@ -165,6 +169,7 @@ class NvmeTier final : public StateTier {
     if (!q8()) return Status::success();
     std::vector<unsigned char> slice(CheckpointWriter::kStreamSlice);
     for (int k = 0; k < 4; ++k) {
+      if (!q8_blob_kept(k)) continue;
       const std::size_t bytes = k < 2 ? m_.offsets.back() : blocks() * 4;
       const Status s = writer.add_streamed(kQ8Blobs[k], bytes, [&](std::size_t offset, std::size_t n, const void** out) {
         *out = slice.data();
@@ -270,6 +275,11 @@ class NvmeTier final : public StateTier {
 
  private:
   bool q8() const { return m_.options.state_dtype == DType::i8; }
+  // kQ8Blobs[k] is kept: Adam's four arrays, or Lion's m codes and scales (k = 0, 2).
+  bool q8_blob_kept(int k) const { return m_.two_states() || k % 2 == 0; }
+  static int q8_blob_index(const std::string& name) {
+    return static_cast<int>(std::find(std::begin(kQ8Blobs), std::end(kQ8Blobs), name) - std::begin(kQ8Blobs));
+  }
   // Where the step writes parameter i's device weights: the staging (16-bit), or its master's copy (f32).
   void* out_of(std::size_t i) { return m_.params[i].dtype == DType::f32 ? static_cast<void*>(master(i)) : m_.weights_of(i); }
   // The f32 parameters' copies (those marked in `which`, or all) read again from the masters in the store.

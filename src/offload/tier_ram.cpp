@@ -65,7 +65,7 @@ class RamTier final : public StateTier {
       if (m_.two_states()) {
         c->tensors.push_back(tensor(m_.pieces[k], set, aside));
       } else {
-        c->one_state.push_back(one_state_tensor(m_.pieces[k], set, aside));
+        c->one_state.push_back(one_state_of(tensor(m_.pieces[k], set, aside)));
       }
     }
     std::sort(calls.begin(), calls.end(), [](const Call& a, const Call& b) { return a.group < b.group; });
@@ -163,11 +163,13 @@ class RamTier final : public StateTier {
     if (std::find(m_.current_set.begin(), m_.current_set.end(), 1) == m_.current_set.end()) {
       const AlignedBuffer* arrays[4] = {&sets_[0].exp_avg, &sets_[0].exp_avg_sq, &sets_[0].m_scale, &sets_[0].v_scale};
       for (int k = 0; k < 4; ++k) {
+        if (!q8_blob_kept(k)) continue;
         if (Status s = writer.add(kQ8Blobs[k], arrays[k]->data(), k < 2 ? total : scales); !s.ok()) return s;
       }
       return Status::success();
     }
     for (int k = 0; k < 4; ++k) {
+      if (!q8_blob_kept(k)) continue;
       const bool codes = k < 2;
       Result<AlignedBuffer> b = AlignedBuffer::allocate(codes ? total : scales);
       if (!b.ok()) return b.status();
@@ -230,6 +232,7 @@ class RamTier final : public StateTier {
     }
     if (!q8()) return Status::success();
     for (AlignedBuffer* b : {&st.m_scale, &st.v_scale}) {
+      if (b == &st.v_scale && !m_.two_states()) continue;  // Lion: one moment, one scale per block
       Result<AlignedBuffer> r = AlignedBuffer::allocate(scale_offsets_.back() * 4);
       if (!r.ok()) return r.status();
       *b = std::move(r).value();
@@ -256,7 +259,7 @@ class RamTier final : public StateTier {
     if (q8()) {
       st.scale_index = scale_offsets_[k.param] + k.begin / kMomentBlock;
       st.m_scale = sets_[s].m_scale.as<float>() + st.scale_index;
-      st.v_scale = sets_[s].v_scale.as<float>() + st.scale_index;
+      if (m_.two_states()) st.v_scale = sets_[s].v_scale.as<float>() + st.scale_index;
     }
     return st;
   }
@@ -283,22 +286,6 @@ class RamTier final : public StateTier {
     t.out = weights == nullptr ? nullptr : static_cast<unsigned char*>(weights) + k.begin * 2;
     t.out_dtype = p.dtype == DType::f32 ? DType::bf16 : p.dtype;
     t.n = k.n;
-    return t;
-  }
-
-  // Piece k as a tensor of a rule with one state array (m), as tensor() for Adam.
-  OneStateTensor one_state_tensor(const Piece& k, int set, bool aside) {
-    const AdamTensor a = tensor(k, set, aside);
-    OneStateTensor t;
-    t.param = a.param;
-    t.state = a.exp_avg;
-    t.state_dtype = a.state_dtype;
-    t.grad = a.grad;
-    t.grad_dtype = a.grad_dtype;
-    t.out = a.out;
-    t.out_dtype = a.out_dtype;
-    t.n = a.n;
-    if (aside) t.from = OneStateSource{a.from.param, a.from.exp_avg};
     return t;
   }
 
@@ -334,6 +321,8 @@ class RamTier final : public StateTier {
   }
 
   bool q8() const { return m_.options.state_dtype == DType::i8; }
+  // kQ8Blobs[k] is kept: Adam's four arrays, or Lion's m codes and scales (k = 0, 2).
+  bool q8_blob_kept(int k) const { return m_.two_states() || k % 2 == 0; }
 
   // 8-bit moments [offset, offset + count) (flat elements) out to fp32 arrays, or in from them (`in`): block by
   // block of each parameter in its current set, decoded, and for `in` the covered part replaced (a null array
@@ -345,15 +334,16 @@ class RamTier final : public StateTier {
     for (; i < m_.params.size() && offsets[i] < offset + count; ++i) {
       Set& st = sets_[set_of(i)];
       auto* mq = st.exp_avg.as<std::int8_t>();
-      auto* vq = st.exp_avg_sq.as<std::uint8_t>();
+      auto* vq = m_.two_states() ? st.exp_avg_sq.as<std::uint8_t>() : nullptr;  // Lion: m alone
       const std::size_t a = std::max(offset, offsets[i]) - offsets[i];
       const std::size_t z = std::min(offset + count, offsets[i + 1]) - offsets[i];
       for (std::size_t j = a / kMomentBlock; j * kMomentBlock < z; ++j) {
         const std::size_t start = j * kMomentBlock, nb = std::min(kMomentBlock, m_.params[i].n - start);
         const std::size_t at = offsets[i] + start, scale = scale_offsets_[i] + j;
         float* ms = st.m_scale.as<float>() + scale;
-        float* vs = st.v_scale.as<float>() + scale;
-        decode_moments(mq + at, vq + at, ms, vs, nb, tm.data(), tv.data());
+        float* vs = vq == nullptr ? nullptr : st.v_scale.as<float>() + scale;
+        float* tvs = vq == nullptr ? nullptr : tv.data();
+        decode_moments(mq + at, vq == nullptr ? nullptr : vq + at, ms, vs, nb, tm.data(), tvs);
         const std::size_t lo = std::max(a, start), hi = std::min(z, start + nb);  // within the parameter
         for (std::size_t x = lo; x < hi; ++x) {
           const std::size_t outside = offsets[i] + x - offset;
@@ -365,7 +355,7 @@ class RamTier final : public StateTier {
             if (v != nullptr) v[outside] = tv[x - start];
           }
         }
-        if (in) encode_moments(tm.data(), tv.data(), nb, mq + at, vq + at, ms, vs);
+        if (in) encode_moments(tm.data(), tvs, nb, mq + at, vq == nullptr ? nullptr : vq + at, ms, vs);
       }
     }
   }
@@ -376,22 +366,25 @@ class RamTier final : public StateTier {
   Status load_q8(const CheckpointReader& reader, AlignedBuffer (&loaded)[4]) {
     const std::size_t total = m_.offsets.back(), scales = scale_offsets_.back() * 4;
     AlignedBuffer codes[2], scale[2];
-    for (AlignedBuffer* b : {&codes[0], &codes[1], &scale[0], &scale[1]}) {
-      Result<AlignedBuffer> r = AlignedBuffer::allocate(b == &codes[0] || b == &codes[1] ? total : scales);
-      if (!r.ok()) return r.status();
-      *b = std::move(r).value();
-    }
     AlignedBuffer* dst[4] = {&codes[0], &codes[1], &scale[0], &scale[1]};
+    for (int k = 0; k < 4; ++k) {
+      if (!q8_blob_kept(k)) continue;
+      Result<AlignedBuffer> r = AlignedBuffer::allocate(k < 2 ? total : scales);
+      if (!r.ok()) return r.status();
+      *dst[k] = std::move(r).value();
+    }
     if (reader.has(kQ8Blobs[0])) {
       for (int k = 0; k < 4; ++k) {
+        if (!q8_blob_kept(k)) continue;
         if (Status s = reader.read(kQ8Blobs[k], dst[k]->data(), k < 2 ? total : scales); !s.ok()) return s;
       }
     } else {
+      const bool two = m_.two_states();
       for (std::size_t i = 0; i < m_.params.size(); ++i) {
         const std::size_t at = m_.offsets[i], sc = scale_offsets_[i];
-        encode_moments(loaded[1].as<float>() + at, loaded[2].as<float>() + at, m_.params[i].n,
-                       codes[0].as<std::int8_t>() + at, codes[1].as<std::uint8_t>() + at, scale[0].as<float>() + sc,
-                       scale[1].as<float>() + sc);
+        encode_moments(loaded[1].as<float>() + at, two ? loaded[2].as<float>() + at : nullptr, m_.params[i].n,
+                       codes[0].as<std::int8_t>() + at, two ? codes[1].as<std::uint8_t>() + at : nullptr,
+                       scale[0].as<float>() + sc, two ? scale[1].as<float>() + sc : nullptr);
       }
     }
     sets_[0].master = std::move(loaded[0]);
@@ -422,7 +415,8 @@ SpaceNeed ram_tier_footprint(const std::vector<ParamSpec>& params, const Offload
   SpaceNeed need;
   need.add_ram("fp32 master weights", AlignedBuffer::size_for((total - untouched) * 4));
   need.add_ram("moments", states * AlignedBuffer::size_for(total * dtype_size(options.state_dtype)));
-  if (options.state_dtype == DType::i8) need.add_ram("moments", 2 * AlignedBuffer::size_for(blocks * 4));
+  // i8: a scale per block and moment (Adam's two, Lion's one).
+  if (options.state_dtype == DType::i8) need.add_ram("moments", states * AlignedBuffer::size_for(blocks * 4));
   return need;
 }
 

@@ -68,8 +68,8 @@ void swap_store_layout(RankLayout& r, const Shards& s, const Cluster& c, const T
   r.tile = round_up(std::max<std::uint64_t>(t.tile, 1), std::max<std::uint64_t>(kDirectAlignment / 4, unit));
   r.tiles = ceil_div(r.store_elements, r.tile);
   const std::uint64_t moment = t.state == DType::f32 ? 4 : t.state == DType::bf16 ? 2 : 1;
-  const std::uint64_t scales = q8 ? 2 * (r.tile / kMomentBlock) * 4 : 0;
   const std::uint64_t arrays = optimizer_rule(t.optimizer).states.size();  // Adam's m and v, or one
+  const std::uint64_t scales = q8 ? arrays * (r.tile / kMomentBlock) * 4 : 0;  // one per block and array
   r.slot_bytes = round_up(r.tile * (4 + arrays * moment) + scales, kDirectAlignment);
   const std::uint64_t paths = std::max<std::uint64_t>(1, c.nvme_paths.size());
   r.store_file_bytes = 2 * ceil_div(r.tiles, paths) * r.slot_bytes;
@@ -153,7 +153,7 @@ void explain_store(const RankLayout& r, const Cluster& c, const Training& t, std
   const std::string arrays = std::to_string(optimizer_rule(t.optimizer).states.size());
   const std::string moments = t.state == DType::f32    ? arrays + " x 4 B"
                               : t.state == DType::bf16 ? arrays + " x 2 B"
-                                                       : "2 x 1 B + 2 x 4 B / 2048";
+                                                       : arrays + " x 1 B + " + arrays + " x 4 B / 2048";
   out.push_back("swap store (2 slots): " + count(r.store_elements) + " elements" +
                 (t.state == DType::i8 ? " (each tensor rounded up to 2048)" : "") + " in " + count(r.tiles) +
                 " tiles of " + std::to_string(r.tile) + "; a slot is a tile's master 4 B + moments " + moments +

@@ -417,8 +417,20 @@ TEST_F(RulesErrors, NullStateAndInt8State) {
   model.tensors[1].state = nullptr;
   expect_refused("tensor 1: state is null with n = 500");
   model.tensors[1].state = model.s[1].data();
+  // i8: Lion's state takes the 8-bit code and needs its block scales; Adagrad's sum has no code.
   model.tensors[0].state_dtype = DType::i8;
-  expect_refused("tensor 0: state dtype i8 is invalid");
+  const auto before = model.bytes();
+  const Status lion_i8 = engine.step(lion, options, model.tensors);
+  EXPECT_NE(lion_i8.message().find("tensor 0: state_scale is null with state dtype i8"), std::string::npos)
+      << lion_i8.to_string();
+  const Status adagrad_i8 = engine.step(adagrad, options, model.tensors);
+  EXPECT_NE(adagrad_i8.message().find("tensor 0: state dtype i8 is invalid: Adagrad's state"), std::string::npos)
+      << adagrad_i8.to_string();
+  EXPECT_EQ(model.bytes(), before);
+  const std::vector<OneStateTensor> i8 = {model.tensors[0]};
+  const Status ceiling = engine.streams_pass(i8);
+  EXPECT_NE(ceiling.message().find("state dtype i8 is invalid: the one-state ceiling"), std::string::npos)
+      << ceiling.to_string();
 }
 
 TEST_F(RulesErrors, OverlapsAndIncompleteSource) {

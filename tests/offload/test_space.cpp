@@ -97,6 +97,7 @@ TEST_F(Space, FootprintIsWhatTheAllocationsTake) {
       for (const OptimizerHyper& h : {hyper_defaults(Rule::lion), amsgrad}) {
         cases.push_back({tier, schedule, DType::bf16, 1, DType::bf16, false, h});
       }
+      cases.push_back({tier, schedule, DType::i8, 1, DType::bf16, false, hyper_defaults(Rule::lion)});
     }
   }
   for (const Case& c : cases) {

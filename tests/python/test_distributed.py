@@ -243,3 +243,21 @@ def test_two_process_weight_edit_before_a_skipped_step_and_clipping(tmp_path):
         out = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
         assert out["skipped"] and out["edit_kept"], out
         assert out["clip_diff"] < 1e-5, out  # the file's parity bound (fp32 against torch)
+
+
+def test_two_process_amsgrad_equals_single_process_and_resumes(tmp_path):
+    """amsgrad's third state array across zoe's partition (issue 50): each rank holds its shard of
+    max_exp_avg_sq, saves and loads it, and the two ranks' state_dicts join into the one process's state."""
+    from zoe.torch import consolidate_state_dicts
+
+    (tmp_path / "a").mkdir()
+    options = {"mixed": True, "amsgrad": True}
+    ranks = _run(tmp_path / "a", {**options, "resume_at": 8})
+    single = _single_process(options)
+    for r in ranks:
+        assert r["steps"] == STEPS
+        for a, b in zip(r["weights"], single):
+            assert torch.equal(a, b)
+    joined = consolidate_state_dicts([r["state"] for r in ranks])
+    assert all(set(st) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"} for st in joined["state"].values())
+    assert all(bool((st["max_exp_avg_sq"] >= st["exp_avg_sq"]).all()) for st in joined["state"].values())
