@@ -8,7 +8,7 @@
 
 namespace zoe {
 
-// i8: the 8-bit codes of Adam moments (a state dtype only, zoe/adam.h), never a weight or gradient.
+// i8: the 8-bit codes of Adam's and Lion's moments (a state dtype only, zoe/adam.h), never a weight or gradient.
 enum class DType : std::uint8_t { f32 = 0, f16 = 1, bf16 = 2, i8 = 3 };
 
 std::string_view dtype_name(DType dtype);            // "f32", "f16", "bf16", "i8"; "invalid" for anything else

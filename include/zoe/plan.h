@@ -158,7 +158,7 @@ struct Usage {
 };
 
 // Bytes of the state arrays (`arrays`: Adam's two moments, Lion's or Adagrad's one) of `elements` parameters in
-// the state dtype (int8, Adam's only: one byte each, plus an fp32 scale per block of each).
+// the state dtype (int8, Adam's and Lion's: one byte each, plus an fp32 scale per block of each).
 std::uint64_t moment_bytes(std::uint64_t elements, DType d, std::uint64_t arrays = 2);
 
 // What one rank allocates beyond the model's states, from the code that allocates it (layout.cpp names
