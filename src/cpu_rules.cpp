@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "src/cpu_engine.h"
@@ -116,19 +115,11 @@ void run_lion_q8(simd::LionQ8Fn fn, const simd::LionConstants& c, const OneState
      at(t.grad, first, dtype_size(t.grad_dtype)), at(t.out, first, dtype_size(t.out_dtype)), end - first);
 }
 
-// What the engine runs on each tile: the rule's kernel (or its ceiling) for the tensor's dtypes; `q8` the
-// rule's 8-bit kernels where it has them (Lion's), for tensors whose state dtype is i8.
+// What the engine runs on each tile: the rule's kernel (or its ceiling) for the tensor's dtypes.
 template <typename Fn, typename Constants>
-auto tile_piece(const simd::RuleKernels<Fn>& kernels, bool streams, const Constants& c,
-                const simd::LionQ8Fn (*q8)[simd::kElems] = nullptr) {
-  return [&kernels, streams, c, q8](const OneStateTensor& t, std::size_t offset, std::size_t count) {
+auto tile_piece(const simd::RuleKernels<Fn>& kernels, bool streams, const Constants& c) {
+  return [&kernels, streams, c](const OneStateTensor& t, std::size_t offset, std::size_t count) {
     const int g = int(t.grad_dtype), o = out_index(t.out, t.out_dtype), s = state_index(t.state_dtype);
-    if constexpr (std::is_same_v<Constants, simd::LionConstants>) {
-      if (t.state_dtype == DType::i8) {  // check_tensors let i8 through only where q8 is given
-        run_lion_q8(q8[g][o], c, t, offset, count);
-        return;
-      }
-    }
     run_one_state(streams ? kernels.streams[g][o][s] : kernels.step[g][o][s], c, t, offset, count);
   };
 }
@@ -145,7 +136,16 @@ Status CpuAdam::step(const LionHyper& hyper, const StepOptions& options, std::sp
   if (options.check_finite) {
     if (Status s = impl_->check_finite<OneStateTensor>(tensors); !s.ok()) return s;
   }
-  impl_->for_each_tile(tensors, tile_piece(impl_->table->lion, false, constants(hyper, options), impl_->table->lion_q8));
+  const simd::LionConstants c = constants(hyper, options);
+  const auto fp = tile_piece(impl_->table->lion, false, c);
+  const simd::KernelTable& table = *impl_->table;
+  impl_->for_each_tile(tensors, [&](const OneStateTensor& t, std::size_t offset, std::size_t count) {
+    if (t.state_dtype == DType::i8) {  // Lion's 8-bit moment (check_tensors let i8 through for Lion only)
+      run_lion_q8(table.lion_q8[int(t.grad_dtype)][out_index(t.out, t.out_dtype)], c, t, offset, count);
+    } else {
+      fp(t, offset, count);
+    }
+  });
   return Status::success();
 }
 

@@ -235,7 +235,7 @@ def consolidate(state_dicts) -> dict:
     sds = list(state_dicts)
     if not sds:
         raise ValueError("consolidate: no state_dicts given")
-    metas, states = [], {}
+    metas, states, rules = [], {}, []
     for k, sd in enumerate(sds):
         meta = sd.get("zoe") if isinstance(sd, dict) else None
         if meta is None or meta.get("format") != STATE_FORMAT:
@@ -246,9 +246,10 @@ def consolidate(state_dicts) -> dict:
         rule = _rules.rule_of_meta(meta)
         if rule is None:
             raise ValueError(f"state_dict {k} names the optimizer {meta.get('optimizer')!r}, which zoe does not run")
-        if metas and rule is not _rules.rule_of_meta(metas[0]):
+        rules.append(rule)
+        if rule is not rules[0]:
             raise ValueError(f"state_dict {k} was saved by an optimizer running {rule.title}, state_dict 0 by one "
-                             f"running {_rules.rule_of_meta(metas[0]).title}: they are not of one run")
+                             f"running {rules[0].title}: they are not of one run")
         if "pieces" not in meta:
             raise ValueError(f"state_dict {k} predates partition records (no 'pieces'); it loads only on the ranks "
                              "that wrote it")
@@ -269,7 +270,7 @@ def consolidate(state_dicts) -> dict:
     if any(m["layout"] != layout for m in metas):
         raise ValueError("the state_dicts are of different models (their parameter layouts differ)")
     joined = _join(metas, states)
-    keys = _rules.rule_of_meta(metas[0]).states  # the state arrays the checkpoints hold, by torch's keys
+    keys = rules[0].states  # the state arrays the checkpoints hold, by torch's keys
     # The engine's parameters are this optimizer's slots, in its order: each file's pieces of them, matched
     # with the pieces its state_dict names by torch index, say which parameter each one is.
     index_of = {}

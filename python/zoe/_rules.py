@@ -219,5 +219,11 @@ def refuse_other_rule(rule: TorchRule, state_dict: dict) -> None:
         raise ValueError(
             f"this state_dict is of {found.title} (state {', '.join(found.states)}), and this optimizer runs "
             f"{rule.title} (state {', '.join(rule.states)}): zoe does not convert one optimizer's state into "
-            "another's. Load it into " + (f"an optimizer made with amsgrad={found.amsgrad}" if found.name == rule.name
-                                          else "the optimizer class that saved it"))
+            f"another's. {load_hint(found, rule)}")
+
+
+def load_hint(saved: TorchRule | None, running: TorchRule) -> str:
+    """Where a state_dict of rule `saved` loads, for the error that refuses it in an optimizer of `running`."""
+    if saved is not None and saved.name == running.name:  # Adam with the other amsgrad
+        return f"Load it into an optimizer made with amsgrad={saved.amsgrad}"
+    return "Load it into the optimizer class that saved it"

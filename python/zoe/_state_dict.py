@@ -203,9 +203,8 @@ class StateDictMethods:
             saved = saved_rule.title if saved_rule is not None else meta.get("optimizer")
             raise ValueError(
                 f"this state_dict was saved by an optimizer running {saved}, and this one runs "
-                f"{self._flat.rule.title}: zoe does not convert one optimizer's state into another's. Load it into "
-                + (f"an optimizer made with amsgrad={saved_rule.amsgrad}" if saved_rule is not None and
-                   saved_rule.name == self._flat.rule.name else "the optimizer class that saved it"))
+                f"{self._flat.rule.title}: zoe does not convert one optimizer's state into another's. "
+                f"{_rules.load_hint(saved_rule, self._flat.rule)}")
         world, rank = self._flat.partition()
         if "folder" in meta:
             self._load_rank_file(state_dict, world, rank)

@@ -35,6 +35,8 @@ class CheckpointWriter;
 
 // The blobs of i8 moments in a checkpoint: m codes, v codes, m block scales, v block scales.
 inline constexpr const char* kQ8Blobs[4] = {"exp_avg_q8", "exp_avg_sq_q8", "exp_avg_scale", "exp_avg_sq_scale"};
+// Whether a run keeps kQ8Blobs[k]: Adam's four arrays, or Lion's one moment's codes and scales (k = 0, 2).
+inline bool q8_blob_kept(int k, bool two_states) { return two_states || k % 2 == 0; }
 
 // A piece: elements [begin, begin + n) of one parameter, the unit the overlap schedule copies, steps and
 // sends (OffloadOptions::tile elements). Gradient statistics are kept per piece and summed in piece order

@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <iterator>
 #include <string>
 #include <vector>
 
@@ -135,16 +134,21 @@ class NvmeTier final : public StateTier {
     const std::size_t total = m_.offsets.back();
     // An i8 run's own codes and scales resume it exactly; fp32 moments (any other run) are encoded.
     const bool codes = q8() && reader.has(kQ8Blobs[0]);
-    std::vector<std::pair<std::string, std::size_t>> blobs = {{"master", total * 4}};
+    struct Blob {
+      std::string name;
+      std::size_t bytes;
+      int array;  // the fp32 array (0 master, then the states) or, for codes, its index in kQ8Blobs
+    };
+    std::vector<Blob> blobs = {{"master", total * 4, 0}};
     if (codes) {
       for (int k = 0; k < 4; ++k) {
-        if (q8_blob_kept(k)) blobs.push_back({kQ8Blobs[k], k < 2 ? total : blocks() * 4});
+        if (q8_blob_kept(k)) blobs.push_back({kQ8Blobs[k], k < 2 ? total : blocks() * 4, k});
       }
     } else {
-      for (std::size_t k = 1; k <= m_.state_count; ++k) blobs.push_back({m_.state_blob(static_cast<int>(k)), total * 4});
+      for (int k = 1; k <= static_cast<int>(m_.state_count); ++k) blobs.push_back({m_.state_blob(k), total * 4, k});
     }
-    for (const auto& [name, bytes] : blobs) {
-      const Status s = reader.read_streamed(name, bytes, CheckpointWriter::kStreamSlice,
+    for (const Blob& b : blobs) {
+      const Status s = reader.read_streamed(b.name, b.bytes, CheckpointWriter::kStreamSlice,
                                             [](std::size_t, const void*, std::size_t) { return Status::success(); });
       if (!s.ok()) return s;
     }
@@ -152,8 +156,8 @@ class NvmeTier final : public StateTier {
     // their checksums is recovered in place.
     if (Status s = store_.discard(); !s.ok()) return s;
     for (std::size_t k = 0; k < blobs.size(); ++k) {
-      const Status s = k == 0 || !codes ? load_fp32(reader, blobs[k].first, static_cast<int>(k))
-                                        : load_q8(reader, blobs[k].first, q8_blob_index(blobs[k].first));
+      const Status s = k == 0 || !codes ? load_fp32(reader, blobs[k].name, blobs[k].array)
+                                        : load_q8(reader, blobs[k].name, blobs[k].array);
       if (!s.ok()) {
         return Status(s.code(), s.message() + " — while loading " + path + " into the swap store, whose state is now "
                                 "partly the checkpoint's: load again, or start afresh", s.sys_errno());
@@ -275,11 +279,7 @@ class NvmeTier final : public StateTier {
 
  private:
   bool q8() const { return m_.options.state_dtype == DType::i8; }
-  // kQ8Blobs[k] is kept: Adam's four arrays, or Lion's m codes and scales (k = 0, 2).
-  bool q8_blob_kept(int k) const { return m_.two_states() || k % 2 == 0; }
-  static int q8_blob_index(const std::string& name) {
-    return static_cast<int>(std::find(std::begin(kQ8Blobs), std::end(kQ8Blobs), name) - std::begin(kQ8Blobs));
-  }
+  bool q8_blob_kept(int k) const { return zoe::q8_blob_kept(k, m_.two_states()); }
   // Where the step writes parameter i's device weights: the staging (16-bit), or its master's copy (f32).
   void* out_of(std::size_t i) { return m_.params[i].dtype == DType::f32 ? static_cast<void*>(master(i)) : m_.weights_of(i); }
   // The f32 parameters' copies (those marked in `which`, or all) read again from the masters in the store.

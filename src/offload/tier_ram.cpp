@@ -321,8 +321,7 @@ class RamTier final : public StateTier {
   }
 
   bool q8() const { return m_.options.state_dtype == DType::i8; }
-  // kQ8Blobs[k] is kept: Adam's four arrays, or Lion's m codes and scales (k = 0, 2).
-  bool q8_blob_kept(int k) const { return m_.two_states() || k % 2 == 0; }
+  bool q8_blob_kept(int k) const { return zoe::q8_blob_kept(k, m_.two_states()); }
 
   // 8-bit moments [offset, offset + count) (flat elements) out to fp32 arrays, or in from them (`in`): block by
   // block of each parameter in its current set, decoded, and for `in` the covered part replaced (a null array
