@@ -98,6 +98,10 @@ struct FaultPlan {
   std::int64_t transferred = -1;
   bool every = false;  // fail every matching request from the nth on (a fault that persists)
   std::int64_t at_offset = -1;  // >= 0: only requests at this file offset count
+  // The file offset of the last request of `op` the engine finished, armed or not. The hook runs as requests
+  // complete, in whatever order the kernel finishes them: with several in flight, a test that means one of
+  // them learns its offset first (a request of its own) and arms at_offset, rather than counting to it.
+  std::atomic<std::int64_t> last_offset{-1};
 
   void arm(IoOp o, int n, int err, std::int64_t short_bytes = -1, bool persist = false) {
     op = o;
@@ -114,6 +118,7 @@ struct FaultPlan {
 
   IoFaultHook hook() {
     return [this](const IoSite& site) -> IoFault {
+      if (site.op == op) last_offset = static_cast<std::int64_t>(site.offset);
       if (!armed || site.op != op) return {};
       if (at_offset >= 0 && site.offset != static_cast<std::uint64_t>(at_offset)) return {};
       const int k = seen++;

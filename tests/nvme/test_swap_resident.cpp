@@ -7,10 +7,8 @@
 
 #include <atomic>
 #include <cerrno>
-#include <chrono>
 #include <filesystem>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "tests/aio/aio_test_util.h"
@@ -200,9 +198,21 @@ INSTANTIATE_TEST_SUITE_P(Modes, ResidentBehind, ::testing::Values(SwapDurability
 TEST(ResidentNextCall, ACrashWithWritesInFlightReopensAtTheLastDurableStep) {
   TempDir dir;
   const std::string backup = dir.sub("backup"), swap = dir.sub("swap");
-  std::atomic<bool> slow{false};
-  auto hook = [&slow](const IoSite& site) -> IoFault {
-    if (slow && site.op == IoOp::write) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const char* const kFiles[] = {".zoe-swap", ".zoe-swap.table", ".zoe-swap.json"};
+  // The crash: the swap files as they are when step 2's first write completes, copied from the fault hook
+  // (the engine's thread, before the store learns of that write). Taken there, not after step() returns:
+  // there a fixed delay of the writes was the only guard, and the emulated AArch64 machine copied the files
+  // slower than it.
+  std::atomic<bool> crash_at_next_write{false};
+  std::atomic<int> copied{0};
+  auto hook = [&](const IoSite& site) -> IoFault {
+    if (site.op == IoOp::write && crash_at_next_write.exchange(false)) {
+      for (const char* suffix : kFiles) {
+        std::error_code error;
+        std::filesystem::copy_file(swap + "/rank0" + suffix, backup + "/rank0" + suffix, error);
+        if (!error) ++copied;
+      }
+    }
     return {};
   };
   SwapModel at1(kN, testing::default_specs(kN));
@@ -217,15 +227,12 @@ TEST(ResidentNextCall, ACrashWithWritesInFlightReopensAtTheLastDurableStep) {
     at2.make_grads(1);
     at2.reference_step(1);
     ASSERT_TRUE(store->flush().ok());
-    slow = true;
+    crash_at_next_write = true;
     ASSERT_TRUE(step(*store, at2, 2).ok());
     at2.reference_step(2);
-    for (const char* suffix : {".zoe-swap", ".zoe-swap.table", ".zoe-swap.json"}) {
-      std::filesystem::copy_file(swap + "/rank0" + suffix, backup + "/rank0" + suffix);
-    }
-    slow = false;
   }
-  for (const char* suffix : {".zoe-swap", ".zoe-swap.table", ".zoe-swap.json"}) {
+  ASSERT_EQ(copied, 3) << "the hook did not copy the three swap files";
+  for (const char* suffix : kFiles) {
     std::filesystem::copy_file(backup + "/rank0" + suffix, swap + "/rank0" + suffix,
                                std::filesystem::copy_options::overwrite_existing);
   }
