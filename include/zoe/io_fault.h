@@ -11,7 +11,9 @@ namespace zoe {
 
 // A non-zero error makes the operation fail with that errno as if the OS had said so; for read/write the hook
 // runs when the request completes (the transfer really happened), so a reported failure leaves bytes on
-// disk that must not be trusted — exactly what a real failed write can leave.
+// disk that must not be trusted — exactly what a real failed write can leave. With several requests in flight
+// it runs in the order the kernel completes them, not the order they were submitted: a test that means one
+// request names it by its offset.
 enum class IoOp : std::uint8_t { open, allocate, read, write, sync };
 std::string_view io_op_name(IoOp op);
 
