@@ -13,6 +13,14 @@ each step through /proc/self/clear_refs; disk is the blocks the NVMe folder's fi
 
 With ``--device cuda`` the rank is one GPU (nccl) and each step also prints the GPU's peak allocation; the plan
 is then asked for one GPU of that memory. Not yet run on a GPU (issue 55 measures it there).
+
+``--param-tier cpu`` keeps the weights in pinned RAM instead, ``--state-tier ram`` the optimizer state;
+``--checkpointing`` recomputes each decoder layer in backward (activation checkpointing). ``--params largest``
+takes the largest model ``zoe plan`` fits on this machine, in the given tiers or, where neither is given, in
+whichever of the four placements holds the most (``--size-only``: print that choice and stop). ``--torch``
+trains the same model resident instead, with ``torch.optim.AdamW`` (fused on a GPU) and no zoe: the baseline;
+with ``--params largest`` on a GPU it tries sizes downward from what the GPU's memory could hold until one
+trains.
 """
 from __future__ import annotations
 
@@ -95,24 +103,82 @@ def zoe_cli() -> str | None:
     return None
 
 
-def plan(a, config_path: str) -> dict:
-    """What zoe plan predicts for this run's model and placement (one node; the CPU as the device, or one GPU)."""
+def plan_command(a, config_path: str, param_tier: str, state_tier: str) -> list[str] | None:
+    """zoe plan's command for this run's model (a config.json) and placement (one node; the CPU as the
+    device, or one GPU); None where no zoe CLI is found."""
     cli = zoe_cli()
     if cli is None:
-        return {"error": "no zoe CLI found (set ZOE_CLI, or build it: scripts/build)"}
+        return None
     gpus = ["--gpus", "0"] if a.device == "cpu" else \
         ["--gpus", "1", "--gpu-mem", f"{torch.cuda.get_device_properties(0).total_memory >> 20}M"]
-    cmd = [cli, "plan", "--model", config_path, *gpus, "--stage", "3", "--offload-optimizer", "nvme",
-           "--offload-param", "nvme", "--state-dtype", a.state_dtype, "--prefetch", str(a.prefetch),
-           "--micro-batch", str(a.batch), "--seq-len", str(a.seq), "--nvme", a.nvme_path, "--json"]
+    cmd = [cli, "plan", "--model", config_path, *gpus, "--stage", "3",
+           "--offload-optimizer", "cpu" if state_tier == "ram" else "nvme", "--offload-param", param_tier,
+           "--state-dtype", a.state_dtype, "--prefetch", str(a.prefetch), "--micro-batch", str(a.batch),
+           "--seq-len", str(a.seq), "--nvme", a.nvme_path]
     if a.spill_grads:
-        cmd.insert(-1, "--spill-grads")
+        cmd.append("--spill-grads")
+    if a.checkpointing:
+        cmd.append("--activation-checkpointing")
+    return cmd + ["--json"]
+
+
+def plan(a, config_path: str) -> dict:
+    """What zoe plan predicts for this run's model and placement."""
+    cmd = plan_command(a, config_path, a.param_tier, a.state_tier)
+    if cmd is None:
+        return {"error": "no zoe CLI found (set ZOE_CLI, or build it: scripts/build)"}
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         return {"error": (r.stderr or r.stdout).strip().splitlines()[-1:], "command": " ".join(cmd)}
     out = json.loads(r.stdout)
     out["command"] = " ".join(cmd)
     return out
+
+
+PLACEMENTS = [("cpu", "ram"), ("nvme", "ram"), ("cpu", "nvme"), ("nvme", "nvme")]  # (param tier, state tier)
+
+
+def largest(a, folder: str) -> tuple[int, str, str]:
+    """The largest Llama-shaped model (by llama_shape) zoe plan fits on this machine and zoe runs, within 2%,
+    in the tiers given or in whichever placement holds the most: (parameters, param tier, state tier). The
+    rates are given (--adam-rate, --nvme-gbps) so that no call measures: they change the step's estimate,
+    not what fits."""
+    if a.param_tier_given or a.state_tier_given:
+        placements = [(a.param_tier, a.state_tier)]
+    else:
+        placements = PLACEMENTS
+    config_path = os.path.join(folder, "sizing.json")
+
+    def fits(n: int, param_tier: str, state_tier: str) -> bool:
+        with open(config_path, "w") as f:
+            json.dump({"model_type": "llama", **llama_shape(n)}, f)
+        cmd = plan_command(a, config_path, param_tier, state_tier)
+        if cmd is None:
+            raise SystemExit("--params largest needs the zoe CLI (set ZOE_CLI, or build it: scripts/build)")
+        cmd[-1:-1] = ["--adam-rate", "1B", "--nvme-gbps", "1"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"zoe plan failed while sizing: {' '.join(cmd)}\n{r.stderr.strip()}")
+        out = json.loads(r.stdout)
+        return bool(out.get("fits")) and bool(out.get("zoe_runs_it"))
+
+    best = (0, "", "")
+    for param_tier, state_tier in placements:
+        lo = int(100e6)
+        if not fits(lo, param_tier, state_tier):
+            continue
+        hi = lo * 2
+        while fits(hi, param_tier, state_tier):
+            lo, hi = hi, hi * 2
+        while hi - lo > lo // 50:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid, param_tier, state_tier) else (lo, mid)
+        best = max(best, (lo, param_tier, state_tier))
+    os.remove(config_path)
+    if best[0] == 0:
+        raise SystemExit("--params largest: not even 100M parameters fit this machine in "
+                         + ", ".join(f"params {p} / state {t}" for p, t in placements))
+    return best
 
 
 def build(a, folder: str):
@@ -122,7 +188,6 @@ def build(a, folder: str):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from zoe.torch import OffloadOptimizer, offload_parameters
 
@@ -131,34 +196,70 @@ def build(a, folder: str):
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if a.device == "cuda" else "gloo", init_method=f"file://{os.path.join(folder, 'pg')}",
                             rank=0, world_size=1)
-    config = LlamaConfig(**llama_shape(a.params), torch_dtype="bfloat16")
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    config, model = meta_model(a)
     mesh = init_device_mesh(a.device, (1,))
     for layer in model.model.layers:  # as docs/param-offload.md shards a model: each layer, then the root
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     t0 = time.perf_counter()
-    offload = offload_parameters(model, "nvme", nvme_path=os.path.join(folder, "params"), prefetch=a.prefetch,
-                                 init=model._init_weights)
+    offload = offload_parameters(model, a.param_tier, prefetch=a.prefetch, init=model._init_weights,
+                                 nvme_path=os.path.join(folder, "params") if a.param_tier == "nvme" else None)
     phases["init_s"] = time.perf_counter() - t0
     phases["after_init"] = rss()["rss"]
-    opt = OffloadOptimizer(model.parameters(), lr=a.lr, tier="nvme", nvme_path=os.path.join(folder, "state"),
-                           state_dtype=a.state_dtype, spill_grads=a.spill_grads)
+    opt = OffloadOptimizer(model.parameters(), lr=a.lr, tier=a.state_tier, state_dtype=a.state_dtype,
+                           nvme_path=os.path.join(folder, "state") if a.state_tier == "nvme" else None,
+                           spill_grads=a.spill_grads)
     phases["after_optimizer"] = rss()["rss"]
     return model, offload, opt, config, phases
 
 
+def meta_model(a, params: int | None = None):
+    """The Llama-shaped model of ``params`` (else --params) parameters, bf16, on the meta device, with
+    activation checkpointing where --checkpointing asks for it: (config, model)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**llama_shape(params or a.params), torch_dtype="bfloat16")
+    config._attn_implementation = "eager" if a.device == "cpu" else "sdpa"
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    if a.checkpointing:  # each decoder layer's forward again in backward (non-reentrant: FSDP2's hooks run again)
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers' name from 5.2x; the older one warns there
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return config, model
+
+
+def torch_model(a, params: int):
+    """The baseline: the same model resident on the device, initialised there, and torch's AdamW over it
+    (fused on a GPU): (config, model, optimizer)."""
+    config, model = meta_model(a, params)
+    model.to_empty(device=a.device)
+    with torch.no_grad():
+        model.apply(model._init_weights)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, fused=a.device == "cuda")
+    return config, model, opt
+
+
+def parse_size(text: str):
+    """--params: a count, or "largest"."""
+    return "largest" if text.strip().lower() == "largest" else parse_count(text)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m zoe.bench_infinity", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--params", type=parse_count, default=parse_count("1B"), help="model size (250M, 1B, 4B) [1B]")
+    ap.add_argument("--params", type=parse_size, default=parse_count("1B"),
+                    help="model size (250M, 1B, 4B), or largest: the largest zoe plan fits here [1B]")
     ap.add_argument("--steps", type=int, default=4, help="training steps [4]")
     ap.add_argument("--batch", type=int, default=1, help="sequences per step [1]")
     ap.add_argument("--seq", type=int, default=32, help="tokens per sequence [32]")
     ap.add_argument("--prefetch", type=int, default=2, help="parameter groups read ahead [2]")
     ap.add_argument("--state-dtype", default="int8", choices=("fp32", "bf16", "int8"))
+    ap.add_argument("--param-tier", choices=("nvme", "cpu"), help="the weights: nvme (files) or cpu (pinned RAM) [nvme]")
+    ap.add_argument("--state-tier", choices=("nvme", "ram"), help="the optimizer state: nvme (swap store) or ram [nvme]")
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing of each decoder layer")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model computes [cpu]")
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate [1e-3]")
     ap.add_argument("--nvme-path", default=None,
@@ -166,15 +267,21 @@ def main(argv=None) -> int:
                          "./.nvme-scratch]; what it wrote there is removed at the end unless --keep (the folder too if it made it)")
     ap.add_argument("--keep", action="store_true", help="leave the files on disk")
     ap.add_argument("--spill-grads", action="store_true", help="gradient shards to NVMe as backward ends (spill_grads)")
+    ap.add_argument("--size-only", action="store_true", help="with --params largest: print the size chosen and stop")
+    ap.add_argument("--torch", action="store_true",
+                    help="the baseline: the model resident, torch.optim.AdamW (fused on a GPU), no zoe")
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
     a = ap.parse_args(argv)
-    made = a.nvme_path is None or not os.path.exists(a.nvme_path)  # only a folder of its own goes whole
-    if a.nvme_path is None:
-        os.makedirs(".nvme-scratch", exist_ok=True)
-        a.nvme_path = tempfile.mkdtemp(prefix="bench_infinity-", dir=".nvme-scratch")
-    a.nvme_path = os.path.abspath(a.nvme_path)
-    os.makedirs(a.nvme_path, exist_ok=True)
-    torch.set_num_threads(os.cpu_count() or 1)
+    a.param_tier_given, a.state_tier_given = a.param_tier is not None, a.state_tier is not None
+    a.param_tier, a.state_tier = a.param_tier or "nvme", a.state_tier or "nvme"
+    if a.torch and (a.param_tier_given or a.state_tier_given or a.spill_grads or a.size_only):
+        ap.error("--torch trains the model resident: --param-tier, --state-tier, --spill-grads and --size-only are zoe's")
+    if a.torch and a.params == "largest" and a.device != "cuda":
+        ap.error("--torch --params largest tries sizes until one fits the GPU: it needs --device cuda")
+    if a.size_only and a.params != "largest":
+        ap.error("--size-only goes with --params largest")
+    if a.spill_grads and a.state_tier == "ram":
+        ap.error("--spill-grads spills beside the swap store: it needs --state-tier nvme")
 
     def emit(kind: str, **fields):
         if a.json:
@@ -183,11 +290,28 @@ def main(argv=None) -> int:
             body = "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items())
             print(f"{kind}: {body}", flush=True)
 
+    torch.set_num_threads(os.cpu_count() or 1)
+    if a.device == "cuda":
+        torch.cuda.set_device(0)
+    if a.torch:
+        return run_torch(a, emit)
+    made = a.nvme_path is None or not os.path.exists(a.nvme_path)  # only a folder of its own goes whole
+    if a.nvme_path is None:
+        os.makedirs(".nvme-scratch", exist_ok=True)
+        a.nvme_path = tempfile.mkdtemp(prefix="bench_infinity-", dir=".nvme-scratch")
+    a.nvme_path = os.path.abspath(a.nvme_path)
+    os.makedirs(a.nvme_path, exist_ok=True)
     try:
+        if a.params == "largest":
+            a.params, a.param_tier, a.state_tier = largest(a, a.nvme_path)
+            emit("size", params=a.params, param_tier=a.param_tier, state_tier=a.state_tier, **llama_shape(a.params))
+            if a.size_only:
+                return 0
         model, offload, opt, config, phases = build(a, a.nvme_path)
         n = sum(p.numel() for p in model.parameters())
         emit("model", params=n, layers=config.num_hidden_layers, hidden=config.hidden_size,
-             intermediate=config.intermediate_size, vocab=config.vocab_size)
+             intermediate=config.intermediate_size, vocab=config.vocab_size, param_tier=a.param_tier,
+             state_tier=a.state_tier, checkpointing=a.checkpointing)
         emit("setup", init_s=phases["init_s"], rss_start_gib=phases["start"] / GiB,
              rss_after_init_gib=phases["after_init"] / GiB, rss_after_optimizer_gib=phases["after_optimizer"] / GiB,
              disk_gib=disk_bytes(a.nvme_path) / GiB)
@@ -197,31 +321,8 @@ def main(argv=None) -> int:
         host, disk = _plan_totals(p)
         emit("plan", host_gib=host / GiB if host else None, disk_gib=disk / GiB if disk else None,
              **({"error": p["error"]} if "error" in p else {}), command=p.get("command"))
-        # One batch, stepped on again and again: the loss falling shows the model trains.
-        ids = torch.randint(0, config.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)).to(a.device)
-        cuda = a.device == "cuda"
-        now = (lambda: (torch.cuda.synchronize(), time.perf_counter())[1]) if cuda else time.perf_counter
-        peaks = []
-        for step in range(a.steps):
-            reset_peak()
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            t0 = now()
-            loss = model(input_ids=ids, labels=ids).loss
-            t1 = now()
-            loss.backward()
-            t2 = now()
-            opt.step()
-            opt.zero_grad()
-            t3 = now()
-            m = rss()
-            peaks.append(m["peak"])
-            if cuda:
-                emit("gpu", step=step + 1, peak_allocated_gib=torch.cuda.max_memory_allocated() / GiB)
-            emit("step", step=step + 1, loss=loss.item(), forward_s=t1 - t0, backward_s=t2 - t1, step_s=t3 - t2,
-                 peak_rss_gib=m["peak"] / GiB, rss_gib=m["rss"] / GiB,
-                 peak_bytes_per_param=m["peak"] / n, disk_gib=disk_bytes(a.nvme_path) / GiB)
-        _summary(emit, n, peaks, phases["start"], host, disk, disk_bytes(a.nvme_path))
+        run = train(a, emit, model, opt, config, n)
+        _summary(emit, n, run, phases["start"], host, disk, disk_bytes(a.nvme_path))
         del opt, offload, model
     finally:
         if not a.keep:
@@ -229,15 +330,84 @@ def main(argv=None) -> int:
     return 0
 
 
-def _summary(emit, n: int, peaks: list, start: int, host, disk, used: int) -> None:
-    """The run's peak RSS and disk beside the plan's (``host``, ``disk``: None where it failed) and the target."""
-    peak = max(peaks) if peaks else 0
+def train(a, emit, model, opt, config, n: int) -> dict:
+    """--steps steps on one batch, stepped on again and again (the loss falling shows the model trains), each
+    reported; returns the peaks and speeds of them all."""
+    ids = torch.randint(0, config.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)).to(a.device)
+    cuda = a.device == "cuda"
+    now = (lambda: (torch.cuda.synchronize(), time.perf_counter())[1]) if cuda else time.perf_counter
+    run = {"peaks": [], "device_peaks": [], "tokens_per_s": []}
+    for step in range(a.steps):
+        reset_peak()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = now()
+        loss = model(input_ids=ids, labels=ids).loss
+        t1 = now()
+        loss.backward()
+        t2 = now()
+        opt.step()
+        opt.zero_grad()
+        t3 = now()
+        m = rss()
+        run["peaks"].append(m["peak"])
+        run["tokens_per_s"].append(a.batch * a.seq / (t3 - t0))
+        if cuda:
+            run["device_peaks"].append(torch.cuda.max_memory_allocated())
+            emit("gpu", step=step + 1, peak_allocated_gib=run["device_peaks"][-1] / GiB)
+        disk = {} if a.torch else {"disk_gib": disk_bytes(a.nvme_path) / GiB}
+        emit("step", step=step + 1, loss=loss.item(), forward_s=t1 - t0, backward_s=t2 - t1, step_s=t3 - t2,
+             tokens_per_s=run["tokens_per_s"][-1], peak_rss_gib=m["peak"] / GiB, rss_gib=m["rss"] / GiB,
+             peak_bytes_per_param=m["peak"] / n, **disk)
+    return run
+
+
+def torch_sizes(a) -> list[int]:
+    """--torch --params largest: sizes to try, largest first. A bf16 model under torch's AdamW holds 8 bytes per
+    parameter on the GPU (weights, gradients, exp_avg, exp_avg_sq, all bf16); the first try is 95% of what the
+    GPU's memory holds at that, each next 90% of the one before."""
+    first = 0.95 * torch.cuda.get_device_properties(0).total_memory / 8
+    return [int(first * 0.9 ** k) for k in range(8)]
+
+
+def run_torch(a, emit) -> int:
+    """The baseline at --params, or the largest that trains (--params largest: sizes downward until one runs
+    its steps without running out of GPU memory). 3 where none did."""
+    for size in ([a.params] if a.params != "largest" else torch_sizes(a)):
+        oom = None
+        try:
+            start = rss()["rss"]
+            config, model, opt = torch_model(a, size)
+            n = sum(p.numel() for p in model.parameters())
+            emit("model", params=n, layers=config.num_hidden_layers, hidden=config.hidden_size,
+                 intermediate=config.intermediate_size, vocab=config.vocab_size, baseline="torch",
+                 checkpointing=a.checkpointing)
+            run = train(a, emit, model, opt, config, n)
+            _summary(emit, n, run, start, None, None, None)
+            return 0
+        except torch.OutOfMemoryError as e:
+            oom = str(e).splitlines()[0]
+        # Out of the handler, so that its traceback no longer holds the model's tensors.
+        config = model = opt = None
+        torch.cuda.empty_cache()
+        emit("oom", params=size, error=oom)
+    return 3
+
+
+def _summary(emit, n: int, run: dict, start: int, host, disk, used: int | None) -> None:
+    """The run's peak RSS and disk beside the plan's (``host``, ``disk``: None where it failed or where there is
+    none, the torch baseline), its speed (the median tokens/s of the steps after the first) and the target."""
+    peak = max(run["peaks"]) if run["peaks"] else 0
+    speeds = sorted(run["tokens_per_s"][1:] or run["tokens_per_s"])
     # The plan leaves the process itself out (Python, torch: the RSS at start); its host reserve stands for it.
     growth = peak - start
-    emit("summary", params=n, peak_rss_gib=peak / GiB, plan_host_gib=host / GiB if host else None,
+    device = {"peak_device_gib": max(run["device_peaks"]) / GiB} if run["device_peaks"] else {}
+    files = {} if used is None else {"disk_gib": used / GiB, "plan_disk_gib": disk / GiB if disk else None,
+                                     "plan_disk_vs_run": disk / used if disk and used else None}
+    emit("summary", params=n, tokens_per_s=speeds[len(speeds) // 2] if speeds else None, **device,
+         peak_rss_gib=peak / GiB, plan_host_gib=host / GiB if host else None,
          plan_host_vs_run=host / peak if host and peak else None, rss_start_gib=start / GiB,
-         plan_host_vs_growth=host / growth if host and growth > 0 else None, disk_gib=used / GiB,
-         plan_disk_gib=disk / GiB if disk else None, plan_disk_vs_run=disk / used if disk and used else None,
+         plan_host_vs_growth=host / growth if host and growth > 0 else None, **files,
          target_rss_gib=(3 * GiB + 2.5 * n) / GiB)
 
 
