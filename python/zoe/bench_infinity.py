@@ -174,7 +174,6 @@ def largest(a, folder: str) -> tuple[int, str, str]:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid, param_tier, state_tier) else (lo, mid)
         best = max(best, (lo, param_tier, state_tier))
-    os.remove(config_path)
     if best[0] == 0:
         raise SystemExit("--params largest: not even 100M parameters fit this machine in "
                          + ", ".join(f"params {p} / state {t}" for p, t in placements))
@@ -196,7 +195,7 @@ def build(a, folder: str):
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if a.device == "cuda" else "gloo", init_method=f"file://{os.path.join(folder, 'pg')}",
                             rank=0, world_size=1)
-    config, model = meta_model(a)
+    config, model = llama_model(llama_shape(a.params), a.device, a.checkpointing, "meta")
     mesh = init_device_mesh(a.device, (1,))
     for layer in model.model.layers:  # as docs/param-offload.md shards a model: each layer, then the root
         fully_shard(layer, mesh=mesh)
@@ -213,17 +212,19 @@ def build(a, folder: str):
     return model, offload, opt, config, phases
 
 
-def meta_model(a, params: int | None = None):
-    """The Llama-shaped model of ``params`` (else --params) parameters, bf16, on the meta device, with
-    activation checkpointing where --checkpointing asks for it: (config, model)."""
+def llama_model(shape: dict, device: str, checkpointing: bool, made_on: str):
+    """A bf16 LlamaForCausalLM of ``shape`` (llama_shape's fields) made on ``made_on`` (meta, or the device
+    itself), with the attention that suits ``device`` (eager on the CPU, SDPA on a GPU) and, where
+    ``checkpointing``, each decoder layer's forward run again in backward (non-reentrant: FSDP2's and zoe's
+    hooks run again): (config, model)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**llama_shape(params or a.params), torch_dtype="bfloat16")
-    config._attn_implementation = "eager" if a.device == "cpu" else "sdpa"
+    config = LlamaConfig(**shape, torch_dtype="bfloat16")
+    config._attn_implementation = "eager" if device == "cpu" else "sdpa"
     torch.manual_seed(0)
-    with torch.device("meta"):
+    with torch.device(made_on):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
-    if a.checkpointing:  # each decoder layer's forward again in backward (non-reentrant: FSDP2's hooks run again)
+    if checkpointing:
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers' name from 5.2x; the older one warns there
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -235,7 +236,7 @@ def meta_model(a, params: int | None = None):
 def torch_model(a, params: int):
     """The baseline: the same model resident on the device, initialised there, and torch's AdamW over it
     (fused on a GPU): (config, model, optimizer)."""
-    config, model = meta_model(a, params)
+    config, model = llama_model(llama_shape(params), a.device, a.checkpointing, "meta")
     model.to_empty(device=a.device)
     with torch.no_grad():
         model.apply(model._init_weights)
@@ -417,7 +418,7 @@ def _remove(folder: str, made: bool) -> None:
     if made:
         shutil.rmtree(folder, ignore_errors=True)
         return
-    for name in ("params", "state", "config.json", "pg"):
+    for name in ("params", "state", "config.json", "sizing.json", "pg"):
         path = os.path.join(folder, name)
         if os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)

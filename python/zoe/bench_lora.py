@@ -8,8 +8,8 @@ weights and adapters and trains the same batches:
   adapters' fp32 master and moments in host RAM.
 One JSON line per contender: ``tokens_per_s`` (the median over the timed steps), ``ratio_vs_torch`` (against
 the mean of the two torch runs), ``peak_device_gib`` (the device's peak allocation during the timed steps, on
-a GPU, less the pristine copy's), ``trainable`` (the adapters' parameters) and ``loss_mean`` (the timed steps' losses, summed on the
-device and read once). Reported, not asserted (BENCHMARKING.md).
+a GPU, less the pristine copy's), ``trainable`` (the adapters' parameters) and ``loss_mean`` (the timed steps'
+losses, summed on the device and read once). Reported, not asserted (BENCHMARKING.md).
 
     python -m zoe.bench_lora --params 1B --batch 8 --seq 1024 --device cuda
 
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from zoe.bench_infinity import llama_shape, parse_count
+from zoe.bench_infinity import llama_model, llama_shape, parse_count
 
 GiB = 1 << 30
 CONTENDERS = ["torch", "zoe_sync", "zoe_overlap", "zoe_delayed", "torch"]
@@ -37,22 +37,14 @@ HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 def base_model(a):
     """The frozen base with its LoRA adapters, on the device: the pristine copy each contender starts from."""
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     shape = llama_shape(a.params)
     if a.tiny:
         shape.update(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2)
-    config = LlamaConfig(**shape, torch_dtype="bfloat16")
-    config._attn_implementation = "eager" if a.device == "cpu" else "sdpa"
-    torch.manual_seed(0)
-    with torch.device(a.device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    config, model = llama_model(shape, a.device, a.checkpointing, a.device)
     if a.checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}) \
-            if hasattr(model, "activation_checkpointing_enable") else \
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()  # checkpointed layers see an input that needs a gradient
+        model.enable_input_require_grads()  # a frozen embedding: checkpointed layers need an input with a gradient
     lora = LoraConfig(r=a.rank, lora_alpha=2 * a.rank, target_modules="all-linear", lora_dropout=0.0)
     return config, get_peft_model(model, lora)
 
