@@ -11,7 +11,7 @@
 #include <cstdlib>
 #include <string>
 #include <string_view>
-
+#include <vector>
 
 namespace zoe {
 namespace {
@@ -81,11 +81,12 @@ class PinningObserver final : public tbb::task_scheduler_observer {
     const bool own = !is_worker && keeps_core;
     if (own && kept_core_ == index) return;
     if (!is_worker && !own) {
-      saved_ = hwloc_bitmap_alloc();
-      if (hwloc_get_cpubind(topology_, saved_, HWLOC_CPUBIND_THREAD) != 0) {
-        hwloc_bitmap_free(saved_);
-        saved_ = nullptr;
+      hwloc_bitmap_t saved = hwloc_bitmap_alloc();
+      if (hwloc_get_cpubind(topology_, saved, HWLOC_CPUBIND_THREAD) != 0) {
+        hwloc_bitmap_free(saved);
+        saved = nullptr;  // unknown: left as the arena binds it
       }
+      saved_.push_back(saved);
     }
     hwloc_bitmap_t one = hwloc_bitmap_alloc();
     hwloc_bitmap_only(one, static_cast<unsigned>(index));
@@ -95,20 +96,24 @@ class PinningObserver final : public tbb::task_scheduler_observer {
     if (own) kept_core_ = bound ? index : -1;
   }
   void on_scheduler_exit(bool is_worker) override {
-    if (is_worker || saved_ == nullptr) return;
-    hwloc_set_cpubind(topology_, saved_, HWLOC_CPUBIND_THREAD);
-    hwloc_bitmap_free(saved_);
-    saved_ = nullptr;
+    if (is_worker || keeps_core || saved_.empty()) return;
+    hwloc_bitmap_t saved = saved_.back();
+    saved_.pop_back();
+    if (saved == nullptr) return;
+    hwloc_set_cpubind(topology_, saved, HWLOC_CPUBIND_THREAD);
+    hwloc_bitmap_free(saved);
   }
 
  private:
   hwloc_topology_t topology_;
   hwloc_bitmap_t cores_ = nullptr;
-  static thread_local hwloc_bitmap_t saved_;  // a trainer's thread: its binding before it entered
-  static thread_local int kept_core_;         // a thread that keeps its core: that core (-1: none yet)
+  // A trainer's thread: its binding before each arena it is inside, innermost last. A stack, because a thread
+  // in one engine's arena may step another engine and so enter a second arena before it leaves the first.
+  static thread_local std::vector<hwloc_bitmap_t> saved_;
+  static thread_local int kept_core_;  // a thread that keeps its core: that core (-1: none yet)
 };
 
-thread_local hwloc_bitmap_t PinningObserver::saved_ = nullptr;
+thread_local std::vector<hwloc_bitmap_t> PinningObserver::saved_;
 thread_local int PinningObserver::kept_core_ = -1;
 
 }  // namespace

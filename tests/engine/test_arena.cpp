@@ -46,6 +46,31 @@ TEST(Arena, AnUnmarkedThreadGetsItsBindingBack) {
   trainer.join();
 }
 
+// A thread inside one engine's arena that steps another engine (two optimizers, one stepping from inside the
+// other's parallel region) enters a second arena before it leaves the first: leaving both gives it back the
+// binding it had before the first, not the one the first arena gave it.
+TEST(Arena, NestedArenasGiveTheOuterBindingBack) {
+  const cpu_set_t allowed = binding();
+  if (CPU_COUNT(&allowed) < 2) GTEST_SKIP() << "one CPU: every binding is the same";
+  Result<PinnedArena> outer = PinnedArena::create(0, true);
+  Result<PinnedArena> inner = PinnedArena::create(0, true);
+  ASSERT_TRUE(outer.ok() && inner.ok());
+  std::thread trainer([&] {
+    const cpu_set_t before = binding();
+    cpu_set_t inside_outer;
+    outer->execute([&] {
+      inside_outer = binding();
+      inner->execute([] {});
+      const cpu_set_t back_in_outer = binding();
+      EXPECT_TRUE(CPU_EQUAL(&inside_outer, &back_in_outer)) << "leaving the inner arena restores the outer's binding";
+    });
+    const cpu_set_t after = binding();
+    EXPECT_TRUE(CPU_EQUAL(&before, &after)) << "the nested entries left the caller bound to " << CPU_COUNT(&after)
+                                            << " CPU(s)";
+  });
+  trainer.join();
+}
+
 // Binding is best effort: where the system refuses it (a container's seccomp), nothing is bound.
 bool binding_allowed() {
   cpu_set_t set = binding();
