@@ -78,7 +78,8 @@ struct AdamTensor {
 // Lion (Chen et al. 2023, arXiv 2302.06675): u = sign(beta1 * m + (1 - beta1) * g);
 // p = p * (1 - lr * weight_decay) - lr * u; m = beta2 * m + (1 - beta2) * g, with g the scaled gradient and
 // sign(0) = 0 as torch.sign. The weight decay is decoupled, applied as AdamW applies it. One state array per
-// parameter, the moment m (torch's exp_avg, zero before the first step). The step count is not used.
+// parameter, the moment m (torch's exp_avg, zero before the first step). The update does not use the step
+// count; StepOptions::step is still checked (>= 1) as for every rule, since the state keeps it all the same.
 struct LionHyper {
   float lr = 1e-4f;
   float beta1 = 0.9f;
